@@ -1,0 +1,8 @@
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class BackendsConfig(AppConfig):
+    name = "backends"
+    verbose_name = "Backends"

@@ -1,0 +1,193 @@
+"""Upstream model servers, the models each one serves, and their health."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from django.core.exceptions import ValidationError
+from django.core.validators import MinValueValidator
+from django.db import models
+from django.db.models import Count, Q
+
+
+class BackendKind(models.TextChoices):
+    OPENAI = "openai", "OpenAI-compatible"
+    OLLAMA = "ollama", "Ollama"
+    VLLM = "vllm", "vLLM"
+    LLAMACPP = "llamacpp", "llama.cpp server"
+    ANTHROPIC = "anthropic", "Anthropic"
+
+
+class HealthStatus(models.TextChoices):
+    UNKNOWN = "unknown", "Unknown"
+    HEALTHY = "healthy", "Healthy"
+    UNHEALTHY = "unhealthy", "Unhealthy"
+    DRAINING = "draining", "Draining"
+
+
+class BackendQuerySet(models.QuerySet["Backend"]):
+    def enabled(self) -> BackendQuerySet:
+        return self.filter(enabled=True)
+
+    def with_model_count(self) -> BackendQuerySet:
+        return self.annotate(model_count=Count("models", distinct=True))
+
+
+class Backend(models.Model):
+    """A model server Nexus can send requests to."""
+
+    name = models.CharField(max_length=100, unique=True)
+    base_url = models.URLField(
+        "base URL",
+        max_length=500,
+        help_text="Root URL of the server, e.g. http://10.0.0.5:11434 or "
+        "https://api.openai.com (without /v1).",
+    )
+    kind = models.CharField(
+        max_length=16, choices=BackendKind.choices, default=BackendKind.OPENAI
+    )
+    # Stored because Nexus must present it upstream; never displayed, returned or
+    # logged (admin and APIs treat it as write-only).
+    api_key = models.CharField(max_length=500, blank=True, default="")
+    enabled = models.BooleanField(default=True)
+    priority = models.PositiveIntegerField(
+        default=10, help_text="Lower is preferred. 0 is the highest priority."
+    )
+    max_concurrency = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Requests in flight at most; empty for no limit.",
+    )
+    request_timeout = models.FloatField(
+        "request timeout (s)",
+        default=300.0,
+        validators=[MinValueValidator(0.1)],
+        help_text="Seconds to wait for the backend before giving up on a request.",
+    )
+    is_demo = models.BooleanField(
+        "demo",
+        default=False,
+        help_text="A built-in mock backend started by nexus_run in demo mode.",
+    )
+
+    status = models.CharField(
+        max_length=16, choices=HealthStatus.choices, default=HealthStatus.UNKNOWN
+    )
+    last_check_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True, default="")
+    consecutive_failures = models.PositiveIntegerField(default=0)
+    consecutive_successes = models.PositiveIntegerField(default=0)
+    avg_latency_ms = models.FloatField(null=True, blank=True)
+
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = BackendQuerySet.as_manager()
+
+    class Meta:
+        ordering = ("priority", "name")
+        constraints = (
+            models.CheckConstraint(
+                condition=Q(kind__in=BackendKind.values), name="backend_kind_valid"
+            ),
+            models.CheckConstraint(
+                condition=Q(status__in=HealthStatus.values),
+                name="backend_status_valid",
+            ),
+            models.CheckConstraint(
+                condition=Q(max_concurrency__isnull=True) | Q(max_concurrency__gte=1),
+                name="backend_max_concurrency_positive",
+            ),
+            models.CheckConstraint(
+                condition=Q(request_timeout__gt=0), name="backend_timeout_positive"
+            ),
+        )
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        # Explicit so that no debugging aid ever prints the api key.
+        return f"<Backend {self.name!r} {self.kind} {self.base_url}>"
+
+    def save(self, *args: object, **kwargs: object) -> None:
+        self.base_url = self.base_url.rstrip("/")
+        super().save(*args, **kwargs)  # type: ignore[arg-type]
+
+    def clean(self) -> None:
+        super().clean()
+        self.name = self.name.strip()
+        self.base_url = self.base_url.strip().rstrip("/")
+        parts = urlsplit(self.base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValidationError(
+                {"base_url": "Use an http:// or https:// URL with a host."}
+            )
+        if parts.username or parts.password:
+            raise ValidationError(
+                {"base_url": "Put credentials in the API key field, not in the URL."}
+            )
+        if parts.query or parts.fragment:
+            raise ValidationError(
+                {"base_url": "The base URL cannot have a query or fragment."}
+            )
+
+    @property
+    def has_api_key(self) -> bool:
+        return bool(self.api_key)
+
+    @property
+    def is_routable(self) -> bool:
+        """Whether the router may send new requests here."""
+        return self.enabled and self.status == HealthStatus.HEALTHY
+
+
+class BackendModel(models.Model):
+    """A model served by a backend, with the capabilities the router filters on."""
+
+    backend = models.ForeignKey(
+        Backend, on_delete=models.CASCADE, related_name="models"
+    )
+    name = models.CharField(max_length=200)
+    context_length = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Tokens the model accepts; empty when unknown (no limit applied).",
+    )
+    supports_vision = models.BooleanField("vision", default=False)
+    supports_tools = models.BooleanField("tools", default=False)
+    supports_json_mode = models.BooleanField("JSON mode", default=False)
+    loaded = models.BooleanField(
+        default=False, help_text="Currently loaded in the backend's memory."
+    )
+    discovered = models.BooleanField(
+        default=False, help_text="Found by model discovery rather than added by hand."
+    )
+    enabled = models.BooleanField(default=True)
+
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ("backend__priority", "backend__name", "name")
+        verbose_name = "backend model"
+        constraints = (
+            models.UniqueConstraint(
+                fields=("backend", "name"), name="backendmodel_unique_per_backend"
+            ),
+            models.CheckConstraint(
+                condition=Q(context_length__isnull=True) | Q(context_length__gte=1),
+                name="backendmodel_context_length_positive",
+            ),
+        )
+
+    def __str__(self) -> str:
+        return f"{self.name} @ {self.backend_id and self.backend.name}"
+
+    def clean(self) -> None:
+        super().clean()
+        self.name = self.name.strip()
+        if not self.name:
+            raise ValidationError({"name": "The model name cannot be blank."})

@@ -1,0 +1,230 @@
+"""Nexus settings, driven entirely by the environment (django-environ).
+
+Two modes share every code path and differ only here:
+
+* production mode: ``DATABASE_URL`` is set (PostgreSQL). ``REDIS_URL`` then backs
+  the Channels layer and the Celery broker. ``SECRET_KEY`` and ``ALLOWED_HOSTS``
+  must be given explicitly.
+* embedded default: nothing is set. SQLite in the state directory, an in-memory
+  channel layer, and Celery on kombu's filesystem transport, so one command runs
+  Nexus on a bare machine.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+import environ
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+env = environ.Env()
+if (BASE_DIR / ".env").is_file():
+    environ.Env.read_env(BASE_DIR / ".env")
+
+# State directory: everything the embedded default writes (SQLite file, generated
+# secret key, Celery's filesystem broker, static files). Git-ignored.
+NEXUS_STATE_DIR = Path(env.str("NEXUS_STATE_DIR", default=str(BASE_DIR / ".nexus")))
+if not NEXUS_STATE_DIR.is_absolute():
+    NEXUS_STATE_DIR = BASE_DIR / NEXUS_STATE_DIR
+NEXUS_STATE_DIR.mkdir(parents=True, exist_ok=True)
+
+NEXUS_PRODUCTION = "DATABASE_URL" in env
+REDIS_URL = env.str("REDIS_URL", default="")
+
+
+def _embedded_secret_key() -> str:
+    """Return the secret key kept in the state directory, creating it once."""
+    path = NEXUS_STATE_DIR / "secret_key"
+    if not path.exists():
+        try:
+            fd = path.open("x", encoding="ascii")
+        except FileExistsError:
+            pass  # another process created it first; read theirs
+        else:
+            with fd:
+                path.chmod(0o600)
+                fd.write(secrets.token_urlsafe(50))
+    return path.read_text(encoding="ascii").strip()
+
+
+# --- Django -----------------------------------------------------------------
+
+DEBUG = env.bool("DEBUG", default=False)
+
+if "SECRET_KEY" in env:
+    SECRET_KEY = env.str("SECRET_KEY")
+elif NEXUS_PRODUCTION:
+    raise ImproperlyConfigured("SECRET_KEY must be set when DATABASE_URL is set.")
+else:
+    SECRET_KEY = _embedded_secret_key()
+
+if "ALLOWED_HOSTS" in env:
+    ALLOWED_HOSTS = env.list("ALLOWED_HOSTS")
+elif NEXUS_PRODUCTION:
+    raise ImproperlyConfigured("ALLOWED_HOSTS must be set when DATABASE_URL is set.")
+else:
+    ALLOWED_HOSTS = ["127.0.0.1", "localhost", "[::1]"]
+CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "channels",
+    "routing",
+    "backends",
+    "usage",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "nexus_site.urls"
+ASGI_APPLICATION = "nexus_site.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+if NEXUS_PRODUCTION:
+    DATABASES = {"default": env.db("DATABASE_URL")}
+    DATABASES["default"].setdefault("CONN_MAX_AGE", env.int("DB_CONN_MAX_AGE", 60))
+    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+else:
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": NEXUS_STATE_DIR / "nexus.sqlite3",
+            # The web server, the Celery worker and beat share this file: WAL lets
+            # readers run beside a writer, IMMEDIATE avoids upgrade deadlocks.
+            "OPTIONS": {
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+                "transaction_mode": "IMMEDIATE",
+                "timeout": 20,
+            },
+        }
+    }
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = env.str("TIME_ZONE", default="UTC")
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = Path(env.str("STATIC_ROOT", default=str(NEXUS_STATE_DIR / "static")))
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
+}
+# Serve straight from the apps when collectstatic has not run (tests, dev).
+WHITENOISE_USE_FINDERS = env.bool(
+    "WHITENOISE_USE_FINDERS", default=not NEXUS_PRODUCTION
+)
+
+LOGIN_URL = "admin:login"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"},
+    },
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
+    "loggers": {
+        "django.db.backends": {"level": "WARNING"},
+        "httpx": {"level": "WARNING"},
+        "httpcore": {"level": "WARNING"},
+    },
+}
+
+# --- DRF --------------------------------------------------------------------
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 100,
+}
+
+# --- Channels ---------------------------------------------------------------
+
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL]},
+        }
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+# --- Celery -----------------------------------------------------------------
+
+if REDIS_URL:
+    CELERY_BROKER_URL = REDIS_URL
+    CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {}
+else:
+    _broker_dir = NEXUS_STATE_DIR / "celery-broker"
+    _broker_dir.mkdir(exist_ok=True)
+    CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(_broker_dir),
+        "data_folder_out": str(_broker_dir),
+        "store_processed": False,
+        "polling_interval": 0.5,
+    }
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_ACKS_LATE = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TIMEZONE = TIME_ZONE
+CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
+CELERY_BEAT_SCHEDULE_FILENAME = str(NEXUS_STATE_DIR / "celerybeat-schedule")
+CELERY_BEAT_SCHEDULE = {
+    "prune-usage-buckets": {
+        "task": "usage.tasks.prune_usage_buckets",
+        "schedule": env.float("NEXUS_USAGE_PRUNE_INTERVAL", default=3600.0),
+    },
+}
+
+# --- Nexus ------------------------------------------------------------------
+
+# Per-minute usage buckets older than this are deleted by a beat task.
+NEXUS_USAGE_RETENTION_DAYS = env.int("NEXUS_USAGE_RETENTION_DAYS", default=30)

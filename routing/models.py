@@ -1,0 +1,201 @@
+"""Routing configuration: aliases, fallback chains and the routing policy."""
+
+from __future__ import annotations
+
+from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator
+from django.db import models
+from django.db.models import F, Q
+from django.db.models.lookups import Exact
+
+
+class Alias(models.Model):
+    """A public model name that routes to another model (single level)."""
+
+    name = models.CharField(
+        max_length=200, unique=True, help_text="The name clients ask for, e.g. gpt-4."
+    )
+    target = models.CharField(
+        max_length=200, help_text="The model served instead, e.g. llama3:70b."
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ("name",)
+        verbose_name_plural = "aliases"
+        constraints = (
+            models.CheckConstraint(
+                condition=~Q(name=F("target")), name="alias_not_self"
+            ),
+        )
+
+    def __str__(self) -> str:
+        return f"{self.name} → {self.target}"
+
+    def clean(self) -> None:
+        super().clean()
+        self.name = self.name.strip()
+        self.target = self.target.strip()
+        if not self.name or not self.target:
+            return  # field validation reports blanks
+        if self.name == self.target:
+            raise ValidationError(
+                {"target": f"Alias '{self.name}' cannot target itself."}
+            )
+        others = Alias.objects.exclude(pk=self.pk)
+        if others.filter(name=self.target).exists():
+            raise ValidationError(
+                {
+                    "target": f"'{self.target}' is itself an alias; aliases are "
+                    "single-level, so target a model name instead."
+                }
+            )
+        pointing_here = others.filter(target=self.name).values_list("name", flat=True)
+        if pointing_here:
+            raise ValidationError(
+                {
+                    "name": f"Alias '{pointing_here[0]}' already targets "
+                    f"'{self.name}'; aliases are single-level, so '{self.name}' "
+                    "cannot become an alias too."
+                }
+            )
+
+
+class FallbackChain(models.Model):
+    """Models to try, in order, when a model has no backend that can serve it."""
+
+    model = models.CharField(
+        max_length=200,
+        unique=True,
+        help_text="The primary model (or alias) this chain applies to.",
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ("model",)
+
+    def __str__(self) -> str:
+        return self.model
+
+    def clean(self) -> None:
+        super().clean()
+        self.model = self.model.strip()
+
+    @property
+    def fallback_models(self) -> list[str]:
+        return [step.model for step in self.steps.all()]
+
+    def set_fallbacks(self, models_in_order: list[str]) -> None:
+        """Replace the chain's steps with the given models, validated, in order."""
+        self.steps.all().delete()
+        for position, name in enumerate(models_in_order):
+            step = ChainStep(chain=self, position=position, model=name)
+            step.full_clean()
+            step.save()
+
+
+class ChainStep(models.Model):
+    """One fallback model in a chain; lower positions are tried first."""
+
+    chain = models.ForeignKey(
+        FallbackChain, on_delete=models.CASCADE, related_name="steps"
+    )
+    position = models.PositiveIntegerField(default=0)
+    model = models.CharField(max_length=200)
+
+    class Meta:
+        ordering = ("chain", "position", "id")
+        verbose_name = "fallback"
+        constraints = (
+            models.UniqueConstraint(
+                fields=("chain", "model"), name="chainstep_model_once_per_chain"
+            ),
+        )
+
+    def __str__(self) -> str:
+        return self.model
+
+    def clean(self) -> None:
+        super().clean()
+        self.model = self.model.strip()
+        if self.chain_id is not None and self.model == self.chain.model:
+            raise ValidationError(
+                {"model": f"'{self.model}' cannot be a fallback for itself."}
+            )
+
+
+class Strategy(models.TextChoices):
+    SMART = "smart", "Smart (priority, load, latency)"
+    ROUND_ROBIN = "round_robin", "Round robin"
+    PRIORITY_ONLY = "priority_only", "Priority only"
+    RANDOM = "random", "Random"
+
+
+class RoutingPolicy(models.Model):
+    """The single, global routing policy (strategy, scoring weights, retries)."""
+
+    SINGLETON_PK = 1
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=SINGLETON_PK)
+    strategy = models.CharField(
+        max_length=16, choices=Strategy.choices, default=Strategy.SMART
+    )
+    weight_priority = models.PositiveSmallIntegerField(
+        "priority weight", default=50, validators=[MaxValueValidator(100)]
+    )
+    weight_load = models.PositiveSmallIntegerField(
+        "load weight", default=30, validators=[MaxValueValidator(100)]
+    )
+    weight_latency = models.PositiveSmallIntegerField(
+        "latency weight", default=20, validators=[MaxValueValidator(100)]
+    )
+    max_retries = models.PositiveSmallIntegerField(
+        default=2,
+        validators=[MaxValueValidator(10)],
+        help_text="Other backends to try when one fails before answering.",
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name = "routing policy"
+        verbose_name_plural = "routing policy"
+        constraints = (
+            models.CheckConstraint(condition=Q(id=1), name="routingpolicy_singleton"),
+            models.CheckConstraint(
+                condition=Q(strategy__in=Strategy.values),
+                name="routingpolicy_strategy_valid",
+            ),
+            models.CheckConstraint(
+                condition=Exact(
+                    F("weight_priority") + F("weight_load") + F("weight_latency"), 100
+                ),
+                name="routingpolicy_weights_sum_100",
+            ),
+            models.CheckConstraint(
+                condition=Q(max_retries__lte=10), name="routingpolicy_max_retries"
+            ),
+        )
+
+    def __str__(self) -> str:
+        return "Routing policy"
+
+    def save(self, *args: object, **kwargs: object) -> None:
+        self.pk = self.SINGLETON_PK
+        super().save(*args, **kwargs)  # type: ignore[arg-type]
+
+    def clean(self) -> None:
+        super().clean()
+        weights = (self.weight_priority, self.weight_load, self.weight_latency)
+        if None not in weights and sum(weights) != 100:
+            raise ValidationError(
+                "The priority, load and latency weights must sum to 100 "
+                f"(they sum to {sum(weights)})."
+            )
+
+    @classmethod
+    def load(cls) -> RoutingPolicy:
+        """Return the policy, creating it with defaults the first time."""
+        policy, _ = cls.objects.get_or_create(pk=cls.SINGLETON_PK)
+        return policy

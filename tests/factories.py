@@ -1,0 +1,117 @@
+"""factory-boy factories for every Nexus model."""
+
+from __future__ import annotations
+
+import factory
+from django.utils import timezone
+from factory.django import DjangoModelFactory
+
+from backends.models import Backend, BackendKind, BackendModel, HealthStatus
+from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
+from usage.models import ApiKey, TokenUsage, UsageBucket, hash_key
+
+
+class BackendFactory(DjangoModelFactory):
+    class Meta:
+        model = Backend
+
+    name = factory.Sequence(lambda n: f"backend-{n}")
+    base_url = factory.Sequence(lambda n: f"http://10.0.0.{n % 250 + 1}:11434")
+    kind = BackendKind.OPENAI
+    priority = 10
+    status = HealthStatus.HEALTHY
+
+    class Params:
+        unhealthy = factory.Trait(
+            status=HealthStatus.UNHEALTHY,
+            consecutive_failures=3,
+            last_error="connection refused",
+        )
+        draining = factory.Trait(status=HealthStatus.DRAINING)
+        disabled = factory.Trait(enabled=False)
+
+
+class BackendModelFactory(DjangoModelFactory):
+    class Meta:
+        model = BackendModel
+
+    backend = factory.SubFactory(BackendFactory)
+    name = factory.Sequence(lambda n: f"model-{n}")
+    context_length = 8192
+
+    class Params:
+        vision = factory.Trait(supports_vision=True)
+        tools = factory.Trait(supports_tools=True)
+        json_mode = factory.Trait(supports_json_mode=True)
+
+
+class AliasFactory(DjangoModelFactory):
+    class Meta:
+        model = Alias
+
+    name = factory.Sequence(lambda n: f"alias-{n}")
+    target = factory.Sequence(lambda n: f"target-model-{n}")
+
+
+class FallbackChainFactory(DjangoModelFactory):
+    class Meta:
+        model = FallbackChain
+
+    model = factory.Sequence(lambda n: f"primary-model-{n}")
+
+
+class ChainStepFactory(DjangoModelFactory):
+    class Meta:
+        model = ChainStep
+
+    chain = factory.SubFactory(FallbackChainFactory)
+    position = factory.Sequence(lambda n: n)
+    model = factory.Sequence(lambda n: f"fallback-model-{n}")
+
+
+class RoutingPolicyFactory(DjangoModelFactory):
+    class Meta:
+        model = RoutingPolicy
+        django_get_or_create = ("id",)
+
+    id = RoutingPolicy.SINGLETON_PK
+
+
+class ApiKeyFactory(DjangoModelFactory):
+    """A key whose raw secret is ``raw_key`` (kept on the instance for tests)."""
+
+    class Meta:
+        model = ApiKey
+        exclude = ("raw_key",)
+
+    name = factory.Sequence(lambda n: f"key-{n}")
+    raw_key = factory.Sequence(lambda n: f"nx-test{n:05d}-secret-value-for-tests")
+    prefix = factory.LazyAttribute(lambda o: o.raw_key[:11])
+    hashed_key = factory.LazyAttribute(lambda o: hash_key(o.raw_key))
+
+
+class TokenUsageFactory(DjangoModelFactory):
+    class Meta:
+        model = TokenUsage
+
+    backend = "gpu-1"
+    model = factory.Sequence(lambda n: f"model-{n}")
+    requests = 3
+    prompt_tokens = 30
+    completion_tokens = 12
+    total_tokens = 42
+
+
+class UsageBucketFactory(DjangoModelFactory):
+    class Meta:
+        model = UsageBucket
+
+    minute = factory.LazyFunction(
+        lambda: timezone.now().replace(second=0, microsecond=0)
+    )
+    backend = "gpu-1"
+    model = factory.Sequence(lambda n: f"model-{n}")
+    requests = 1
+    prompt_tokens = 10
+    completion_tokens = 4
+    total_tokens = 14
