@@ -146,6 +146,8 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = Path(env.str("STATIC_ROOT", default=str(NEXUS_STATE_DIR / "static")))
+if not NEXUS_PRODUCTION:
+    STATIC_ROOT.mkdir(exist_ok=True)  # WhiteNoise warns about a missing root
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
@@ -203,13 +205,15 @@ if REDIS_URL:
 else:
     _broker_dir = NEXUS_STATE_DIR / "celery-broker"
     _broker_dir.mkdir(exist_ok=True)
-    CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_URL = "filesystem://localhost//"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(_broker_dir),
         "data_folder_out": str(_broker_dir),
         "store_processed": False,
         "polling_interval": 0.5,
     }
+    # The filesystem transport has no broadcast: no remote control, mingle, gossip.
+    CELERY_WORKER_ENABLE_REMOTE_CONTROL = False
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = True
@@ -228,3 +232,12 @@ CELERY_BEAT_SCHEDULE = {
 
 # Per-minute usage buckets older than this are deleted by a beat task.
 NEXUS_USAGE_RETENTION_DAYS = env.int("NEXUS_USAGE_RETENTION_DAYS", default=30)
+
+# `manage.py nexus_run`: where Daphne listens, the admin it creates on first run,
+# and demo mode (None = on until the operator has backends of their own).
+NEXUS_HOST = env.str("NEXUS_HOST", default="127.0.0.1")
+NEXUS_PORT = env.int("NEXUS_PORT", default=8000)
+NEXUS_DEMO = env.bool("NEXUS_DEMO") if "NEXUS_DEMO" in env else None
+NEXUS_ADMIN_USER = env.str("NEXUS_ADMIN_USER", default="admin")
+NEXUS_ADMIN_EMAIL = env.str("NEXUS_ADMIN_EMAIL", default="admin@localhost")
+NEXUS_ADMIN_PASSWORD = env.str("NEXUS_ADMIN_PASSWORD", default="")

@@ -59,7 +59,7 @@ def test_embedded_mode_uses_sqlite_and_no_servers(tmp_path: Path) -> None:
     assert result.stdout.split() == [
         "django.db.backends.sqlite3",
         "channels.layers.InMemoryChannelLayer",
-        "filesystem://",
+        "filesystem://localhost//",
         "False",
     ]
 

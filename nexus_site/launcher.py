@@ -1,0 +1,142 @@
+"""Run every Nexus process from one command and stop them all on Ctrl-C.
+
+Children get their own sessions so that the terminal's Ctrl-C reaches only the
+launcher, which then shuts them down in order (SIGTERM, then SIGKILL after a
+grace period) instead of every process racing to handle SIGINT at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TextIO
+
+STOP_GRACE_SECONDS = 10.0
+
+
+@dataclass
+class Child:
+    label: str
+    process: subprocess.Popen[str]
+    pump: threading.Thread | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+class Supervisor:
+    """Start child processes, prefix their output, and stop them together."""
+
+    def __init__(self, out: TextIO = sys.stdout) -> None:
+        self.children: list[Child] = []
+        self._out = out
+        self._out_lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def say(self, text: str) -> None:
+        with self._out_lock:
+            self._out.write(text + "\n")
+            self._out.flush()
+
+    def start(self, label: str, argv: Sequence[str]) -> Child:
+        process = subprocess.Popen(
+            list(argv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
+        return self.adopt(label, process)
+
+    def adopt(self, label: str, process: subprocess.Popen[str]) -> Child:
+        """Supervise a process started elsewhere (its stdout must be a pipe)."""
+        child = Child(label, process)
+        child.pump = threading.Thread(
+            target=self._pump, args=(child,), name=f"pump-{label}", daemon=True
+        )
+        child.pump.start()
+        self.children.append(child)
+        return child
+
+    def _pump(self, child: Child) -> None:
+        assert child.process.stdout is not None
+        for line in child.process.stdout:
+            self.say(f"[{child.label}] {line.rstrip()}")
+
+    def install_signal_handlers(self) -> None:
+        def request_stop(signum: int, frame: object) -> None:
+            self._stop.set()
+
+        signal.signal(signal.SIGINT, request_stop)
+        signal.signal(signal.SIGTERM, request_stop)
+
+    def wait(self) -> int:
+        """Block until asked to stop or a child dies; return the exit status."""
+        while not self._stop.wait(0.2):
+            for child in self.children:
+                code = child.process.poll()
+                if code is not None:
+                    self.say(
+                        f"{child.label} (pid {child.pid}) exited with {code}; "
+                        "stopping Nexus."
+                    )
+                    return code or 1
+        return 0
+
+    def stop(self) -> None:
+        """Stop children, newest first, politely then by force."""
+        for child in reversed(self.children):
+            _signal_group(child.process, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for child in reversed(self.children):
+            remaining = max(0.0, deadline - time.monotonic())
+            try:
+                child.process.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                self.say(f"{child.label} did not stop in time; killing it.")
+                _signal_group(child.process, signal.SIGKILL)
+                child.process.wait()
+            # Grandchildren (Celery pool processes) share the child's group.
+            _signal_group(child.process, signal.SIGKILL)
+        for child in self.children:
+            if child.pump is not None:
+                child.pump.join(timeout=2)
+
+
+def _signal_group(process: subprocess.Popen[str], signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signum)
+
+
+def is_port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def wait_for_port(host: str, port: int, child: Child, timeout: float = 30.0) -> bool:
+    """Wait until something accepts connections on host:port, or the child dies."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if child.process.poll() is not None:
+            return False
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return True
+        except OSError:
+            time.sleep(0.1)
+    return False

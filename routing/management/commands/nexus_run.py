@@ -1,0 +1,189 @@
+"""Run Nexus: migrate, bootstrap an admin, then serve with worker, beat and demo."""
+
+from __future__ import annotations
+
+import secrets
+import sys
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from backends import demo
+from nexus_site.launcher import Supervisor, is_port_free, wait_for_port
+
+
+class Command(BaseCommand):
+    help = (
+        "Run Nexus with everything it needs: migrate the database, create an admin "
+        "user on first run, then start Daphne, a Celery worker, Celery beat and (in "
+        "demo mode) two mock backends. Ctrl-C stops them all."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--host", default=settings.NEXUS_HOST)
+        parser.add_argument("--port", type=int, default=settings.NEXUS_PORT)
+        demo_group = parser.add_mutually_exclusive_group()
+        demo_group.add_argument(
+            "--demo",
+            dest="demo",
+            action="store_true",
+            default=settings.NEXUS_DEMO,
+            help="Start the demo backends (default: on until you add your own "
+            "backends; NEXUS_DEMO=0 or --no-demo turns it off).",
+        )
+        demo_group.add_argument("--no-demo", dest="demo", action="store_false")
+
+    def handle(
+        self, *args: Any, host: str, port: int, demo: bool | None, **options: Any
+    ) -> None:
+        if not is_port_free(host, port):
+            raise CommandError(
+                f"{host}:{port} is already in use. Stop whatever is using it or "
+                "choose another port with NEXUS_PORT or --port."
+            )
+        call_command("migrate", interactive=False, verbosity=0)
+        db = settings.DATABASES["default"]
+        self.stdout.write(
+            f"Database ready: {db['ENGINE'].rsplit('.', 1)[1]} {db['NAME']}"
+        )
+        admin_line = self._ensure_admin_user()
+
+        supervisor = Supervisor(self.stdout)
+        supervisor.install_signal_handlers()
+        status = 1
+        try:
+            demo_key = self._start_demo(supervisor, demo_wanted=demo)
+            python = sys.executable
+            web = supervisor.start(
+                "web",
+                [
+                    python,
+                    "-m",
+                    "daphne",
+                    "-b",
+                    host,
+                    "-p",
+                    str(port),
+                    "--proxy-headers",
+                    "nexus_site.asgi:application",
+                ],
+            )
+            worker = supervisor.start(
+                "worker",
+                [
+                    python,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "nexus_site",
+                    "worker",
+                    "--loglevel",
+                    "INFO",
+                    "--pool",
+                    "threads",
+                    "--concurrency",
+                    "4",
+                    "--hostname",
+                    "nexus-worker@%h",
+                    *(
+                        ()
+                        if settings.REDIS_URL
+                        else ("--without-mingle", "--without-gossip")
+                    ),
+                ],
+            )
+            beat = supervisor.start(
+                "beat",
+                [
+                    python,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "nexus_site",
+                    "beat",
+                    "--loglevel",
+                    "INFO",
+                    "--schedule",
+                    settings.CELERY_BEAT_SCHEDULE_FILENAME,
+                ],
+            )
+            if not wait_for_port(host, port, web):
+                supervisor.say("The web server did not start; see [web] above.")
+            else:
+                self._banner(
+                    host, port, admin_line, demo_key, web.pid, worker.pid, beat.pid
+                )
+                status = supervisor.wait()
+        finally:
+            supervisor.say("Stopping Nexus…")
+            supervisor.stop()
+            supervisor.say("Stopped.")
+        if status:
+            sys.exit(status)
+
+    def _ensure_admin_user(self) -> str:
+        """Create the admin on first run; return a line describing how to log in."""
+        user_model = get_user_model()
+        username = settings.NEXUS_ADMIN_USER
+        if user_model.objects.filter(username=username).exists():
+            return (
+                f"user {username!r} (password shown on first run; change it "
+                f"with: manage.py changepassword {username})"
+            )
+        password = settings.NEXUS_ADMIN_PASSWORD or secrets.token_urlsafe(12)
+        user_model.objects.create_superuser(
+            username, settings.NEXUS_ADMIN_EMAIL, password
+        )
+        shown = (
+            "from NEXUS_ADMIN_PASSWORD" if settings.NEXUS_ADMIN_PASSWORD else password
+        )
+        return f"user {username!r} password {shown} (printed once; keep it)"
+
+    def _start_demo(self, supervisor: Supervisor, demo_wanted: bool | None) -> str:
+        if not demo.is_demo_wanted(demo_wanted):
+            if demo.disable_demo_backends():
+                self.stdout.write("Demo mode is off: demo backends disabled.")
+            return ""
+        for spec in demo.DEMO_BACKENDS:
+            process, base_url = demo.spawn_mock_backend(
+                spec.name,
+                [m.name for m in spec.models],
+                "--latency-ms",
+                "20",
+                "--chunk-delay-ms",
+                "30",
+            )
+            supervisor.adopt(spec.name, process)
+            demo.register_demo_backend(spec, base_url)
+            supervisor.say(
+                f"Demo backend {spec.name} (mock, pid {process.pid}) at {base_url}"
+            )
+        return demo.ensure_demo_api_key(settings.NEXUS_STATE_DIR)
+
+    def _banner(
+        self,
+        host: str,
+        port: int,
+        admin_line: str,
+        demo_key: str,
+        web_pid: int,
+        worker_pid: int,
+        beat_pid: int,
+    ) -> None:
+        url = f"http://{host}:{port}"
+        lines = [
+            "",
+            "Nexus is running.",
+            f"  Admin:         {url}/admin/  {admin_line}",
+            (
+                f"  Processes:     web pid {web_pid}, worker pid {worker_pid}, "
+                f"beat pid {beat_pid}"
+            ),
+        ]
+        if demo_key:
+            lines.append(f"  Demo API key:  {demo_key}")
+        lines += ["Press Ctrl-C to stop.", ""]
+        self.stdout.write("\n".join(lines))

@@ -1,0 +1,267 @@
+"""`manage.py nexus_run`: the README's run command, end to end, as real processes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+STARTUP_TIMEOUT = 90.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@dataclass
+class RunningNexus:
+    process: subprocess.Popen[str]
+    port: int
+    lines: queue.Queue[str] = field(default_factory=queue.Queue)
+    seen: list[str] = field(default_factory=list)
+
+    def expect(self, pattern: str, timeout: float = STARTUP_TIMEOUT) -> re.Match[str]:
+        """Wait for an output line matching pattern; return the match."""
+        regex = re.compile(pattern)
+        for line in self.seen:
+            if match := regex.search(line):
+                return match
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                if self.process.poll() is not None and self.lines.empty():
+                    break
+                continue
+            self.seen.append(line)
+            if match := regex.search(line):
+                return match
+        raise AssertionError(
+            f"no line matching {pattern!r}; output was:\n" + "".join(self.seen)
+        )
+
+    def output(self) -> str:
+        while True:
+            try:
+                self.seen.append(self.lines.get_nowait())
+            except queue.Empty:
+                return "".join(self.seen)
+
+    def interrupt(self) -> int:
+        """Press Ctrl-C: SIGINT to the launcher's process group."""
+        os.killpg(self.process.pid, signal.SIGINT)
+        return self.process.wait(timeout=60)
+
+
+@pytest.fixture
+def run_env(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """Environment for a Nexus of its own: a fresh state dir and database."""
+    env = dict(os.environ)
+    env["NEXUS_STATE_DIR"] = str(tmp_path / "state")
+    env.pop("NEXUS_ADMIN_PASSWORD", None)
+    env.pop("NEXUS_DEMO", None)
+    if os.environ.get("NEXUS_TEST_MODE") != "production":
+        for name in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "ALLOWED_HOSTS"):
+            env.pop(name, None)
+        yield env
+        return
+    import psycopg
+
+    url = urlsplit(os.environ["DATABASE_URL"])
+    dbname = f"nexus_run_{uuid.uuid4().hex[:10]}"
+    admin_dsn = urlunsplit(url._replace(path="/postgres"))
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{dbname}"')
+    env["DATABASE_URL"] = urlunsplit(url._replace(path=f"/{dbname}"))
+    env["REDIS_URL"] = "redis://127.0.0.1:6379/2"
+    try:
+        yield env
+    finally:
+        with psycopg.connect(admin_dsn, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
+
+
+def _start(env: dict[str, str], *args: str) -> RunningNexus:
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, "manage.py", "nexus_run", "--port", str(port), *args],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        start_new_session=True,
+    )
+    running = RunningNexus(process, port)
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            running.lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return running
+
+
+@contextlib.contextmanager
+def _login(base: str, username: str, password: str) -> Iterator[httpx.Client]:
+    """Log in to the admin through its login form, as a browser would."""
+    with httpx.Client(base_url=base, timeout=10) as client:
+        _submit_login(client, base, username, password)
+        yield client
+
+
+def _submit_login(
+    client: httpx.Client, base: str, username: str, password: str
+) -> None:
+    page = client.get("/admin/login/")
+    token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text)
+    assert token, page.text
+    response = client.post(
+        "/admin/login/?next=/admin/",
+        data={
+            "csrfmiddlewaretoken": token.group(1),
+            "username": username,
+            "password": password,
+            "next": "/admin/",
+        },
+        headers={"Referer": f"{base}/admin/login/"},
+    )
+    assert response.status_code == 302, response.text
+    assert response.headers["location"] == "/admin/"
+
+
+def _demo_key_is_valid(env: dict[str, str], raw_key: str) -> bool:
+    code = (
+        "from usage.models import ApiKey; import sys; "
+        f"sys.exit(0 if ApiKey.objects.for_raw_key({raw_key!r}) else 3)"
+    )
+    result = subprocess.run(
+        [sys.executable, "manage.py", "shell", "-c", code],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    return result.returncode == 0
+
+
+def test_run_command_brings_up_everything_and_ctrl_c_stops_it(
+    run_env: dict[str, str],
+) -> None:
+    nexus = _start(run_env)
+    try:
+        password = nexus.expect(r"user 'admin' password (\S+) \(printed once").group(1)
+        demo = [
+            nexus.expect(rf"Demo backend {name} \(mock, pid (\d+)\) at (\S+)")
+            for name in ("demo-alpha", "demo-beta")
+        ]
+        demo_urls = [m.group(2) for m in demo]
+        demo_key = nexus.expect(r"Demo API key:\s+(nx-\S+)").group(1)
+        pids = nexus.expect(r"web pid (\d+), worker pid (\d+), beat pid (\d+)")
+        nexus.expect(r"\[worker\] .*nexus-worker@\S+ ready\.")
+        nexus.expect(r"\[beat\] .*beat: Starting")
+
+        base = f"http://127.0.0.1:{nexus.port}"
+        with _login(base, "admin", password) as admin:
+            listing = admin.get("/admin/backends/backend/")
+            assert listing.status_code == 200
+            assert "demo-alpha" in listing.text and "demo-beta" in listing.text
+        for url in demo_urls:
+            models = httpx.get(f"{url}/v1/models", timeout=5).json()
+            assert {m["id"] for m in models["data"]} >= {"llama3:8b"}
+        assert _demo_key_is_valid(run_env, demo_key)
+
+        children = [int(pid) for pid in pids.groups()]
+        children += [int(m.group(1)) for m in demo]
+        assert nexus.interrupt() == 0
+        output = nexus.output()
+        assert "Stopped." in output
+        for pid in children:
+            assert not _is_alive(pid), f"pid {pid} survived Ctrl-C:\n{output}"
+        for url in demo_urls:
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"{url}/v1/models", timeout=2)
+    finally:
+        if nexus.process.poll() is None:
+            os.killpg(nexus.process.pid, signal.SIGKILL)
+
+    # A second run keeps the admin password secret and the demo key stable.
+    again = _start(run_env)
+    try:
+        again.expect(r"Press Ctrl-C to stop")
+        assert again.expect(r"Demo API key:\s+(nx-\S+)").group(1) == demo_key
+        assert password not in again.output()
+        assert "password shown on first run" in again.output()
+        assert again.interrupt() == 0
+    finally:
+        if again.process.poll() is None:
+            os.killpg(again.process.pid, signal.SIGKILL)
+
+
+def test_demo_off_starts_no_mock_backends(run_env: dict[str, str]) -> None:
+    run_env["NEXUS_DEMO"] = "0"
+    run_env["NEXUS_ADMIN_PASSWORD"] = "a-chosen-admin-password"
+    nexus = _start(run_env)
+    try:
+        nexus.expect(r"Press Ctrl-C to stop")
+        output = nexus.output()
+        assert "Demo backend" not in output and "Demo API key" not in output
+        assert "password from NEXUS_ADMIN_PASSWORD" in output
+        base = f"http://127.0.0.1:{nexus.port}"
+        with _login(base, "admin", "a-chosen-admin-password") as admin:
+            listing = admin.get("/admin/backends/backend/")
+            assert listing.status_code == 200
+            assert "demo-alpha" not in listing.text
+        assert nexus.interrupt() == 0
+    finally:
+        if nexus.process.poll() is None:
+            os.killpg(nexus.process.pid, signal.SIGKILL)
+
+
+def test_busy_port_is_a_clear_error(run_env: dict[str, str]) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "manage.py", "nexus_run", "--port", str(port)],
+            cwd=REPO_ROOT,
+            env=run_env,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+    assert result.returncode != 0
+    assert f"127.0.0.1:{port} is already in use" in result.stderr
