@@ -209,6 +209,7 @@ else:
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(_broker_dir),
         "data_folder_out": str(_broker_dir),
+        "control_folder": str(_broker_dir / "control"),
         "store_processed": False,
         "polling_interval": 0.5,
     }
