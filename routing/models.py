@@ -199,3 +199,27 @@ class RoutingPolicy(models.Model):
         """Return the policy, creating it with defaults the first time."""
         policy, _ = cls.objects.get_or_create(pk=cls.SINGLETON_PK)
         return policy
+
+
+class ConfigVersion(models.Model):
+    """A counter bumped on every committed change to routing data.
+
+    Serving processes compare it with the version of the snapshot they hold and
+    rebuild when it moved, so a change reaches every process even when the
+    broadcast that announces it is lost.
+    """
+
+    SINGLETON_PK = 1
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=SINGLETON_PK)
+    version = models.PositiveBigIntegerField(default=0)
+    changed_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name = "configuration version"
+        constraints = (
+            models.CheckConstraint(condition=Q(id=1), name="configversion_singleton"),
+        )
+
+    def __str__(self) -> str:
+        return f"Configuration version {self.version}"
