@@ -1,0 +1,170 @@
+"""Keep this process's router snapshot current without touching the request path.
+
+Each serving process holds one immutable snapshot. Two background tasks watch
+for changes: a listener on the Channels group where committed changes are
+announced, and a periodic check of the persisted version that repairs lost
+announcements (and is the only channel between processes in the embedded
+default, whose channel layer is in-memory). A rebuild runs in a worker thread;
+bursts of announcements coalesce into as few rebuilds as possible, and the new
+snapshot replaces the old one with a single reference assignment, so requests in
+flight keep the snapshot they started with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar
+
+from channels.db import database_sync_to_async
+from channels.layers import get_channel_layer
+
+from routing.versioning import CONFIG_GROUP, read_config_version
+
+logger = logging.getLogger(__name__)
+
+# Redis channel-layer group membership expires (a day by default); re-join often.
+GROUP_REJOIN_SECONDS = 600.0
+
+
+class Versioned(Protocol):
+    @property
+    def version(self) -> int: ...
+
+
+S = TypeVar("S", bound=Versioned)
+
+
+class SnapshotHolder(Generic[S]):
+    """The current snapshot of one process, and the tasks that refresh it."""
+
+    def __init__(
+        self,
+        build: Callable[[], S],
+        *,
+        poll_interval: float = 1.0,
+        read_version: Callable[[], int] = read_config_version,
+    ) -> None:
+        self._build = build
+        self._read_version = read_version
+        self.poll_interval = poll_interval
+        self._snapshot: S | None = None
+        self._wanted = 0
+        self._rebuilding: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.rebuilds = 0
+
+    @property
+    def snapshot(self) -> S:
+        """The snapshot to route with; built synchronously on first use."""
+        snapshot = self._snapshot
+        if snapshot is None:
+            snapshot = self.load()
+        return snapshot
+
+    def load(self) -> S:
+        """Build the snapshot now (sync code only: start-up, commands, tests)."""
+        snapshot = self._build()
+        self._install(snapshot)
+        return snapshot
+
+    def _install(self, snapshot: S) -> None:
+        current = self._snapshot
+        if current is None or snapshot.version >= current.version:
+            self._snapshot = snapshot
+            self.rebuilds += 1
+
+    def ensure_started(self) -> None:
+        """Start the refresh tasks on the running loop (idempotent, cheap)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        self._loop = loop
+        self._tasks = [
+            loop.create_task(self._listen(), name="snapshot-listen"),
+            loop.create_task(self._poll(), name="snapshot-poll"),
+        ]
+
+    async def stop(self) -> None:
+        tasks = [*self._tasks, *([self._rebuilding] if self._rebuilding else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks = []
+        self._loop = None
+
+    def request_version(self, version: int) -> None:
+        """Note that `version` exists; rebuild unless we already have it."""
+        current = self._snapshot
+        if current is not None and version <= current.version:
+            return
+        self._wanted = max(self._wanted, version)
+        if self._rebuilding is None or self._rebuilding.done():
+            self._rebuilding = asyncio.get_running_loop().create_task(self._rebuild())
+
+    async def _rebuild(self) -> None:
+        while True:
+            target = self._wanted
+            try:
+                snapshot = await database_sync_to_async(self._build)()
+            except Exception:
+                logger.exception("Rebuilding the router snapshot failed; will retry")
+                await asyncio.sleep(self.poll_interval)
+                continue
+            self._install(snapshot)
+            # Stop when what we built covers every version heard of meanwhile; a
+            # build that saw less than it was asked for (a replica lagging, a
+            # reset database) is left to the next periodic check.
+            if self._wanted <= snapshot.version or self._wanted == target:
+                return
+
+    async def _poll(self) -> None:
+        read = database_sync_to_async(self._read_version)
+        while True:
+            await asyncio.sleep(self.poll_interval)
+            try:
+                self.request_version(await read())
+            except Exception:
+                logger.warning("Checking the config version failed", exc_info=True)
+
+    async def _listen(self) -> None:
+        layer = get_channel_layer()
+        if layer is None:
+            return
+        while True:
+            channel = None
+            try:
+                channel = await layer.new_channel()
+                await layer.group_add(CONFIG_GROUP, channel)
+                await self._receive_announcements(layer, channel)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.warning(
+                    "Config listener lost the channel layer; retrying", exc_info=True
+                )
+                await asyncio.sleep(1.0)
+            finally:
+                if channel is not None:
+                    with contextlib.suppress(Exception):
+                        await layer.group_discard(CONFIG_GROUP, channel)
+
+    async def _receive_announcements(self, layer: Any, channel: str) -> None:
+        loop = asyncio.get_running_loop()
+        rejoin_at = loop.time() + GROUP_REJOIN_SECONDS
+        while True:
+            timeout = max(0.1, rejoin_at - loop.time())
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a
+            # cancellation that races with a message arriving, and stop() hangs.
+            try:
+                async with asyncio.timeout(timeout):
+                    message = await layer.receive(channel)
+            except TimeoutError:
+                await layer.group_add(CONFIG_GROUP, channel)
+                rejoin_at = loop.time() + GROUP_REJOIN_SECONDS
+                continue
+            if message.get("type") == "config.changed":
+                self.request_version(int(message["version"]))

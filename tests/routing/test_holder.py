@@ -1,0 +1,146 @@
+"""The per-process snapshot holder: coalesced rebuilds, atomic swaps, repair."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+
+import pytest
+from channels.layers import get_channel_layer
+
+from routing.holder import SnapshotHolder
+from routing.versioning import CONFIG_GROUP
+
+
+@dataclass(frozen=True)
+class FakeSnapshot:
+    version: int
+
+
+class FakeSource:
+    """A stand-in for the database: a version and a count of builds."""
+
+    def __init__(self, version: int = 1, build_delay: float = 0.0) -> None:
+        self.version = version
+        self.builds = 0
+        self.failures_left = 0
+        self.build_delay = build_delay
+        self._lock = threading.Lock()
+
+    def build(self) -> FakeSnapshot:
+        with self._lock:
+            self.builds += 1
+            if self.failures_left:
+                self.failures_left -= 1
+                raise RuntimeError("database went away")
+        if self.build_delay:
+            threading.Event().wait(self.build_delay)
+        return FakeSnapshot(self.version)
+
+    def read_version(self) -> int:
+        return self.version
+
+
+async def _wait_for(predicate, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_burst_of_announcements_coalesces_into_few_rebuilds() -> None:
+    source = FakeSource(version=1, build_delay=0.05)
+    holder = SnapshotHolder(source.build, read_version=source.read_version)
+    holder.load()
+    source.version = 50
+    for version in range(2, 51):
+        holder.request_version(version)
+    await _wait_for(lambda: holder.snapshot.version == 50)
+    assert source.builds <= 3  # the initial load plus at most two rebuilds
+
+
+async def test_requests_in_flight_keep_the_snapshot_they_started_with() -> None:
+    source = FakeSource(version=1)
+    holder = SnapshotHolder(source.build, read_version=source.read_version)
+    in_flight = holder.load()
+    source.version = 2
+    holder.request_version(2)
+    await _wait_for(lambda: holder.snapshot.version == 2)
+    assert in_flight.version == 1  # untouched object, not mutated in place
+    assert holder.snapshot is not in_flight
+
+
+async def test_known_versions_do_not_trigger_a_rebuild() -> None:
+    source = FakeSource(version=3)
+    holder = SnapshotHolder(source.build, read_version=source.read_version)
+    holder.load()
+    holder.request_version(3)
+    holder.request_version(2)
+    await asyncio.sleep(0.05)
+    assert source.builds == 1
+
+
+async def test_a_failed_rebuild_is_retried() -> None:
+    source = FakeSource(version=1)
+    holder = SnapshotHolder(
+        source.build, read_version=source.read_version, poll_interval=0.05
+    )
+    holder.load()
+    source.version = 2
+    source.failures_left = 2
+    holder.request_version(2)
+    await _wait_for(lambda: holder.snapshot.version == 2)
+    assert source.builds == 4
+
+
+async def test_periodic_check_repairs_a_missed_announcement() -> None:
+    source = FakeSource(version=1)
+    holder = SnapshotHolder(
+        source.build, read_version=source.read_version, poll_interval=0.05
+    )
+    holder.load()
+    holder.ensure_started()
+    try:
+        source.version = 7  # changed elsewhere; no announcement reaches us
+        await _wait_for(lambda: holder.snapshot.version == 7, timeout=2)
+    finally:
+        await holder.stop()
+
+
+async def test_announcement_on_the_channel_layer_triggers_a_rebuild() -> None:
+    source = FakeSource(version=1)
+    # A poll interval far beyond the test's patience: only the broadcast can work.
+    holder = SnapshotHolder(
+        source.build, read_version=source.read_version, poll_interval=3600
+    )
+    holder.load()
+    holder.ensure_started()
+    try:
+        layer = get_channel_layer()
+        source.version = 2
+        # The listener joins the group asynchronously; announce until it hears.
+        for _ in range(100):
+            await layer.group_send(
+                CONFIG_GROUP, {"type": "config.changed", "version": 2}
+            )
+            if holder.snapshot.version == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert holder.snapshot.version == 2
+    finally:
+        await holder.stop()
+
+
+@pytest.mark.parametrize("poll_interval", [0.05])
+async def test_stop_cancels_every_background_task(poll_interval: float) -> None:
+    source = FakeSource()
+    holder = SnapshotHolder(
+        source.build, read_version=source.read_version, poll_interval=poll_interval
+    )
+    holder.load()
+    holder.ensure_started()
+    holder.ensure_started()  # idempotent on the same loop
+    await holder.stop()
+    leftovers = [t for t in asyncio.all_tasks() if t.get_name().startswith("snapshot-")]
+    assert leftovers == []
