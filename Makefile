@@ -20,6 +20,7 @@ lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(EMBEDDED) NEXUS_STATE_DIR=.nexus-test $(BIN)/mypy
 	$(EMBEDDED) NEXUS_STATE_DIR=.nexus-test $(BIN)/python manage.py makemigrations --check --dry-run
 
 test-embedded: $(VENV)/.installed-dev chromium

@@ -17,9 +17,14 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Any, Protocol
 
 STOP_GRACE_SECONDS = 10.0
+
+
+class Writer(Protocol):
+    def write(self, text: str, /) -> Any: ...
+    def flush(self) -> Any: ...
 
 
 @dataclass
@@ -36,7 +41,7 @@ class Child:
 class Supervisor:
     """Start child processes, prefix their output, and stop them together."""
 
-    def __init__(self, out: TextIO = sys.stdout) -> None:
+    def __init__(self, out: Writer = sys.stdout) -> None:
         self.children: list[Child] = []
         self._out = out
         self._out_lock = threading.Lock()
