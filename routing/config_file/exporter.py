@@ -1,0 +1,86 @@
+"""Write the routing configuration in the format the importer reads."""
+
+from __future__ import annotations
+
+from backends.models import Backend
+from routing.config_file.literals import format_key, format_scalar, format_string
+from routing.config_file.schema import (
+    BACKEND_SETTINGS,
+    MODEL_SETTINGS,
+    POLICY_SETTINGS,
+    WEIGHT_SETTINGS,
+    Setting,
+)
+from routing.models import Alias, FallbackChain, RoutingPolicy, Strategy
+
+HEADER = """\
+# Nexus routing configuration, written by `manage.py nexus_export_config`.
+# Load it with `manage.py nexus_import_config FILE`; add --replace to also delete
+# what this file does not mention. API keys are never exported. Demo backends
+# are left out: nexus_run manages them.
+"""
+API_KEY_NOTE = """\
+# This backend has an API key, which is never exported. Re-importing this file
+# into the same Nexus keeps it; anywhere else, provide it with
+# api_key_env = "NAME_OF_A_VARIABLE" (or api_key = "...").
+"""
+
+
+def export_config() -> str:
+    """Return the configuration as TOML, in a stable order, without API keys."""
+    policy = RoutingPolicy.objects.filter(pk=RoutingPolicy.SINGLETON_PK).first()
+    policy = policy or RoutingPolicy()
+    strategies = " | ".join(Strategy.values)
+    lines = [HEADER, "[routing]"]
+    lines += _settings(policy, POLICY_SETTINGS)
+    lines[-len(POLICY_SETTINGS)] += f"  # {strategies}"
+    lines += [
+        "",
+        "[routing.weights]",
+        "# Scoring weights of the smart strategy; they sum to 100.",
+    ]
+    lines += _settings(policy, WEIGHT_SETTINGS)
+
+    lines += [
+        "",
+        "[routing.aliases]",
+        "# Name a client asks for = the model served instead.",
+    ]
+    for alias in sorted(Alias.objects.all(), key=lambda a: a.name):
+        lines.append(f"{format_string(alias.name)} = {format_string(alias.target)}")
+
+    lines += [
+        "",
+        "[routing.fallbacks]",
+        "# Model = models to try, in order, when it cannot be served.",
+    ]
+    chains = sorted(
+        FallbackChain.objects.prefetch_related("steps"), key=lambda c: c.model
+    )
+    for chain in chains:
+        fallbacks = ", ".join(format_string(name) for name in chain.fallback_models)
+        lines.append(f"{format_string(chain.model)} = [{fallbacks}]")
+
+    backends = sorted(
+        Backend.objects.filter(is_demo=False).prefetch_related("models"),
+        key=lambda b: (b.priority, b.name),
+    )
+    for backend in backends:
+        lines += ["", "[[backends]]"]
+        lines += _settings(backend, BACKEND_SETTINGS)
+        if backend.has_api_key:
+            lines.append(API_KEY_NOTE.rstrip("\n"))
+        for model in sorted(backend.models.all(), key=lambda m: m.name):
+            lines += ["", "[[backends.models]]"]
+            lines += _settings(model, MODEL_SETTINGS)
+    return "\n".join(lines) + "\n"
+
+
+def _settings(instance: object, settings: tuple[Setting, ...]) -> list[str]:
+    # Keys whose value is empty (no concurrency limit, unknown context length)
+    # are left out, which is how the file says "none".
+    return [
+        f"{format_key(setting.key)} = {format_scalar(value)}"
+        for setting in settings
+        if (value := getattr(instance, setting.field)) is not None
+    ]

@@ -1,0 +1,129 @@
+"""The configuration file format: its keys, the fields they set, and its entries."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import models
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A scalar key of a table and the model field it sets."""
+
+    key: str
+    field: str
+    value_type: type[str | bool | int | float]
+    expected: str
+    required: bool = False
+
+
+POLICY_SETTINGS = (
+    Setting("strategy", "strategy", str, 'a strategy name such as "smart"'),
+    Setting("max_retries", "max_retries", int, "a non-negative integer"),
+)
+WEIGHT_SETTINGS = (
+    Setting("priority", "weight_priority", int, "an integer from 0 to 100"),
+    Setting("load", "weight_load", int, "an integer from 0 to 100"),
+    Setting("latency", "weight_latency", int, "an integer from 0 to 100"),
+)
+BACKEND_SETTINGS = (
+    Setting("name", "name", str, "a string", required=True),
+    Setting("url", "base_url", str, "a URL string", required=True),
+    Setting("kind", "kind", str, 'a backend kind such as "openai" or "ollama"'),
+    Setting("priority", "priority", int, "a non-negative integer"),
+    Setting("enabled", "enabled", bool, "true or false"),
+    Setting("max_concurrency", "max_concurrency", int, "a positive integer"),
+    Setting("timeout", "request_timeout", float, "a positive number of seconds"),
+)
+MODEL_SETTINGS = (
+    Setting("name", "name", str, "a string", required=True),
+    Setting("context_length", "context_length", int, "a positive integer"),
+    Setting("vision", "supports_vision", bool, "true or false"),
+    Setting("tools", "supports_tools", bool, "true or false"),
+    Setting("json_mode", "supports_json_mode", bool, "true or false"),
+    Setting("enabled", "enabled", bool, "true or false"),
+)
+
+ROUTING_KEYS = ("strategy", "max_retries", "weights", "aliases", "fallbacks")
+BACKEND_KEYS = (*(s.key for s in BACKEND_SETTINGS), "api_key", "api_key_env", "models")
+MODEL_KEYS = tuple(s.key for s in MODEL_SETTINGS)
+
+# Model field -> the key that sets it, for naming full_clean() errors.
+POLICY_KEY_FOR_FIELD = {s.field: s.key for s in POLICY_SETTINGS} | {
+    s.field: f"weights.{s.key}" for s in WEIGHT_SETTINGS
+}
+BACKEND_KEY_FOR_FIELD = {s.field: s.key for s in BACKEND_SETTINGS} | {
+    "api_key": "api_key"
+}
+MODEL_KEY_FOR_FIELD = {s.field: s.key for s in MODEL_SETTINGS}
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One ``[[backends.models]]`` table."""
+
+    path: str
+    name: str
+    # Every configurable field; keys the file leaves out hold the field default.
+    values: Mapping[str, Any]
+    # Fields whose key had a problem already reported (wrong type, missing).
+    invalid: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """One ``[[backends]]`` table with its models."""
+
+    path: str
+    name: str
+    values: Mapping[str, Any]
+    models: tuple[ModelEntry, ...]
+    invalid: frozenset[str] = frozenset()
+    # None keeps the key already stored. Hidden from repr() so that no
+    # traceback or log line can show it.
+    api_key: str | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class AliasEntry:
+    """One ``name = "target"`` line of ``[routing.aliases]``."""
+
+    path: str
+    name: str
+    target: str
+
+
+@dataclass(frozen=True)
+class ChainEntry:
+    """One ``model = [fallbacks...]`` line of ``[routing.fallbacks]``."""
+
+    path: str
+    model: str
+    fallbacks: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ConfigFile:
+    """A parsed configuration file and the problems found in its shape.
+
+    Entries keep what could be read, so that the models' validation can still
+    report on the rest; a file with any problem is never applied.
+    """
+
+    # Only the routing policy keys the file gives (model field -> value).
+    policy: Mapping[str, Any]
+    aliases: tuple[AliasEntry, ...]
+    fallbacks: tuple[ChainEntry, ...]
+    backends: tuple[BackendEntry, ...]
+    policy_invalid: frozenset[str] = frozenset()
+    problems: tuple[str, ...] = ()
+
+
+def get_field_default(model: type[models.Model], name: str) -> Any:
+    """Return the value a new row of ``model`` gets for field ``name``."""
+    model_field = model._meta.get_field(name)
+    assert isinstance(model_field, models.Field), name
+    return model_field.get_default()

@@ -1,0 +1,156 @@
+"""Backend and BackendModel validation: clean() rules and database constraints."""
+
+from __future__ import annotations
+
+import pytest
+from django.core.exceptions import ValidationError
+from django.db import IntegrityError, transaction
+
+from backends.models import Backend, BackendModel, HealthStatus
+from tests.factories import BackendFactory, BackendModelFactory
+
+
+def _errors(instance: Backend | BackendModel) -> dict[str, list[str]]:
+    with pytest.raises(ValidationError) as caught:
+        instance.full_clean()
+    return caught.value.message_dict
+
+
+@pytest.mark.django_db
+def test_backend_names_are_unique() -> None:
+    BackendFactory(name="gpu-1")
+
+    assert "name" in _errors(Backend(name="gpu-1", base_url="http://10.0.0.9:8000"))
+    with pytest.raises(IntegrityError), transaction.atomic():
+        Backend.objects.create(name="gpu-1", base_url="http://10.0.0.9:8000")
+
+
+@pytest.mark.django_db
+def test_a_model_is_listed_once_per_backend() -> None:
+    model = BackendModelFactory(name="llama3:8b")
+
+    duplicate = BackendModel(backend=model.backend, name="llama3:8b")
+    assert _errors(duplicate)
+    with pytest.raises(IntegrityError), transaction.atomic():
+        BackendModel.objects.create(backend=model.backend, name="llama3:8b")
+
+
+@pytest.mark.django_db
+def test_the_same_model_may_be_served_by_several_backends() -> None:
+    BackendModelFactory(name="llama3:8b")
+    other = BackendModel(backend=BackendFactory(), name="llama3:8b")
+
+    other.full_clean()
+
+
+@pytest.mark.django_db
+def test_priority_cannot_be_negative() -> None:
+    backend = BackendFactory()
+
+    backend.priority = -1
+    assert "priority" in _errors(backend)
+    with pytest.raises(IntegrityError), transaction.atomic():
+        Backend.objects.filter(pk=backend.pk).update(priority=-1)
+
+
+@pytest.mark.django_db
+def test_max_concurrency_zero_is_rejected_but_empty_means_no_limit() -> None:
+    backend = BackendFactory(max_concurrency=None)
+    backend.full_clean()
+
+    backend.max_concurrency = 0
+    assert "max_concurrency" in _errors(backend)
+    with pytest.raises(IntegrityError), transaction.atomic():
+        Backend.objects.filter(pk=backend.pk).update(max_concurrency=0)
+
+
+@pytest.mark.django_db
+def test_request_timeout_must_be_positive() -> None:
+    backend = BackendFactory()
+
+    backend.request_timeout = 0
+    assert "request_timeout" in _errors(backend)
+    with pytest.raises(IntegrityError), transaction.atomic():
+        Backend.objects.filter(pk=backend.pk).update(request_timeout=0)
+
+
+@pytest.mark.django_db
+def test_unknown_kind_is_rejected() -> None:
+    backend = BackendFactory()
+
+    backend.kind = "tgi"
+    assert "kind" in _errors(backend)
+    with pytest.raises(IntegrityError), transaction.atomic():
+        Backend.objects.filter(pk=backend.pk).update(kind="tgi")
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("ftp://10.0.0.5/models", "http:// or https://"),
+        ("10.0.0.5:11434", "http:// or https://"),
+        ("http://user:secret@10.0.0.5:11434", "credentials"),
+        ("http://10.0.0.5:11434/?token=x", "query or fragment"),
+        ("http://10.0.0.5:11434/#top", "query or fragment"),
+    ],
+)
+def test_bad_base_urls_are_rejected(url: str, expected: str) -> None:
+    backend = Backend(name="gpu-1", base_url=url)
+
+    messages = _errors(backend)["base_url"]
+
+    assert any(expected in message for message in messages), messages
+
+
+@pytest.mark.django_db
+def test_credentials_in_the_url_are_not_echoed_back() -> None:
+    backend = Backend(name="gpu-1", base_url="http://user:hunter2@10.0.0.5")
+
+    assert "hunter2" not in str(_errors(backend))
+
+
+@pytest.mark.django_db
+def test_good_base_url_is_kept_without_trailing_slash() -> None:
+    backend = Backend(name=" gpu-1 ", base_url="https://api.example.com/v1/")
+
+    backend.full_clean()
+    backend.save()
+
+    backend.refresh_from_db()
+    assert backend.name == "gpu-1"
+    assert backend.base_url == "https://api.example.com/v1"
+
+
+def test_repr_never_shows_the_api_key() -> None:
+    backend = Backend(name="cloud", base_url="https://x.example", api_key="sk-secret")
+
+    assert "sk-secret" not in repr(backend)
+    assert "sk-secret" not in str(backend)
+    assert backend.has_api_key
+
+
+@pytest.mark.django_db
+def test_model_name_cannot_be_blank() -> None:
+    model = BackendModel(backend=BackendFactory(), name="   ")
+
+    assert "name" in _errors(model)
+
+
+@pytest.mark.django_db
+def test_context_length_must_be_positive_when_given() -> None:
+    model = BackendModelFactory(context_length=None)
+    model.full_clean()
+
+    model.context_length = 0
+    assert "context_length" in _errors(model)
+    with pytest.raises(IntegrityError), transaction.atomic():
+        BackendModel.objects.filter(pk=model.pk).update(context_length=0)
+
+
+@pytest.mark.django_db
+def test_only_enabled_healthy_backends_are_routable() -> None:
+    assert BackendFactory().is_routable
+    assert not BackendFactory(unhealthy=True).is_routable
+    assert not BackendFactory(disabled=True).is_routable
+    assert not BackendFactory(status=HealthStatus.DRAINING).is_routable
