@@ -1,0 +1,393 @@
+"""The record of one routing decision: what was tried, chosen, excluded and why.
+
+The router captures only what it read (each candidate's load and latency) and
+builds the readable parts (candidates with score components, exclusions with
+reasons, the retry order) when first asked, so that routing a request does not
+pay for its explanation.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+from routing.core.policy import Strategy
+from routing.core.requirements import RequestRequirements
+from routing.core.scoring import ScoreComponents, ScoringWeights, score_backend
+from routing.core.shapes import (
+    AttemptDict,
+    CandidateDict,
+    DecisionDict,
+    ErrorDict,
+    ExclusionDict,
+    TargetDict,
+)
+from routing.core.strategies import order_retries
+from routing.core.types import ModelRoutes, PreparedTarget, Reason, Target
+
+if TYPE_CHECKING:
+    from routing.core.errors import RoutingError
+
+
+class Via(enum.StrEnum):
+    """How the served model was reached from the requested one."""
+
+    DIRECT = "direct"
+    ALIAS = "alias"
+    FALLBACK = "fallback"
+
+
+class Role(enum.StrEnum):
+    """Why a model was tried."""
+
+    REQUESTED = "requested"
+    ALIAS = "alias"
+    FALLBACK = "fallback"
+
+
+class Outcome(enum.StrEnum):
+    """What trying one model came to."""
+
+    ROUTED = "routed"
+    NOT_FOUND = "not_found"
+    NO_HEALTHY_BACKEND = "no_healthy_backend"
+    CAPABILITY_MISMATCH = "capability_mismatch"
+
+
+CAPABILITY_NAMES: dict[Reason, str] = {
+    Reason.NO_VISION: "vision",
+    Reason.NO_TOOLS: "tools",
+    Reason.NO_JSON_MODE: "json_mode",
+    Reason.CONTEXT_TOO_SHORT: "context_length",
+}
+
+# How a reason reads in "No healthy backend ... (2 unhealthy, 1 draining)".
+_SUMMARY_PHRASES: dict[Reason, str] = {
+    Reason.BACKEND_DISABLED: "disabled",
+    Reason.MODEL_DISABLED: "with the model disabled",
+    Reason.UNHEALTHY: "unhealthy",
+    Reason.DRAINING: "draining",
+    Reason.HEALTH_UNKNOWN: "not yet health-checked",
+    Reason.AT_CAPACITY: "at max concurrency",
+    Reason.NO_VISION: "without vision",
+    Reason.NO_TOOLS: "without tools",
+    Reason.NO_JSON_MODE: "without JSON mode",
+    Reason.CONTEXT_TOO_SHORT: "with too short a context",
+}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A backend that could serve the request, with its score components."""
+
+    target: Target
+    in_flight: int
+    latency_ms: float | None
+    score: ScoreComponents
+
+    def as_dict(self) -> CandidateDict:
+        """Return the JSON shape."""
+        backend = self.target.backend
+        return {
+            "backend": backend.name,
+            "model": self.target.model.name,
+            "priority": backend.priority,
+            "in_flight": self.in_flight,
+            "max_concurrency": backend.max_concurrency,
+            "latency_ms": _round(self.latency_ms),
+            "score": {
+                "priority": round(self.score.priority, 2),
+                "load": round(self.score.load, 2),
+                "latency": round(self.score.latency, 2),
+                "total": round(self.score.total, 2),
+            },
+        }
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    """A backend listing the model that was not a candidate, and every reason."""
+
+    target: Target
+    reasons: tuple[Reason, ...]
+    detail: str
+
+    def as_dict(self) -> ExclusionDict:
+        """Return the JSON shape."""
+        return {
+            "backend": self.target.backend.name,
+            "model": self.target.model.name,
+            "reasons": [str(r) for r in self.reasons],
+            "detail": self.detail,
+        }
+
+
+@dataclass(eq=False)
+class Attempt:
+    """Trying one model name: its candidates, its exclusions, its outcome.
+
+    Built by the router; treat it as read-only.
+    """
+
+    model: str
+    role: Role
+    routes: ModelRoutes | None
+    requirements: RequestRequirements
+    weights: ScoringWeights
+    # Parallel sequences, one item per candidate (the hot path builds flat lists
+    # rather than an object per backend): the target, the in-flight count and
+    # latency it read, and the smart strategy's score (empty otherwise).
+    survivors: Sequence[PreparedTarget] = ()
+    in_flight: Sequence[int] = ()
+    latencies: Sequence[float | None] = ()
+    totals: Sequence[float] = ()
+    # Routable targets that failed a capability or capacity check, with the
+    # in-flight count read at the time.
+    rejected: Sequence[tuple[PreparedTarget, int]] = ()
+
+    @cached_property
+    def outcome(self) -> Outcome:
+        """What trying this model came to."""
+        if self.routes is None:
+            return Outcome.NOT_FOUND
+        if self.survivors:
+            return Outcome.ROUTED
+        if self.missing_capabilities:
+            return Outcome.CAPABILITY_MISMATCH
+        return Outcome.NO_HEALTHY_BACKEND
+
+    @cached_property
+    def missing_capabilities(self) -> tuple[str, ...]:
+        """Capabilities no backend of this model can offer the request.
+
+        Empty when some backend has them all (whatever its health). When each
+        capability exists somewhere but no one backend has all of them, every
+        capability some backend lacks is listed.
+        """
+        if self.routes is None:
+            return ()
+        lacking = [t.capability_reasons(self.requirements) for t in self.routes.targets]
+        if not lacking or any(not reasons for reasons in lacking):
+            return ()
+        common = set(lacking[0]).intersection(*lacking[1:])
+        chosen = common or set().union(*lacking)
+        return tuple(
+            name for reason, name in CAPABILITY_NAMES.items() if reason in chosen
+        )
+
+    @cached_property
+    def largest_context(self) -> int | None:
+        """The longest known context among this model's backends."""
+        if self.routes is None:
+            return None
+        lengths = [t.model.context_length for t in self.routes.targets]
+        known = [n for n in lengths if n is not None]
+        return max(known) if known and len(known) == len(lengths) else None
+
+    @cached_property
+    def candidates(self) -> tuple[Candidate, ...]:
+        """Backends that passed every filter, with their score components."""
+        return tuple(
+            Candidate(
+                target=prepared.target,
+                in_flight=in_flight,
+                latency_ms=latency_ms,
+                score=score_backend(
+                    prepared.priority, in_flight, latency_ms, self.weights
+                ),
+            )
+            for prepared, in_flight, latency_ms in zip(
+                self.survivors, self.in_flight, self.latencies, strict=True
+            )
+        )
+
+    @cached_property
+    def excluded(self) -> tuple[Exclusion, ...]:
+        """Backends listing this model that were not candidates, in stable order."""
+        if self.routes is None:
+            return ()
+        in_flight = {p.position: n for p, n in self.rejected}
+        passed = {prepared.position for prepared in self.survivors}
+        exclusions = []
+        for position, target in enumerate(self.routes.targets):
+            if position in passed:
+                continue
+            reasons = target.static_reasons() + target.capability_reasons(
+                self.requirements
+            )
+            pending = in_flight.get(position)
+            if pending is not None and pending >= target.backend.capacity:
+                reasons += (Reason.AT_CAPACITY,)
+            exclusions.append(
+                Exclusion(
+                    target=target,
+                    reasons=reasons,
+                    detail=_describe(reasons, target, self.requirements, pending),
+                )
+            )
+        return tuple(exclusions)
+
+    def summarize_exclusions(self) -> str:
+        """Count excluded backends by their first reason: '2 unhealthy, 1 draining'."""
+        counts = Counter(e.reasons[0] for e in self.excluded if e.reasons)
+        return ", ".join(
+            f"{count} {_SUMMARY_PHRASES[reason]}"
+            for reason, count in sorted(counts.items(), key=lambda kv: -kv[1])
+        )
+
+    def as_dict(self) -> AttemptDict:
+        """Return the JSON shape."""
+        return {
+            "model": self.model,
+            "role": str(self.role),
+            "outcome": str(self.outcome),
+            "candidates": [c.as_dict() for c in self.candidates],
+            "excluded": [e.as_dict() for e in self.excluded],
+        }
+
+
+@dataclass(eq=False)
+class Decision:
+    """Where a request goes (or why it cannot go anywhere), and how that was decided.
+
+    ``attempts`` lists every model tried in order: the requested one, then its
+    alias target, then fallbacks. On success ``chosen`` is set and
+    ``retry_order`` holds the other candidates of the served model in the order
+    to retry them; on failure ``error`` is set.
+    """
+
+    requirements: RequestRequirements
+    strategy: Strategy
+    snapshot_version: int
+    max_retries: int
+    attempts: tuple[Attempt, ...]
+    chosen_index: int | None = None
+    via: Via | None = None
+    error: RoutingError | None = None
+
+    @property
+    def requested_model(self) -> str:
+        """The model name the client asked for."""
+        return self.requirements.model
+
+    @property
+    def served(self) -> Attempt | None:
+        """The attempt whose model serves the request, if any did."""
+        if self.chosen_index is None:
+            return None
+        return self.attempts[-1]
+
+    @property
+    def resolved_model(self) -> str | None:
+        """The model name the chosen backend will run."""
+        served = self.served
+        return served.model if served is not None else None
+
+    @property
+    def chosen(self) -> Target | None:
+        """The backend and model picked, or None if routing failed."""
+        served = self.served
+        if served is None or self.chosen_index is None:
+            return None
+        return served.survivors[self.chosen_index].target
+
+    @property
+    def candidates(self) -> tuple[Candidate, ...]:
+        """The served model's candidates with score components."""
+        served = self.served
+        return served.candidates if served is not None else ()
+
+    @property
+    def excluded(self) -> tuple[Exclusion, ...]:
+        """Every exclusion across every model tried."""
+        return tuple(e for attempt in self.attempts for e in attempt.excluded)
+
+    @cached_property
+    def retry_order(self) -> tuple[Target, ...]:
+        """The served model's other candidates, in the order to retry them."""
+        served = self.served
+        if served is None or self.chosen_index is None:
+            return ()
+        order = order_retries(
+            self.strategy,
+            self.chosen_index,
+            totals=served.totals,
+            priorities=[prepared.priority for prepared in served.survivors],
+        )
+        return tuple(served.survivors[i].target for i in order)
+
+    def as_dict(self) -> DecisionDict:
+        """Return a JSON-serialisable description of the decision."""
+        chosen = self.chosen
+        error: ErrorDict | None = None
+        if self.error is not None:
+            body = self.error.to_openai()["error"]
+            error = {"status": self.error.status, **body}
+        req = self.requirements
+        return {
+            "requested_model": self.requested_model,
+            "resolved_model": self.resolved_model,
+            "via": str(self.via) if self.via is not None else None,
+            "strategy": str(self.strategy),
+            "snapshot_version": self.snapshot_version,
+            "requirements": {
+                "model": req.model,
+                "estimated_tokens": req.estimated_tokens,
+                "needs_vision": req.needs_vision,
+                "needs_tools": req.needs_tools,
+                "needs_json_mode": req.needs_json_mode,
+            },
+            "chosen": _target_dict(chosen) if chosen is not None else None,
+            "retry_order": [_target_dict(t) for t in self.retry_order],
+            "candidates": [c.as_dict() for c in self.candidates],
+            "excluded": [e.as_dict() for e in self.excluded],
+            "attempts": [a.as_dict() for a in self.attempts],
+            "error": error,
+        }
+
+
+def _target_dict(target: Target) -> TargetDict:
+    return {"backend": target.backend.name, "model": target.model.name}
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
+def _describe(
+    reasons: tuple[Reason, ...],
+    target: Target,
+    requirements: RequestRequirements,
+    in_flight: int | None,
+) -> str:
+    parts = []
+    for reason in reasons:
+        if reason is Reason.CONTEXT_TOO_SHORT:
+            parts.append(
+                f"context length {target.model.context_length} is below the "
+                f"~{requirements.estimated_tokens} tokens estimated"
+            )
+        elif reason is Reason.AT_CAPACITY:
+            parts.append(
+                f"at max concurrency ({in_flight}/{target.backend.max_concurrency} "
+                "in flight)"
+            )
+        else:
+            parts.append(_DETAILS[reason])
+    return "; ".join(parts)
+
+
+_DETAILS: dict[Reason, str] = {
+    Reason.BACKEND_DISABLED: "backend disabled",
+    Reason.MODEL_DISABLED: "model disabled on this backend",
+    Reason.UNHEALTHY: "backend unhealthy",
+    Reason.DRAINING: "backend draining",
+    Reason.HEALTH_UNKNOWN: "backend not yet health-checked (health unknown)",
+    Reason.NO_VISION: "model does not support vision",
+    Reason.NO_TOOLS: "model does not support tools",
+    Reason.NO_JSON_MODE: "model does not support JSON mode",
+}

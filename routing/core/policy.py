@@ -1,0 +1,121 @@
+"""The routing policy: strategy, scoring weights, retries, and env overrides."""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from routing.core.scoring import ScoringWeights
+
+logger = logging.getLogger(__name__)
+
+STRATEGY_ENV = "NEXUS_ROUTING_STRATEGY"
+MAX_RETRIES_ENV = "NEXUS_ROUTING_MAX_RETRIES"
+MAX_RETRIES_LIMIT = 10
+
+# Values already warned about, so that a bad setting read on every snapshot
+# rebuild is logged once per process rather than once per rebuild.
+_warned: set[str] = set()
+
+
+class Strategy(enum.StrEnum):
+    """How to pick one backend among those that can serve a request."""
+
+    SMART = "smart"
+    ROUND_ROBIN = "round_robin"
+    PRIORITY_ONLY = "priority_only"
+    RANDOM = "random"
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """The global routing policy the router applies."""
+
+    strategy: Strategy = Strategy.SMART
+    weights: ScoringWeights = field(default_factory=ScoringWeights)
+    max_retries: int = 2
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_retries <= MAX_RETRIES_LIMIT:
+            raise ValueError(
+                f"max_retries must be within 0..{MAX_RETRIES_LIMIT}, "
+                f"got {self.max_retries}"
+            )
+
+
+def parse_strategy(value: str, *, source: str = "the routing policy") -> Strategy:
+    """Return the strategy named `value`, or smart (warning once) if unknown."""
+    try:
+        return Strategy(value.strip().lower())
+    except ValueError:
+        _warn_once(
+            f"strategy:{source}:{value}",
+            "Unknown routing strategy %r in %s; using 'smart'. Choose one of: %s",
+            value,
+            source,
+            ", ".join(s.value for s in Strategy),
+        )
+        return Strategy.SMART
+
+
+def make_policy(
+    *,
+    strategy: str = Strategy.SMART,
+    weight_priority: int = 50,
+    weight_load: int = 30,
+    weight_latency: int = 20,
+    max_retries: int = 2,
+) -> Policy:
+    """Build a Policy from the stored fields of a RoutingPolicy row.
+
+    An unknown strategy becomes smart (with a warning); weights that do not sum
+    to 100 raise ValueError, since the database constraint forbids them.
+    """
+    return Policy(
+        strategy=parse_strategy(strategy),
+        weights=ScoringWeights(
+            priority=weight_priority, load=weight_load, latency=weight_latency
+        ),
+        max_retries=min(max(max_retries, 0), MAX_RETRIES_LIMIT),
+    )
+
+
+def apply_overrides(policy: Policy, environ: Mapping[str, str]) -> Policy:
+    """Return `policy` with NEXUS_ROUTING_STRATEGY / _MAX_RETRIES applied.
+
+    Empty variables are ignored. An unknown strategy means smart (the spec's
+    default), warned about once. A max_retries that is not a whole number within
+    0..10 is ignored, with a warning once, and the stored value is kept.
+    """
+    strategy = policy.strategy
+    max_retries = policy.max_retries
+    strategy_value = environ.get(STRATEGY_ENV, "").strip()
+    if strategy_value:
+        strategy = parse_strategy(strategy_value, source=STRATEGY_ENV)
+    retries_value = environ.get(MAX_RETRIES_ENV, "").strip()
+    if retries_value:
+        try:
+            parsed = int(retries_value)
+        except ValueError:
+            parsed = -1
+        if 0 <= parsed <= MAX_RETRIES_LIMIT:
+            max_retries = parsed
+        else:
+            _warn_once(
+                f"retries:{retries_value}",
+                "Ignoring %s=%r: use a whole number from 0 to %d; keeping %d",
+                MAX_RETRIES_ENV,
+                retries_value,
+                MAX_RETRIES_LIMIT,
+                policy.max_retries,
+            )
+    return replace(policy, strategy=strategy, max_retries=max_retries)
+
+
+def _warn_once(key: str, message: str, *args: object) -> None:
+    if key in _warned:
+        return
+    _warned.add(key)
+    logger.warning(message, *args)

@@ -1,0 +1,375 @@
+"""Choose a backend for a request: filter, resolve aliases and fallbacks, pick.
+
+The pipeline is the spec's:
+
+1. candidates: every backend listing the requested model;
+2. health: only enabled, healthy backends with the model enabled. Draining,
+   unhealthy and *unknown* backends are excluded: a backend added a moment
+   ago takes traffic once the health checker has seen it answer. A backend
+   whose in-flight count has reached its max_concurrency is excluded too
+   ("at_capacity");
+3. capabilities: context length (when known) >= estimated tokens, and vision,
+   tools and JSON mode when the request needs them;
+4. if no candidate is left: the model's alias target, through the same
+   filters (one level: an alias of an alias is never followed);
+5. then the fallback chain, each fallback through the same filters, one level
+   (a fallback's own alias or chain is not consulted). The chain of the
+   requested name is tried first, then the chain of its alias target;
+6. the policy's strategy picks among the candidates of the first model that
+   has any.
+
+When nothing is left, the error is the one that tells the client what would
+make the request work, in this order of precedence:
+
+- a fallback chain was tried: FallbackChainExhausted (503) listing every model
+  attempted, unless no attempt failed for a passing reason (health, capacity)
+  and one failed for capabilities; then the request itself must change:
+  CapabilityMismatch (400);
+- otherwise, if some backend could serve the request once healthy (or less
+  busy): NoHealthyBackend (503), naming the model it was for;
+- otherwise, if backends list the model but none has the capabilities:
+  CapabilityMismatch (400) listing every missing capability;
+- otherwise ModelNotFound (404); for an alias it names the alias and its target,
+  and CircularAlias (a 404 too) says when the target is itself an alias.
+
+Capability errors consider every backend of the model, healthy or not, so a
+vision request whose only vision backend is down gets a 503 (retry later), not
+a 400 (change the request).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
+
+from routing.core.decision import Attempt, Decision, Outcome, Role, Via
+from routing.core.errors import (
+    CapabilityMismatch,
+    CircularAlias,
+    FallbackChainExhausted,
+    ModelNotFound,
+    NoHealthyBackend,
+    RoutingError,
+)
+from routing.core.policy import Strategy
+from routing.core.requirements import RequestRequirements
+from routing.core.stats import LiveStats
+from routing.core.strategies import (
+    pick_priority_only,
+    pick_random,
+    pick_round_robin,
+    pick_smart,
+)
+from routing.core.types import PreparedTarget, RouterSnapshot, Target
+
+_OUTCOME_WORDS = {
+    Outcome.NOT_FOUND: "not found",
+    Outcome.NO_HEALTHY_BACKEND: "no healthy backend",
+    Outcome.CAPABILITY_MISMATCH: "capability mismatch",
+}
+
+
+class Route(NamedTuple):
+    """The backend chosen for a request, and the decision behind it."""
+
+    target: Target
+    decision: Decision
+
+    @property
+    def retry_targets(self) -> tuple[Target, ...]:
+        """Backends to try next if the chosen one fails, at most max_retries."""
+        return self.decision.retry_order[: self.decision.max_retries]
+
+
+class Router:
+    """Routes requests over whichever snapshot it is given.
+
+    Holds only the round-robin turn counters (one per served model, so that
+    traffic for one model does not skew the rotation of another) and the
+    random generator; the snapshot and live stats are passed in per call, so a
+    snapshot swap needs nothing from the router. Safe to share between threads
+    and tasks: taking a turn is ``next()`` on an ``itertools.count``, which is
+    atomic in CPython, and scoring takes no lock.
+    """
+
+    def __init__(self, *, rng: random.Random | None = None) -> None:
+        self._rng = rng if rng is not None else random.Random()
+        self._turns: dict[str, Iterator[int]] = {}
+        self._last_turn: dict[str, int] = {}
+
+    def select(
+        self,
+        requirements: RequestRequirements,
+        snapshot: RouterSnapshot,
+        stats: LiveStats,
+    ) -> Route:
+        """Choose a backend for the request.
+
+        Raises a RoutingError subclass (with ``.decision`` set) when no backend
+        can take it; see the module docstring for which one.
+        """
+        decision = self._decide(requirements, snapshot, stats, take_turn=True)
+        if decision.error is not None:
+            raise decision.error
+        chosen = decision.chosen
+        if chosen is None:  # unreachable: a decision without an error has a choice
+            raise RuntimeError("The router produced neither a backend nor an error")
+        return Route(target=chosen, decision=decision)
+
+    def explain(
+        self,
+        requirements: RequestRequirements,
+        snapshot: RouterSnapshot,
+        stats: LiveStats,
+    ) -> Decision:
+        """Decide as select() would, without raising or advancing round-robin."""
+        return self._decide(requirements, snapshot, stats, take_turn=False)
+
+    def _decide(
+        self,
+        requirements: RequestRequirements,
+        snapshot: RouterSnapshot,
+        stats: LiveStats,
+        *,
+        take_turn: bool,
+    ) -> Decision:
+        requested = requirements.model
+        attempts: list[Attempt] = []
+
+        attempt = self._try_model(
+            requested, Role.REQUESTED, requirements, snapshot, stats
+        )
+        attempts.append(attempt)
+        if attempt.survivors:
+            return self._choose(attempts, Via.DIRECT, requirements, snapshot, take_turn)
+
+        alias_target = snapshot.aliases.get(requested)
+        if alias_target is not None:
+            attempt = self._try_model(
+                alias_target, Role.ALIAS, requirements, snapshot, stats
+            )
+            attempts.append(attempt)
+            if attempt.survivors:
+                return self._choose(
+                    attempts, Via.ALIAS, requirements, snapshot, take_turn
+                )
+
+        tried = (requested,) if alias_target is None else (requested, alias_target)
+        for fallback in snapshot.fallbacks_for(*tried):
+            attempt = self._try_model(
+                fallback, Role.FALLBACK, requirements, snapshot, stats
+            )
+            attempts.append(attempt)
+            if attempt.survivors:
+                return self._choose(
+                    attempts, Via.FALLBACK, requirements, snapshot, take_turn
+                )
+
+        error = _explain_failure(attempts, alias_target, snapshot)
+        decision = Decision(
+            requirements=requirements,
+            strategy=snapshot.policy.strategy,
+            snapshot_version=snapshot.version,
+            max_retries=snapshot.policy.max_retries,
+            attempts=tuple(attempts),
+            error=error,
+        )
+        error.decision = decision
+        return decision
+
+    def _try_model(
+        self,
+        model: str,
+        role: Role,
+        requirements: RequestRequirements,
+        snapshot: RouterSnapshot,
+        stats: LiveStats,
+    ) -> Attempt:
+        policy = snapshot.policy
+        routes = snapshot.routes.get(model)
+        if routes is None:
+            return Attempt(
+                model=model,
+                role=role,
+                routes=None,
+                requirements=requirements,
+                weights=policy.weights,
+            )
+        # The hot path: it touches every backend of the model, so it works in
+        # list comprehensions over precomputed per-snapshot sequences, and skips
+        # the filters when no routable backend can fail them.
+        in_flight_of = stats.in_flight_counts.get
+        latency_of = stats.observed_latencies.get
+        names: Sequence[str] = routes.backend_names
+        survivors: Sequence[PreparedTarget] = routes.routable
+        pendings = [in_flight_of(name, 0) for name in names]
+        rejected: list[tuple[PreparedTarget, int]] = []
+        need = requirements.capability_mask
+        tokens = requirements.estimated_tokens
+        check_capabilities = bool(need & ~routes.common_mask) or (
+            tokens > routes.min_context
+        )
+        if check_capabilities or routes.has_capacity_limits:
+            passed = [
+                pending < prepared.capacity
+                and not (
+                    check_capabilities
+                    and (
+                        need & ~prepared.capability_mask
+                        or tokens > prepared.context_limit
+                    )
+                )
+                for prepared, pending in zip(survivors, pendings, strict=True)
+            ]
+            if not all(passed):
+                rejected = [
+                    (prepared, pending)
+                    for prepared, pending, ok in zip(
+                        survivors, pendings, passed, strict=True
+                    )
+                    if not ok
+                ]
+                survivors = [p for p, ok in zip(survivors, passed, strict=True) if ok]
+                pendings = [n for n, ok in zip(pendings, passed, strict=True) if ok]
+                names = [p.backend_name for p in survivors]
+        fresh_after = stats.clock() - stats.stale_after
+        latencies = [
+            seen[0] if seen is not None and seen[1] >= fresh_after else p.avg_latency_ms
+            for p, seen in zip(survivors, map(latency_of, names), strict=True)
+        ]
+        totals: list[float] = []
+        if policy.strategy is Strategy.SMART:
+            # score_backend() inlined (in-flight counts are never negative, nor
+            # are latencies); test_strategies checks that the two agree.
+            w_load = policy.weights.load
+            w_latency = policy.weights.latency
+            totals = [
+                (
+                    prepared.priority_points
+                    + (100 - pending if pending < 100 else 0) * w_load
+                    + (
+                        100.0
+                        if latency is None
+                        else (100.0 - latency / 10.0 if latency < 1000.0 else 0.0)
+                    )
+                    * w_latency
+                )
+                / 100
+                for prepared, pending, latency in zip(
+                    survivors, pendings, latencies, strict=True
+                )
+            ]
+        return Attempt(
+            model=model,
+            role=role,
+            routes=routes,
+            requirements=requirements,
+            weights=policy.weights,
+            survivors=survivors,
+            in_flight=pendings,
+            latencies=latencies,
+            totals=totals,
+            rejected=rejected,
+        )
+
+    def _choose(
+        self,
+        attempts: list[Attempt],
+        via: Via,
+        requirements: RequestRequirements,
+        snapshot: RouterSnapshot,
+        take_turn: bool,
+    ) -> Decision:
+        served = attempts[-1]
+        survivors = served.survivors
+        strategy = snapshot.policy.strategy
+        if len(survivors) == 1:
+            index = 0
+        elif strategy is Strategy.SMART:
+            index = pick_smart(served.totals)
+        elif strategy is Strategy.ROUND_ROBIN:
+            index = pick_round_robin(
+                len(survivors), self._turn(served.model, take_turn)
+            )
+        elif strategy is Strategy.PRIORITY_ONLY:
+            index = pick_priority_only(
+                [prepared.priority for prepared in survivors],
+                self._turn(served.model, take_turn),
+            )
+        else:
+            index = pick_random(len(survivors), self._rng)
+        return Decision(
+            requirements=requirements,
+            strategy=strategy,
+            snapshot_version=snapshot.version,
+            max_retries=snapshot.policy.max_retries,
+            attempts=tuple(attempts),
+            chosen_index=index,
+            via=via,
+        )
+
+    def _turn(self, model: str, take_turn: bool) -> int:
+        if take_turn:
+            return self._take_turn(model)
+        # Explaining shows whose turn is next without taking it.
+        return self._last_turn.get(model, -1) + 1
+
+    def _take_turn(self, model: str) -> int:
+        counter = self._turns.get(model)
+        if counter is None:
+            # setdefault is atomic, so racing first requests share one counter.
+            counter = self._turns.setdefault(model, itertools.count())
+        turn = next(counter)
+        self._last_turn[model] = turn
+        return turn
+
+
+def _explain_failure(
+    attempts: list[Attempt], alias_target: str | None, snapshot: RouterSnapshot
+) -> RoutingError:
+    requested = attempts[0].model
+    transient = [a for a in attempts if a.outcome is Outcome.NO_HEALTHY_BACKEND]
+    mismatched = [a for a in attempts if a.outcome is Outcome.CAPABILITY_MISMATCH]
+    chain_tried = any(a.role is Role.FALLBACK for a in attempts)
+
+    if chain_tried and (transient or not mismatched):
+        return FallbackChainExhausted(
+            [a.model for a in attempts], [_OUTCOME_WORDS[a.outcome] for a in attempts]
+        )
+    if transient and not chain_tried:
+        attempt = transient[0]
+        return NoHealthyBackend(
+            attempt.model, requested=requested, detail=attempt.summarize_exclusions()
+        )
+    if mismatched:
+        missing: list[str] = []
+        for attempt in mismatched:
+            missing.extend(m for m in attempt.missing_capabilities if m not in missing)
+        order = ("vision", "tools", "json_mode", "context_length")
+        missing.sort(key=order.index)
+        return CapabilityMismatch(
+            requested,
+            missing,
+            detail=_context_detail(mismatched, missing),
+            also_tried=[a.model for a in attempts[1:]],
+        )
+    if alias_target is not None:
+        next_target = snapshot.aliases.get(alias_target)
+        if next_target is not None:
+            return CircularAlias(
+                requested, alias_target=alias_target, next_target=next_target
+            )
+        return ModelNotFound(requested, alias_target=alias_target)
+    return ModelNotFound(requested)
+
+
+def _context_detail(mismatched: list[Attempt], missing: list[str]) -> str:
+    if "context_length" not in missing:
+        return ""
+    tokens = mismatched[0].requirements.estimated_tokens
+    contexts = [a.largest_context for a in mismatched]
+    known = [c for c in contexts if c is not None]
+    largest = f"; the longest context is {max(known)}" if known else ""
+    return f"the request is about {tokens} tokens{largest}"

@@ -1,0 +1,89 @@
+"""JSON shapes of a decision record (``nexus_route --explain``, the explain API)."""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+
+class TargetDict(TypedDict):
+    """A backend and the model it would run."""
+
+    backend: str
+    model: str
+
+
+class ScoreDict(TypedDict):
+    """The smart score and its three 0..100 components."""
+
+    priority: float
+    load: float
+    latency: float
+    total: float
+
+
+class CandidateDict(TypedDict):
+    """A backend that passed every filter."""
+
+    backend: str
+    model: str
+    priority: int
+    in_flight: int
+    max_concurrency: int | None
+    latency_ms: float | None
+    score: ScoreDict
+
+
+class ExclusionDict(TypedDict):
+    """A backend that did not, with machine and human reasons."""
+
+    backend: str
+    model: str
+    reasons: list[str]
+    detail: str
+
+
+class AttemptDict(TypedDict):
+    """One model tried: requested, alias target or fallback."""
+
+    model: str
+    role: str
+    outcome: str
+    candidates: list[CandidateDict]
+    excluded: list[ExclusionDict]
+
+
+class RequirementsDict(TypedDict):
+    """What the request needs."""
+
+    model: str
+    estimated_tokens: int
+    needs_vision: bool
+    needs_tools: bool
+    needs_json_mode: bool
+
+
+class ErrorDict(TypedDict):
+    """The routing error: HTTP status plus the OpenAI error fields."""
+
+    status: int
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class DecisionDict(TypedDict):
+    """A whole decision, as ``Decision.as_dict()`` returns it."""
+
+    requested_model: str
+    resolved_model: str | None
+    via: str | None
+    strategy: str
+    snapshot_version: int
+    requirements: RequirementsDict
+    chosen: TargetDict | None
+    retry_order: list[TargetDict]
+    candidates: list[CandidateDict]
+    excluded: list[ExclusionDict]
+    attempts: list[AttemptDict]
+    error: ErrorDict | None

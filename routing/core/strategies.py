@@ -1,0 +1,56 @@
+"""The four ways to pick one candidate, and the order to retry the others in.
+
+Every function works on candidates in the snapshot's stable order (backend
+priority, then name) and returns indexes into that sequence.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from routing.core.policy import Strategy
+
+
+def pick_smart(totals: Sequence[float]) -> int:
+    """Return the index of the highest score; the first one wins ties."""
+    return totals.index(max(totals))
+
+
+def pick_round_robin(count: int, turn: int) -> int:
+    """Return the candidate whose turn it is."""
+    return turn % count
+
+
+def pick_priority_only(priorities: Sequence[int], turn: int) -> int:
+    """Return a candidate with the lowest priority number, rotating among ties."""
+    lowest = min(priorities)
+    tied = [index for index, priority in enumerate(priorities) if priority == lowest]
+    return tied[turn % len(tied)]
+
+
+def pick_random(count: int, rng: random.Random) -> int:
+    """Return a uniformly random candidate."""
+    return rng.randrange(count)
+
+
+def order_retries(
+    strategy: Strategy,
+    chosen: int,
+    *,
+    totals: Sequence[float],
+    priorities: Sequence[int],
+) -> list[int]:
+    """Return the other candidates' indexes in the order the strategy would pick.
+
+    smart: by score, best first (the earlier candidate on ties); priority_only:
+    by priority, continuing the rotation among equals; round_robin and random:
+    continuing the rotation after the chosen one.
+    """
+    count = len(priorities)
+    rotation = [(chosen + step) % count for step in range(1, count)]
+    if strategy is Strategy.SMART:
+        return sorted(rotation, key=lambda i: (-totals[i], i))
+    if strategy is Strategy.PRIORITY_ONLY:
+        return sorted(rotation, key=lambda i: priorities[i])
+    return rotation

@@ -1,0 +1,378 @@
+"""Immutable data the router decides over: backends, their models, the snapshot.
+
+``routing/snapshot.py`` fills these from the ORM (field names follow
+``backends.models.Backend`` / ``BackendModel`` and ``routing.models``); tests
+and benchmarks build them directly. Nothing here changes after construction, so
+a snapshot can be shared by every request, thread and task of a process and
+replaced by assigning a new one.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, NamedTuple
+
+from routing.core.policy import Policy
+from routing.core.requirements import JSON_MODE, TOOLS, VISION
+from routing.core.scoring import score_priority
+
+if TYPE_CHECKING:
+    from routing.core.requirements import RequestRequirements
+
+# Stands in for "no limit" so that the hot loop compares plain integers.
+UNLIMITED = sys.maxsize
+
+
+class Health(enum.StrEnum):
+    """A backend's health as the health checker last saw it."""
+
+    UNKNOWN = "unknown"
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+    DRAINING = "draining"
+
+
+class Reason(enum.StrEnum):
+    """Why a backend was not a candidate for a request."""
+
+    BACKEND_DISABLED = "backend_disabled"
+    MODEL_DISABLED = "model_disabled"
+    UNHEALTHY = "unhealthy"
+    DRAINING = "draining"
+    HEALTH_UNKNOWN = "health_unknown"
+    AT_CAPACITY = "at_capacity"
+    NO_VISION = "no_vision"
+    NO_TOOLS = "no_tools"
+    NO_JSON_MODE = "no_json_mode"
+    CONTEXT_TOO_SHORT = "context_too_short"
+
+
+_HEALTH_REASONS: dict[str, Reason] = {
+    Health.UNKNOWN: Reason.HEALTH_UNKNOWN,
+    Health.UNHEALTHY: Reason.UNHEALTHY,
+    Health.DRAINING: Reason.DRAINING,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A model one backend serves, with the capabilities the router filters on.
+
+    ``context_length`` of None means unknown, and no limit is applied.
+    """
+
+    name: str
+    context_length: int | None = None
+    supports_vision: bool = False
+    supports_tools: bool = False
+    supports_json_mode: bool = False
+    loaded: bool = False
+    enabled: bool = True
+
+    @property
+    def capability_mask(self) -> int:
+        """The capabilities offered, as VISION | TOOLS | JSON_MODE bits."""
+        return (
+            (VISION if self.supports_vision else 0)
+            | (TOOLS if self.supports_tools else 0)
+            | (JSON_MODE if self.supports_json_mode else 0)
+        )
+
+    @property
+    def context_limit(self) -> int:
+        """The context length, or UNLIMITED when it is unknown."""
+        return UNLIMITED if self.context_length is None else self.context_length
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """A backend and the connection details the proxy needs to reach it.
+
+    ``status`` takes the stored strings and becomes a Health; anything
+    unrecognised counts as unknown (and so is not routed to). ``api_key`` is
+    kept out of repr.
+    """
+
+    name: str
+    base_url: str
+    kind: str = "openai"
+    api_key: str = field(default="", repr=False)
+    enabled: bool = True
+    priority: int = 10
+    max_concurrency: int | None = None
+    request_timeout: float = 300.0
+    status: str = Health.UNKNOWN
+    avg_latency_ms: float | None = None
+    models: tuple[ModelSpec, ...] = ()
+    id: int | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            status = Health(self.status)
+        except ValueError:
+            status = Health.UNKNOWN
+        object.__setattr__(self, "status", status)
+        object.__setattr__(self, "models", tuple(self.models))
+        latency = self.avg_latency_ms
+        if latency is not None and (math.isnan(latency) or latency < 0):
+            object.__setattr__(self, "avg_latency_ms", None)
+
+    @property
+    def capacity(self) -> int:
+        """Requests this backend may have in flight (UNLIMITED when unset)."""
+        if self.max_concurrency is None or self.max_concurrency < 1:
+            return UNLIMITED
+        return self.max_concurrency
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One place a request can go: a backend and the model it would run there."""
+
+    backend: BackendSpec
+    model: ModelSpec
+
+    @property
+    def backend_name(self) -> str:
+        """The backend's name (unique within a snapshot)."""
+        return self.backend.name
+
+    @property
+    def model_name(self) -> str:
+        """The model name to send upstream."""
+        return self.model.name
+
+    def static_reasons(self) -> tuple[Reason, ...]:
+        """Reasons that exclude this target whatever the request (health, flags)."""
+        reasons: list[Reason] = []
+        if not self.backend.enabled:
+            reasons.append(Reason.BACKEND_DISABLED)
+        if not self.model.enabled:
+            reasons.append(Reason.MODEL_DISABLED)
+        health_reason = _HEALTH_REASONS.get(self.backend.status)
+        if health_reason is not None:
+            reasons.append(health_reason)
+        return tuple(reasons)
+
+    def capability_reasons(
+        self, requirements: RequestRequirements
+    ) -> tuple[Reason, ...]:
+        """Return what this model lacks for `requirements` (empty if nothing)."""
+        model = self.model
+        reasons: list[Reason] = []
+        if requirements.needs_vision and not model.supports_vision:
+            reasons.append(Reason.NO_VISION)
+        if requirements.needs_tools and not model.supports_tools:
+            reasons.append(Reason.NO_TOOLS)
+        if requirements.needs_json_mode and not model.supports_json_mode:
+            reasons.append(Reason.NO_JSON_MODE)
+        if model.context_limit < requirements.estimated_tokens:
+            reasons.append(Reason.CONTEXT_TOO_SHORT)
+        return tuple(reasons)
+
+
+class PreparedTarget(NamedTuple):
+    """A routable target with what the hot loop reads, computed once per snapshot."""
+
+    target: Target
+    backend_name: str
+    capability_mask: int
+    context_limit: int
+    capacity: int
+    priority: int
+    priority_points: float  # score_priority(priority) * priority weight
+    avg_latency_ms: float | None
+    position: int  # index in ModelRoutes.targets
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRoutes:
+    """Every target of one model name, and the routable ones prepared for speed.
+
+    ``targets`` is in stable order (backend priority, then name); ``routable``
+    holds the enabled, healthy ones, and ``backend_names`` their names.
+    ``common_mask`` and ``min_context`` cover all routable targets, so a
+    request needing no more than that skips the per-target capability checks;
+    without ``has_capacity_limits`` the concurrency check is skipped too.
+    """
+
+    model: str
+    targets: tuple[Target, ...]
+    routable: tuple[PreparedTarget, ...]
+    backend_names: tuple[str, ...]
+    common_mask: int
+    min_context: int
+    has_capacity_limits: bool
+
+
+@dataclass(frozen=True, eq=False)
+class RouterSnapshot:
+    """Everything the router reads, frozen at one configuration version.
+
+    Build it with ``RouterSnapshot.build()``. Lookups by model name are O(1) in
+    the number of models.
+    """
+
+    version: int
+    backends: tuple[BackendSpec, ...]
+    aliases: Mapping[str, str]
+    fallbacks: Mapping[str, tuple[str, ...]]
+    policy: Policy
+    routes: Mapping[str, ModelRoutes] = field(repr=False)
+    backends_by_name: Mapping[str, BackendSpec] = field(repr=False)
+    alias_problems: tuple[str, ...] = ()
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        version: int = 0,
+        backends: Iterable[BackendSpec] = (),
+        aliases: Mapping[str, str] | None = None,
+        fallbacks: Mapping[str, Sequence[str]] | None = None,
+        policy: Policy | None = None,
+    ) -> RouterSnapshot:
+        """Index plain routing data into a snapshot.
+
+        Backends are ordered by (priority, name), which is the stable order
+        every strategy's tie-break uses. Alias entries that point at themselves
+        are dropped and aliases that point at other aliases are kept but
+        reported in ``alias_problems`` (the router never follows a second
+        level). Empty fallback chains are dropped, as are duplicate steps and
+        steps naming the chain's own model. Raises ValueError on duplicate
+        backend names or a model listed twice on one backend.
+        """
+        policy = policy or Policy()
+        ordered = tuple(sorted(backends, key=lambda b: (b.priority, b.name)))
+        by_name: dict[str, BackendSpec] = {}
+        for backend in ordered:
+            if backend.name in by_name:
+                raise ValueError(f"Duplicate backend name {backend.name!r}")
+            by_name[backend.name] = backend
+
+        targets_by_model: dict[str, list[Target]] = {}
+        for backend in ordered:
+            seen: set[str] = set()
+            for model in backend.models:
+                if model.name in seen:
+                    raise ValueError(
+                        f"Model {model.name!r} is listed twice on {backend.name!r}"
+                    )
+                seen.add(model.name)
+                targets_by_model.setdefault(model.name, []).append(
+                    Target(backend=backend, model=model)
+                )
+
+        weight = policy.weights.priority
+        routes = {
+            name: _index_model(name, tuple(targets), weight)
+            for name, targets in targets_by_model.items()
+        }
+        clean_aliases = {
+            alias: target.strip()
+            for alias, target in (aliases or {}).items()
+            if target.strip() and target.strip() != alias
+        }
+        problems = tuple(
+            f"Alias {alias!r} points to {target!r}, which is itself an alias "
+            f"for {clean_aliases[target]!r}; aliases are single-level, so "
+            f"{alias!r} only reaches backends serving {target!r} directly"
+            for alias, target in sorted(clean_aliases.items())
+            if target in clean_aliases
+        )
+        return cls(
+            version=version,
+            backends=ordered,
+            aliases=MappingProxyType(clean_aliases),
+            fallbacks=MappingProxyType(_clean_fallbacks(fallbacks or {})),
+            policy=policy,
+            routes=MappingProxyType(routes),
+            backends_by_name=MappingProxyType(by_name),
+            alias_problems=problems,
+        )
+
+    def backend(self, name: str) -> BackendSpec | None:
+        """Return the backend called `name`, if any."""
+        return self.backends_by_name.get(name)
+
+    def targets_for(self, model: str) -> tuple[Target, ...]:
+        """Every backend listing `model` (routable or not), in stable order."""
+        routes = self.routes.get(model)
+        return routes.targets if routes is not None else ()
+
+    def served_models(self) -> tuple[str, ...]:
+        """Model names with at least one enabled entry on an enabled backend."""
+        return tuple(
+            sorted(
+                name
+                for name, routes in self.routes.items()
+                if any(t.backend.enabled and t.model.enabled for t in routes.targets)
+            )
+        )
+
+    def fallbacks_for(self, *models: str) -> tuple[str, ...]:
+        """The fallback models of `models`' chains in order, without repeats.
+
+        Models in `models` themselves are left out: they are tried before any
+        fallback.
+        """
+        chain: list[str] = []
+        for model in models:
+            for step in self.fallbacks.get(model, ()):
+                if step not in chain and step not in models:
+                    chain.append(step)
+        return tuple(chain)
+
+
+def _index_model(
+    name: str, targets: tuple[Target, ...], priority_weight: int
+) -> ModelRoutes:
+    routable = tuple(
+        PreparedTarget(
+            target=target,
+            backend_name=target.backend.name,
+            capability_mask=target.model.capability_mask,
+            context_limit=target.model.context_limit,
+            capacity=target.backend.capacity,
+            priority=target.backend.priority,
+            priority_points=score_priority(target.backend.priority) * priority_weight,
+            avg_latency_ms=target.backend.avg_latency_ms,
+            position=position,
+        )
+        for position, target in enumerate(targets)
+        if not target.static_reasons()
+    )
+    common_mask = VISION | TOOLS | JSON_MODE
+    min_context = UNLIMITED
+    for prepared in routable:
+        common_mask &= prepared.capability_mask
+        min_context = min(min_context, prepared.context_limit)
+    return ModelRoutes(
+        model=name,
+        targets=targets,
+        routable=routable,
+        backend_names=tuple(p.backend_name for p in routable),
+        common_mask=common_mask,
+        min_context=min_context,
+        has_capacity_limits=any(p.capacity != UNLIMITED for p in routable),
+    )
+
+
+def _clean_fallbacks(
+    fallbacks: Mapping[str, Sequence[str]],
+) -> dict[str, tuple[str, ...]]:
+    cleaned: dict[str, tuple[str, ...]] = {}
+    for model, steps in fallbacks.items():
+        chain: list[str] = []
+        for step in steps:
+            step = step.strip()
+            if step and step != model and step not in chain:
+                chain.append(step)
+        if chain:
+            cleaned[model] = tuple(chain)
+    return cleaned

@@ -1,0 +1,743 @@
+"""The routing pipeline: filters, aliases, fallbacks and errors.
+
+Each acceptance scenario of the router spec (AC-01..AC-16) and each row of its
+edge-case tables has a test here or in test_strategies.py (scoring and
+strategies), test_requirements.py, test_core_policy.py and
+test_core_decision.py (the decision record, AC-15, AC-16).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from routing.core import (
+    BackendSpec,
+    CapabilityMismatch,
+    CircularAlias,
+    FallbackChainExhausted,
+    InvalidModel,
+    LiveStats,
+    ModelNotFound,
+    ModelSpec,
+    NoHealthyBackend,
+    Reason,
+    RequestRequirements,
+    Route,
+    Router,
+    RouterSnapshot,
+    RoutingError,
+    make_policy,
+)
+
+
+def model(name: str, **capabilities: Any) -> ModelSpec:
+    return ModelSpec(name=name, **capabilities)
+
+
+def backend(name: str, *models: str | ModelSpec, **fields: Any) -> BackendSpec:
+    fields.setdefault("status", "healthy")
+    return BackendSpec(
+        name=name,
+        base_url=f"http://{name}.lan:11434",
+        models=tuple(m if isinstance(m, ModelSpec) else ModelSpec(m) for m in models),
+        **fields,
+    )
+
+
+def snapshot(
+    *backends: BackendSpec,
+    aliases: Mapping[str, str] | None = None,
+    fallbacks: Mapping[str, list[str]] | None = None,
+    strategy: str = "smart",
+    max_retries: int = 2,
+    version: int = 1,
+) -> RouterSnapshot:
+    return RouterSnapshot.build(
+        version=version,
+        backends=backends,
+        aliases=aliases,
+        fallbacks=fallbacks,
+        policy=make_policy(strategy=strategy, max_retries=max_retries),
+    )
+
+
+def select(
+    snap: RouterSnapshot,
+    model_name: str,
+    *,
+    stats: LiveStats | None = None,
+    router: Router | None = None,
+    **needs: Any,
+) -> Route:
+    requirements = RequestRequirements(model=model_name, **needs)
+    return (router or Router()).select(requirements, snap, stats or LiveStats())
+
+
+def fail(snap: RouterSnapshot, model_name: str, **needs: Any) -> RoutingError:
+    with pytest.raises(RoutingError) as caught:
+        select(snap, model_name, **needs)
+    return caught.value
+
+
+# AC-01: exact model match
+
+
+def test_routes_to_the_backend_that_serves_the_requested_model() -> None:
+    """AC-01: A has llama3:8b, B has mistral:7b; llama3:8b goes to A."""
+    snap = snapshot(backend("a", "llama3:8b"), backend("b", "mistral:7b"))
+    route = select(snap, "llama3:8b")
+    assert route.target.backend.name == "a"
+    assert route.target.model.name == "llama3:8b"
+    assert route.decision.via == "direct"
+    assert route.decision.resolved_model == "llama3:8b"
+
+
+def test_unknown_model_is_a_404_model_not_found() -> None:
+    """AC-01: no backend has gpt-5."""
+    error = fail(snapshot(backend("a", "llama3:8b")), "gpt-5")
+    assert isinstance(error, ModelNotFound)
+    assert error.status == 404
+    assert error.to_openai() == {
+        "error": {
+            "message": "Model 'gpt-5' not found",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+
+
+def test_no_backends_registered_is_model_not_found() -> None:
+    error = fail(snapshot(), "llama3:8b")
+    assert isinstance(error, ModelNotFound)
+    assert error.message == "Model 'llama3:8b' not found"
+
+
+def test_model_names_are_matched_exactly() -> None:
+    snap = snapshot(backend("a", "llama3:8b"))
+    assert isinstance(fail(snap, "llama3"), ModelNotFound)
+    assert isinstance(fail(snap, "LLAMA3:8B"), ModelNotFound)
+
+
+# AC-02: health filter
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"status": "unhealthy"}, Reason.UNHEALTHY),
+        ({"status": "draining"}, Reason.DRAINING),
+        ({"status": "unknown"}, Reason.HEALTH_UNKNOWN),
+        ({"status": "healthy", "enabled": False}, Reason.BACKEND_DISABLED),
+    ],
+)
+def test_only_healthy_enabled_backends_are_candidates(
+    fields: dict[str, Any], reason: Reason
+) -> None:
+    """AC-02: the better-scoring backend is skipped when it is not healthy."""
+    snap = snapshot(
+        backend("preferred", "llama3:8b", priority=0, **fields),
+        backend("fallback", "llama3:8b", priority=50),
+    )
+    route = select(snap, "llama3:8b")
+    assert route.target.backend.name == "fallback"
+    [excluded] = route.decision.excluded
+    assert excluded.target.backend.name == "preferred"
+    assert excluded.reasons == (reason,)
+
+
+def test_a_disabled_model_on_a_healthy_backend_is_not_a_candidate() -> None:
+    snap = snapshot(
+        backend("a", model("llama3:8b", enabled=False), priority=0),
+        backend("b", "llama3:8b", priority=9),
+    )
+    route = select(snap, "llama3:8b")
+    assert route.target.backend.name == "b"
+    assert route.decision.excluded[0].reasons == (Reason.MODEL_DISABLED,)
+
+
+def test_all_backends_unhealthy_is_503_no_healthy_backend() -> None:
+    snap = snapshot(
+        backend("a", "llama3:8b", status="unhealthy"),
+        backend("b", "llama3:8b", status="unhealthy"),
+        backend("c", "llama3:8b", status="draining"),
+    )
+    error = fail(snap, "llama3:8b")
+    assert isinstance(error, NoHealthyBackend)
+    assert error.status == 503
+    assert error.to_openai()["error"]["type"] == "service_unavailable_error"
+    assert error.message == (
+        "No healthy backend available for model 'llama3:8b' (2 unhealthy, 1 draining)"
+    )
+
+
+def test_unknown_health_is_not_routed_to_until_checked() -> None:
+    snap = snapshot(backend("new", "llama3:8b", status="unknown"))
+    error = fail(snap, "llama3:8b")
+    assert isinstance(error, NoHealthyBackend)
+    assert "not yet health-checked" in error.message
+
+
+def test_unrecognised_status_counts_as_unknown() -> None:
+    assert backend("a", status="rebooting").status == "unknown"
+
+
+# AC-03 / AC-04 / AC-05: capability filters
+
+
+def test_vision_request_goes_to_the_backend_whose_model_supports_vision() -> None:
+    """AC-03: A's copy of the model lacks vision, B's has it."""
+    snap = snapshot(
+        backend("a", "llava:13b", priority=0),
+        backend("b", model("llava:13b", supports_vision=True), priority=50),
+    )
+    route = select(snap, "llava:13b", needs_vision=True)
+    assert route.target.backend.name == "b"
+    assert route.decision.excluded[0].reasons == (Reason.NO_VISION,)
+
+
+def test_vision_request_for_llava_goes_to_the_llava_backend() -> None:
+    """AC-03 as written: A has llama3 (no vision), B has llava (vision)."""
+    snap = snapshot(
+        backend("a", "llama3"), backend("b", model("llava", supports_vision=True))
+    )
+    body = {
+        "model": "llava",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is in this picture?"},
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": "data:image/png;base64,"},
+                    },
+                ],
+            }
+        ],
+    }
+    requirements = RequestRequirements.from_request(body)
+    route = Router().select(requirements, snap, LiveStats())
+    assert route.target.backend.name == "b"
+
+
+def test_tools_request_goes_to_the_backend_whose_model_supports_tools() -> None:
+    """AC-04."""
+    snap = snapshot(
+        backend("a", "llama3", priority=0),
+        backend("b", model("llama3", supports_tools=True), priority=50),
+    )
+    assert select(snap, "llama3", needs_tools=True).target.backend.name == "b"
+
+
+def test_json_mode_request_goes_to_the_backend_that_supports_it() -> None:
+    snap = snapshot(
+        backend("a", "llama3", priority=0),
+        backend("b", model("llama3", supports_json_mode=True), priority=50),
+    )
+    assert select(snap, "llama3", needs_json_mode=True).target.backend.name == "b"
+
+
+def test_long_prompt_goes_to_the_backend_with_enough_context() -> None:
+    """AC-05."""
+    snap = snapshot(
+        backend("short", model("llama3", context_length=4096), priority=0),
+        backend("long", model("llama3", context_length=32768), priority=50),
+    )
+    assert select(snap, "llama3", estimated_tokens=5000).target.backend.name == "long"
+    assert select(snap, "llama3", estimated_tokens=4096).target.backend.name == "short"
+
+
+def test_unknown_context_length_applies_no_limit() -> None:
+    snap = snapshot(backend("a", model("llama3", context_length=None)))
+    assert select(snap, "llama3", estimated_tokens=10**7).target.backend.name == "a"
+
+
+def test_vision_request_without_a_vision_backend_is_a_400_naming_vision() -> None:
+    """AC-03 / edge case: no backend supports vision for llama3:8b."""
+    snap = snapshot(backend("a", "llama3:8b"), backend("b", "llama3:8b"))
+    error = fail(snap, "llama3:8b", needs_vision=True)
+    assert isinstance(error, CapabilityMismatch)
+    assert error.status == 400
+    assert error.missing == ("vision",)
+    assert error.to_openai()["error"] == {
+        "message": "No backend supports required capabilities for model "
+        "'llama3:8b': vision",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "capability_mismatch",
+    }
+
+
+def test_tools_request_without_a_tools_backend_is_a_400_naming_tools() -> None:
+    error = fail(snapshot(backend("a", "llama3")), "llama3", needs_tools=True)
+    assert isinstance(error, CapabilityMismatch)
+    assert error.missing == ("tools",)
+
+
+def test_context_too_long_for_every_backend_is_a_400_naming_context_length() -> None:
+    snap = snapshot(
+        backend("a", model("llama3", context_length=4096)),
+        backend("b", model("llama3", context_length=8192)),
+    )
+    error = fail(snap, "llama3", estimated_tokens=9000)
+    assert isinstance(error, CapabilityMismatch)
+    assert error.missing == ("context_length",)
+    assert "about 9000 tokens; the longest context is 8192" in error.message
+
+
+def test_every_missing_capability_is_listed() -> None:
+    snap = snapshot(backend("a", model("llama3", context_length=2048)))
+    error = fail(
+        snap,
+        "llama3",
+        needs_vision=True,
+        needs_tools=True,
+        needs_json_mode=True,
+        estimated_tokens=4000,
+    )
+    assert isinstance(error, CapabilityMismatch)
+    assert error.missing == ("vision", "tools", "json_mode", "context_length")
+
+
+def test_capabilities_split_across_backends_are_all_listed() -> None:
+    snap = snapshot(
+        backend("a", model("llama3", supports_vision=True)),
+        backend("b", model("llama3", supports_tools=True)),
+    )
+    error = fail(snap, "llama3", needs_vision=True, needs_tools=True)
+    assert isinstance(error, CapabilityMismatch)
+    assert error.missing == ("vision", "tools")
+
+
+def test_only_the_capability_no_backend_has_is_listed() -> None:
+    snap = snapshot(
+        backend("a", "llama3"),
+        backend("b", model("llama3", supports_tools=True)),
+    )
+    error = fail(snap, "llama3", needs_vision=True, needs_tools=True)
+    assert isinstance(error, CapabilityMismatch)
+    assert error.missing == ("vision",)
+
+
+def test_capable_backend_that_is_down_gives_503_not_400() -> None:
+    """Retrying later can work, so the client gets a 503, not 'change your request'."""
+    snap = snapshot(
+        backend("a", "llama3"),
+        backend("b", model("llama3", supports_vision=True), status="unhealthy"),
+    )
+    error = fail(snap, "llama3", needs_vision=True)
+    assert isinstance(error, NoHealthyBackend)
+    assert "1 without vision" in error.message and "1 unhealthy" in error.message
+
+
+# Concurrency limits
+
+
+def test_backend_at_max_concurrency_is_skipped() -> None:
+    snap = snapshot(
+        backend("small", "llama3", priority=0, max_concurrency=2),
+        backend("big", "llama3", priority=90),
+    )
+    stats = LiveStats()
+    stats.begin("small")
+    stats.begin("small")
+    route = select(snap, "llama3", stats=stats)
+    assert route.target.backend.name == "big"
+    [excluded] = route.decision.excluded
+    assert excluded.reasons == (Reason.AT_CAPACITY,)
+    assert excluded.detail == "at max concurrency (2/2 in flight)"
+
+
+def test_all_backends_full_is_503_saying_so() -> None:
+    snap = snapshot(
+        backend("a", "llama3", max_concurrency=1),
+        backend("b", "llama3", max_concurrency=1),
+    )
+    stats = LiveStats()
+    stats.begin("a")
+    stats.begin("b")
+    with pytest.raises(NoHealthyBackend) as caught:
+        select(snap, "llama3", stats=stats)
+    assert caught.value.message == (
+        "No healthy backend available for model 'llama3' (2 at max concurrency)"
+    )
+
+
+def test_backend_below_max_concurrency_is_used() -> None:
+    snap = snapshot(backend("a", "llama3", max_concurrency=2))
+    stats = LiveStats()
+    stats.begin("a")
+    assert select(snap, "llama3", stats=stats).target.backend.name == "a"
+
+
+def test_a_full_model_falls_back_like_an_unavailable_one() -> None:
+    snap = snapshot(
+        backend("a", "llama3:70b", max_concurrency=1),
+        backend("b", "llama3:8b"),
+        fallbacks={"llama3:70b": ["llama3:8b"]},
+    )
+    stats = LiveStats()
+    stats.begin("a")
+    route = select(snap, "llama3:70b", stats=stats)
+    assert (route.target.backend.name, route.decision.via) == ("b", "fallback")
+
+
+# AC-07 / AC-09: aliases
+
+
+def test_alias_routes_to_a_backend_with_the_target_model() -> None:
+    """AC-07: gpt-4 -> llama3:70b."""
+    snap = snapshot(
+        backend("a", "llama3:8b"),
+        backend("b", "llama3:70b"),
+        aliases={"gpt-4": "llama3:70b"},
+    )
+    route = select(snap, "gpt-4")
+    assert route.target.backend.name == "b"
+    assert route.target.model.name == "llama3:70b"
+    decision = route.decision
+    assert (decision.requested_model, decision.resolved_model, decision.via) == (
+        "gpt-4",
+        "llama3:70b",
+        "alias",
+    )
+
+
+def test_alias_whose_target_nobody_serves_is_a_404_naming_both() -> None:
+    """AC-07: alias gpt-4 -> llama3:70b but no backend has llama3:70b."""
+    snap = snapshot(backend("a", "llama3:8b"), aliases={"gpt-4": "llama3:70b"})
+    error = fail(snap, "gpt-4")
+    assert isinstance(error, ModelNotFound)
+    assert error.status == 404
+    assert "'gpt-4'" in error.message and "'llama3:70b'" in error.message
+    assert error.message == (
+        "Model 'gpt-4' not found: it is an alias for 'llama3:70b', "
+        "and no backend serves 'llama3:70b'"
+    )
+
+
+def test_a_model_served_directly_wins_over_its_alias() -> None:
+    snap = snapshot(
+        backend("real-gpt4", "gpt-4"),
+        backend("local", "llama3:70b"),
+        aliases={"gpt-4": "llama3:70b"},
+    )
+    route = select(snap, "gpt-4")
+    assert (route.target.backend.name, route.decision.via) == ("real-gpt4", "direct")
+
+
+def test_alias_is_used_when_the_direct_backends_are_down() -> None:
+    snap = snapshot(
+        backend("real-gpt4", "gpt-4", status="unhealthy"),
+        backend("local", "llama3:70b"),
+        aliases={"gpt-4": "llama3:70b"},
+    )
+    assert select(snap, "gpt-4").decision.via == "alias"
+
+
+def test_alias_target_down_is_503_naming_target_and_request() -> None:
+    snap = snapshot(
+        backend("b", "llama3:70b", status="unhealthy"), aliases={"gpt-4": "llama3:70b"}
+    )
+    error = fail(snap, "gpt-4")
+    assert isinstance(error, NoHealthyBackend)
+    assert error.message == (
+        "No healthy backend available for model 'llama3:70b', requested as "
+        "'gpt-4' (1 unhealthy)"
+    )
+
+
+def test_circular_alias_is_detected_and_reported() -> None:
+    """AC-09 / edge case a -> b -> a: single level, then a clear error."""
+    snap = snapshot(backend("x", "llama3"), aliases={"a": "b", "b": "a"})
+    error = fail(snap, "a")
+    assert isinstance(error, CircularAlias)
+    assert error.status == 404
+    assert (
+        "'b', which no backend serves and which is itself an alias for 'a' (a loop)"
+        in (error.message)
+    )
+    assert error.decision is not None
+    assert [a.model for a in error.decision.attempts] == ["a", "b"]
+    assert len(snap.alias_problems) == 2
+
+
+def test_alias_of_an_alias_is_not_followed() -> None:
+    snap = snapshot(
+        backend("x", "llama3:70b"), aliases={"gpt-4o": "gpt-4", "gpt-4": "llama3:70b"}
+    )
+    error = fail(snap, "gpt-4o")
+    assert isinstance(error, CircularAlias)
+    assert "Aliases are single-level" in error.message
+    assert snap.alias_problems == (
+        (
+            "Alias 'gpt-4o' points to 'gpt-4', which is itself an alias for "
+            "'llama3:70b'; aliases are single-level, so 'gpt-4o' only reaches "
+            "backends serving 'gpt-4' directly"
+        ),
+    )
+
+
+def test_alias_of_an_alias_reaches_a_target_served_under_that_name() -> None:
+    snap = snapshot(
+        backend("x", "gpt-4"), aliases={"gpt-4o": "gpt-4", "gpt-4": "llama3:70b"}
+    )
+    assert select(snap, "gpt-4o").target.backend.name == "x"
+
+
+def test_alias_pointing_at_itself_is_ignored() -> None:
+    snap = snapshot(backend("x", "llama3"), aliases={"loop": "loop"})
+    assert "loop" not in snap.aliases
+    assert isinstance(fail(snap, "loop"), ModelNotFound)
+
+
+names = st.sampled_from(["a", "b", "c", "d", "e"])
+
+
+@given(
+    aliases=st.dictionaries(names, names, max_size=5),
+    fallbacks=st.dictionaries(names, st.lists(names, max_size=4), max_size=5),
+    served=st.dictionaries(
+        names, st.sampled_from(["healthy", "unhealthy"]), max_size=5
+    ),
+    requested=names,
+    capability=st.booleans(),
+)
+def test_alias_and_fallback_resolution_terminates_on_any_graph(
+    aliases: dict[str, str],
+    fallbacks: dict[str, list[str]],
+    served: dict[str, str],
+    requested: str,
+    capability: bool,
+) -> None:
+    snap = snapshot(
+        *(
+            backend(f"backend-{name}", model(name, supports_tools=True), status=status)
+            for name, status in served.items()
+        ),
+        aliases=aliases,
+        fallbacks=fallbacks,
+    )
+    requirements = RequestRequirements(model=requested, needs_tools=capability)
+    decision = Router().explain(requirements, snap, LiveStats())
+    alias = snap.aliases.get(requested)
+    first = [requested] if alias is None else [requested, alias]
+    tried = [a.model for a in decision.attempts]
+    # Requested, then at most one alias hop, then each fallback at most once.
+    assert tried[: len(first)] == first[: len(tried)]
+    assert len(tried) == len(set(tried))
+    assert set(tried[len(first) :]) <= set(snap.fallbacks_for(*first))
+    if decision.error is None:
+        assert decision.chosen is not None
+        assert served[decision.chosen.model.name] == "healthy"
+    else:
+        assert decision.chosen is None
+        json.dumps(decision.as_dict())
+
+
+# AC-08: fallback chains
+
+
+def test_fallback_chain_routes_to_the_first_available_fallback() -> None:
+    """AC-08: claude-3-opus -> [llama3:70b, mistral:7b]; only mistral exists."""
+    snap = snapshot(
+        backend("a", "mistral:7b"),
+        fallbacks={"claude-3-opus": ["llama3:70b", "mistral:7b"]},
+    )
+    route = select(snap, "claude-3-opus")
+    assert route.target.model.name == "mistral:7b"
+    decision = route.decision
+    assert (decision.resolved_model, decision.via) == ("mistral:7b", "fallback")
+    assert [a.model for a in decision.attempts] == [
+        "claude-3-opus",
+        "llama3:70b",
+        "mistral:7b",
+    ]
+
+
+def test_fallbacks_are_tried_in_chain_order() -> None:
+    snap = snapshot(
+        backend("a", "mistral:7b", priority=0),
+        backend("b", "llama3:8b", priority=50),
+        fallbacks={"llama3:70b": ["llama3:8b", "mistral:7b"]},
+    )
+    assert select(snap, "llama3:70b").target.model.name == "llama3:8b"
+
+
+def test_exhausted_fallback_chain_is_503_listing_every_model_attempted() -> None:
+    """AC-08: all models in the chain unavailable."""
+    snap = snapshot(
+        backend("a", "llama3:70b", status="unhealthy"),
+        backend("b", "mistral:7b", status="draining"),
+        fallbacks={"claude-3-opus": ["llama3:70b", "mistral:7b"]},
+    )
+    error = fail(snap, "claude-3-opus")
+    assert isinstance(error, FallbackChainExhausted)
+    assert error.status == 503
+    assert error.chain == ("claude-3-opus", "llama3:70b", "mistral:7b")
+    assert error.message == (
+        "All backends in fallback chain unavailable: claude-3-opus (not found), "
+        "llama3:70b (no healthy backend), mistral:7b (no healthy backend)"
+    )
+    assert error.to_openai()["error"]["code"] == "fallback_chain_exhausted"
+
+
+def test_chain_of_models_nobody_serves_is_still_503_exhausted() -> None:
+    snap = snapshot(backend("a", "other"), fallbacks={"claude-3-opus": ["llama3:70b"]})
+    error = fail(snap, "claude-3-opus")
+    assert isinstance(error, FallbackChainExhausted)
+    assert error.chain == ("claude-3-opus", "llama3:70b")
+
+
+def test_alias_to_unavailable_model_tries_the_aliased_models_chain() -> None:
+    snap = snapshot(
+        backend("a", "llama3:70b", status="unhealthy"),
+        backend("b", "llama3:8b"),
+        aliases={"gpt-4": "llama3:70b"},
+        fallbacks={"llama3:70b": ["llama3:8b"]},
+    )
+    route = select(snap, "gpt-4")
+    assert route.target.model.name == "llama3:8b"
+    assert route.decision.via == "fallback"
+    assert [a.model for a in route.decision.attempts] == [
+        "gpt-4",
+        "llama3:70b",
+        "llama3:8b",
+    ]
+
+
+def test_chain_on_the_alias_name_is_tried_before_the_targets_chain() -> None:
+    snap = snapshot(
+        backend("a", "mistral:7b"),
+        backend("b", "llama3:8b"),
+        aliases={"claude-3-opus": "llama3:70b"},
+        fallbacks={
+            "claude-3-opus": ["llama3:70b", "mistral:7b"],
+            "llama3:70b": ["llama3:8b"],
+        },
+    )
+    route = select(snap, "claude-3-opus")
+    assert route.target.model.name == "mistral:7b"
+    assert [a.model for a in route.decision.attempts] == [
+        "claude-3-opus",
+        "llama3:70b",
+        "mistral:7b",
+    ]
+
+
+def test_empty_fallback_chain_is_treated_as_no_fallback() -> None:
+    snap = snapshot(
+        backend("a", "llama3:70b", status="unhealthy"), fallbacks={"llama3:70b": []}
+    )
+    assert "llama3:70b" not in snap.fallbacks
+    assert isinstance(fail(snap, "llama3:70b"), NoHealthyBackend)
+
+
+def test_fallbacks_of_a_fallback_are_not_followed() -> None:
+    snap = snapshot(
+        backend("c", "mistral:7b"),
+        fallbacks={"llama3:70b": ["llama3:8b"], "llama3:8b": ["mistral:7b"]},
+    )
+    error = fail(snap, "llama3:70b")
+    assert isinstance(error, FallbackChainExhausted)
+    assert error.chain == ("llama3:70b", "llama3:8b")
+
+
+def test_fallback_goes_through_the_same_capability_filter() -> None:
+    snap = snapshot(
+        backend("a", "mistral:7b", priority=0),
+        backend("b", model("llama3:8b", supports_vision=True), priority=50),
+        fallbacks={"llava": ["mistral:7b", "llama3:8b"]},
+    )
+    route = select(snap, "llava", needs_vision=True)
+    assert route.target.model.name == "llama3:8b"
+
+
+def test_chain_failing_only_on_capabilities_is_a_400_not_a_503() -> None:
+    snap = snapshot(
+        backend("a", "llama3:70b"),
+        backend("b", "mistral:7b"),
+        fallbacks={"llama3:70b": ["mistral:7b"]},
+    )
+    error = fail(snap, "llama3:70b", needs_vision=True)
+    assert isinstance(error, CapabilityMismatch)
+    assert error.missing == ("vision",)
+    assert error.message.endswith("also tried 'mistral:7b'")
+
+
+def test_a_fallback_naming_an_alias_is_taken_literally() -> None:
+    snap = snapshot(
+        backend("a", "llama3:70b", status="unhealthy"),
+        backend("b", "llama3:8b"),
+        aliases={"small": "llama3:8b"},
+        fallbacks={"llama3:70b": ["small"]},
+    )
+    error = fail(snap, "llama3:70b")
+    assert isinstance(error, FallbackChainExhausted)
+    assert error.chain == ("llama3:70b", "small")
+
+
+# AC-10: every failure is descriptive and OpenAI-shaped
+
+
+@pytest.mark.parametrize(
+    ("snap", "model_name", "needs", "kind", "status"),
+    [
+        (snapshot(), "gpt-5", {}, ModelNotFound, 404),
+        (
+            snapshot(backend("a", "m", status="unhealthy")),
+            "m",
+            {},
+            NoHealthyBackend,
+            503,
+        ),
+        (
+            snapshot(backend("a", "m")),
+            "m",
+            {"needs_tools": True},
+            CapabilityMismatch,
+            400,
+        ),
+        (
+            snapshot(backend("a", "m", status="unhealthy"), fallbacks={"m": ["n"]}),
+            "m",
+            {},
+            FallbackChainExhausted,
+            503,
+        ),
+        (snapshot(aliases={"a": "b", "b": "a"}), "a", {}, CircularAlias, 404),
+    ],
+    ids=["not-found", "no-healthy", "capability", "chain", "circular-alias"],
+)
+def test_every_routing_failure_has_a_status_and_an_openai_error_body(
+    snap: RouterSnapshot,
+    model_name: str,
+    needs: dict[str, bool],
+    kind: type[RoutingError],
+    status: int,
+) -> None:
+    """AC-10."""
+    error = fail(snap, model_name, **needs)
+    assert type(error) is kind
+    assert error.status == status
+    body = error.to_openai()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert model_name in body["error"]["message"]
+    assert body["error"]["code"]
+    assert json.loads(json.dumps(body)) == body
+    assert error.decision is not None
+    assert error.decision.error is error
+    assert json.dumps(error.decision.as_dict())
+
+
+def test_empty_model_name_is_a_400_before_routing() -> None:
+    with pytest.raises(InvalidModel) as caught:
+        select(snapshot(backend("a", "m")), "")
+    assert caught.value.status == 400
