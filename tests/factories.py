@@ -78,14 +78,14 @@ class RoutingPolicyFactory(DjangoModelFactory):
 
 
 class ApiKeyFactory(DjangoModelFactory):
-    """A key whose raw secret is ``raw_key`` (kept on the instance for tests)."""
+    """A key made from ``raw_key``; pass your own raw_key to know the secret."""
 
     class Meta:
         model = ApiKey
         exclude = ("raw_key",)
 
     name = factory.Sequence(lambda n: f"key-{n}")
-    raw_key = factory.Sequence(lambda n: f"nx-test{n:05d}-secret-value-for-tests")
+    raw_key = factory.Sequence(lambda n: f"nx-{n:08d}-test-secret-value")
     prefix = factory.LazyAttribute(lambda o: o.raw_key[:11])
     hashed_key = factory.LazyAttribute(lambda o: hash_key(o.raw_key))
 

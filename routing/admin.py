@@ -1,0 +1,94 @@
+"""Admin for aliases, fallback chains and the routing policy singleton."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from django.contrib import admin
+from django.core.exceptions import PermissionDenied
+from django.db.models import QuerySet
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.urls import reverse
+
+from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
+
+if TYPE_CHECKING:
+    # django-stubs makes the admin classes generic; Django's are not subscriptable.
+    AliasAdminBase = admin.ModelAdmin[Alias]
+    FallbackChainAdminBase = admin.ModelAdmin[FallbackChain]
+    RoutingPolicyAdminBase = admin.ModelAdmin[RoutingPolicy]
+    ChainStepInlineBase = admin.TabularInline[ChainStep, FallbackChain]
+else:
+    AliasAdminBase = FallbackChainAdminBase = RoutingPolicyAdminBase = admin.ModelAdmin
+    ChainStepInlineBase = admin.TabularInline
+
+
+@admin.register(Alias)
+class AliasAdmin(AliasAdminBase):
+    list_display = ("name", "target", "updated_at")
+    search_fields = ("name", "target")
+    readonly_fields = ("created_at", "updated_at")
+    fields = ("name", "target", "created_at", "updated_at")
+
+
+class ChainStepInline(ChainStepInlineBase):
+    model = ChainStep
+    fields = ("position", "model")
+    ordering = ("position", "id")
+    extra = 3
+
+
+@admin.register(FallbackChain)
+class FallbackChainAdmin(FallbackChainAdminBase):
+    inlines = (ChainStepInline,)
+    list_display = ("model", "chain", "updated_at")
+    search_fields = ("model", "steps__model")
+    readonly_fields = ("created_at", "updated_at")
+    fields = ("model", "created_at", "updated_at")
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[FallbackChain]:
+        return super().get_queryset(request).prefetch_related("steps")
+
+    @admin.display(description="tried in order")
+    def chain(self, obj: FallbackChain) -> str:
+        return " → ".join((obj.model, *obj.fallback_models))
+
+
+@admin.register(RoutingPolicy)
+class RoutingPolicyAdmin(RoutingPolicyAdminBase):
+    """The policy is one row: its list page opens that row; none is added or deleted."""
+
+    fieldsets = (
+        (None, {"fields": ("strategy", "max_retries")}),
+        (
+            "Scoring weights",
+            {
+                "fields": ("weight_priority", "weight_load", "weight_latency"),
+                "description": "Used by the smart strategy; they must sum to 100.",
+            },
+        ),
+        ("Record", {"fields": ("updated_at",)}),
+    )
+    readonly_fields = ("updated_at",)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        # The list page creates the row on first visit, so there is never one to add.
+        return False
+
+    def has_delete_permission(
+        self, request: HttpRequest, obj: RoutingPolicy | None = None
+    ) -> bool:
+        return False
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        if not self.has_view_or_change_permission(request):
+            raise PermissionDenied
+        policy = RoutingPolicy.load()
+        return HttpResponseRedirect(
+            reverse(
+                f"{self.admin_site.name}:routing_routingpolicy_change",
+                args=(policy.pk,),
+            )
+        )

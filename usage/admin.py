@@ -1,0 +1,300 @@
+"""Admin for client API keys and the read-only usage tables."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
+
+from django.contrib import admin, messages
+from django.db.models import OuterRef, QuerySet, Subquery, Sum
+from django.http import HttpRequest
+from django.template.defaultfilters import pluralize
+from django.urls import reverse
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import SafeString
+
+from usage.models import ApiKey, TokenUsage, UsageBucket
+
+if TYPE_CHECKING:
+    from django.contrib.admin.options import _FieldsetSpec
+
+    # django-stubs makes the admin classes generic; Django's are not subscriptable.
+    ApiKeyAdminBase = admin.ModelAdmin[ApiKey]
+    UsageAdminBase = admin.ModelAdmin[TokenUsage | UsageBucket]
+else:
+    ApiKeyAdminBase = UsageAdminBase = admin.ModelAdmin
+
+# Rows of the usage table on a key's page; the full list is one link away.
+USAGE_ROWS_SHOWN = 20
+# Stands for "no key" (auth off) in the key filter; real prefixes start with "nx-".
+ANONYMOUS = "-"
+
+
+def _usage_url(admin_site: admin.AdminSite, prefix: str) -> str:
+    changelist = reverse(f"{admin_site.name}:usage_tokenusage_changelist")
+    return f"{changelist}?{urlencode({'api_key_prefix': prefix or ANONYMOUS})}"
+
+
+@admin.register(ApiKey)
+class ApiKeyAdmin(ApiKeyAdminBase):
+    list_display = ("name", "prefix_label", "is_active", "created_at", "last_used_at")
+    list_filter = ("is_active",)
+    search_fields = ("name", "prefix")
+    actions = ("deactivate_keys",)
+
+    def get_fieldsets(
+        self, request: HttpRequest, obj: ApiKey | None = None
+    ) -> _FieldsetSpec:
+        if obj is None:
+            return [
+                (
+                    None,
+                    {
+                        "fields": ("name",),
+                        "description": "The key is generated when you save, and "
+                        "shown once: Nexus stores only a hash of it.",
+                    },
+                )
+            ]
+        return [
+            (
+                None,
+                {
+                    "fields": (
+                        "name",
+                        "is_active",
+                        "prefix",
+                        "created_at",
+                        "last_used_at",
+                    )
+                },
+            ),
+            ("Usage", {"fields": ("usage",)}),
+        ]
+
+    def get_readonly_fields(
+        self, request: HttpRequest, obj: ApiKey | None = None
+    ) -> tuple[str, ...]:
+        if obj is None:
+            return ()
+        return ("prefix", "created_at", "last_used_at", "usage")
+
+    def save_model(
+        self, request: HttpRequest, obj: ApiKey, form: Any, change: bool
+    ) -> None:
+        if change:
+            super().save_model(request, obj, form, change)
+            return
+        created, raw_key = ApiKey.objects.create_key(obj.name)
+        # The admin logs the addition and redirects using the instance it built,
+        # so turn that instance into the row create_key saved.
+        obj.pk = created.pk
+        obj.refresh_from_db()
+        obj._state.adding = False
+        self.message_user(
+            request,
+            format_html(
+                "The new key for “{}” is <code>{}</code> — copy it now: Nexus "
+                "keeps only a hash, so it cannot be shown again.",
+                obj.name,
+                raw_key,
+            ),
+            messages.WARNING,
+        )
+
+    @admin.display(description="prefix", ordering="prefix")
+    def prefix_label(self, obj: ApiKey) -> str:
+        return f"{obj.prefix}…"
+
+    @admin.display(description="usage")
+    def usage(self, obj: ApiKey) -> SafeString:
+        rows = TokenUsage.objects.filter(api_key_prefix=obj.prefix)
+        totals = rows.aggregate(
+            requests=Sum("requests"),
+            errors=Sum("errors"),
+            total_tokens=Sum("total_tokens"),
+        )
+        if totals["requests"] is None:
+            return format_html("{}", "No usage recorded for this key yet.")
+        shown = rows.order_by("-total_tokens", "backend", "model")[:USAGE_ROWS_SHOWN]
+        body = format_html_join(
+            "",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>"
+            "<td>{}</td><td>{}</td></tr>",
+            (
+                (
+                    row.backend,
+                    row.model,
+                    row.requests,
+                    row.errors,
+                    row.prompt_tokens,
+                    row.completion_tokens,
+                    row.total_tokens,
+                )
+                for row in shown
+            ),
+        )
+        return format_html(
+            "<table><thead><tr><th>backend</th><th>model</th><th>requests</th>"
+            "<th>errors</th><th>prompt tokens</th><th>completion tokens</th>"
+            "<th>total tokens</th></tr></thead><tbody>{}</tbody></table>"
+            "<p>{} requests, {} errors, {} tokens in all. "
+            '<a href="{}">All usage rows for this key</a></p>',
+            body,
+            totals["requests"],
+            totals["errors"],
+            totals["total_tokens"],
+            _usage_url(self.admin_site, obj.prefix),
+        )
+
+    @admin.action(description="Deactivate selected API keys", permissions=("change",))
+    def deactivate_keys(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
+        count = queryset.filter(is_active=True).update(is_active=False)
+        self.message_user(
+            request, f"Deactivated {count} key{pluralize(count)}.", messages.SUCCESS
+        )
+
+
+class _SeriesFilter(admin.SimpleListFilter):
+    """Filter usage by one series field, offering the values TokenUsage has seen.
+
+    TokenUsage holds one row per series, so its distinct values are cheap to list,
+    where scanning the per-minute buckets for them would not be.
+    """
+
+    field = ""
+
+    def lookups(
+        self, request: HttpRequest, model_admin: admin.ModelAdmin[Any]
+    ) -> list[tuple[str, str]]:
+        values = (
+            TokenUsage.objects.order_by(self.field)
+            .values_list(self.field, flat=True)
+            .distinct()
+        )
+        return [(value, value) for value in values]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value is None:
+            return queryset
+        return queryset.filter(**{self.field: value})
+
+
+class BackendFilter(_SeriesFilter):
+    title = "backend"
+    parameter_name = field = "backend"
+
+
+class ModelFilter(_SeriesFilter):
+    title = "model"
+    parameter_name = field = "model"
+
+
+class ApiKeyFilter(_SeriesFilter):
+    title = "API key"
+    parameter_name = field = "api_key_prefix"
+
+    def lookups(
+        self, request: HttpRequest, model_admin: admin.ModelAdmin[Any]
+    ) -> list[tuple[str, str]]:
+        prefixes = [prefix for prefix, _ in super().lookups(request, model_admin)]
+        names = dict(
+            ApiKey.objects.filter(prefix__in=prefixes).values_list("prefix", "name")
+        )
+        return [
+            (prefix or ANONYMOUS, _describe_key(prefix, names.get(prefix)))
+            for prefix in prefixes
+        ]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value is None:
+            return queryset
+        return queryset.filter(api_key_prefix="" if value == ANONYMOUS else value)
+
+
+def _describe_key(prefix: str, name: str | None) -> str:
+    if not prefix:
+        return "anonymous"
+    if name is None:
+        return f"{prefix}… (deleted)"
+    return f"{name} ({prefix}…)"
+
+
+class UsageAdmin(UsageAdminBase):
+    """Usage is written only by the usage pipeline: operators look, never touch."""
+
+    search_fields = ("backend", "model", "api_key_prefix")
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(
+        self, request: HttpRequest, obj: object | None = None
+    ) -> bool:
+        return False
+
+    def has_delete_permission(
+        self, request: HttpRequest, obj: object | None = None
+    ) -> bool:
+        return False
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        keys = ApiKey.objects.filter(prefix=OuterRef("api_key_prefix"))
+        # Key names ride along in the one list query instead of a lookup per row.
+        rows: QuerySet[Any] = (
+            super()
+            .get_queryset(request)
+            .annotate(
+                key_name=Subquery(keys.values("name")[:1]),
+                key_pk=Subquery(keys.values("pk")[:1]),
+            )
+        )
+        return rows
+
+    @admin.display(description="API key", ordering="api_key_prefix")
+    def key(self, obj: TokenUsage | UsageBucket) -> SafeString | str:
+        label = _describe_key(obj.api_key_prefix, obj.key_name)  # type: ignore[union-attr]
+        if obj.key_pk is None:  # type: ignore[union-attr]
+            return label
+        url = reverse(
+            f"{self.admin_site.name}:usage_apikey_change",
+            args=(obj.key_pk,),  # type: ignore[union-attr]
+        )
+        return format_html('<a href="{}">{}</a>', url, label)
+
+
+@admin.register(TokenUsage)
+class TokenUsageAdmin(UsageAdmin):
+    list_display = (
+        "backend",
+        "model",
+        "key",
+        "requests",
+        "errors",
+        "prompt_tokens",
+        "completion_tokens",
+        "total_tokens",
+        "updated_at",
+    )
+    list_filter = (BackendFilter, ModelFilter, ApiKeyFilter, "updated_at")
+
+
+@admin.register(UsageBucket)
+class UsageBucketAdmin(UsageAdmin):
+    list_display = (
+        "minute",
+        "backend",
+        "model",
+        "key",
+        "requests",
+        "errors",
+        "prompt_tokens",
+        "completion_tokens",
+        "total_tokens",
+    )
+    list_filter = (BackendFilter, ModelFilter, ApiKeyFilter, "minute")
+    date_hierarchy = "minute"
+    # Counting every bucket on each page view is the slow part on a big table.
+    show_full_result_count = False
