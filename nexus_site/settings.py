@@ -12,7 +12,9 @@ Two modes share every code path and differ only here:
 
 from __future__ import annotations
 
+import os
 import secrets
+import tempfile
 from pathlib import Path
 
 import environ
@@ -78,6 +80,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
+    "rest_framework.authtoken",
     "channels",
     "routing",
     "backends",
@@ -121,13 +124,24 @@ else:
     DATABASES = {
         "default": {
             "ENGINE": "django.db.backends.sqlite3",
-            "NAME": NEXUS_STATE_DIR / "nexus.sqlite3",
+            "NAME": Path(
+                env.str(
+                    "NEXUS_SQLITE_PATH", default=str(NEXUS_STATE_DIR / "nexus.sqlite3")
+                )
+            ),
             # The web server, the Celery worker and beat share this file: WAL lets
             # readers run beside a writer, IMMEDIATE avoids upgrade deadlocks.
             "OPTIONS": {
                 "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
                 "transaction_mode": "IMMEDIATE",
                 "timeout": 20,
+            },
+            # A file, not the default in-memory database, so that the server
+            # processes the tests start can share it; one per test session.
+            "TEST": {
+                "NAME": str(
+                    Path(tempfile.gettempdir()) / f"nexus-test-{os.getpid()}.sqlite3"
+                )
             },
         }
     }
@@ -179,6 +193,8 @@ LOGGING = {
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "rest_framework.authentication.SessionAuthentication",
+        # Admin tokens for scripts: `manage.py drf_create_token <staff user>`.
+        "rest_framework.authentication.TokenAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
@@ -242,3 +258,8 @@ NEXUS_DEMO = env.bool("NEXUS_DEMO") if "NEXUS_DEMO" in env else None
 NEXUS_ADMIN_USER = env.str("NEXUS_ADMIN_USER", default="admin")
 NEXUS_ADMIN_EMAIL = env.str("NEXUS_ADMIN_EMAIL", default="admin@localhost")
 NEXUS_ADMIN_PASSWORD = env.str("NEXUS_ADMIN_PASSWORD", default="")
+
+# Seconds between each serving process's check of the routing config version
+# (repairs lost change broadcasts; the only path between processes when the
+# channel layer is in-memory).
+NEXUS_CONFIG_POLL_INTERVAL = env.float("NEXUS_CONFIG_POLL_INTERVAL", default=1.0)

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from django.contrib import admin
-from django.urls import path
+from django.urls import include, path
 
 admin.site.site_header = "Nexus administration"
 admin.site.site_title = "Nexus"
@@ -9,4 +9,5 @@ admin.site.index_title = "Gateway configuration"
 
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("api/v1/", include("routing.api.urls")),
 ]

@@ -65,6 +65,13 @@ class SnapshotHolder(Generic[S]):
             snapshot = self.load()
         return snapshot
 
+    async def current(self) -> S:
+        """The snapshot to route with, from async code (built on first use)."""
+        snapshot = self._snapshot
+        if snapshot is None:
+            snapshot = await database_sync_to_async(self.load)()
+        return snapshot
+
     def load(self) -> S:
         """Build the snapshot now (sync code only: start-up, commands, tests)."""
         snapshot = self._build()

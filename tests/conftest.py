@@ -103,3 +103,101 @@ def mock_backend(
 ) -> MockBackendProcess:
     """One mock backend serving llama3:8b and mistral:7b."""
     return mock_backend_factory("--models", "llama3:8b,mistral:7b", "--name", "mock-a")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def server_env() -> dict[str, str]:
+    """Environment for a child process that shares this test's database."""
+    from django.db import connection
+
+    env = dict(os.environ)
+    db = connection.settings_dict
+    if connection.vendor == "sqlite":
+        env["NEXUS_SQLITE_PATH"] = str(db["NAME"])
+    else:
+        auth = db["USER"] + (f":{db['PASSWORD']}" if db["PASSWORD"] else "")
+        env["DATABASE_URL"] = (
+            f"postgres://{auth}@{db['HOST']}:{db['PORT'] or 5432}/{db['NAME']}"
+        )
+    return env
+
+
+@dataclass
+class NexusServer:
+    """A Daphne process serving Nexus on the test database."""
+
+    process: subprocess.Popen[str]
+    base_url: str
+    log: list[str]
+
+    def stop(self) -> None:
+        MockBackendProcess(self.process, self.base_url).stop()
+
+
+def start_nexus_server(**extra_env: str) -> NexusServer:
+    import threading
+    import time
+
+    import httpx
+
+    port = _free_port()
+    env = server_env() | extra_env
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "daphne",
+            "-b",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "nexus_site.asgi:application",
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    )
+    log: list[str] = []
+
+    def drain() -> None:
+        assert process.stdout is not None
+        log.extend(process.stdout)  # one line at a time, until the process exits
+
+    threading.Thread(target=drain, daemon=True).start()
+    server = NexusServer(process, f"http://127.0.0.1:{port}", log)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            break
+        try:
+            httpx.get(f"{server.base_url}/admin/login/", timeout=1)
+            return server
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    server.stop()
+    raise RuntimeError("Nexus server did not start:\n" + "".join(log))
+
+
+@pytest.fixture
+def nexus_server_factory() -> Iterator[Callable[..., NexusServer]]:
+    """Start Daphne processes serving Nexus; needs committed data (transaction=True)."""
+    started: list[NexusServer] = []
+
+    def start(**extra_env: str) -> NexusServer:
+        server = start_nexus_server(**extra_env)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

@@ -1,0 +1,63 @@
+"""Render a routing decision record as text for operators (nexus_route)."""
+
+from __future__ import annotations
+
+from routing.core import DecisionDict
+
+
+def render_decision(decision: DecisionDict, *, explain: bool) -> str:
+    """Return the choice (or the error) and, when explaining, how it was reached."""
+    lines: list[str] = []
+    error = decision["error"]
+    chosen = decision["chosen"]
+    if chosen is not None:
+        via = decision["via"]
+        route = f"{decision['requested_model']} -> {chosen['backend']}"
+        if via and via != "direct":
+            route += f" serving {chosen['model']} (via {via})"
+        lines.append(route)
+    elif error is not None:
+        lines.append(
+            f"error {error['status']} {error['code'] or error['type']}: "
+            f"{error['message']}"
+        )
+    if not explain:
+        return "\n".join(lines)
+
+    req = decision["requirements"]
+    needs = [name for name in ("vision", "tools", "json_mode") if req[f"needs_{name}"]]  # type: ignore[literal-required]
+    lines += [
+        "",
+        (
+            f"strategy {decision['strategy']}, config version "
+            f"{decision['snapshot_version']}"
+        ),
+        f"needs: ~{req['estimated_tokens']} tokens"
+        + (", " + ", ".join(needs) if needs else ""),
+    ]
+    for attempt in decision["attempts"]:
+        lines.append("")
+        lines.append(
+            f"{attempt['model']} ({attempt['role']}): "
+            f"{attempt['outcome'].replace('_', ' ')}"
+        )
+        if attempt["candidates"]:
+            lines.append(
+                f"  {'candidate':<24} {'prio':>4} {'load':>4} "
+                f"{'latency':>9}  score (prio+load+latency)"
+            )
+            for c in attempt["candidates"]:
+                latency = "-" if c["latency_ms"] is None else f"{c['latency_ms']:g}ms"
+                s = c["score"]
+                lines.append(
+                    f"  {c['backend']:<24} {c['priority']:>4} {c['in_flight']:>4} "
+                    f"{latency:>9}  {s['total']:g} = {s['priority']:g} + "
+                    f"{s['load']:g} + {s['latency']:g}"
+                )
+        for excluded in attempt["excluded"]:
+            lines.append(f"  excluded {excluded['backend']}: {excluded['detail']}")
+    if chosen is not None:
+        lines.append("")
+        retry = ", ".join(t["backend"] for t in decision["retry_order"]) or "none"
+        lines.append(f"chosen: {chosen['backend']}; retry order: {retry}")
+    return "\n".join(lines)

@@ -1,0 +1,86 @@
+"""The only bridge from the database to the router core: build_snapshot()."""
+
+from __future__ import annotations
+
+import os
+
+from django.db import transaction
+
+from backends.models import Backend
+from routing.core import (
+    BackendSpec,
+    ModelSpec,
+    Policy,
+    RouterSnapshot,
+    apply_overrides,
+    make_policy,
+)
+from routing.models import Alias, FallbackChain, RoutingPolicy
+from routing.versioning import read_config_version
+
+
+def build_snapshot() -> RouterSnapshot:
+    """Read every routing table into an immutable RouterSnapshot (sync code only).
+
+    The version is read before the data, so a snapshot is never older than the
+    version it claims: a change committed in between makes the data newer, and
+    the announced version triggers one more (harmless) rebuild.
+    """
+    with transaction.atomic():
+        version = read_config_version()
+        backends = [
+            _backend_spec(backend)
+            for backend in Backend.objects.prefetch_related("models")
+        ]
+        aliases = dict(Alias.objects.values_list("name", "target"))
+        fallbacks = {
+            chain.model: [step.model for step in chain.steps.all()]
+            for chain in FallbackChain.objects.prefetch_related("steps")
+        }
+        stored = RoutingPolicy.objects.filter(pk=RoutingPolicy.SINGLETON_PK).first()
+    policy = _policy(stored) if stored is not None else Policy()
+    return RouterSnapshot.build(
+        version=version,
+        backends=backends,
+        aliases=aliases,
+        fallbacks=fallbacks,
+        policy=apply_overrides(policy, os.environ),
+    )
+
+
+def _backend_spec(backend: Backend) -> BackendSpec:
+    return BackendSpec(
+        id=backend.pk,
+        name=backend.name,
+        base_url=backend.base_url,
+        kind=backend.kind,
+        api_key=backend.api_key,
+        enabled=backend.enabled,
+        priority=backend.priority,
+        max_concurrency=backend.max_concurrency,
+        request_timeout=backend.request_timeout,
+        status=backend.status,
+        avg_latency_ms=backend.avg_latency_ms,
+        models=tuple(
+            ModelSpec(
+                name=model.name,
+                context_length=model.context_length,
+                supports_vision=model.supports_vision,
+                supports_tools=model.supports_tools,
+                supports_json_mode=model.supports_json_mode,
+                loaded=model.loaded,
+                enabled=model.enabled,
+            )
+            for model in backend.models.all()
+        ),
+    )
+
+
+def _policy(stored: RoutingPolicy) -> Policy:
+    return make_policy(
+        strategy=stored.strategy,
+        weight_priority=stored.weight_priority,
+        weight_load=stored.weight_load,
+        weight_latency=stored.weight_latency,
+        max_retries=stored.max_retries,
+    )
