@@ -1,0 +1,67 @@
+"""A fake OpenAI-compatible model server, for tests, demo mode and benchmarks.
+
+Run it with ``manage.py nexus_mock_backend --models a,b``. Once it accepts
+connections it prints ``... listening on http://HOST:PORT ...`` (flushed).
+
+Endpoints, in OpenAI's wire format:
+
+- ``GET /v1/models``, ``GET /v1/models/{id}``;
+- ``POST /v1/chat/completions`` and ``POST /v1/completions``, plain or streamed
+  (SSE; ``stream_options.include_usage`` adds the final usage chunk);
+- ``POST /v1/embeddings`` (``encoding_format`` float or base64, ``dimensions``).
+
+Replies are deterministic and say who answered what: ``"[<name>/<model>] echo:
+<last user text>"``; token counting and embeddings are described in
+``backends.mock.replies``. A stream has ``chunks`` content chunks (the first
+carries the role, the last the finish reason) whose text joins to the
+non-streamed reply. Every /v1 response has ``X-Mock-Backend: <name>`` and, when
+the request had ``X-Request-ID``, ``X-Mock-Request-Id`` echoing it. Errors use
+OpenAI's shape: 400 bad JSON or fields, 401 wrong or missing key (only with
+``api_key``), 404 unknown model or path, 405 wrong method.
+
+Knobs (CLI ``--latency-ms``, runtime ``latency_ms``; see ``MockConfig``):
+``name``, ``models``, ``latency_ms`` (before the response head of every /v1
+request), ``chunks``, ``chunk_delay_ms`` (between stream chunks), ``embedding_dim``,
+``api_key``, ``fail_status`` + ``error_rate`` (that fraction of valid inference
+requests fails, drawn from a ``seed``-ed RNG), ``drop_after_chunks`` (send K
+chunks of a stream then close the connection without ending the chunked body),
+``record_requests`` (how many recent requests the stats keep).
+
+Control API, on the same port, never authenticated nor counted in the stats:
+
+- ``GET /_mock/stats``: requests per path, responses per status, in-flight
+  requests, open connections, client disconnects (the client left before the
+  response was complete: during the latency or mid-stream), dropped streams,
+  injected failures, and the last requests (method, path, headers, body, status).
+- ``GET /_mock/config``; ``POST /_mock/config`` with any knobs, answered with the
+  effective configuration. ``{"refuse_for_ms": N}`` stops listening (connects get
+  ECONNREFUSED and open connections close) and listens again on the same port
+  after N ms; ``{"refuse": true}`` refuses until the process gets SIGUSR1.
+- ``POST /_mock/reset``: zero the stats and go back to the start-up configuration
+  and RNG seed, so tests sharing one process do not depend on their order.
+
+While refusing, the port stays bound (not listening), so nobody else takes it.
+On the command line, ``--refuse`` starts refusing until SIGUSR1 and
+``--refuse-for-ms N`` refuses for the first N ms; the start-up line is printed
+either way. ``--fail-status`` without ``--error-rate`` fails every inference
+request. SIGTERM and SIGINT stop it at once with exit status 0.
+
+Streams without delays, and every reply without latency, are written in one go
+with no task per request; that keeps it at tens of thousands of requests a
+second on one core, so it is not the bottleneck of a proxy benchmark.
+"""
+
+from __future__ import annotations
+
+from backends.mock.config import ConfigError, MockConfig
+from backends.mock.listener import ListenError
+from backends.mock.runner import run_mock_backend
+from backends.mock.server import MockBackend
+
+__all__ = [
+    "ConfigError",
+    "ListenError",
+    "MockBackend",
+    "MockConfig",
+    "run_mock_backend",
+]

@@ -1,0 +1,151 @@
+"""The mock backend's knobs: one validated configuration, replaced as a whole."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from backends.mock.jobs import MAX_EMBEDDING_DIM
+
+MAX_CHUNKS = 10_000
+MAX_RECORDED_REQUESTS = 10_000
+
+
+class ConfigError(ValueError):
+    """A knob was given a value it cannot take; ``knob`` names it."""
+
+    def __init__(self, knob: str, message: str) -> None:
+        super().__init__(message)
+        self.knob = knob
+
+
+@dataclass(frozen=True)
+class MockConfig:
+    """Everything that shapes the mock's answers; swapped whole at runtime.
+
+    Times are in milliseconds. ``api_key`` None means no authentication;
+    ``drop_after_chunks`` None means streams are never cut.
+    """
+
+    models: tuple[str, ...] = ()
+    name: str = "mock"
+    latency_ms: float = 0.0
+    chunks: int = 4
+    chunk_delay_ms: float = 0.0
+    embedding_dim: int = 8
+    api_key: str | None = None
+    fail_status: int = 500
+    error_rate: float = 0.0
+    drop_after_chunks: int | None = None
+    seed: int = 0
+    record_requests: int = 20
+
+    @classmethod
+    def from_knobs(cls, knobs: Mapping[str, Any]) -> MockConfig:
+        """Build a configuration from knob values; ``models`` is required."""
+        if not knobs.get("models"):
+            raise ConfigError("models", "At least one model is required (--models).")
+        return cls().updated(knobs)
+
+    def updated(self, changes: Mapping[str, Any]) -> MockConfig:
+        """Return a copy with ``changes`` applied; raise ConfigError on a bad value.
+
+        Knob names may use dashes or underscores (``latency-ms`` or ``latency_ms``).
+        """
+        values: dict[str, Any] = {}
+        for raw_key, raw_value in changes.items():
+            key = str(raw_key).replace("-", "_")
+            validate = _VALIDATORS.get(key)
+            if validate is None:
+                known = ", ".join(sorted(_VALIDATORS))
+                raise ConfigError(key, f"Unknown knob {key!r}. Known knobs: {known}.")
+            values[key] = validate(key, raw_value)
+        return dataclasses.replace(self, **values)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the knobs as JSON-ready values."""
+        return {
+            name: list(value) if isinstance(value, tuple) else value
+            for name, value in dataclasses.asdict(self).items()
+        }
+
+
+def _check_number(key: str, value: Any) -> float:
+    # bool is an int subclass, and `true` for a delay is a mistake worth reporting.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(key, f"{key} must be a number, not {value!r}.")
+    return value
+
+
+def _int_knob(low: int, high: int) -> Callable[[str, Any], int]:
+    def validate(key: str, value: Any) -> int:
+        number = _check_number(key, value)
+        if not float(number).is_integer() or not low <= number <= high:
+            raise ConfigError(
+                key,
+                f"{key} must be a whole number from {low} to {high}, not {value!r}.",
+            )
+        return int(number)
+
+    return validate
+
+
+def _float_knob(low: float, high: float) -> Callable[[str, Any], float]:
+    def validate(key: str, value: Any) -> float:
+        number = _check_number(key, value)
+        if not low <= number <= high:
+            raise ConfigError(key, f"{key} must be from {low:g} to {high:g}.")
+        return float(number)
+
+    return validate
+
+
+def _optional(
+    validate: Callable[[str, Any], Any],
+) -> Callable[[str, Any], Any]:
+    def validate_optional(key: str, value: Any) -> Any:
+        return None if value is None else validate(key, value)
+
+    return validate_optional
+
+
+def _validate_header_text(key: str, value: Any) -> str:
+    # The name goes into a response header and the key is compared with one, so
+    # both must be printable Latin-1 without line breaks.
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(key, f"{key} must be a non-empty string.")
+    if not value.isprintable() or not value.isascii():
+        raise ConfigError(key, f"{key} must be printable ASCII text.")
+    return value.strip()
+
+
+def _validate_models(key: str, value: Any) -> tuple[str, ...]:
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(
+        isinstance(item, str) for item in items
+    ):
+        raise ConfigError(
+            key, f"{key} must be a comma-separated string or a list of strings."
+        )
+    models = tuple(dict.fromkeys(item.strip() for item in items if item.strip()))
+    if not models:
+        raise ConfigError(key, f"{key} must name at least one model.")
+    return models
+
+
+_VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
+    "models": _validate_models,
+    "name": _validate_header_text,
+    "latency_ms": _float_knob(0, 3_600_000),
+    "chunks": _int_knob(1, MAX_CHUNKS),
+    "chunk_delay_ms": _float_knob(0, 3_600_000),
+    "embedding_dim": _int_knob(1, MAX_EMBEDDING_DIM),
+    "api_key": _optional(_validate_header_text),
+    "fail_status": _int_knob(400, 599),
+    "error_rate": _float_knob(0, 1),
+    "drop_after_chunks": _optional(_int_knob(0, MAX_CHUNKS)),
+    "seed": _int_knob(-(2**63), 2**63 - 1),
+    "record_requests": _int_knob(0, MAX_RECORDED_REQUESTS),
+}

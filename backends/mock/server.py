@@ -1,0 +1,413 @@
+"""The mock backend's server: routes, failure injection, stats and the control API."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from backends.mock.config import ConfigError, MockConfig
+from backends.mock.http_parsing import Request
+from backends.mock.jobs import (
+    ApiError,
+    EmbeddingJob,
+    Generation,
+    parse_chat_request,
+    parse_completion_request,
+    parse_embedding_request,
+    parse_json_object,
+)
+from backends.mock.listener import Listener
+from backends.mock.protocol import Header, HttpConnection
+from backends.mock.replies import (
+    encode_json,
+    render_embeddings,
+    render_generation,
+    render_stream,
+)
+from backends.mock.stats import MockStats, RecordedRequest
+
+logger = logging.getLogger(__name__)
+
+SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
+CONTROL_PREFIX = "/_mock/"
+_INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+
+
+@dataclass(frozen=True, slots=True)
+class _Stream:
+    blocks: list[bytes]
+    tail: bytes
+
+
+class MockBackend:
+    """An OpenAI-compatible model server that echoes, on purpose, what it is asked."""
+
+    def __init__(self, config: MockConfig) -> None:
+        self.initial_config = config
+        self.stats = MockStats(recorded=deque(maxlen=config.record_requests))
+        self._connections: set[HttpConnection] = set()
+        self._ids = itertools.count(1)
+        self._started = int(time.time())
+        self._listener: Listener | None = None
+        self._relisten: asyncio.TimerHandle | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self._apply_config(config)
+
+    # Lifecycle
+
+    async def start(self, host: str, port: int, refuse_ms: float | None) -> str:
+        """Bind (and unless refusing, listen); return the base URL."""
+        loop = asyncio.get_running_loop()
+        self._listener = Listener(host, port, lambda: HttpConnection(self))
+        self._listener.bind()
+        if refuse_ms is None:
+            await self._listener.listen()
+        elif refuse_ms > 0:
+            self._relisten = loop.call_later(refuse_ms / 1000, self.listen_again)
+        return self._listener.url
+
+    def listen_again(self) -> None:
+        """Accept connections again after refusing them."""
+        if self._relisten is not None:
+            self._relisten.cancel()
+            self._relisten = None
+        if self._listener is not None:
+            task = asyncio.get_running_loop().create_task(self._listen())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _listen(self) -> None:
+        assert self._listener is not None
+        try:
+            await self._listener.listen()
+        except OSError as error:
+            # Another process took the port while we refused; say so and stay down.
+            logger.error("Mock backend cannot listen again: %s", error)
+
+    def refuse(self, duration_ms: float | None) -> None:
+        """Refuse connections for ``duration_ms`` (None: until listen_again()).
+
+        Open connections are closed too, after any response in progress, as they
+        would be if the backend went down.
+        """
+        if self._listener is None:
+            return
+        self._listener.refuse()
+        for conn in list(self._connections):
+            conn.close_after_response = True
+            if conn.is_idle:
+                conn.close()
+        if self._relisten is not None:
+            self._relisten.cancel()
+            self._relisten = None
+        if duration_ms is not None:
+            loop = asyncio.get_running_loop()
+            self._relisten = loop.call_later(duration_ms / 1000, self.listen_again)
+
+    def stop(self) -> None:
+        """Close the listener and drop every connection at once."""
+        if self._relisten is not None:
+            self._relisten.cancel()
+        if self._listener is not None:
+            self._listener.close()
+        for conn in list(self._connections):
+            conn.abort()
+
+    # HttpApp interface
+
+    def connection_opened(self, conn: HttpConnection) -> None:
+        self._connections.add(conn)
+        self.stats.open_connections += 1
+        self.stats.connections_total += 1
+
+    def connection_closed(self, conn: HttpConnection) -> None:
+        self._connections.discard(conn)
+        self.stats.open_connections -= 1
+
+    def render_error(self, status: int, message: str) -> tuple[bytes, list[Header]]:
+        return ApiError(status, message).render(), self._headers
+
+    def handle(
+        self, request: Request, conn: HttpConnection
+    ) -> Coroutine[Any, Any, None] | None:
+        """Answer a request now, or return a coroutine that will."""
+        if request.path.startswith(CONTROL_PREFIX):
+            self._handle_control(request, conn)
+            return None
+        config = self.config
+        stats = self.stats
+        stats.requests[request.path] += 1
+        record = None
+        if config.record_requests:
+            record = RecordedRequest(
+                request.method,
+                request.target,
+                request.headers,
+                request.body,
+                time.time(),
+            )
+            stats.recorded.append(record)
+        headers = self._headers
+        request_id = request.headers.get("x-request-id")
+        if request_id is not None:
+            headers = [*headers, ("X-Mock-Request-Id", request_id)]
+        reply: bytes | _Stream | ApiError
+        try:
+            reply = self._answer(request, config)
+        except ApiError as error:
+            reply = error
+        status = 200 if isinstance(reply, _Stream) else _status_of(reply)
+        stats.responses[status] += 1
+        if record is not None:
+            record.status = status
+        # Answer without a task when nothing has to wait: benchmarks live here.
+        if config.latency_ms <= 0:
+            if not isinstance(reply, _Stream):
+                self._send(conn, reply, headers)
+                return None
+            if config.chunk_delay_ms <= 0 and config.drop_after_chunks is None:
+                chunks = [*reply.blocks, reply.tail]
+                conn.send_stream(200, SSE_CONTENT_TYPE, headers, chunks)
+                return None
+        return self._deliver(conn, reply, headers, config)
+
+    # Answers
+
+    def _answer(self, request: Request, config: MockConfig) -> bytes | _Stream:
+        if config.api_key is not None:
+            self._check_api_key(request, config.api_key)
+        path = request.path
+        if path == "/v1/models" or path.startswith("/v1/models/"):
+            _require_method(request, "GET")
+            if path == "/v1/models":
+                return self._models_body
+            model_id = path[len("/v1/models/") :]
+            if model_id not in config.models:
+                raise ApiError(
+                    404,
+                    f"The model '{model_id}' does not exist or you do not have "
+                    "access to it.",
+                    param="model",
+                    code="model_not_found",
+                )
+            return encode_json(self._describe_model(model_id))
+        if path not in _INFERENCE_PATHS:
+            raise ApiError(404, f"Invalid URL ({request.method} {path})")
+        _require_method(request, "POST")
+        payload = parse_json_object(request.body)
+        job: Generation | EmbeddingJob
+        if path == "/v1/embeddings":
+            job = parse_embedding_request(payload, config.models, config.embedding_dim)
+        elif path == "/v1/chat/completions":
+            job = parse_chat_request(payload, config.name, config.models)
+        else:
+            job = parse_completion_request(payload, config.name, config.models)
+        self._inject_failure(config)
+        if isinstance(job, EmbeddingJob):
+            return render_embeddings(job)
+        prefix = "chatcmpl" if job.kind == "chat" else "cmpl"
+        completion_id = f"{prefix}-mock-{next(self._ids)}"
+        created = int(time.time())
+        if job.stream:
+            return _Stream(*render_stream(job, completion_id, created, config.chunks))
+        return render_generation(job, completion_id, created)
+
+    def _check_api_key(self, request: Request, api_key: str) -> None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiError(
+                401,
+                "You didn't provide an API key. Send it in an Authorization header "
+                "using Bearer auth (Authorization: Bearer YOUR_KEY).",
+                code="invalid_api_key",
+            )
+        if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    def _inject_failure(self, config: MockConfig) -> None:
+        rate = config.error_rate
+        if rate <= 0 or (rate < 1 and self._rng.random() >= rate):
+            return
+        self.stats.injected_failures += 1
+        raise ApiError(
+            config.fail_status,
+            f"Injected failure: mock backend '{config.name}' answers "
+            f"{config.fail_status} to {rate:.0%} of inference requests.",
+            code="mock_injected_failure",
+        )
+
+    def _send(
+        self, conn: HttpConnection, reply: bytes | ApiError, headers: list[Header]
+    ) -> None:
+        if isinstance(reply, ApiError):
+            conn.send(reply.status, reply.render(), [*headers, *reply.headers])
+        else:
+            conn.send(200, reply, headers)
+
+    async def _deliver(
+        self,
+        conn: HttpConnection,
+        reply: bytes | ApiError | _Stream,
+        headers: list[Header],
+        config: MockConfig,
+    ) -> None:
+        self.stats.in_flight += 1
+        try:
+            if not await conn.sleep(config.latency_ms / 1000):
+                self.stats.client_disconnects += 1
+                return
+            if isinstance(reply, _Stream):
+                await self._stream(conn, reply, headers, config)
+            else:
+                self._send(conn, reply, headers)
+        finally:
+            self.stats.in_flight -= 1
+
+    async def _stream(
+        self,
+        conn: HttpConnection,
+        reply: _Stream,
+        headers: list[Header],
+        config: MockConfig,
+    ) -> None:
+        drop_after = config.drop_after_chunks
+        delay = config.chunk_delay_ms / 1000
+        conn.start_stream(200, SSE_CONTENT_TYPE, headers)
+        for index, block in enumerate(reply.blocks):
+            if drop_after is not None and index >= drop_after:
+                conn.cut()
+                self.stats.dropped_streams += 1
+                return
+            if index and delay > 0:
+                await conn.sleep(delay)
+            if not conn.is_open:
+                self.stats.client_disconnects += 1
+                return
+            conn.send_chunk(block)
+            await conn.drain()
+        if not conn.is_open:
+            self.stats.client_disconnects += 1
+            return
+        conn.send_chunk(reply.tail)
+        if drop_after is not None:
+            conn.cut()
+            self.stats.dropped_streams += 1
+            return
+        conn.end_stream()
+
+    # Control API
+
+    def _handle_control(self, request: Request, conn: HttpConnection) -> None:
+        route = request.path[len(CONTROL_PREFIX) :].rstrip("/")
+        refuse_for: float | None = None
+        refuse_forever = False
+        try:
+            if route == "stats":
+                _require_method(request, "GET")
+                body = self.describe_stats()
+            elif route == "config" and request.method == "GET":
+                body = self.describe_config()
+            elif route == "config":
+                _require_method(request, "POST", "GET")
+                changes = parse_json_object(request.body)
+                refuse_for, refuse_forever = _pop_refuse(changes)
+                self._change_config(changes)
+                body = self.describe_config()
+            elif route == "reset":
+                _require_method(request, "POST")
+                self.stats.reset()
+                self._apply_config(self.initial_config)
+                body = self.describe_config()
+            else:
+                raise ApiError(404, f"Invalid URL ({request.method} {request.path})")
+        except ApiError as error:
+            conn.send(error.status, error.render(), [*self._headers, *error.headers])
+            return
+        refusing = refuse_forever or refuse_for is not None
+        if refusing:
+            body["listening"] = False
+            conn.close_after_response = True
+        conn.send(200, encode_json(body), self._headers)
+        if refusing:
+            self.refuse(refuse_for)
+
+    def _change_config(self, changes: dict[str, Any]) -> None:
+        try:
+            config = self.config.updated(changes)
+        except ConfigError as error:
+            raise ApiError(400, str(error), param=error.knob) from None
+        self._apply_config(config, reseed="seed" in changes)
+
+    def _apply_config(self, config: MockConfig, reseed: bool = True) -> None:
+        self.config = config
+        if reseed:
+            self._rng = random.Random(config.seed)
+        if self.stats.recorded.maxlen != config.record_requests:
+            self.stats.recorded = deque(
+                self.stats.recorded, maxlen=config.record_requests
+            )
+        self._headers: list[Header] = [("X-Mock-Backend", config.name)]
+        self._models_body = encode_json(
+            {
+                "object": "list",
+                "data": [self._describe_model(model) for model in config.models],
+            }
+        )
+
+    def _describe_model(self, model: str) -> dict[str, Any]:
+        return {
+            "id": model,
+            "object": "model",
+            "created": self._started,
+            "owned_by": self.config.name,
+        }
+
+    def describe_config(self) -> dict[str, Any]:
+        """Return the effective configuration, and whether connections are taken."""
+        listening = self._listener is not None and self._listener.is_listening
+        return {**self.config.as_dict(), "listening": listening}
+
+    def describe_stats(self) -> dict[str, Any]:
+        """Return the stats as JSON-ready values."""
+        return {"name": self.config.name, **self.stats.as_dict()}
+
+
+def _require_method(request: Request, *allowed: str) -> None:
+    if request.method not in allowed:
+        raise ApiError(
+            405,
+            f"Method {request.method} is not allowed for {request.path}; use "
+            f"{' or '.join(allowed)}.",
+            headers=(("Allow", ", ".join(allowed)),),
+        )
+
+
+def _pop_refuse(changes: dict[str, Any]) -> tuple[float | None, bool]:
+    """Take the refuse actions out of a config change; they are not knobs."""
+    refuse_for = changes.pop("refuse_for_ms", None)
+    refuse = changes.pop("refuse", False)
+    if refuse_for is not None and (
+        isinstance(refuse_for, bool)
+        or not isinstance(refuse_for, int | float)
+        or not 0 < refuse_for <= 3_600_000
+    ):
+        raise ApiError(
+            400,
+            "refuse_for_ms must be a number of milliseconds from 1 to 3600000.",
+            param="refuse_for_ms",
+        )
+    if not isinstance(refuse, bool):
+        raise ApiError(400, "refuse must be a boolean.", param="refuse")
+    return refuse_for, refuse
+
+
+def _status_of(reply: bytes | ApiError) -> int:
+    return reply.status if isinstance(reply, ApiError) else 200

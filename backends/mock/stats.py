@@ -1,0 +1,71 @@
+"""What the mock backend has seen: counters, gauges and recent requests."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_RECORDED_BODY = 64 * 1024
+
+
+@dataclass(slots=True)
+class RecordedRequest:
+    """A request as it arrived, kept for tests to inspect."""
+
+    method: str
+    target: str
+    headers: dict[str, str]
+    body: bytes
+    received_at: float
+    status: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "path": self.target,
+            "headers": self.headers,
+            "body": self.body[:MAX_RECORDED_BODY].decode("utf-8", "replace"),
+            "status": self.status,
+            "received_at": self.received_at,
+        }
+
+
+@dataclass
+class MockStats:
+    """Counters since start or the last reset; gauges are never reset."""
+
+    requests: Counter[str] = field(default_factory=Counter)
+    responses: Counter[int] = field(default_factory=Counter)
+    connections_total: int = 0
+    client_disconnects: int = 0
+    dropped_streams: int = 0
+    injected_failures: int = 0
+    recorded: deque[RecordedRequest] = field(default_factory=deque)
+    in_flight: int = 0
+    open_connections: int = 0
+
+    def reset(self) -> None:
+        """Zero the counters and forget recorded requests."""
+        self.requests.clear()
+        self.responses.clear()
+        self.recorded.clear()
+        self.connections_total = 0
+        self.client_disconnects = 0
+        self.dropped_streams = 0
+        self.injected_failures = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the stats as JSON-ready values, oldest recorded request first."""
+        return {
+            "requests_total": sum(self.requests.values()),
+            "requests": dict(self.requests),
+            "responses": {str(code): n for code, n in sorted(self.responses.items())},
+            "in_flight": self.in_flight,
+            "open_connections": self.open_connections,
+            "connections_total": self.connections_total,
+            "client_disconnects": self.client_disconnects,
+            "dropped_streams": self.dropped_streams,
+            "injected_failures": self.injected_failures,
+            "last_requests": [record.as_dict() for record in self.recorded],
+        }
