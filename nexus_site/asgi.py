@@ -1,4 +1,4 @@
-"""ASGI entry point: Channels' ProtocolTypeRouter in front of Django."""
+"""ASGI entry point: the gateway's /v1 proxy beside Django (Channels)."""
 
 from __future__ import annotations
 
@@ -16,27 +16,36 @@ django_asgi_app = get_asgi_application()
 from channels.routing import ProtocolTypeRouter
 
 from routing import live
+from routing.proxy import ProxyApp
 
 Scope = dict[str, Any]
 
 
-class KeepRoutingCurrent:
-    """Start this process's snapshot refresh tasks on its event loop.
+class NexusApplication:
+    """Send /v1 to the proxy and everything else to Django; run background tasks.
 
-    Daphne has no lifespan events, so the tasks start with the first request
-    (a cheap check on every later one); servers that send lifespan events
-    (uvicorn) start them before the first request and stop them at shutdown.
+    The proxy is dispatched here with one string comparison rather than through
+    a URL router, because it is the hot path. Daphne sends no lifespan events,
+    so the per-process background tasks (snapshot refresh) start with the first
+    request (a cheap check on every later one); servers that do send them
+    (uvicorn) start the tasks before the first request and stop them at exit.
     """
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
+    def __init__(self, proxy: Any, django: Any) -> None:
+        self.proxy = proxy
+        self.django = django
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
         live.snapshots.ensure_started()
-        await self.app(scope, receive, send)
+        if scope["type"] == "http" and (
+            scope["path"].startswith("/v1/") or scope["path"] == "/v1"
+        ):
+            await self.proxy(scope, receive, send)
+        else:
+            await self.django(scope, receive, send)
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         while True:
@@ -50,4 +59,6 @@ class KeepRoutingCurrent:
                 return
 
 
-application = KeepRoutingCurrent(ProtocolTypeRouter({"http": django_asgi_app}))
+application = NexusApplication(
+    ProxyApp(), ProtocolTypeRouter({"http": django_asgi_app})
+)

@@ -263,3 +263,17 @@ NEXUS_ADMIN_PASSWORD = env.str("NEXUS_ADMIN_PASSWORD", default="")
 # (repairs lost change broadcasts; the only path between processes when the
 # channel layer is in-memory).
 NEXUS_CONFIG_POLL_INTERVAL = env.float("NEXUS_CONFIG_POLL_INTERVAL", default=1.0)
+
+# --- Proxy ------------------------------------------------------------------
+
+# Require a Nexus client key (Authorization: Bearer nx-...) on /v1/*. Turn off
+# only on a trusted network.
+NEXUS_AUTH_REQUIRED = env.bool("NEXUS_AUTH_REQUIRED", default=True)
+# Request bodies larger than this get a 413.
+NEXUS_MAX_BODY_BYTES = env.int("NEXUS_MAX_BODY_BYTES", default=10 * 1024 * 1024)
+# The shared upstream HTTP client of each serving process.
+NEXUS_UPSTREAM_CONNECT_TIMEOUT = env.float(
+    "NEXUS_UPSTREAM_CONNECT_TIMEOUT", default=5.0
+)
+NEXUS_UPSTREAM_MAX_CONNECTIONS = env.int("NEXUS_UPSTREAM_MAX_CONNECTIONS", default=1000)
+NEXUS_UPSTREAM_MAX_KEEPALIVE = env.int("NEXUS_UPSTREAM_MAX_KEEPALIVE", default=200)

@@ -10,12 +10,29 @@ from django.dispatch import receiver
 from backends.models import Backend, BackendModel
 from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
 from routing.versioning import mark_config_changed
+from usage.models import ApiKey
 
-ROUTING_MODELS = (Backend, BackendModel, Alias, FallbackChain, ChainStep, RoutingPolicy)
+# Client keys are part of what the proxy reads (which keys are valid), so their
+# changes travel the same way as routing data.
+GATEWAY_MODELS = (
+    Backend,
+    BackendModel,
+    Alias,
+    FallbackChain,
+    ChainStep,
+    RoutingPolicy,
+    ApiKey,
+)
+# Saving only these fields changes nothing a serving process reads.
+_BOOKKEEPING_FIELDS = frozenset({"last_used_at"})
 
 
 @receiver(post_save)
 @receiver(post_delete)
-def routing_data_changed(sender: type, using: str, **kwargs: Any) -> None:
-    if sender in ROUTING_MODELS:
-        mark_config_changed(using)
+def gateway_data_changed(sender: type, using: str, **kwargs: Any) -> None:
+    if sender not in GATEWAY_MODELS:
+        return
+    update_fields = kwargs.get("update_fields")
+    if update_fields and set(update_fields) <= _BOOKKEEPING_FIELDS:
+        return
+    mark_config_changed(using)

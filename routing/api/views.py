@@ -26,6 +26,6 @@ class RouteExplainView(APIView):
         except InvalidRequest as error:
             return Response(error.to_openai(), status=error.status)
         decision = live.router.explain(
-            requirements, live.snapshots.snapshot, live.stats
+            requirements, live.snapshots.snapshot.routes, live.stats
         )
         return Response(decision.as_dict())
