@@ -72,6 +72,11 @@ class SnapshotHolder(Generic[S]):
             snapshot = await database_sync_to_async(self.load)()
         return snapshot
 
+    def forget(self) -> None:
+        """Drop the snapshot so that its next use rebuilds it from the database."""
+        self._snapshot = None
+        self._wanted = 0
+
     def load(self) -> S:
         """Build the snapshot now (sync code only: start-up, commands, tests)."""
         snapshot = self._build()

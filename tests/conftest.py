@@ -38,6 +38,16 @@ def _assert_test_mode(django_db_setup: None) -> None:
         assert settings.CELERY_BROKER_URL.startswith("filesystem://")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_gateway_state() -> Iterator[None]:
+    """Each test starts without this process's cached gateway state."""
+    from routing import live
+
+    live.snapshots.forget()
+    yield
+    live.snapshots.forget()
+
+
 @dataclass
 class MockBackendProcess:
     """A running ``manage.py nexus_mock_backend`` child process."""
