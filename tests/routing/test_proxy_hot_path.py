@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -44,7 +45,14 @@ def test_a_streamed_request_makes_no_database_queries(
         status, text = asyncio.run(stream_once())
 
     assert status == 200
-    assert "mock-a/llama3:8b" in text and text.rstrip().endswith("data: [DONE]")
+    assert text.rstrip().endswith("data: [DONE]")
+    chunks = [
+        json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")
+    ]
+    content = "".join(
+        c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
+    )
+    assert content == "[mock-a/llama3:8b] echo: no queries please"
     (event,) = buffer.drain()
     assert event.backend == "mock-a" and event.streamed and not event.estimated
     assert event.prompt_tokens > 0 and event.completion_tokens > 0
