@@ -19,6 +19,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
+import openai
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -201,6 +202,13 @@ def test_run_command_brings_up_everything_and_ctrl_c_stops_it(
             models = httpx.get(f"{url}/v1/models", timeout=5).json()
             assert {m["id"] for m in models["data"]} >= {"llama3:8b"}
         assert _demo_key_is_valid(run_env, demo_key)
+        # The demo works as a gateway right away, through the official SDK.
+        sdk = openai.OpenAI(base_url=f"{base}/v1", api_key=demo_key, max_retries=0)
+        reply = sdk.chat.completions.with_raw_response.create(
+            model="llama3:8b", messages=[{"role": "user", "content": "hi demo"}]
+        )
+        assert reply.headers["x-nexus-backend"] in {"demo-alpha", "demo-beta"}
+        assert reply.parse().choices[0].message.content.endswith("echo: hi demo")
 
         children = [int(pid) for pid in pids.groups()]
         children += [int(m.group(1)) for m in demo]

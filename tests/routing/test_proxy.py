@@ -78,7 +78,7 @@ def _stats(process: MockBackendProcess) -> dict:
 @pytest.fixture(scope="module")
 def gateway(django_db_setup: None, django_db_blocker) -> Iterator[Gateway]:
     a = start_mock_backend(
-        "--models", "llama3:8b,mistral:7b", "--name", "mock-a", "--chunks", "4"
+        "--models", "llama3:8b,mistral:7b,limited:1b", "--name", "mock-a", "--chunks", "4"
     )
     b = start_mock_backend(
         "--models", "llama3:8b,llava:7b", "--name", "mock-b", "--chunks", "4"
@@ -119,6 +119,21 @@ def gateway(django_db_setup: None, django_db_blocker) -> Iterator[Gateway]:
             context_length=4096,
         )
         BackendModel.objects.create(backend=down, name="down-model")
+        # The same mock again, as a backend that takes one request at a time.
+        limited = Backend.objects.create(
+            name="mock-a-limited",
+            base_url=a.base_url,
+            max_concurrency=1,
+            status=HealthStatus.HEALTHY,
+        )
+        BackendModel.objects.create(backend=limited, name="limited:1b")
+        claude = Backend.objects.create(
+            name="anthropic-1",
+            base_url="https://api.anthropic.com",
+            kind="anthropic",
+            status=HealthStatus.HEALTHY,
+        )
+        BackendModel.objects.create(backend=claude, name="claude-3-haiku")
         Alias.objects.create(name="gpt-4", target="llava:7b")
         chain = FallbackChain.objects.create(model="claude-3-opus")
         ChainStep.objects.create(chain=chain, position=0, model="llama3:70b")
@@ -174,6 +189,8 @@ def test_the_gateway_serves_committed_configuration(gateway: Gateway) -> None:
         "mock-a",
         "mock-b",
         "down",
+        "mock-a-limited",
+        "anthropic-1",
     }
 
 
@@ -287,6 +304,8 @@ def test_models_list_has_served_models_and_aliases(gateway: Gateway) -> None:
         "llama3:8b": "mock-a,mock-b",
         "mistral:7b": "mock-a",
         "llava:7b": "mock-b",
+        "limited:1b": "mock-a-limited",
+        "claude-3-haiku": "anthropic-1",
         "gpt-4": "alias:llava:7b",
     }  # down-model's only backend is unhealthy
     assert gateway.sdk().models.retrieve("gpt-4").owned_by == "alias:llava:7b"
@@ -536,3 +555,38 @@ def test_two_hundred_concurrent_streams_are_not_mixed_up(gateway: Gateway) -> No
     for i, backend, text in results:
         assert text == f"[{backend}/llama3:8b] echo: request number {i}"
     assert {backend for _, backend, _ in results} == {"mock-a", "mock-b"}
+
+
+def test_a_full_backend_is_not_sent_more_than_its_max_concurrency(
+    gateway: Gateway,
+) -> None:
+    _mock(gateway.a, latency_ms=400)
+
+    async def one(sdk: openai.AsyncOpenAI) -> int:
+        try:
+            await sdk.chat.completions.create(model="limited:1b", messages=chat("x"))
+        except openai.APIStatusError as error:
+            assert "concurrency" in error.message
+            return error.status_code
+        return 200
+
+    async def run() -> list[int]:
+        sdk = gateway.async_sdk()
+        try:
+            return await asyncio.gather(*(one(sdk) for _ in range(4)))
+        finally:
+            await sdk.close()
+
+    statuses = sorted(asyncio.run(run()))
+    assert statuses == [200, 503, 503, 503]
+    assert _stats(gateway.a)["requests"]["/v1/chat/completions"] == 1
+    assert gateway.in_flight("limited:1b") == {"mock-a-limited": 0}
+
+
+def test_anthropic_backends_get_a_clear_501_until_supported(gateway: Gateway) -> None:
+    with pytest.raises(openai.APIStatusError) as raised:
+        gateway.sdk().chat.completions.create(
+            model="claude-3-haiku", messages=chat("x")
+        )
+    assert raised.value.status_code == 501
+    assert "Anthropic" in raised.value.message

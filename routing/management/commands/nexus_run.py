@@ -177,6 +177,7 @@ class Command(BaseCommand):
         lines = [
             "",
             "Nexus is running.",
+            f"  Gateway:       {url}/v1  (OpenAI-compatible; send a Nexus key)",
             f"  Admin:         {url}/admin/  {admin_line}",
             (
                 f"  Processes:     web pid {web_pid}, worker pid {worker_pid}, "
