@@ -157,11 +157,23 @@ async def forward(
                 last_timeout = isinstance(error, httpx.TimeoutException)
                 continue
             stats.observe_latency(backend.name, (time.perf_counter() - asked) * 1000)
-            is_last = position == len(targets) - 1
-            if response.status_code >= 500 and not is_last:
+            try:
+                is_last = position == len(targets) - 1
+                if response.status_code >= 500 and not is_last:
+                    failures.append(f"{backend.name}: HTTP {response.status_code}")
+                    continue
+                streams = _is_event_stream(exchange, response)
+                # A whole reply is read before anything goes to the client, so a
+                # backend that fails half-way through it can still be retried.
+                body = b"" if streams else await response.aread()
+            except httpx.TransportError as error:
+                failures.append(f"{backend.name}: {_describe(error)} mid-reply")
+                last_timeout = isinstance(error, httpx.TimeoutException)
                 await response.aclose()
-                failures.append(f"{backend.name}: HTTP {response.status_code}")
                 continue
+            except BaseException:
+                await response.aclose()
+                raise
             exchange.backend = backend.name
             exchange.served_model = target.model.name
             response_headers += (
@@ -169,9 +181,12 @@ async def forward(
                 (b"x-nexus-model", target.model.name.encode()),
             )
             try:
-                await _relay(
-                    exchange, response, send, response_headers, wants_usage_chunk
-                )
+                if streams:
+                    await _relay_stream(
+                        exchange, response, send, response_headers, wants_usage_chunk
+                    )
+                else:
+                    await _relay_body(exchange, response, body, send, response_headers)
             finally:
                 await response.aclose()
             return
@@ -217,29 +232,29 @@ def _raise_exhausted(exchange: Exchange, failures: list[str], timeout: bool) -> 
     )
 
 
-async def _relay(
-    exchange: Exchange,
-    response: httpx.Response,
-    send: Send,
-    headers: list[tuple[bytes, bytes]],
-    wants_usage_chunk: bool,
-) -> None:
-    exchange.status = response.status_code
-    content_type = response.headers.get("content-type", "application/json")
-    if (
+def _is_event_stream(exchange: Exchange, response: httpx.Response) -> bool:
+    return (
         exchange.stream
         and response.status_code < 300
-        and "event-stream" in content_type
-    ):
-        await _relay_stream(exchange, response, send, headers, wants_usage_chunk)
-        return
-    body = await response.aread()
+        and "event-stream" in response.headers.get("content-type", "")
+    )
+
+
+async def _relay_body(
+    exchange: Exchange,
+    response: httpx.Response,
+    body: bytes,
+    send: Send,
+    headers: list[tuple[bytes, bytes]],
+) -> None:
+    exchange.status = response.status_code
     if response.status_code < 300:
         exchange.usage = _usage_of_body(body)
         if exchange.usage is None:
             exchange.completion_chars = _text_length(body)
     else:
         exchange.error = f"upstream_{response.status_code}"
+    content_type = response.headers.get("content-type", "application/json")
     await send(
         {
             "type": "http.response.start",
@@ -261,6 +276,7 @@ async def _relay_stream(
     headers: list[tuple[bytes, bytes]],
     wants_usage_chunk: bool,
 ) -> None:
+    exchange.status = response.status_code
     await send(
         {
             "type": "http.response.start",
@@ -294,7 +310,7 @@ async def _relay_stream(
                         "more_body": True,
                     }
                 )
-    except httpx.TransportError as error:
+    except httpx.HTTPError as error:
         exchange.error = "upstream_stream_broken"
         message = (
             f"Backend '{exchange.backend}' failed mid-stream ({_describe(error)}); "
