@@ -31,6 +31,7 @@ from routing.proxy.errors import (
 from routing.proxy.models_list import ModelsList
 from routing.proxy.upstream import Exchange, forward
 from usage.buffer import UsageEvent, buffer
+from usage.live import live_usage
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -309,24 +310,24 @@ def _record(exchange: Exchange, key_prefix: str, estimated_prompt: int) -> None:
         completion = -(-exchange.completion_chars // 4)  # ceil(chars / 4)
     assert isinstance(prompt, int) and isinstance(completion, int)
     total = usage.get("total_tokens") if reported else None
-    buffer.append(
-        UsageEvent(
-            request_id=exchange.request_id,
-            endpoint=exchange.endpoint,  # type: ignore[arg-type]
-            api_key_prefix=key_prefix,
-            backend=exchange.backend,
-            requested_model=exchange.requested_model,
-            served_model=exchange.served_model,
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            total_tokens=total if isinstance(total, int) else prompt + completion,
-            estimated=not reported,
-            latency_ms=(time.perf_counter() - exchange.started) * 1000,
-            status=exchange.status,
-            streamed=exchange.stream,
-            error=exchange.error,
-        )
+    event = UsageEvent(
+        request_id=exchange.request_id,
+        endpoint=exchange.endpoint,  # type: ignore[arg-type]
+        api_key_prefix=key_prefix,
+        backend=exchange.backend,
+        requested_model=exchange.requested_model,
+        served_model=exchange.served_model,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=total if isinstance(total, int) else prompt + completion,
+        estimated=not reported,
+        latency_ms=(time.perf_counter() - exchange.started) * 1000,
+        status=exchange.status,
+        streamed=exchange.stream,
+        error=exchange.error,
     )
+    buffer.append(event)
+    live_usage.record(event)
 
 
 async def _send_json(send: Send, status: int, body: bytes, headers: Headers) -> None:

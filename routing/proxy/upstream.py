@@ -20,6 +20,7 @@ from django.conf import settings
 from routing.core import LiveStats, Route, Target
 from routing.proxy import sse
 from routing.proxy.errors import ProxyError
+from usage.live import live_usage
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -137,6 +138,7 @@ async def forward(
         if not stats.try_begin(backend):
             failures.append(f"{backend.name}: at max concurrency")
             continue
+        live_usage.begin(backend.name, target.model.name)
         try:
             request = client.get().build_request(
                 "POST",
@@ -192,6 +194,7 @@ async def forward(
             return
         finally:
             stats.end(backend.name)
+            live_usage.end(backend.name, target.model.name)
     _raise_exhausted(exchange, failures, last_timeout)
 
 

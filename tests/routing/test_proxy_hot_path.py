@@ -58,3 +58,39 @@ def test_a_streamed_request_makes_no_database_queries(
     assert event.prompt_tokens > 0 and event.completion_tokens > 0
     assert event.total_tokens == event.prompt_tokens + event.completion_tokens
     assert event.api_key_prefix == key[:11]
+
+
+@pytest.mark.django_db
+def test_live_counters_follow_requests(mock_backend: MockBackendProcess) -> None:
+    from usage.live import live_usage
+
+    backend = BackendFactory(name="mock-live", base_url=mock_backend.base_url)
+    BackendModelFactory(backend=backend, name="mistral:7b")
+    _, key = ApiKey.objects.create_key("live")
+    live.snapshots.load()
+    before = {
+        (s["backend"], s["model"]): s for s in live_usage.snapshot()["series"]
+    }.get(("mock-live", "mistral:7b"), {"requests": 0, "total_tokens": 0})
+
+    async def two_requests() -> None:
+        transport = httpx.ASGITransport(app=ProxyApp())
+        async with httpx.AsyncClient(transport=transport, base_url="http://nexus") as c:
+            for _ in range(2):
+                response = await c.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": "mistral:7b",
+                        "messages": [{"role": "user", "content": "hi"}],
+                    },
+                    headers={"authorization": f"Bearer {key}"},
+                )
+                assert response.status_code == 200
+
+    asyncio.run(two_requests())
+    after = {(s["backend"], s["model"]): s for s in live_usage.snapshot()["series"]}[
+        ("mock-live", "mistral:7b")
+    ]
+    assert after["requests"] == before["requests"] + 2
+    assert after["total_tokens"] > before["total_tokens"]
+    assert after["in_flight"] == 0
+    assert live_usage.snapshot()["latencies_ms"]["mistral:7b"]

@@ -1,0 +1,122 @@
+"""This process's live usage counters, for the dashboard and the usage stream.
+
+The proxy updates them on every request (dict updates, no I/O, no lock on the
+event loop); a publisher reads ``snapshot()`` and fans it out over the Channels
+layer so that the dashboard shows the whole cluster. Totals only grow, so a
+reader derives rates from two snapshots.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TypedDict
+
+from usage.buffer import UsageEvent
+
+LATENCY_WINDOW = 512  # recent latencies kept per model, for p50/p95
+
+
+class SeriesDict(TypedDict):
+    backend: str
+    model: str
+    requests: int
+    errors: int
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    in_flight: int
+
+
+class LiveSnapshotDict(TypedDict):
+    process: str
+    taken_at: float
+    changes: int
+    series: list[SeriesDict]
+    latencies_ms: dict[str, list[float]]
+
+
+@dataclass(slots=True)
+class _Series:
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    in_flight: int = 0
+
+
+@dataclass
+class LiveUsage:
+    """Counters per backend × model since this process started."""
+
+    process: str = field(
+        default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}"
+    )
+    changes: int = 0
+    _series: dict[tuple[str, str], _Series] = field(default_factory=dict)
+    _latencies: dict[str, deque[float]] = field(default_factory=dict)
+
+    def _get(self, backend: str, model: str) -> _Series:
+        series = self._series.get((backend, model))
+        if series is None:
+            series = self._series[(backend, model)] = _Series()
+        return series
+
+    def begin(self, backend: str, model: str) -> None:
+        """A request to `model` on `backend` is in flight."""
+        self._get(backend, model).in_flight += 1
+        self.changes += 1
+
+    def end(self, backend: str, model: str) -> None:
+        series = self._get(backend, model)
+        series.in_flight = max(0, series.in_flight - 1)
+        self.changes += 1
+
+    def record(self, event: UsageEvent) -> None:
+        """Count one finished request."""
+        model = event.served_model or event.requested_model
+        series = self._get(event.backend, model)
+        series.requests += 1
+        series.errors += event.is_error
+        series.prompt_tokens += event.prompt_tokens
+        series.completion_tokens += event.completion_tokens
+        series.total_tokens += event.total_tokens
+        if not event.is_error:
+            window = self._latencies.get(model)
+            if window is None:
+                window = self._latencies[model] = deque(maxlen=LATENCY_WINDOW)
+            window.append(event.latency_ms)
+        self.changes += 1
+
+    def snapshot(self) -> LiveSnapshotDict:
+        """A JSON-ready copy of every counter."""
+        return {
+            "process": self.process,
+            "taken_at": time.time(),
+            "changes": self.changes,
+            "series": [
+                {
+                    "backend": backend,
+                    "model": model,
+                    "requests": s.requests,
+                    "errors": s.errors,
+                    "prompt_tokens": s.prompt_tokens,
+                    "completion_tokens": s.completion_tokens,
+                    "total_tokens": s.total_tokens,
+                    "in_flight": s.in_flight,
+                }
+                for (backend, model), s in sorted(self._series.items())
+            ],
+            "latencies_ms": {
+                model: [round(x, 3) for x in window]
+                for model, window in sorted(self._latencies.items())
+            },
+        }
+
+
+# The counters of this process.
+live_usage = LiveUsage()
