@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import re
 import time
 import uuid
@@ -32,6 +33,8 @@ from routing.proxy.models_list import ModelsList
 from routing.proxy.upstream import Exchange, forward
 from usage.buffer import UsageEvent, buffer
 from usage.live import live_usage
+
+logger = logging.getLogger(__name__)
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -85,7 +88,7 @@ class ProxyApp:
             allowed = "POST" if endpoint is not None else "GET"
             if method != allowed:
                 raise method_not_allowed(method, path)
-            state = await live.snapshots.current()
+            state = await _gateway_state()
             key_prefix = self._authenticate(state, authorization)
             if endpoint is not None:
                 self._check_length(content_length)
@@ -208,6 +211,21 @@ class ProxyApp:
             exchange.error = "client_closed"
         finally:
             watcher.cancel()
+
+
+async def _gateway_state() -> GatewayState:
+    try:
+        return await live.snapshots.current()
+    except Exception as error:
+        # Only the first request of a process builds the state; a database that
+        # is down or not migrated must not turn into a bare 500.
+        logger.exception("Could not load the gateway configuration")
+        raise ProxyError(
+            503,
+            "The gateway could not load its configuration; retry shortly.",
+            error_type="server_error",
+            code="configuration_unavailable",
+        ) from error
 
 
 async def _cancel_on_disconnect(
