@@ -4,16 +4,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
 
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.db import transaction
 from django.db.models import QuerySet
-from django.forms import ModelForm
+from django.forms import BaseModelFormSet, ModelForm
 from django.http import HttpRequest
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.timesince import timesince
 
+from backends.discovery import OPERATOR_FIELDS, discover_models
 from backends.forms import KEY_SET, NO_KEY, BackendAdminForm
+from backends.health import CheckReport, check_all
 from backends.models import Backend, BackendModel, BackendQuerySet, HealthStatus
+from routing.versioning import mark_config_changed
 
 if TYPE_CHECKING:
     from django.contrib.admin.options import _FieldsetSpec
@@ -46,9 +50,44 @@ HEALTH_FIELDS = (
 )
 
 
-def render_badge(text: str, colour: str) -> SafeString:
-    """Return a small coloured label for a changelist cell."""
+def render_badge(text: str, colour: str, title: str = "") -> SafeString:
+    """Return a small coloured label for a changelist cell; `title` shows on hover."""
+    if title:
+        return format_html(
+            '<span style="{}" title="{}">{}</span>',
+            BADGE_STYLE.format(colour),
+            title,
+            text,
+        )
     return format_html('<span style="{}">{}</span>', BADGE_STYLE.format(colour), text)
+
+
+def mark_manual_fields(form: ModelForm[BackendModel]) -> None:
+    """Record the capability fields an operator just set, so discovery keeps them."""
+    edited = [name for name in form.changed_data if name in OPERATOR_FIELDS]
+    if edited:
+        instance = form.instance
+        instance.manual_fields = sorted(set(instance.manual_fields or ()) | set(edited))
+
+
+def is_clean_check(report: CheckReport) -> bool:
+    """A healthy backend that answered this probe without complaint."""
+    return report.status == HealthStatus.HEALTHY and not report.error
+
+
+def describe_check(report: CheckReport) -> str:
+    """One admin message line for a health check."""
+    text = f"{report.name}: {report.status}"
+    if report.status_changed:
+        text += f" (was {report.previous_status})"
+    if report.latency_ms is not None:
+        text += f", {report.latency_ms:,.0f} ms"
+    text += f", {report.models} model{'s' if report.models != 1 else ''}"
+    if report.error:
+        text += f" — {report.error}"
+    if report.superseded:
+        text += " (a concurrent check recorded this moment first)"
+    return text
 
 
 class BackendModelInline(BackendModelInlineBase):
@@ -88,6 +127,7 @@ class BackendAdmin(BackendAdminBase):
     search_fields = ("name", "base_url")
     ordering = ("priority", "name")
     readonly_fields = (*HEALTH_FIELDS, "is_demo", "created_at", "updated_at")
+    actions = ("check_health_now", "discover_models_now", "drain", "undrain")
 
     def get_fieldsets(
         self, request: HttpRequest, obj: Backend | None = None
@@ -140,10 +180,27 @@ class BackendAdmin(BackendAdminBase):
     def api_key_status(self, obj: Backend) -> str:
         return KEY_SET if obj.has_api_key else NO_KEY
 
+    def save_formset(
+        self,
+        request: HttpRequest,
+        form: ModelForm[Backend],
+        formset: BaseModelFormSet[Any, Any],
+        change: bool,
+    ) -> None:
+        if formset.model is BackendModel:
+            for inline_form in formset.forms:
+                if inline_form.has_changed():
+                    mark_manual_fields(inline_form)
+        super().save_formset(request, form, formset, change)
+
     @admin.display(description="status", ordering="status")
     def status_badge(self, obj: Backend) -> SafeString:
         status = HealthStatus(obj.status)
-        return render_badge(status.label, STATUS_COLOURS[status])
+        hover = obj.last_error
+        if obj.consecutive_failures:
+            failures = f"{obj.consecutive_failures} failed check(s) in a row"
+            hover = f"{hover} ({failures})" if hover else failures
+        return render_badge(status.label, STATUS_COLOURS[status], hover)
 
     @admin.display(description="models", ordering="model_count")
     def model_count(self, obj: Backend) -> int:
@@ -160,6 +217,75 @@ class BackendAdmin(BackendAdminBase):
         if obj.last_check_at is None:
             return "never"
         return f"{timesince(obj.last_check_at)} ago"
+
+    @admin.action(description="Check health now")
+    def check_health_now(
+        self, request: HttpRequest, queryset: QuerySet[Backend]
+    ) -> None:
+        pks = list(queryset.values_list("pk", flat=True))
+        for report in check_all(pks, include_disabled=True):
+            self.message_user(
+                request,
+                describe_check(report),
+                messages.SUCCESS if is_clean_check(report) else messages.WARNING,
+            )
+
+    @admin.action(description="Discover models")
+    def discover_models_now(
+        self, request: HttpRequest, queryset: QuerySet[Backend]
+    ) -> None:
+        pks = list(queryset.values_list("pk", flat=True))
+        for report in discover_models(pks, include_disabled=True):
+            self.message_user(
+                request,
+                f"{report.name}: {report.summary()}",
+                messages.SUCCESS if report.ok else messages.WARNING,
+            )
+
+    @admin.action(description="Drain (no new requests; requests in flight finish)")
+    def drain(self, request: HttpRequest, queryset: QuerySet[Backend]) -> None:
+        with transaction.atomic():
+            names = list(
+                queryset.exclude(status=HealthStatus.DRAINING).values_list(
+                    "name", flat=True
+                )
+            )
+            Backend.objects.filter(name__in=names).update(status=HealthStatus.DRAINING)
+            if names:
+                # A bulk update sends no signals: tell the serving processes.
+                mark_config_changed()
+        for name in names:
+            self.message_user(
+                request, f"{name}: draining; it gets no new requests.", messages.SUCCESS
+            )
+        for name in queryset.exclude(name__in=names).values_list("name", flat=True):
+            self.message_user(request, f"{name}: was already draining.", messages.INFO)
+
+    @admin.action(description="Undrain (check health, then take requests again)")
+    def undrain(self, request: HttpRequest, queryset: QuerySet[Backend]) -> None:
+        with transaction.atomic():
+            pks = list(
+                queryset.filter(status=HealthStatus.DRAINING).values_list(
+                    "pk", flat=True
+                )
+            )
+            # Unknown until the check below: a backend is not trusted blindly
+            # after maintenance.
+            Backend.objects.filter(pk__in=pks).update(
+                status=HealthStatus.UNKNOWN,
+                consecutive_failures=0,
+                consecutive_successes=0,
+            )
+            if pks:
+                mark_config_changed()
+        for report in check_all(pks, include_disabled=True):
+            self.message_user(
+                request,
+                f"{report.name}: undrained; {describe_check(report)}",
+                messages.SUCCESS if is_clean_check(report) else messages.WARNING,
+            )
+        for name in queryset.exclude(pk__in=pks).values_list("name", flat=True):
+            self.message_user(request, f"{name}: was not draining.", messages.INFO)
 
 
 @admin.register(BackendModel)
@@ -187,7 +313,7 @@ class BackendModelAdmin(BackendModelAdminBase):
     search_fields = ("name", "backend__name")
     list_select_related = ("backend",)
     autocomplete_fields = ("backend",)
-    readonly_fields = ("discovered", "created_at", "updated_at")
+    readonly_fields = ("discovered", "manual_fields", "created_at", "updated_at")
     fields = (
         "backend",
         "name",
@@ -198,6 +324,30 @@ class BackendModelAdmin(BackendModelAdminBase):
         "loaded",
         "enabled",
         "discovered",
+        "manual_fields",
         "created_at",
         "updated_at",
     )
+    actions = ("let_discovery_manage",)
+
+    def save_model(
+        self,
+        request: HttpRequest,
+        obj: BackendModel,
+        form: ModelForm[BackendModel],
+        change: bool,
+    ) -> None:
+        mark_manual_fields(form)
+        super().save_model(request, obj, form, change)
+
+    @admin.action(description="Let discovery manage the selected models' fields")
+    def let_discovery_manage(
+        self, request: HttpRequest, queryset: QuerySet[BackendModel]
+    ) -> None:
+        count = queryset.exclude(manual_fields=[]).update(manual_fields=[])
+        self.message_user(
+            request,
+            f"Discovery now manages every field of {count} model(s); the next "
+            "discovery run overwrites what was set by hand.",
+            messages.SUCCESS,
+        )

@@ -166,6 +166,13 @@ class BackendModel(models.Model):
         default=False, help_text="Found by model discovery rather than added by hand."
     )
     enabled = models.BooleanField(default=True)
+    # Written by the admin when an operator edits a field, read by discovery
+    # (backends/discovery.py), which never overwrites the fields listed here.
+    manual_fields = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="Fields an operator set by hand; model discovery leaves them alone.",
+    )
 
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

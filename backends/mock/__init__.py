@@ -27,6 +27,13 @@ requests fails, drawn from a ``seed``-ed RNG), ``drop_after_chunks`` (send K
 chunks of a stream then close the connection without ending the chunked body),
 ``record_requests`` (how many recent requests the stats keep).
 
+``kind`` (CLI ``--kind openai|ollama|vllm|llamacpp|anthropic``) imitates that
+server's probe endpoints as well (Ollama's ``/api/tags``, ``/api/ps`` and
+``/api/show``, vLLM's ``/health`` and ``max_model_len``, llama.cpp's
+``/health``, ``/props`` and its 503 while ``loading``, Anthropic's
+``/v1/models``), shaped by ``context_length``, ``loaded_models``,
+``vision_models`` and ``tool_models``; ``backends.mock.kinds`` has the details.
+
 Control API, on the same port, never authenticated nor counted in the stats:
 
 - ``GET /_mock/stats``: requests per path, responses per status, in-flight

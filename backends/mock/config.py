@@ -11,6 +11,7 @@ from backends.mock.jobs import MAX_EMBEDDING_DIM
 
 MAX_CHUNKS = 10_000
 MAX_RECORDED_REQUESTS = 10_000
+MOCK_KINDS = ("openai", "ollama", "vllm", "llamacpp", "anthropic")
 
 
 class ConfigError(ValueError):
@@ -26,11 +27,15 @@ class MockConfig:
     """Everything that shapes the mock's answers; swapped whole at runtime.
 
     Times are in milliseconds. ``api_key`` None means no authentication;
-    ``drop_after_chunks`` None means streams are never cut.
+    ``drop_after_chunks`` None means streams are never cut. ``kind`` picks the
+    server imitated (see ``backends.mock.kinds``); ``context_length``,
+    ``loaded_models`` (None: all), ``vision_models``, ``tool_models`` and
+    ``loading`` shape what its probe endpoints report.
     """
 
     models: tuple[str, ...] = ()
     name: str = "mock"
+    kind: str = "openai"
     latency_ms: float = 0.0
     chunks: int = 4
     chunk_delay_ms: float = 0.0
@@ -41,6 +46,11 @@ class MockConfig:
     drop_after_chunks: int | None = None
     seed: int = 0
     record_requests: int = 20
+    context_length: int = 8192
+    loaded_models: tuple[str, ...] | None = None
+    vision_models: tuple[str, ...] = ()
+    tool_models: tuple[str, ...] = ()
+    loading: bool = False
 
     @classmethod
     def from_knobs(cls, knobs: Mapping[str, Any]) -> MockConfig:
@@ -121,6 +131,27 @@ def _validate_header_text(key: str, value: Any) -> str:
     return value.strip()
 
 
+def _validate_kind(key: str, value: Any) -> str:
+    if value not in MOCK_KINDS:
+        raise ConfigError(
+            key, f"{key} must be one of {', '.join(MOCK_KINDS)}, not {value!r}."
+        )
+    return str(value)
+
+
+def _validate_bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(key, f"{key} must be true or false, not {value!r}.")
+    return value
+
+
+def _validate_model_subset(key: str, value: Any) -> tuple[str, ...]:
+    """A list of model names that may be empty (unlike ``models``)."""
+    if value == "" or value == []:
+        return ()
+    return _validate_models(key, value)
+
+
 def _validate_models(key: str, value: Any) -> tuple[str, ...]:
     items = value.split(",") if isinstance(value, str) else value
     if not isinstance(items, list | tuple) or not all(
@@ -148,4 +179,10 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "drop_after_chunks": _optional(_int_knob(0, MAX_CHUNKS)),
     "seed": _int_knob(-(2**63), 2**63 - 1),
     "record_requests": _int_knob(0, MAX_RECORDED_REQUESTS),
+    "kind": _validate_kind,
+    "context_length": _int_knob(1, 2**31 - 1),
+    "loaded_models": _optional(_validate_model_subset),
+    "vision_models": _validate_model_subset,
+    "tool_models": _validate_model_subset,
+    "loading": _validate_bool,
 }

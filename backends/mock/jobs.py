@@ -39,10 +39,13 @@ class ApiError(Exception):
         code: str | None = None,
         error_type: str | None = None,
         headers: tuple[tuple[str, str], ...] = (),
+        body: bytes | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.headers = headers
+        # Another server's error shape (Ollama, llama.cpp, Anthropic), verbatim.
+        self.body = body
         self.message = message
         self.param = param
         self.code = code
@@ -52,6 +55,8 @@ class ApiError(Exception):
 
     def render(self) -> bytes:
         """Return the JSON error body."""
+        if self.body is not None:
+            return self.body
         error = {
             "message": self.message,
             "type": self.error_type,

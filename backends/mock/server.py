@@ -24,6 +24,7 @@ from backends.mock.jobs import (
     parse_embedding_request,
     parse_json_object,
 )
+from backends.mock.kinds import answer_kind_request, describe_model
 from backends.mock.listener import Listener
 from backends.mock.protocol import Header, HttpConnection
 from backends.mock.replies import (
@@ -182,6 +183,10 @@ class MockBackend:
     # Answers
 
     def _answer(self, request: Request, config: MockConfig) -> bytes | _Stream:
+        if config.kind != "openai":
+            kind_reply = answer_kind_request(request, config, self._started)
+            if kind_reply is not None:
+                return kind_reply
         if config.api_key is not None:
             self._check_api_key(request, config.api_key)
         path = request.path
@@ -363,12 +368,7 @@ class MockBackend:
         )
 
     def _describe_model(self, model: str) -> dict[str, Any]:
-        return {
-            "id": model,
-            "object": "model",
-            "created": self._started,
-            "owned_by": self.config.name,
-        }
+        return describe_model(self.config, model, self._started)
 
     def describe_config(self) -> dict[str, Any]:
         """Return the effective configuration, and whether connections are taken."""

@@ -73,6 +73,7 @@ _SUMMARY_PHRASES: dict[Reason, str] = {
     Reason.DRAINING: "draining",
     Reason.HEALTH_UNKNOWN: "not yet health-checked",
     Reason.AT_CAPACITY: "at max concurrency",
+    Reason.CIRCUIT_OPEN: "with an open circuit breaker",
     Reason.NO_VISION: "without vision",
     Reason.NO_TOOLS: "without tools",
     Reason.NO_JSON_MODE: "without JSON mode",
@@ -148,6 +149,8 @@ class Attempt:
     # Routable targets that failed a capability or capacity check, with the
     # in-flight count read at the time.
     rejected: Sequence[tuple[PreparedTarget, int]] = ()
+    # Names of routable backends skipped because their circuit breaker was open.
+    circuit_open: frozenset[str] = frozenset()
 
     @cached_property
     def outcome(self) -> Outcome:
@@ -222,6 +225,8 @@ class Attempt:
             pending = in_flight.get(position)
             if pending is not None and pending >= target.backend.capacity:
                 reasons += (Reason.AT_CAPACITY,)
+            if target.backend.name in self.circuit_open:
+                reasons += (Reason.CIRCUIT_OPEN,)
             exclusions.append(
                 Exclusion(
                     target=target,
@@ -390,4 +395,8 @@ _DETAILS: dict[Reason, str] = {
     Reason.NO_VISION: "model does not support vision",
     Reason.NO_TOOLS: "model does not support tools",
     Reason.NO_JSON_MODE: "model does not support JSON mode",
+    Reason.CIRCUIT_OPEN: (
+        "circuit breaker open: the gateway saw repeated failures and pauses "
+        "traffic for a cool-down"
+    ),
 }

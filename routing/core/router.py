@@ -7,7 +7,8 @@ The pipeline is the spec's:
    unhealthy and *unknown* backends are excluded: a backend added a moment
    ago takes traffic once the health checker has seen it answer. A backend
    whose in-flight count has reached its max_concurrency is excluded too
-   ("at_capacity");
+   ("at_capacity"), as is one whose circuit breaker is open in the live
+   stats ("circuit_open", see backends.breaker);
 3. capabilities: context length (when known) >= estimated tokens, and vision,
    tools and JSON mode when the request needs them;
 4. if no candidate is left: the model's alias target, through the same
@@ -204,6 +205,15 @@ class Router:
         latency_of = stats.observed_latencies.get
         names: Sequence[str] = routes.backend_names
         survivors: Sequence[PreparedTarget] = routes.routable
+        circuit_open: frozenset[str] = frozenset()
+        if stats.open_circuits:
+            # Rare: only while some backend's breaker is open anywhere.
+            circuit_open = frozenset(
+                name for name in names if stats.is_circuit_open(name)
+            )
+            if circuit_open:
+                survivors = [p for p in survivors if p.backend_name not in circuit_open]
+                names = [p.backend_name for p in survivors]
         pendings = [in_flight_of(name, 0) for name in names]
         rejected: list[tuple[PreparedTarget, int]] = []
         need = requirements.capability_mask
@@ -272,6 +282,7 @@ class Router:
             latencies=latencies,
             totals=totals,
             rejected=rejected,
+            circuit_open=circuit_open,
         )
 
     def _choose(

@@ -8,6 +8,11 @@ wait on anything.
 
 Counts are per process. With several serving processes each sees its own
 share of the load, which is what it can act on without a network round trip.
+
+Open circuit breakers live here too (``open_circuit``), because the router must
+skip them on the hot path without I/O. ``backends.breaker`` decides when a
+circuit opens and spreads openings to the other serving processes; this class
+only remembers until when each circuit stays open.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ class LiveStats:
         self._in_flight: dict[str, int] = {}
         # backend name -> (EWMA in ms, clock() of the last observation)
         self._latency: dict[str, tuple[float, float]] = {}
+        # backend name -> clock() until which its circuit breaker is open
+        self._open_until: dict[str, float] = {}
 
     @property
     def in_flight_counts(self) -> Mapping[str, int]:
@@ -64,6 +71,38 @@ class LiveStats:
     def observed_latencies(self) -> Mapping[str, tuple[float, float]]:
         """Live view of (EWMA ms, observed at) per backend."""
         return self._latency
+
+    @property
+    def open_circuits(self) -> Mapping[str, float]:
+        """Live view of clock() deadlines of open circuits (may hold expired ones)."""
+        return self._open_until
+
+    def open_circuit(self, backend: str, until: float) -> None:
+        """Keep `backend` out of routing until clock() reaches `until`.
+
+        An opening never shortens one already in force.
+        """
+        with self._lock:
+            if until > self._open_until.get(backend, -math.inf):
+                self._open_until[backend] = until
+
+    def close_circuit(self, backend: str) -> None:
+        """Let `backend` take traffic again at once."""
+        with self._lock:
+            self._open_until.pop(backend, None)
+
+    def is_circuit_open(self, backend: str) -> bool:
+        """Return whether `backend`'s circuit breaker is open now (no I/O)."""
+        until = self._open_until.get(backend)
+        if until is None:
+            return False
+        if until > self.clock():
+            return True
+        with self._lock:
+            # Forget the expired deadline unless a new opening replaced it.
+            if self._open_until.get(backend) == until:
+                del self._open_until[backend]
+        return False
 
     def in_flight(self, backend: str) -> int:
         """Return how many requests are in flight to `backend`."""

@@ -46,6 +46,9 @@ class Reason(enum.StrEnum):
     DRAINING = "draining"
     HEALTH_UNKNOWN = "health_unknown"
     AT_CAPACITY = "at_capacity"
+    # The proxy saw repeated failures: backends.breaker opened this backend's
+    # circuit for a cool-down (LiveStats.open_circuits), before any health probe.
+    CIRCUIT_OPEN = "circuit_open"
     NO_VISION = "no_vision"
     NO_TOOLS = "no_tools"
     NO_JSON_MODE = "no_json_mode"

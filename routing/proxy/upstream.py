@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 from django.conf import settings
 
+from backends.breaker import breaker
 from routing.core import LiveStats, Route, Target
 from routing.proxy import sse
 from routing.proxy.errors import ProxyError
@@ -135,6 +136,9 @@ async def forward(
                 f"{backend.name}: Anthropic backends take no OpenAI requests yet"
             )
             continue
+        if position and breaker.is_open(backend.name):
+            failures.append(f"{backend.name}: circuit open")
+            continue
         if not stats.try_begin(backend):
             failures.append(f"{backend.name}: at max concurrency")
             continue
@@ -155,10 +159,15 @@ async def forward(
             try:
                 response = await client.get().send(request, stream=True)
             except httpx.TransportError as error:
+                breaker.record_failure(backend.name)
                 failures.append(f"{backend.name}: {_describe(error)}")
                 last_timeout = isinstance(error, httpx.TimeoutException)
                 continue
             stats.observe_latency(backend.name, (time.perf_counter() - asked) * 1000)
+            if response.status_code >= 500:
+                breaker.record_failure(backend.name)
+            else:
+                breaker.record_success(backend.name)
             try:
                 is_last = position == len(targets) - 1
                 if response.status_code >= 500 and not is_last:
@@ -169,6 +178,7 @@ async def forward(
                 # backend that fails half-way through it can still be retried.
                 body = b"" if streams else await response.aread()
             except httpx.TransportError as error:
+                breaker.record_failure(backend.name)
                 failures.append(f"{backend.name}: {_describe(error)} mid-reply")
                 last_timeout = isinstance(error, httpx.TimeoutException)
                 await response.aclose()

@@ -580,3 +580,116 @@ def test_sigterm_stops_it_mid_stream_with_status_zero(
 def test_invalid_flags_fail_with_a_clear_message(args: list[str], message: str) -> None:
     with pytest.raises(CommandError, match=message):
         call_command("nexus_mock_backend", "--port", "0", *args)
+
+
+# --kind: the probe endpoints of other servers (the adapters in backends.kinds
+# are tested against them in test_kinds.py).
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--models", "m", "--kind", "triton"], "invalid choice: 'triton'"),
+        (["--models", "m", "--context-length", "0"], "--context-length: context"),
+    ],
+)
+def test_invalid_kind_flags_fail_with_a_clear_message(
+    args: list[str], message: str
+) -> None:
+    with pytest.raises(CommandError, match=message):
+        call_command("nexus_mock_backend", "--port", "0", *args)
+
+
+def test_kind_knobs_are_validated_at_runtime(shared_mock: Mock) -> None:
+    for knobs, param in (
+        ({"kind": "triton"}, "kind"),
+        ({"loading": "yes"}, "loading"),
+        ({"loaded_models": 3}, "loaded_models"),
+    ):
+        response = shared_mock.http.post("/_mock/config", json=knobs)
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == param
+    shared_mock.http.post("/_mock/reset")
+
+
+def test_the_openai_kind_has_no_other_servers_endpoints(shared_mock: Mock) -> None:
+    for path in ("/health", "/api/tags", "/props"):
+        assert shared_mock.http.get(path).status_code == 404
+
+
+def test_a_mock_switches_kind_at_runtime(shared_mock: Mock) -> None:
+    try:
+        shared_mock.configure(kind="ollama", loaded_models=["mistral:7b"])
+        tags = shared_mock.http.get("/api/tags").json()
+        assert [m["name"] for m in tags["models"]] == MODELS
+        ps = shared_mock.http.get("/api/ps").json()
+        assert [m["name"] for m in ps["models"]] == ["mistral:7b"]
+        # Ollama still speaks OpenAI under /v1.
+        reply = shared_mock.client().chat.completions.create(
+            model="llama3:8b", messages=[{"role": "user", "content": "hi"}]
+        )
+        assert reply.choices[0].message.content == "[mock-a/llama3:8b] echo: hi"
+    finally:
+        shared_mock.http.post("/_mock/reset")
+    assert shared_mock.http.get("/api/tags").status_code == 404
+
+
+def test_ollama_kind_answers_in_ollamas_shapes(
+    mock_backend_factory: Callable[..., MockBackendProcess],
+) -> None:
+    process = mock_backend_factory(
+        "--kind", "ollama", "--models", "llava:7b", "--vision-models", "llava:7b"
+    )
+    with httpx.Client(base_url=process.base_url) as http:
+        shown = http.post("/api/show", json={"model": "llava:7b"}).json()
+        assert shown["capabilities"] == ["completion", "vision"]
+        assert shown["model_info"]["llama.context_length"] == 8192
+        missing = http.post("/api/show", json={"model": "nope"})
+        assert (missing.status_code, missing.json()) == (
+            404,
+            {"error": "model 'nope' not found"},
+        )
+        assert http.get("/api/version").json() == {"version": "0.6.8"}
+
+
+def test_llamacpp_kind_is_unavailable_everywhere_while_loading(
+    mock_backend_factory: Callable[..., MockBackendProcess],
+) -> None:
+    process = mock_backend_factory(
+        "--kind", "llamacpp", "--models", "phi-4", "--loading"
+    )
+    with httpx.Client(base_url=process.base_url) as http:
+        loading = {
+            "error": {
+                "code": 503,
+                "message": "Loading model",
+                "type": "unavailable_error",
+            }
+        }
+        for method, path in (("GET", "/health"), ("POST", "/v1/chat/completions")):
+            response = http.request(method, path, json={})
+            assert (response.status_code, response.json()) == (503, loading)
+        http.post("/_mock/config", json={"loading": False})
+        assert http.get("/health").json() == {"status": "ok"}
+        props = http.get("/props").json()
+        assert props["default_generation_settings"]["n_ctx"] == 8192
+
+
+def test_anthropic_kind_checks_its_own_headers(
+    mock_backend_factory: Callable[..., MockBackendProcess],
+) -> None:
+    process = mock_backend_factory(
+        "--kind", "anthropic", "--models", "claude-sonnet-4", "--api-key", "k-1"
+    )
+    headers = {"x-api-key": "k-1", "anthropic-version": "2023-06-01"}
+    with httpx.Client(base_url=process.base_url) as http:
+        listed = http.get("/v1/models", headers=headers).json()
+        assert [m["id"] for m in listed["data"]] == ["claude-sonnet-4"]
+        assert listed["data"][0]["type"] == "model"
+        bearer = http.get("/v1/models", headers={"authorization": "Bearer k-1"})
+        assert bearer.status_code == 401
+        assert bearer.json()["error"]["type"] == "authentication_error"
+        unversioned = http.get("/v1/models", headers={"x-api-key": "k-1"})
+        assert unversioned.status_code == 400
+        chat = http.post("/v1/chat/completions", headers=headers, json={})
+        assert chat.status_code == 404

@@ -78,7 +78,12 @@ def _stats(process: MockBackendProcess) -> dict:
 @pytest.fixture(scope="module")
 def gateway(django_db_setup: None, django_db_blocker) -> Iterator[Gateway]:
     a = start_mock_backend(
-        "--models", "llama3:8b,mistral:7b,limited:1b", "--name", "mock-a", "--chunks", "4"
+        "--models",
+        "llama3:8b,mistral:7b,limited:1b",
+        "--name",
+        "mock-a",
+        "--chunks",
+        "4",
     )
     b = start_mock_backend(
         "--models", "llama3:8b,llava:7b", "--name", "mock-b", "--chunks", "4"
@@ -145,7 +150,11 @@ def gateway(django_db_setup: None, django_db_blocker) -> Iterator[Gateway]:
         _, key = ApiKey.objects.create_key("proxy-tests")
         staff = get_user_model().objects.create_user("proxy-ops", is_staff=True)
         token = Token.objects.create(user=staff).key
-    server = start_nexus_server(NEXUS_MAX_BODY_BYTES=str(MAX_BODY))
+    # The breaker would rightly shun a mock that a test made fail; tests here
+    # share the mocks, so it is off (tests/routing/test_breaker_e2e.py covers it).
+    server = start_nexus_server(
+        NEXUS_MAX_BODY_BYTES=str(MAX_BODY), NEXUS_BREAKER_FAILURES="1000000"
+    )
     try:
         yield Gateway(server, a, b, key, token)
     finally:

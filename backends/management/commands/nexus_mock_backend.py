@@ -21,6 +21,11 @@ _KNOB_OPTIONS = (
     "drop_after_chunks",
     "seed",
     "record_requests",
+    "kind",
+    "context_length",
+    "loaded_models",
+    "vision_models",
+    "tool_models",
 )
 
 
@@ -84,6 +89,33 @@ class Command(BaseCommand):
             "--seed", type=int, default=0, help="Seed of the failure RNG."
         )
         parser.add_argument(
+            "--kind",
+            choices=("openai", "ollama", "vllm", "llamacpp", "anthropic"),
+            default="openai",
+            help="Also serve that kind of server's health and model endpoints.",
+        )
+        parser.add_argument(
+            "--context-length",
+            type=int,
+            help="Context window the kind's endpoints report (default 8192).",
+        )
+        parser.add_argument(
+            "--loaded-models",
+            help="Comma-separated models Ollama's /api/ps lists (default: all).",
+        )
+        parser.add_argument(
+            "--vision-models", help="Comma-separated models reported with vision."
+        )
+        parser.add_argument(
+            "--tool-models", help="Comma-separated models reported with tools."
+        )
+        parser.add_argument(
+            "--loading",
+            action="store_true",
+            help="llama.cpp kind: answer 503 'Loading model' until the loading "
+            "knob is turned off.",
+        )
+        parser.add_argument(
             "--record-requests",
             type=int,
             default=20,
@@ -94,6 +126,8 @@ class Command(BaseCommand):
         if options["fail_status"] is not None and options["error_rate"] is None:
             options["error_rate"] = 1.0
         knobs = {key: options[key] for key in _KNOB_OPTIONS if options[key] is not None}
+        if options["loading"]:
+            knobs["loading"] = True
         refuse_ms = options["refuse_for_ms"]
         if options["refuse"]:
             refuse_ms = 0.0

@@ -1,0 +1,308 @@
+"""Model discovery: ask each backend what it serves and upsert BackendModel rows.
+
+``discover_models()`` lists every enabled backend's models concurrently (the
+kind adapters in ``backends.kinds`` know how), then, one backend at a time and
+with its row locked (two runs at once apply one after the other):
+
+- a model seen for the first time gets a row marked ``discovered``;
+- a known model gets the capabilities the backend reported, except the fields
+  in its ``manual_fields`` (set by hand in the admin), which are never
+  overwritten. A row added by hand and now found on the backend is adopted: its
+  fields that differ from the defaults count as set by hand;
+- a discovered model the backend no longer lists is disabled, not deleted, and
+  enabled again when it reappears, unless the operator set ``enabled`` by hand;
+- a backend that cannot be listed (down, loading, models from configuration)
+  keeps its rows untouched.
+
+The run commits once at the end, and any change bumps the routing config
+version once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypedDict
+
+import httpx
+from django.conf import settings
+from django.db import transaction
+
+from backends.kinds import (
+    BackendLoading,
+    Endpoint,
+    ModelInfo,
+    ProbeFailed,
+    describe_error,
+    get_adapter,
+)
+from backends.models import Backend, BackendModel
+from routing.versioning import mark_config_changed
+
+logger = logging.getLogger(__name__)
+
+CAPABILITY_FIELDS = (
+    "context_length",
+    "supports_vision",
+    "supports_tools",
+    "supports_json_mode",
+)
+# Fields discovery may set and an operator may claim (BackendModel.manual_fields).
+OPERATOR_FIELDS = (*CAPABILITY_FIELDS, "enabled")
+
+
+class DiscoveryReportDict(TypedDict):
+    """One backend's discovery, as ``nexus_discover_models --json`` prints it."""
+
+    name: str
+    kind: str
+    ok: bool
+    error: str
+    note: str
+    models: list[str]
+    added: list[str]
+    updated: list[str]
+    disabled: list[str]
+    enabled: list[str]
+
+
+@dataclass
+class DiscoveryReport:
+    """What discovery found on one backend and changed in the database."""
+
+    backend_id: int
+    name: str
+    kind: str
+    ok: bool = True
+    error: str = ""
+    # Set when the kind has no model listing (its models come from configuration).
+    note: str = ""
+    models: list[str] = field(default_factory=list)
+    added: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+    disabled: list[str] = field(default_factory=list)
+    enabled: list[str] = field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.added or self.updated or self.disabled or self.enabled)
+
+    def summary(self) -> str:
+        """One line for people: what was found and what changed."""
+        if not self.ok:
+            return f"not listed: {self.error}"
+        if self.note:
+            return self.note
+        parts = [f"{len(self.models)} model{'s' if len(self.models) != 1 else ''}"]
+        for label, names in (
+            ("added", self.added),
+            ("updated", self.updated),
+            ("disabled", self.disabled),
+            ("re-enabled", self.enabled),
+        ):
+            if names:
+                parts.append(f"{label} {', '.join(names)}")
+        return "; ".join(parts)
+
+    def as_dict(self) -> DiscoveryReportDict:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "ok": self.ok,
+            "error": self.error,
+            "note": self.note,
+            "models": self.models,
+            "added": self.added,
+            "updated": self.updated,
+            "disabled": self.disabled,
+            "enabled": self.enabled,
+        }
+
+
+def discover_models(
+    backend_ids: Iterable[int] | None = None, *, include_disabled: bool = False
+) -> list[DiscoveryReport]:
+    """List backends' models concurrently and upsert them (sync code only).
+
+    Without ``backend_ids`` every enabled backend is asked; disabled ones only
+    when named and ``include_disabled`` is set.
+    """
+    backends = Backend.objects.order_by("priority", "name")
+    if backend_ids is not None:
+        backends = backends.filter(pk__in=list(backend_ids))
+    if not include_disabled:
+        backends = backends.filter(enabled=True)
+    endpoints = {
+        backend.pk: Endpoint(
+            name=backend.name,
+            kind=backend.kind,
+            base_url=backend.base_url,
+            api_key=backend.api_key,
+        )
+        for backend in backends
+    }
+    if not endpoints:
+        return []
+    timeout = settings.NEXUS_DISCOVERY_TIMEOUT
+    listings = asyncio.run(_list_all(endpoints, timeout))
+    reports = []
+    # One transaction, so that a run's changes bump the routing version once.
+    with transaction.atomic():
+        for pk, endpoint in endpoints.items():
+            listing = listings[pk]
+            report = DiscoveryReport(
+                backend_id=pk, name=endpoint.name, kind=endpoint.kind
+            )
+            if listing is None:
+                report.note = "models come from the configuration for this kind"
+            elif isinstance(listing, str):
+                report.ok = False
+                report.error = listing
+            else:
+                _apply(report, listing)
+            reports.append(report)
+    for report in reports:
+        if report.changed:
+            logger.info("Discovery on %s: %s", report.name, report.summary())
+    return reports
+
+
+async def _list_all(
+    endpoints: dict[int, Endpoint], timeout: float
+) -> dict[int, list[ModelInfo] | str | None]:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout),
+        limits=httpx.Limits(max_connections=4 * len(endpoints) + 10),
+        trust_env=False,
+        follow_redirects=False,
+    ) as client:
+        results = await asyncio.gather(
+            *(_list_one(client, endpoint, timeout) for endpoint in endpoints.values())
+        )
+    return dict(zip(endpoints, results, strict=True))
+
+
+async def _list_one(
+    client: httpx.AsyncClient, endpoint: Endpoint, timeout: float
+) -> list[ModelInfo] | str | None:
+    """Return the backend's models, why they could not be listed, or None when
+    the kind does not list models."""
+    try:
+        adapter = get_adapter(endpoint.kind)
+    except KeyError:
+        return f"unknown backend kind {endpoint.kind!r}"
+    if not adapter.discovers_models:
+        return None
+    try:
+        async with asyncio.timeout(timeout):
+            return await adapter.list_models(client, endpoint)
+    except (TimeoutError, httpx.HTTPError, ProbeFailed) as error:
+        if isinstance(error, BackendLoading):
+            return str(error)
+        return describe_error(error, timeout=timeout)
+    except Exception as error:
+        logger.warning("Listing models of %s failed", endpoint.name, exc_info=True)
+        return describe_error(error)
+
+
+def _apply(report: DiscoveryReport, listing: list[ModelInfo]) -> None:
+    """Upsert one backend's models with its row locked; fill in the report.
+
+    Runs inside the caller's transaction (a savepoint), so the lock is held
+    until the whole run commits.
+    """
+    seen: dict[str, ModelInfo] = {}
+    for info in listing:
+        seen.setdefault(info.name, info)
+    report.models = sorted(seen)
+    with transaction.atomic():
+        locked = Backend.objects.select_for_update().filter(pk=report.backend_id)
+        if not list(locked.values_list("pk", flat=True)):
+            report.ok = False
+            report.error = "the backend was deleted meanwhile"
+            return
+        existing = {
+            row.name: row
+            for row in BackendModel.objects.filter(backend_id=report.backend_id)
+        }
+        to_create: list[BackendModel] = []
+        to_update: list[BackendModel] = []
+        for name, info in seen.items():
+            row = existing.get(name)
+            if row is None:
+                to_create.append(_new_row(report.backend_id, info))
+                report.added.append(name)
+            elif _update_row(row, info, report):
+                to_update.append(row)
+        for name, row in existing.items():
+            if name in seen or not row.discovered:
+                continue
+            if row.enabled and "enabled" not in row.manual_fields:
+                row.enabled = False
+                row.loaded = False
+                report.disabled.append(name)
+                to_update.append(row)
+        BackendModel.objects.bulk_create(to_create)
+        BackendModel.objects.bulk_update(
+            to_update, (*OPERATOR_FIELDS, "loaded", "discovered", "manual_fields")
+        )
+        if to_create or to_update:
+            mark_config_changed()
+
+
+def _new_row(backend_id: int, info: ModelInfo) -> BackendModel:
+    values: dict[str, Any] = {
+        name: getattr(info, name)
+        for name in CAPABILITY_FIELDS
+        if getattr(info, name) is not None
+    }
+    return BackendModel(
+        backend_id=backend_id,
+        name=info.name,
+        discovered=True,
+        enabled=True,
+        loaded=bool(info.loaded),
+        manual_fields=[],
+        **values,
+    )
+
+
+def _update_row(row: BackendModel, info: ModelInfo, report: DiscoveryReport) -> bool:
+    """Apply what the backend reported to an existing row; True if it changed."""
+    changed = False
+    if not row.discovered:
+        # Added by hand before discovery saw it: whatever the operator set
+        # (anything but a default) stays theirs.
+        row.manual_fields = sorted(
+            set(row.manual_fields) | set(_non_default_fields(row))
+        )
+        row.discovered = True
+        changed = True
+    manual = set(row.manual_fields)
+    updated = False
+    for name in CAPABILITY_FIELDS:
+        value = getattr(info, name)
+        if value is not None and name not in manual and getattr(row, name) != value:
+            setattr(row, name, value)
+            updated = True
+    if info.loaded is not None and row.loaded != info.loaded:
+        row.loaded = info.loaded
+        updated = True
+    if updated:
+        report.updated.append(row.name)
+    if not row.enabled and "enabled" not in manual:
+        row.enabled = True
+        report.enabled.append(row.name)
+        changed = True
+    return changed or updated
+
+
+def _non_default_fields(row: BackendModel) -> list[str]:
+    defaults = BackendModel()
+    return [
+        name
+        for name in OPERATOR_FIELDS
+        if getattr(row, name) != getattr(defaults, name)
+    ]

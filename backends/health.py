@@ -1,0 +1,427 @@
+"""Health rounds: probe backends concurrently, then move each one's health state.
+
+``check_all()`` probes every enabled backend at once (one ``httpx.AsyncClient``,
+one timeout per probe), so a round lasts about as long as its slowest probe and
+never longer than the probe timeout. The results then go through the state
+machine in ``next_health()``:
+
+- unknown -> healthy after one good probe;
+- healthy (or unknown) -> unhealthy after N consecutive failed probes;
+- unhealthy -> healthy after M consecutive good probes;
+- draining is the operator's: probes keep the numbers current but never change
+  the status;
+- a backend that is loading its model (llama.cpp's 503) neither fails nor
+  succeeds: its counters restart and its status stays.
+
+Rounds may overlap (beat firing while a slow round runs, two workers, an admin
+click): each backend row is locked while its new state is computed, and a probe
+that started before the last recorded one finished is dropped, so one moment
+of a backend's life is never counted twice and no update is lost.
+
+A status change bumps the routing config version (the updates bypass model
+signals on purpose: a round that only refreshes latency and check times must not
+make every serving process rebuild its snapshot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+from typing import TypedDict
+
+import httpx
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Count
+from django.utils import timezone
+
+from backends.kinds import (
+    MAX_MESSAGE,
+    Endpoint,
+    ProbeFailed,
+    ProbeResult,
+    ProbeStatus,
+    describe_error,
+    get_adapter,
+)
+from backends.models import Backend, BackendModel, HealthStatus
+from routing.versioning import mark_config_changed
+
+logger = logging.getLogger(__name__)
+
+_HEALTH_FIELDS = (
+    "status",
+    "last_check_at",
+    "last_error",
+    "consecutive_failures",
+    "consecutive_successes",
+    "avg_latency_ms",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class HealthState:
+    """The health fields of one backend, as the state machine sees them."""
+
+    status: HealthStatus
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    avg_latency_ms: float | None = None
+    last_error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    """How many failures make a backend unhealthy and successes bring it back."""
+
+    failures: int = 3
+    recoveries: int = 2
+    latency_alpha: float = 0.3
+
+    @classmethod
+    def from_settings(cls) -> Thresholds:
+        return cls(
+            failures=settings.NEXUS_HEALTH_FAILURE_THRESHOLD,
+            recoveries=settings.NEXUS_HEALTH_RECOVERY_THRESHOLD,
+            latency_alpha=settings.NEXUS_HEALTH_LATENCY_ALPHA,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One probe of one backend and when it ran (wall clock, for the database)."""
+
+    result: ProbeResult
+    started_at: datetime
+    finished_at: datetime
+
+
+class CheckReportDict(TypedDict):
+    """One backend's check, as ``nexus_check_health --json`` prints it."""
+
+    name: str
+    kind: str
+    status: str
+    previous_status: str
+    probe: str
+    latency_ms: float | None
+    avg_latency_ms: float | None
+    models: int
+    error: str
+    superseded: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CheckReport:
+    """What one check found and what the backend's state is now.
+
+    ``superseded`` means an overlapping round recorded the same moment first;
+    the state shown is then that round's.
+    """
+
+    backend_id: int
+    name: str
+    kind: str
+    status: str
+    previous_status: str
+    probe: ProbeStatus
+    latency_ms: float | None
+    avg_latency_ms: float | None
+    error: str
+    models: int
+    superseded: bool = False
+
+    @property
+    def status_changed(self) -> bool:
+        return self.status != self.previous_status
+
+    @property
+    def recovered(self) -> bool:
+        """True when this check made the backend healthy."""
+        return self.status_changed and self.status == HealthStatus.HEALTHY
+
+    def as_dict(self) -> CheckReportDict:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "status": self.status,
+            "previous_status": self.previous_status,
+            "probe": str(self.probe),
+            "latency_ms": _round(self.latency_ms),
+            "avg_latency_ms": _round(self.avg_latency_ms),
+            "models": self.models,
+            "error": self.error,
+            "superseded": self.superseded,
+        }
+
+
+def next_health(
+    state: HealthState, result: ProbeResult, thresholds: Thresholds
+) -> HealthState:
+    """Return the state after one probe (the state machine; no I/O)."""
+    status = state.status
+    if result.status is ProbeStatus.LOADING:
+        return replace(
+            state,
+            consecutive_failures=0,
+            consecutive_successes=0,
+            last_error=result.error,
+        )
+    if result.status is ProbeStatus.UP:
+        successes = state.consecutive_successes + 1
+        if status == HealthStatus.UNKNOWN or (
+            status == HealthStatus.UNHEALTHY and successes >= thresholds.recoveries
+        ):
+            status = HealthStatus.HEALTHY
+        return HealthState(
+            status=status,
+            consecutive_failures=0,
+            consecutive_successes=successes,
+            avg_latency_ms=_fold_latency(
+                state.avg_latency_ms, result.latency_ms, thresholds.latency_alpha
+            ),
+            last_error="",
+        )
+    failures = state.consecutive_failures + 1
+    if (
+        status in (HealthStatus.HEALTHY, HealthStatus.UNKNOWN)
+        and failures >= thresholds.failures
+    ):
+        status = HealthStatus.UNHEALTHY
+    return replace(
+        state,
+        status=status,
+        consecutive_failures=failures,
+        consecutive_successes=0,
+        last_error=result.error,
+    )
+
+
+def check_all(
+    backend_ids: Iterable[int] | None = None, *, include_disabled: bool = False
+) -> list[CheckReport]:
+    """Probe backends concurrently and record what was found (sync code only).
+
+    Without ``backend_ids`` every enabled backend is checked; disabled ones are
+    checked only when named and ``include_disabled`` is set. Reports come back
+    in the backends' admin order.
+    """
+    backends = Backend.objects.order_by("priority", "name")
+    if backend_ids is not None:
+        backends = backends.filter(pk__in=list(backend_ids))
+    if not include_disabled:
+        backends = backends.filter(enabled=True)
+    endpoints = {
+        backend.pk: Endpoint(
+            name=backend.name,
+            kind=backend.kind,
+            base_url=backend.base_url,
+            api_key=backend.api_key,
+        )
+        for backend in backends
+    }
+    if not endpoints:
+        return []
+    timeout = settings.NEXUS_HEALTH_PROBE_TIMEOUT
+    observations = asyncio.run(_probe_all(endpoints, timeout))
+    return _record(observations, {pk: e.api_key for pk, e in endpoints.items()})
+
+
+def check_backend(backend_id: int) -> CheckReport:
+    """Probe one backend now (even a disabled one) and record the result."""
+    reports = check_all([backend_id], include_disabled=True)
+    if not reports:
+        raise Backend.DoesNotExist(f"No backend with id {backend_id}")
+    return reports[0]
+
+
+async def _probe_all(
+    endpoints: dict[int, Endpoint], timeout: float
+) -> dict[int, Observation]:
+    limits = httpx.Limits(
+        max_connections=2 * len(endpoints) + 10, max_keepalive_connections=0
+    )
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout),
+        limits=limits,
+        # Backends sit on private networks; a user's HTTP proxy is not for them.
+        trust_env=False,
+        follow_redirects=False,
+    ) as client:
+        results = await asyncio.gather(
+            *(_probe_one(client, endpoint, timeout) for endpoint in endpoints.values())
+        )
+    return dict(zip(endpoints, results, strict=True))
+
+
+async def _probe_one(
+    client: httpx.AsyncClient, endpoint: Endpoint, timeout: float
+) -> Observation:
+    started_at = timezone.now()
+    started = time.perf_counter()
+    try:
+        adapter = get_adapter(endpoint.kind)
+    except KeyError:
+        result = ProbeResult(
+            ProbeStatus.DOWN, error=f"unknown backend kind {endpoint.kind!r}"
+        )
+    else:
+        try:
+            async with asyncio.timeout(timeout):
+                result = await adapter.probe(client, endpoint)
+        except (TimeoutError, httpx.HTTPError, ProbeFailed) as error:
+            result = ProbeResult(
+                ProbeStatus.DOWN, error=describe_error(error, timeout=timeout)
+            )
+        except Exception as error:
+            # A bug or a truly odd answer: one backend must not sink the round.
+            logger.warning("Probing %s failed", endpoint.name, exc_info=True)
+            result = ProbeResult(ProbeStatus.DOWN, error=describe_error(error))
+    finished_at = started_at + timedelta(seconds=time.perf_counter() - started)
+    return Observation(result, started_at, finished_at)
+
+
+def _record(
+    observations: dict[int, Observation], api_keys: dict[int, str]
+) -> list[CheckReport]:
+    thresholds = Thresholds.from_settings()
+    reports: list[CheckReport] = []
+    changed = False
+    with transaction.atomic():
+        # Locked in primary-key order, so overlapping rounds cannot deadlock.
+        rows = list(
+            Backend.objects.select_for_update()
+            .filter(pk__in=list(observations))
+            .order_by("pk")
+        )
+        model_counts = _count_models(observations)
+        updated: list[Backend] = []
+        for row in rows:
+            observation = observations[row.pk]
+            result = observation.result
+            previous = str(row.status)
+            superseded = (
+                row.last_check_at is not None
+                and row.last_check_at >= observation.started_at
+            )
+            if not superseded:
+                state = next_health(_state_of(row), result, thresholds)
+                row.status = state.status
+                row.consecutive_failures = state.consecutive_failures
+                row.consecutive_successes = state.consecutive_successes
+                row.avg_latency_ms = state.avg_latency_ms
+                row.last_error = redact_error(
+                    state.last_error, api_keys.get(row.pk, "")
+                )
+                row.last_check_at = observation.finished_at
+                updated.append(row)
+                changed |= row.status != previous
+                if result.loaded_models is not None:
+                    changed |= _mark_loaded(row.pk, result.loaded_models)
+            reports.append(
+                CheckReport(
+                    backend_id=row.pk,
+                    name=row.name,
+                    kind=row.kind,
+                    status=str(row.status),
+                    previous_status=previous,
+                    probe=result.status,
+                    latency_ms=result.latency_ms,
+                    avg_latency_ms=row.avg_latency_ms,
+                    error=row.last_error,
+                    models=model_counts.get(row.pk, 0),
+                    superseded=superseded,
+                )
+            )
+        Backend.objects.bulk_update(updated, _HEALTH_FIELDS)
+        if changed:
+            mark_config_changed()
+    for report in reports:
+        if report.status_changed:
+            logger.info(
+                "Backend %s is now %s (was %s)%s",
+                report.name,
+                report.status,
+                report.previous_status,
+                f": {report.error}" if report.error else "",
+            )
+    order = {pk: index for index, pk in enumerate(observations)}
+    return sorted(reports, key=lambda report: order[report.backend_id])
+
+
+def _state_of(row: Backend) -> HealthState:
+    return HealthState(
+        status=HealthStatus(row.status),
+        consecutive_failures=row.consecutive_failures,
+        consecutive_successes=row.consecutive_successes,
+        avg_latency_ms=row.avg_latency_ms,
+        last_error=row.last_error,
+    )
+
+
+def _mark_loaded(backend_id: int, loaded: frozenset[str]) -> bool:
+    """Set BackendModel.loaded from the backend's own list; True if any changed."""
+    models = BackendModel.objects.filter(backend_id=backend_id)
+    now_loaded = models.filter(name__in=loaded, loaded=False).update(loaded=True)
+    now_unloaded = (
+        models.exclude(name__in=loaded).filter(loaded=True).update(loaded=False)
+    )
+    return bool(now_loaded or now_unloaded)
+
+
+def _count_models(observations: dict[int, Observation]) -> dict[int, int]:
+    rows = (
+        BackendModel.objects.filter(backend_id__in=list(observations), enabled=True)
+        .values("backend_id")
+        .annotate(count=Count("id"))
+        .values_list("backend_id", "count")
+    )
+    return dict(rows)
+
+
+def _fold_latency(
+    average: float | None, latest: float | None, alpha: float
+) -> float | None:
+    if latest is None:
+        return average
+    if average is None:
+        return latest
+    return average + alpha * (latest - average)
+
+
+def redact_error(text: str, api_key: str) -> str:
+    """Return an error text cut short and without the backend's key in it."""
+    if api_key and len(api_key) >= 4:
+        text = text.replace(api_key, "***")
+    return text[:MAX_MESSAGE]
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+def record_breaker_opening(backend_name: str, detail: str) -> bool:
+    """Mark a backend unhealthy because a gateway process's circuit opened.
+
+    Health probes bring it back (M good probes). Draining and already unhealthy
+    backends are left as they are. Returns whether the status changed.
+    """
+    with transaction.atomic():
+        row = Backend.objects.select_for_update().filter(name=backend_name).first()
+        if row is None or row.status in (
+            HealthStatus.UNHEALTHY,
+            HealthStatus.DRAINING,
+        ):
+            return False
+        Backend.objects.filter(pk=row.pk).update(
+            status=HealthStatus.UNHEALTHY,
+            consecutive_successes=0,
+            last_error=redact_error(f"circuit breaker opened: {detail}", row.api_key),
+        )
+        mark_config_changed()
+    logger.info("Backend %s is now unhealthy (circuit breaker)", backend_name)
+    return True

@@ -1,0 +1,80 @@
+"""How to probe and list the models of each kind of backend: one adapter per kind.
+
+``KINDS`` maps a ``BackendKind`` value to its adapter, as healthchecks maps a
+channel kind to its transport. Adapters are stateless async code over a shared
+``httpx.AsyncClient``; they know URLs, headers and response shapes and nothing
+about the database, so the health checker, discovery and (later) the proxy can
+all use them. Every message they produce is short and safe to store and show:
+it never includes the API key, a response body or the backend's URL.
+
+What each kind is asked:
+
+- ``openai``: ``GET /v1/models`` with the key as a bearer token. Context length
+  is taken from the model entries when the server adds it (``max_model_len``,
+  ``context_length``, ``context_window``, ``max_context_length``).
+- ``vllm``: ``GET /health``, then ``/v1/models`` (context from ``max_model_len``).
+- ``ollama``: ``GET /api/ps`` to probe (it also says which models are loaded);
+  discovery adds ``GET /api/tags`` (installed models) and ``POST /api/show`` per
+  model (context length: the model's ``num_ctx`` parameter if set, else its
+  trained ``*.context_length``; vision and tools from ``capabilities``).
+- ``llamacpp``: ``GET /health``, where ``503 Loading model`` is a loading state
+  rather than a failure; discovery reads ``/v1/models`` and ``/props`` (the
+  slot's ``n_ctx``, ``modalities.vision``, ``chat_template_caps.supports_tools``).
+- ``anthropic``: ``GET /v1/models?limit=1`` with ``x-api-key``, the cheapest
+  authenticated request; its models come from configuration, not discovery.
+
+Ollama, vLLM and llama.cpp constrain output to JSON for any model they serve,
+so their models are reported with JSON mode; elsewhere it is left unknown.
+"""
+
+from __future__ import annotations
+
+from backends.kinds.adapters import (
+    AnthropicKind,
+    LlamaCppKind,
+    OllamaKind,
+    OpenAIKind,
+    VLLMKind,
+)
+from backends.kinds.base import (
+    MAX_MESSAGE,
+    BackendKindAdapter,
+    BackendLoading,
+    Endpoint,
+    ModelInfo,
+    ProbeFailed,
+    ProbeResult,
+    ProbeStatus,
+    describe_error,
+)
+
+KINDS: dict[str, BackendKindAdapter] = {
+    adapter.kind: adapter
+    for adapter in (
+        OpenAIKind(),
+        VLLMKind(),
+        LlamaCppKind(),
+        OllamaKind(),
+        AnthropicKind(),
+    )
+}
+
+
+def get_adapter(kind: str) -> BackendKindAdapter:
+    """Return the adapter of a backend kind; raise KeyError for an unknown kind."""
+    return KINDS[kind]
+
+
+__all__ = [
+    "KINDS",
+    "MAX_MESSAGE",
+    "BackendKindAdapter",
+    "BackendLoading",
+    "Endpoint",
+    "ModelInfo",
+    "ProbeFailed",
+    "ProbeResult",
+    "ProbeStatus",
+    "describe_error",
+    "get_adapter",
+]

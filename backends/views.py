@@ -1,0 +1,120 @@
+"""GET /health: whether Nexus can serve, with every backend's health."""
+
+from __future__ import annotations
+
+from typing import TypedDict
+from urllib.parse import urlsplit, urlunsplit
+
+from django.db import DatabaseError
+from django.http import HttpRequest, JsonResponse
+from django.views.decorators.cache import never_cache
+from django.views.decorators.http import require_safe
+
+from backends.breaker import breaker
+from backends.health import redact_error
+from backends.models import Backend, HealthStatus
+
+
+class BackendHealthDict(TypedDict):
+    name: str
+    kind: str
+    url: str
+    enabled: bool
+    status: str
+    circuit_open: bool
+    latency_ms: float | None
+    last_check_at: str | None
+    last_error: str
+    models: int
+
+
+class HealthSummaryDict(TypedDict):
+    total: int
+    healthy: int
+    unhealthy: int
+    draining: int
+    unknown: int
+    disabled: int
+
+
+class HealthDict(TypedDict):
+    status: str  # "ok", "degraded" or "unavailable"
+    summary: HealthSummaryDict
+    backends: list[BackendHealthDict]
+
+
+@never_cache
+@require_safe
+def health(request: HttpRequest) -> JsonResponse:
+    """Answer 200 while some enabled backend is healthy, else 503.
+
+    Open to anyone, like any load balancer check: it shows names, kinds,
+    statuses and the server part of each URL, never keys or URL credentials.
+    """
+    try:
+        backends = list(Backend.objects.with_model_count().order_by("priority", "name"))
+    except DatabaseError:
+        return JsonResponse(
+            {"status": "unavailable", "error": "the database is unreachable"},
+            status=503,
+        )
+    summary: HealthSummaryDict = {
+        "total": len(backends),
+        "healthy": 0,
+        "unhealthy": 0,
+        "draining": 0,
+        "unknown": 0,
+        "disabled": 0,
+    }
+    rows: list[BackendHealthDict] = []
+    serving = 0
+    for backend in backends:
+        circuit_open = breaker.is_open(backend.name)
+        if not backend.enabled:
+            summary["disabled"] += 1
+        else:
+            summary[HealthStatus(backend.status).value] += 1  # type: ignore[literal-required]
+            if backend.status == HealthStatus.HEALTHY and not circuit_open:
+                serving += 1
+        rows.append(
+            {
+                "name": backend.name,
+                "kind": backend.kind,
+                "url": _public_url(backend.base_url),
+                "enabled": backend.enabled,
+                "status": backend.status,
+                "circuit_open": circuit_open,
+                "latency_ms": (
+                    None
+                    if backend.avg_latency_ms is None
+                    else round(backend.avg_latency_ms, 1)
+                ),
+                "last_check_at": (
+                    backend.last_check_at.isoformat() if backend.last_check_at else None
+                ),
+                "last_error": redact_error(backend.last_error, backend.api_key),
+                "models": backend.model_count,  # type: ignore[attr-defined]
+            }
+        )
+    if not serving:
+        status = "unavailable"
+    elif serving < summary["total"] - summary["disabled"]:
+        status = "degraded"
+    else:
+        status = "ok"
+    body: HealthDict = {"status": status, "summary": summary, "backends": rows}
+    return JsonResponse(body, status=200 if serving else 503)
+
+
+def _public_url(url: str) -> str:
+    """Scheme, host and port only: no credentials, path or query."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return ""
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{host}:{port}" if port else host
+    return urlunsplit((parts.scheme, netloc, "", "", ""))
