@@ -12,6 +12,7 @@ from django.conf import settings
 from django.db import transaction
 
 from backends.models import Backend, BackendKind, BackendModel, HealthStatus
+from routing.versioning import mark_config_changed
 from usage.models import ApiKey
 
 READY_LINE = re.compile(r"listening on (http://\S+)")
@@ -129,7 +130,10 @@ def register_demo_backend(spec: DemoBackend, base_url: str) -> Backend:
 
 def disable_demo_backends() -> int:
     """Stop routing to demo backends (their mock processes are not running)."""
-    return Backend.objects.filter(is_demo=True, enabled=True).update(enabled=False)
+    count = Backend.objects.filter(is_demo=True, enabled=True).update(enabled=False)
+    if count:
+        mark_config_changed()  # a bulk update sends no signals
+    return count
 
 
 def is_demo_wanted(explicit: bool | None) -> bool:

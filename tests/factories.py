@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import factory
+from django.contrib.auth import get_user_model
 from django.utils import timezone
 from factory.django import DjangoModelFactory
 
 from backends.models import Backend, BackendKind, BackendModel, HealthStatus
 from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
-from usage.models import ApiKey, TokenUsage, UsageBucket, hash_key
+from usage.buffer import UsageEvent
+from usage.models import ApiKey, TokenUsage, UsageBucket, UsageRecord, hash_key
 
 
 class BackendFactory(DjangoModelFactory):
@@ -115,3 +117,60 @@ class UsageBucketFactory(DjangoModelFactory):
     prompt_tokens = 10
     completion_tokens = 4
     total_tokens = 14
+
+
+class UsageEventFactory(factory.Factory):
+    """A finished chat request as the proxy records it (not a database row)."""
+
+    class Meta:
+        model = UsageEvent
+
+    request_id = factory.Sequence(lambda n: f"req-{n}")
+    endpoint = "chat"
+    api_key_prefix = "nx-aaaaaaaa"
+    backend = "gpu-1"
+    requested_model = "llama3:8b"
+    served_model = "llama3:8b"
+    prompt_tokens = 10
+    completion_tokens = 5
+    total_tokens = factory.LazyAttribute(
+        lambda o: o.prompt_tokens + o.completion_tokens
+    )
+    estimated = False
+    latency_ms = 120.0
+    status = 200
+    streamed = False
+
+
+class UsageRecordFactory(DjangoModelFactory):
+    class Meta:
+        model = UsageRecord
+
+    event_id = factory.Sequence(lambda n: f"event-{n:08d}")
+    request_id = factory.Sequence(lambda n: f"req-{n}")
+    endpoint = "chat"
+    api_key_prefix = "nx-aaaaaaaa"
+    backend = "gpu-1"
+    requested_model = "llama3:8b"
+    served_model = "llama3:8b"
+    prompt_tokens = 10
+    completion_tokens = 5
+    total_tokens = factory.LazyAttribute(
+        lambda o: o.prompt_tokens + o.completion_tokens
+    )
+    latency_ms = 120.0
+    status = 200
+    created_at = factory.LazyFunction(timezone.now)
+
+    class Params:
+        failed = factory.Trait(status=502, error="upstream_error", is_error=True)
+        rolled = factory.Trait(rolled_up=True)
+
+
+class StaffUserFactory(DjangoModelFactory):
+    class Meta:
+        model = get_user_model()
+        django_get_or_create = ("username",)
+
+    username = factory.Sequence(lambda n: f"staff-{n}")
+    is_staff = True

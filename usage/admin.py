@@ -13,7 +13,7 @@ from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
-from usage.models import ApiKey, TokenUsage, UsageBucket
+from usage.models import ApiKey, ApiKeyQuerySet, TokenUsage, UsageBucket
 
 if TYPE_CHECKING:
     from django.contrib.admin.options import _FieldsetSpec
@@ -148,8 +148,8 @@ class ApiKeyAdmin(ApiKeyAdminBase):
         )
 
     @admin.action(description="Deactivate selected API keys", permissions=("change",))
-    def deactivate_keys(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
-        count = queryset.filter(is_active=True).update(is_active=False)
+    def deactivate_keys(self, request: HttpRequest, queryset: ApiKeyQuerySet) -> None:
+        count = queryset.deactivate()
         self.message_user(
             request, f"Deactivated {count} key{pluralize(count)}.", messages.SUCCESS
         )

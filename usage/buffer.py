@@ -8,6 +8,7 @@ the only writer of usage rows.
 from __future__ import annotations
 
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
@@ -40,6 +41,10 @@ class UsageEvent:
     streamed: bool
     error: str = ""  # short error code/type; "" for success
     created_at: float = field(default_factory=time.time)  # Unix time, seconds
+    # Nexus's own unique id for this event: the flusher's idempotency key. Not
+    # request_id, which a client may choose (X-Request-Id) and may repeat for
+    # requests that each consumed tokens.
+    event_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
     def is_error(self) -> bool:

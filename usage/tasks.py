@@ -1,11 +1,24 @@
+"""Periodic usage work; each task calls one function (scheduled in settings)."""
+
 from __future__ import annotations
 
 from celery import shared_task
 from django.conf import settings
 
-from usage.models import UsageBucket
+from usage import rollup
+from usage.models import UsageBucket, UsageRecord
+
+
+@shared_task
+def roll_up_usage() -> int:
+    return rollup.roll_up_usage()
 
 
 @shared_task
 def prune_usage_buckets() -> int:
     return UsageBucket.objects.prune(settings.NEXUS_USAGE_RETENTION_DAYS)
+
+
+@shared_task
+def prune_usage_records() -> int:
+    return UsageRecord.objects.prune(settings.NEXUS_USAGE_RECORD_RETENTION_HOURS)

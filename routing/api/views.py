@@ -1,12 +1,31 @@
 from __future__ import annotations
 
+import os
+from typing import Any
+
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema
+from rest_framework import generics, viewsets
 from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from routing import live
-from routing.core import InvalidRequest, RequestRequirements
+from routing.api.serializers import (
+    AliasSerializer,
+    EffectiveConfigSerializer,
+    FallbackChainSerializer,
+    RoutingPolicySerializer,
+)
+from routing.core import (
+    MAX_RETRIES_ENV,
+    STRATEGY_ENV,
+    InvalidRequest,
+    RequestRequirements,
+)
+from routing.models import Alias, FallbackChain, RoutingPolicy
+from routing.snapshot import build_snapshot
 
 
 class RouteExplainView(APIView):
@@ -20,6 +39,7 @@ class RouteExplainView(APIView):
 
     permission_classes = (IsAdminUser,)
 
+    @extend_schema(request=OpenApiTypes.OBJECT, responses=OpenApiTypes.OBJECT)
     def post(self, request: Request) -> Response:
         try:
             requirements = RequestRequirements.from_request(request.data)
@@ -29,3 +49,75 @@ class RouteExplainView(APIView):
             requirements, live.snapshots.snapshot.routes, live.stats
         )
         return Response(decision.as_dict())
+
+
+class AliasViewSet(viewsets.ModelViewSet[Alias]):
+    """Public model names that route to another model (single level)."""
+
+    queryset = Alias.objects.all()
+    serializer_class = AliasSerializer
+    permission_classes = (IsAdminUser,)
+    filterset_fields = ("name", "target")
+    ordering_fields = ("name", "target", "updated_at")
+    ordering = ("name",)
+
+
+class FallbackChainViewSet(viewsets.ModelViewSet[FallbackChain]):
+    """Models to try, in order, when a model cannot be served."""
+
+    queryset = FallbackChain.objects.prefetch_related("steps")
+    serializer_class = FallbackChainSerializer
+    permission_classes = (IsAdminUser,)
+    filterset_fields = ("model",)
+    ordering_fields = ("model", "updated_at")
+    ordering = ("model",)
+
+
+class RoutingPolicyView(generics.RetrieveUpdateAPIView[RoutingPolicy]):
+    """The single, global routing policy (the defaults until first saved).
+
+    Environment overrides (NEXUS_ROUTING_*) are not applied here; see
+    /api/v1/config for what the router actually uses.
+    """
+
+    serializer_class = RoutingPolicySerializer
+    permission_classes = (IsAdminUser,)
+
+    def get_object(self) -> RoutingPolicy:
+        stored = RoutingPolicy.objects.filter(pk=RoutingPolicy.SINGLETON_PK).first()
+        return stored or RoutingPolicy()
+
+
+class EffectiveConfigView(APIView):
+    """The configuration the router uses, read now, with secrets left out.
+
+    Stored backends, models, aliases, fallback chains and policy, with the
+    NEXUS_ROUTING_* environment overrides of this process applied.
+    """
+
+    permission_classes = (IsAdminUser,)
+
+    @extend_schema(responses=EffectiveConfigSerializer)
+    def get(self, request: Request) -> Response:
+        snapshot = build_snapshot()
+        policy = snapshot.policy
+        config: dict[str, Any] = {
+            "version": snapshot.version,
+            "policy": {
+                "strategy": policy.strategy.value,
+                "weights": policy.weights,
+                "max_retries": policy.max_retries,
+                "overrides": {
+                    name: os.environ[name]
+                    for name in (STRATEGY_ENV, MAX_RETRIES_ENV)
+                    if os.environ.get(name, "").strip()
+                },
+            },
+            "backends": snapshot.backends,
+            "aliases": dict(snapshot.aliases),
+            "fallbacks": {
+                model: list(steps) for model, steps in snapshot.fallbacks.items()
+            },
+            "alias_problems": list(snapshot.alias_problems),
+        }
+        return Response(EffectiveConfigSerializer(config).data)

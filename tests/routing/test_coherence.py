@@ -141,3 +141,24 @@ def test_no_request_fails_while_snapshots_are_rebuilt(
         served = sum(f.result() for f in futures)
     assert served > 0 and changes > 10
     assert failures == []
+
+
+def test_a_revoked_client_key_is_refused_everywhere_within_the_bound(
+    nexus_server_factory: Callable[..., NexusServer],
+) -> None:
+    from usage.models import ApiKey
+
+    key, raw = ApiKey.objects.create_key("soon-revoked")
+    servers = [nexus_server_factory(), nexus_server_factory()]
+
+    def status(server: NexusServer) -> int:
+        return httpx.get(
+            f"{server.base_url}/v1/models",
+            headers={"Authorization": f"Bearer {raw}"},
+            timeout=5,
+        ).status_code
+
+    assert [status(s) for s in servers] == [200, 200]
+    ApiKey.objects.filter(pk=key.pk).deactivate()
+    for server in servers:
+        _wait_until(lambda s=server: status(s) == 401, BOUND_SECONDS)

@@ -1,0 +1,203 @@
+"""Serializers for backends and their models, and the base that validates like the admin."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any, Generic, TypeVar, cast
+
+from django.core.exceptions import NON_FIELD_ERRORS
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db import IntegrityError, models, transaction
+from rest_framework import serializers
+from rest_framework.settings import api_settings
+from rest_framework.validators import UniqueValidator
+
+from backends.discovery import OPERATOR_FIELDS
+from backends.models import Backend, BackendModel
+
+M = TypeVar("M", bound=models.Model)
+
+CONFLICT_MESSAGE = (
+    "This conflicts with a change saved at the same time; reload and try again."
+)
+
+
+def to_drf_errors(error: DjangoValidationError) -> dict[str, Any]:
+    """Return a model ValidationError in DRF's shape ({field: [messages]})."""
+    detail = serializers.as_serializer_error(error)
+    if NON_FIELD_ERRORS in detail:
+        detail[api_settings.NON_FIELD_ERRORS_KEY] = detail.pop(NON_FIELD_ERRORS)
+    return detail
+
+
+class ModelCleanSerializer(serializers.ModelSerializer[M], Generic[M]):
+    """A ModelSerializer whose rules are the model's own: validate() runs full_clean().
+
+    The admin validates with the same full_clean(), so the API and the admin
+    accept and refuse the same data with the same messages. DRF's own copies of
+    the uniqueness rules are left out for that reason. Writes run in one
+    transaction, so one change bumps the routing config version once.
+    """
+
+    def build_standard_field(
+        self, field_name: str, model_field: models.Field[Any, Any]
+    ) -> tuple[type[serializers.Field[Any, Any, Any, Any]], dict[str, Any]]:
+        field_class, kwargs = super().build_standard_field(field_name, model_field)
+        validators = [
+            v
+            for v in kwargs.get("validators", [])
+            if not isinstance(v, UniqueValidator)
+        ]
+        if "validators" in kwargs:
+            kwargs["validators"] = validators
+        return field_class, kwargs
+
+    def get_validators(self) -> list[Any]:
+        return []  # unique-together rules are checked by full_clean()
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        attrs = super().validate(attrs)
+        candidate = self.build_candidate(attrs)
+        try:
+            candidate.full_clean()
+        except DjangoValidationError as error:
+            raise serializers.ValidationError(to_drf_errors(error)) from None
+        # clean() normalises values (strips names, trims URLs): keep its result.
+        for name in attrs:
+            if name in self._model_field_names:
+                attrs[name] = getattr(candidate, name)
+        return attrs
+
+    def build_candidate(self, attrs: dict[str, Any]) -> M:
+        """Return an unsaved copy of the instance with `attrs` applied."""
+        model = cast(type[M], self.Meta.model)
+        instance = copy.copy(self.instance) if self.instance is not None else model()
+        for name, value in attrs.items():
+            if name in self._model_field_names:
+                setattr(instance, name, value)
+        return instance
+
+    @property
+    def _model_field_names(self) -> set[str]:
+        model = cast(type[M], self.Meta.model)
+        return {field.name for field in model._meta.concrete_fields}
+
+    def create(self, validated_data: dict[str, Any]) -> M:
+        with saving():
+            return super().create(validated_data)
+
+    def update(self, instance: M, validated_data: dict[str, Any]) -> M:
+        with saving():
+            return super().update(instance, validated_data)
+
+
+@contextlib.contextmanager
+def saving() -> Iterator[None]:
+    """Write in one transaction; a rule broken while saving is a 400, not a 500.
+
+    A concurrent write can break a unique rule between validate() and save();
+    the database constraint (or a model method's own full_clean()) catches it.
+    """
+    try:
+        with transaction.atomic():
+            yield
+    except DjangoValidationError as error:
+        raise serializers.ValidationError(to_drf_errors(error)) from error
+    except IntegrityError as error:
+        raise serializers.ValidationError(
+            {api_settings.NON_FIELD_ERRORS_KEY: [CONFLICT_MESSAGE]}
+        ) from error
+
+
+class BackendSerializer(ModelCleanSerializer[Backend]):
+    """A backend. ``api_key`` is write-only: send it to set it, "" to clear it."""
+
+    api_key = serializers.CharField(
+        write_only=True,
+        required=False,
+        allow_blank=True,
+        max_length=500,
+        style={"input_type": "password"},
+        help_text="Write-only. Omit to keep the current key; send an empty string "
+        "to remove it.",
+    )
+    has_api_key = serializers.BooleanField(read_only=True)
+    model_count = serializers.IntegerField(read_only=True, default=0)
+
+    class Meta:
+        model = Backend
+        fields = (
+            "id",
+            "name",
+            "base_url",
+            "kind",
+            "api_key",
+            "has_api_key",
+            "enabled",
+            "priority",
+            "max_concurrency",
+            "request_timeout",
+            "is_demo",
+            "model_count",
+            "status",
+            "last_check_at",
+            "last_error",
+            "consecutive_failures",
+            "consecutive_successes",
+            "avg_latency_ms",
+            "created_at",
+            "updated_at",
+        )
+        read_only_fields = (
+            "is_demo",
+            "status",
+            "last_check_at",
+            "last_error",
+            "consecutive_failures",
+            "consecutive_successes",
+            "avg_latency_ms",
+        )
+
+
+class BackendModelSerializer(ModelCleanSerializer[BackendModel]):
+    """A model served by a backend, with its capabilities."""
+
+    backend_name = serializers.CharField(source="backend.name", read_only=True)
+
+    class Meta:
+        model = BackendModel
+        fields = (
+            "id",
+            "backend",
+            "backend_name",
+            "name",
+            "context_length",
+            "supports_vision",
+            "supports_tools",
+            "supports_json_mode",
+            "loaded",
+            "discovered",
+            "enabled",
+            "manual_fields",
+            "created_at",
+            "updated_at",
+        )
+        read_only_fields = ("discovered", "manual_fields")
+
+    def update(
+        self, instance: BackendModel, validated_data: dict[str, Any]
+    ) -> BackendModel:
+        # As in the admin: what an operator changes, model discovery keeps.
+        edited = {
+            name
+            for name in OPERATOR_FIELDS
+            if name in validated_data
+            and validated_data[name] != getattr(instance, name)
+        }
+        if edited:
+            validated_data["manual_fields"] = sorted(
+                set(instance.manual_fields or ()) | edited
+            )
+        return super().update(instance, validated_data)

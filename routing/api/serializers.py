@@ -1,0 +1,159 @@
+"""Serializers for aliases, fallback chains and the routing policy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from rest_framework import serializers
+
+from backends.api.serializers import ModelCleanSerializer, saving
+from routing.core import BackendSpec
+from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
+
+
+class AliasSerializer(ModelCleanSerializer[Alias]):
+    """A public model name that routes to another model (single level)."""
+
+    class Meta:
+        model = Alias
+        fields = ("id", "name", "target", "created_at", "updated_at")
+
+
+class FallbackChainSerializer(ModelCleanSerializer[FallbackChain]):
+    """A model and the models to try instead, in order, when it cannot be served."""
+
+    fallbacks = serializers.ListField(
+        child=serializers.CharField(max_length=200),
+        source="fallback_models",
+        required=False,
+        help_text="Models tried in this order. Omitted on update: kept as they are.",
+    )
+
+    class Meta:
+        model = FallbackChain
+        fields = ("id", "model", "fallbacks", "created_at", "updated_at")
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        attrs = super().validate(attrs)
+        fallbacks = attrs.get("fallback_models")
+        if fallbacks is None:
+            return attrs
+        chain = self.build_candidate(attrs)
+        errors: dict[int, list[str]] = {}
+        seen: set[str] = set()
+        cleaned = []
+        for position, name in enumerate(fallbacks):
+            step = ChainStep(chain=chain, position=position, model=name)
+            try:
+                # The chain may not be saved yet: its own checks ran above.
+                step.full_clean(exclude=["chain"])
+            except DjangoValidationError as error:
+                errors[position] = [
+                    message
+                    for messages in error.message_dict.values()
+                    for message in messages
+                ]
+                continue
+            # The admin's formset applies the one-step-per-model constraint
+            # across its rows the same way, before anything is saved.
+            if step.model in seen:
+                errors[position] = [f"'{step.model}' is listed more than once."]
+            seen.add(step.model)
+            cleaned.append(step.model)
+        if errors:
+            detail: dict[str, Any] = {"fallbacks": errors}
+            raise serializers.ValidationError(detail)
+        attrs["fallback_models"] = cleaned
+        return attrs
+
+    def create(self, validated_data: dict[str, Any]) -> FallbackChain:
+        fallbacks = validated_data.pop("fallback_models", [])
+        with saving():
+            chain = super().create(validated_data)
+            chain.set_fallbacks(fallbacks)
+        return chain
+
+    def update(
+        self, instance: FallbackChain, validated_data: dict[str, Any]
+    ) -> FallbackChain:
+        fallbacks = validated_data.pop("fallback_models", None)
+        with saving():
+            chain = super().update(instance, validated_data)
+            if fallbacks is not None:
+                chain.set_fallbacks(fallbacks)
+        return chain
+
+
+class RoutingPolicySerializer(ModelCleanSerializer[RoutingPolicy]):
+    """The global routing policy. Weights are used by the smart strategy."""
+
+    class Meta:
+        model = RoutingPolicy
+        fields = (
+            "strategy",
+            "weight_priority",
+            "weight_load",
+            "weight_latency",
+            "max_retries",
+            "updated_at",
+        )
+
+
+class ModelSpecSerializer(serializers.Serializer[Any]):
+    name = serializers.CharField()
+    context_length = serializers.IntegerField(allow_null=True)
+    supports_vision = serializers.BooleanField()
+    supports_tools = serializers.BooleanField()
+    supports_json_mode = serializers.BooleanField()
+    loaded = serializers.BooleanField()
+    enabled = serializers.BooleanField()
+
+
+class BackendSpecSerializer(serializers.Serializer[Any]):
+    """A backend as the router sees it. The API key itself is never included."""
+
+    id = serializers.IntegerField(allow_null=True)
+    name = serializers.CharField()
+    base_url = serializers.CharField()
+    kind = serializers.CharField()
+    has_api_key = serializers.SerializerMethodField()
+    enabled = serializers.BooleanField()
+    priority = serializers.IntegerField()
+    max_concurrency = serializers.IntegerField(allow_null=True)
+    request_timeout = serializers.FloatField()
+    status = serializers.CharField()
+    avg_latency_ms = serializers.FloatField(allow_null=True)
+    models = ModelSpecSerializer(many=True)
+
+    def get_has_api_key(self, backend: BackendSpec) -> bool:
+        return bool(backend.api_key)
+
+
+class WeightsSerializer(serializers.Serializer[Any]):
+    priority = serializers.IntegerField()
+    load = serializers.IntegerField()
+    latency = serializers.IntegerField()
+
+
+class EffectivePolicySerializer(serializers.Serializer[Any]):
+    strategy = serializers.CharField()
+    weights = WeightsSerializer()
+    max_retries = serializers.IntegerField()
+    overrides = serializers.DictField(
+        child=serializers.CharField(),
+        help_text="Environment variables that override the stored policy.",
+    )
+
+
+class EffectiveConfigSerializer(serializers.Serializer[Any]):
+    """What the router uses: stored configuration with environment overrides."""
+
+    version = serializers.IntegerField()
+    policy = EffectivePolicySerializer()
+    backends = BackendSpecSerializer(many=True)
+    aliases = serializers.DictField(child=serializers.CharField())
+    fallbacks = serializers.DictField(
+        child=serializers.ListField(child=serializers.CharField())
+    )
+    alias_problems = serializers.ListField(child=serializers.CharField())

@@ -1,0 +1,157 @@
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import timedelta
+from io import StringIO
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.utils import timezone
+
+from tests.factories import (
+    ApiKeyFactory,
+    TokenUsageFactory,
+    UsageBucketFactory,
+    UsageEventFactory,
+    UsageRecordFactory,
+)
+from usage.buffer import buffer
+from usage.models import TokenUsage, UsageRecord
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def _empty_buffer() -> Iterator[None]:
+    buffer.drain()
+    yield
+    buffer.drain()
+
+
+def run(*args: str) -> str:
+    out = StringIO()
+    call_command(*args, stdout=out)
+    return out.getvalue()
+
+
+def test_flush_usage_writes_the_buffer_and_rolls_everything_up() -> None:
+    UsageRecordFactory.create_batch(2, total_tokens=10)
+    buffer.append(UsageEventFactory(total_tokens=5))
+
+    output = run("nexus_flush_usage")
+
+    assert "Flushed 1 buffered usage event " in output
+    assert "Rolled up 3 usage records; 0 pending." in output
+    assert TokenUsage.objects.get().total_tokens == 25
+    assert not UsageRecord.objects.pending().exists()
+
+
+def test_flush_usage_json_reports_counts() -> None:
+    UsageRecordFactory()
+
+    result = json.loads(run("nexus_flush_usage", "--json"))
+
+    assert result == {"flushed": 0, "rolled_up": 1, "pending": 0}
+
+
+def _buckets() -> None:
+    now = timezone.now().replace(second=0, microsecond=0)
+    ApiKeyFactory(name="ci-bot", raw_key="nx-cibot000-secret")
+    UsageBucketFactory(
+        minute=now - timedelta(minutes=10),
+        backend="gpu-1",
+        model="llama3:8b",
+        api_key_prefix="nx-cibot000",
+        requests=4,
+        errors=1,
+        prompt_tokens=300,
+        completion_tokens=100,
+        total_tokens=400,
+        estimated_tokens=100,
+        estimated_requests=1,
+    )
+    UsageBucketFactory(
+        minute=now - timedelta(hours=2),
+        backend="gpu-2",
+        model="llama3:8b",
+        requests=1,
+        prompt_tokens=50,
+        completion_tokens=50,
+        total_tokens=100,
+    )
+    UsageBucketFactory(
+        minute=now - timedelta(days=3),
+        backend="gpu-2",
+        model="mistral:7b",
+        requests=9,
+        total_tokens=9000,
+    )
+
+
+def test_usage_prints_a_table_per_model_for_the_last_day() -> None:
+    _buckets()
+
+    output = run("nexus_usage")
+
+    lines = output.splitlines()
+    assert lines[0].startswith("Usage by model, since ")
+    header = lines[1].split()
+    assert header == [
+        "model",
+        "requests",
+        "errors",
+        "prompt",
+        "completion",
+        "total",
+        "estimated",
+    ]
+    assert lines[3].split() == ["llama3:8b", "5", "1", "350", "150", "500", "20%"]
+    assert lines[-1].split() == ["total", "5", "1", "350", "150", "500", "20%"]
+    assert "mistral" not in output  # three days old
+
+
+def test_usage_groups_by_key_and_names_the_key() -> None:
+    _buckets()
+
+    output = run("nexus_usage", "--by", "key", "--since", "30m")
+
+    assert "ci-bot (nx-cibot000…)" in output
+    assert "anonymous" not in output  # the anonymous request is two hours old
+
+
+def test_usage_json_for_scripts() -> None:
+    _buckets()
+
+    result = json.loads(
+        run("nexus_usage", "--by", "backend", "--since", "7d", "--json")
+    )
+
+    rows = {row["backend"]: row for row in result["rows"]}
+    assert rows["gpu-2"]["total_tokens"] == 9100
+    assert rows["gpu-1"]["estimated_share"] == 0.25
+    assert rows["gpu-1"]["requests"] == 4
+    assert result["by"] == "backend"
+
+
+def test_usage_since_all_reads_the_all_time_totals() -> None:
+    TokenUsageFactory(model="old-model", total_tokens=123456)
+
+    output = run("nexus_usage", "--since", "all")
+
+    assert "all time" in output
+    assert "old-model" in output and "123,456" in output
+
+
+def test_usage_mentions_requests_not_rolled_up_yet() -> None:
+    UsageRecordFactory()
+
+    output = run("nexus_usage")
+
+    assert "No usage since" in output
+    assert "1 more request not rolled up yet" in output
+
+
+def test_usage_rejects_a_bad_period() -> None:
+    with pytest.raises(CommandError, match="not a duration back from now"):
+        run("nexus_usage", "--since", "yesterday")

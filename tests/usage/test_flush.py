@@ -1,0 +1,348 @@
+from __future__ import annotations
+
+import asyncio
+import math
+import subprocess
+import sys
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from channels.db import database_sync_to_async
+from django.db import OperationalError, connection
+from django.db.models import Sum
+
+from tests.conftest import REPO_ROOT, server_env
+from tests.factories import UsageEventFactory
+from usage.buffer import UsageBuffer, buffer
+from usage.flush import Flusher, flush_usage, run_flusher
+from usage.models import UsageRecord
+
+
+@pytest.fixture(autouse=True)
+def _empty_buffer() -> Iterator[None]:
+    """Tests share the process buffer; none may leak events into another."""
+    buffer.drain()
+    yield
+    buffer.drain()
+
+
+def _failing_inserts(message: str = "database is unreachable") -> Callable[..., Any]:
+    def wrapper(execute: Callable[..., Any], sql: str, *args: Any) -> Any:
+        if sql.lstrip().upper().startswith("INSERT") and "usagerecord" in sql:
+            raise OperationalError(message)
+        return execute(sql, *args)
+
+    return wrapper
+
+
+@pytest.mark.django_db
+def test_flush_writes_each_buffered_event_as_one_row() -> None:
+    ok = UsageEventFactory(
+        request_id="req-1",
+        endpoint="completions",
+        api_key_prefix="nx-12345678",
+        backend="gpu-2",
+        requested_model="gpt-4",
+        served_model="llama3:70b",
+        prompt_tokens=11,
+        completion_tokens=7,
+        total_tokens=18,
+        estimated=True,
+        latency_ms=250.5,
+        streamed=True,
+        created_at=1_790_000_000.25,
+    )
+    failed = UsageEventFactory(status=200, error="stream_interrupted")
+    buffer.append(ok)
+    buffer.append(failed)
+
+    assert flush_usage() == 2
+
+    assert len(buffer) == 0
+    row = UsageRecord.objects.get(event_id=ok.event_id)
+    assert (row.request_id, row.endpoint, row.api_key_prefix) == (
+        "req-1",
+        "completions",
+        "nx-12345678",
+    )
+    assert (row.backend, row.requested_model, row.served_model) == (
+        "gpu-2",
+        "gpt-4",
+        "llama3:70b",
+    )
+    assert (row.prompt_tokens, row.completion_tokens, row.total_tokens) == (11, 7, 18)
+    assert row.estimated and row.streamed and not row.is_error
+    assert row.latency_ms == 250.5
+    assert row.created_at == datetime.fromtimestamp(1_790_000_000.25, tz=UTC)
+    assert not row.rolled_up
+    # A stream that broke after its first byte keeps status 200 but is an error.
+    assert UsageRecord.objects.get(event_id=failed.event_id).is_error
+
+
+@pytest.mark.django_db
+def test_a_failed_write_puts_the_batch_back_and_loses_nothing() -> None:
+    events = UsageEventFactory.build_batch(5)
+    for event in events:
+        buffer.append(event)
+
+    with (
+        connection.execute_wrapper(_failing_inserts()),
+        pytest.raises(OperationalError),
+    ):
+        flush_usage(batch_size=2)
+
+    assert [e.event_id for e in buffer.drain()] == [e.event_id for e in events]
+    assert not UsageRecord.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_batch_failing_midway_keeps_earlier_batches_and_requeues_the_rest() -> None:
+    events = UsageEventFactory.build_batch(5)
+    for event in events:
+        buffer.append(event)
+    calls = 0
+
+    def second_insert_fails(execute: Callable[..., Any], sql: str, *args: Any) -> Any:
+        nonlocal calls
+        if sql.lstrip().upper().startswith("INSERT"):
+            calls += 1
+            if calls == 2:
+                raise OperationalError("connection reset")
+        return execute(sql, *args)
+
+    with (
+        connection.execute_wrapper(second_insert_fails),
+        pytest.raises(OperationalError),
+    ):
+        flush_usage(batch_size=2)
+    assert UsageRecord.objects.count() == 2
+
+    assert flush_usage() == 3
+    assert set(UsageRecord.objects.values_list("event_id", flat=True)) == {
+        e.event_id for e in events
+    }
+
+
+@pytest.mark.django_db
+def test_retrying_a_flush_that_did_commit_writes_nothing_twice() -> None:
+    # The ambiguous failure: rows committed, then the flush was told it failed
+    # (lost acknowledgement) and the events went back into the buffer.
+    events = UsageEventFactory.build_batch(4)
+    for event in events:
+        buffer.append(event)
+    flush_usage()
+    buffer.requeue(events)
+
+    flush_usage()
+
+    assert UsageRecord.objects.count() == 4
+    assert len(buffer) == 0
+
+
+@pytest.mark.django_db
+def test_requests_sharing_a_client_request_id_are_each_counted() -> None:
+    # X-Request-Id is chosen by the client and may repeat; each request used tokens.
+    for _ in range(3):
+        buffer.append(UsageEventFactory(request_id="client-chosen", total_tokens=9))
+
+    flush_usage()
+
+    assert UsageRecord.objects.filter(request_id="client-chosen").count() == 3
+    assert UsageRecord.objects.aggregate(t=Sum("total_tokens"))["t"] == 27
+
+
+@pytest.mark.django_db
+def test_out_of_range_values_are_kept_within_the_columns_instead_of_failing() -> None:
+    odd = UsageEventFactory(
+        prompt_tokens=-5,
+        completion_tokens=3,
+        total_tokens=3,
+        latency_ms=math.nan,
+        served_model="m" * 300,
+        request_id="r" * 200,
+    )
+    fine = UsageEventFactory()
+    buffer.append(odd)
+    buffer.append(fine)
+
+    assert flush_usage() == 2
+
+    row = UsageRecord.objects.get(event_id=odd.event_id)
+    assert row.prompt_tokens == 0 and row.total_tokens == 3
+    assert row.latency_ms == 0.0
+    assert row.served_model == "m" * 200
+    assert UsageRecord.objects.filter(event_id=fine.event_id).exists()
+
+
+@pytest.mark.django_db
+def test_a_malformed_event_is_dropped_without_blocking_the_others() -> None:
+    broken = UsageEventFactory(created_at=math.nan)  # a proxy bug
+    good = UsageEventFactory()
+    buffer.append(broken)
+    buffer.append(good)
+
+    assert flush_usage() == 1
+
+    assert len(buffer) == 0
+    assert list(UsageRecord.objects.values_list("event_id", flat=True)) == [
+        good.event_id
+    ]
+
+
+@pytest.mark.django_db
+def test_flush_reports_events_the_full_buffer_dropped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    small = UsageBuffer(maxlen=2)
+    for event in UsageEventFactory.build_batch(3):
+        small.append(event)
+
+    assert flush_usage(source=small) == 2
+
+    assert "dropped 1 events" in caplog.text
+    assert small.dropped == 0  # reported once
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_flushes_write_every_event_exactly_once() -> None:
+    events = UsageEventFactory.build_batch(2000, total_tokens=3)
+    produced = threading.Event()
+
+    def produce() -> None:
+        for event in events:
+            buffer.append(event)
+        produced.set()
+
+    def flush_until_drained() -> None:
+        try:
+            while not produced.is_set() or len(buffer):
+                flush_usage(batch_size=97)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=flush_until_drained) for _ in range(4)]
+    threads.append(threading.Thread(target=produce))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert UsageRecord.objects.count() == 2000
+    assert UsageRecord.objects.aggregate(t=Sum("total_tokens"))["t"] == 6000
+
+
+@pytest.fixture
+async def _close_worker_connections() -> AsyncIterator[None]:
+    """Close the connection of the thread database_sync_to_async runs code in."""
+    yield
+
+    def close() -> None:
+        connection.close()  # resolved in the worker thread: its own connection
+
+    await database_sync_to_async(close)()
+
+
+@pytest.mark.usefixtures("_close_worker_connections")
+@pytest.mark.django_db(transaction=True)
+async def test_the_background_flusher_writes_soon_and_once_more_when_stopped() -> None:
+    count = database_sync_to_async(UsageRecord.objects.count)
+    flusher = asyncio.create_task(run_flusher(interval=0.05))
+    for event in UsageEventFactory.build_batch(3):
+        buffer.append(event)
+    async with asyncio.timeout(10):
+        while await count() < 3:
+            await asyncio.sleep(0.02)
+
+    # Appended just before shutdown: the final flush on cancel writes them.
+    for event in UsageEventFactory.build_batch(2):
+        buffer.append(event)
+    flusher.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await flusher
+
+    assert await count() == 5
+
+
+@pytest.mark.usefixtures("_close_worker_connections")
+@pytest.mark.django_db(transaction=True)
+async def test_the_process_flusher_runs_once_and_writes_everything_on_stop() -> None:
+    flusher = Flusher()
+    flusher.ensure_started()
+    flusher.ensure_started()  # as on every request: no second task
+    assert [t.get_name() for t in asyncio.all_tasks()].count("usage-flusher") == 1
+    for event in UsageEventFactory.build_batch(4):
+        buffer.append(event)
+
+    await flusher.stop()
+
+    assert "usage-flusher" not in [t.get_name() for t in asyncio.all_tasks()]
+    assert await database_sync_to_async(UsageRecord.objects.count)() == 4
+    await flusher.stop()  # stopping twice is harmless
+
+
+@pytest.mark.usefixtures("_close_worker_connections")
+@pytest.mark.django_db(transaction=True)
+async def test_the_background_flusher_survives_a_database_outage() -> None:
+    count = database_sync_to_async(UsageRecord.objects.count)
+    # The flusher's thread writes through its own connection; fail its inserts
+    # from before the first flush.
+    outage = _failing_inserts()
+    from django.db import connections
+
+    def install() -> None:
+        connections["default"].execute_wrappers.append(outage)
+
+    def remove() -> None:
+        connections["default"].execute_wrappers.remove(outage)
+
+    await database_sync_to_async(install)()
+    flusher = asyncio.create_task(run_flusher(interval=0.02))
+    for event in UsageEventFactory.build_batch(3):
+        buffer.append(event)
+    await asyncio.sleep(0.2)
+    assert await count() == 0
+    # Between failed attempts every event is back in the buffer (an attempt may
+    # be holding them at any given instant, so wait for a moment between two).
+    async with asyncio.timeout(5):
+        while len(buffer) != 3:
+            await asyncio.sleep(0.001)
+    await database_sync_to_async(remove)()
+
+    async with asyncio.timeout(10):
+        while await count() < 3:
+            await asyncio.sleep(0.02)
+    flusher.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await flusher
+
+
+EXIT_SCRIPT = """
+from tests.factories import UsageEventFactory
+from usage.buffer import buffer
+import usage.flush  # what a serving process imports to start the flusher
+
+for n in range(7):
+    buffer.append(UsageEventFactory(request_id=f"exit-{n}", total_tokens=5))
+# No flush here: the process ends, as a server does on a graceful shutdown.
+"""
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_graceful_exit_writes_what_the_buffer_still_holds() -> None:
+    result = subprocess.run(
+        [sys.executable, "manage.py", "shell", "--no-imports", "-c", EXIT_SCRIPT],
+        check=False,
+        cwd=REPO_ROOT,
+        env=server_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+    assert result.returncode == 0, result.stderr
+    rows = UsageRecord.objects.filter(request_id__startswith="exit-")
+    assert rows.count() == 7
+    assert rows.aggregate(t=Sum("total_tokens"))["t"] == 35

@@ -1,0 +1,170 @@
+"""Query parameters and answers of the usage endpoints."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from rest_framework import serializers
+
+from usage.models import USAGE_DIMENSIONS
+from usage.periods import PERIOD_HELP, parse_moment
+
+# Stands for "no key" (client auth off) in the key filter; real prefixes start
+# with "nx-". The admin's key filter uses the same value.
+ANONYMOUS = "-"
+
+
+class UsageQuerySerializer(serializers.Serializer[Any]):
+    """Which usage to read: a time range and optional series filters."""
+
+    since = serializers.CharField(
+        required=False, help_text=f"Start of the range: {PERIOD_HELP}."
+    )
+    until = serializers.CharField(
+        required=False, help_text=f"End of the range (default: now): {PERIOD_HELP}."
+    )
+    backend = serializers.CharField(required=False, help_text="Backend name.")
+    model = serializers.CharField(required=False, help_text="Model served.")
+    key = serializers.CharField(
+        required=False,
+        help_text=f'Client key prefix (nx-...), or "{ANONYMOUS}" for requests made '
+        "without a key.",
+    )
+
+    def validate_since(self, value: str) -> datetime:
+        return _moment(value)
+
+    def validate_until(self, value: str) -> datetime:
+        return _moment(value)
+
+    def validate_key(self, value: str) -> str:
+        return "" if value == ANONYMOUS else value
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        since, until = attrs.get("since"), attrs.get("until")
+        if since and until and since >= until:
+            raise serializers.ValidationError({"until": "Must be later than since."})
+        return attrs
+
+
+class TokenQuerySerializer(UsageQuerySerializer):
+    by = serializers.CharField(
+        required=False,
+        default="backend,model,key",
+        help_text="Comma-separated dimensions to group by: backend, model, key "
+        "(default: all three).",
+    )
+
+    def validate_by(self, value: str) -> list[str]:
+        names = [name.strip() for name in value.split(",") if name.strip()]
+        unknown = [name for name in names if name not in USAGE_DIMENSIONS]
+        if unknown or not names:
+            raise serializers.ValidationError(
+                f"Group by one or more of: {', '.join(USAGE_DIMENSIONS)}."
+            )
+        # In the canonical order, once each.
+        return [name for name in USAGE_DIMENSIONS if name in names]
+
+
+class StatsQuerySerializer(UsageQuerySerializer):
+    since = serializers.CharField(
+        required=False,
+        default="24h",
+        help_text=f"Start of the range (default: 24h): {PERIOD_HELP}.",
+    )
+
+
+def _moment(value: str) -> datetime:
+    try:
+        return parse_moment(value)
+    except ValueError as error:
+        raise serializers.ValidationError(str(error)) from None
+
+
+class CountersSerializer(serializers.Serializer[Any]):
+    requests = serializers.IntegerField()
+    # DRF's metaclass moves declared fields off the class, so this does not
+    # replace Serializer.errors at run time; only the type checker sees a clash.
+    errors = serializers.IntegerField()  # type: ignore[assignment]
+    prompt_tokens = serializers.IntegerField()
+    completion_tokens = serializers.IntegerField()
+    total_tokens = serializers.IntegerField()
+    estimated_requests = serializers.IntegerField(
+        help_text="Requests whose token counts Nexus estimated."
+    )
+    estimated_tokens = serializers.IntegerField(
+        help_text="The part of total_tokens that is estimated."
+    )
+    latency_ms_avg = serializers.SerializerMethodField(
+        help_text="Mean request latency in milliseconds."
+    )
+
+    def get_latency_ms_avg(self, row: dict[str, Any]) -> float | None:
+        requests = row["requests"]
+        return round(row["latency_ms_sum"] / requests, 1) if requests else None
+
+
+class TokenUsageRowSerializer(CountersSerializer):
+    """Usage of one series; dimensions not grouped by are null."""
+
+    backend = serializers.CharField(allow_null=True, default=None)
+    model = serializers.CharField(allow_null=True, default=None)
+    key = serializers.CharField(
+        source="api_key_prefix",
+        allow_null=True,
+        default=None,
+        help_text='Client key prefix; "" for requests made without a key.',
+    )
+    key_name = serializers.CharField(allow_null=True, default=None)
+
+
+class StatsRowSerializer(CountersSerializer):
+    backend = serializers.CharField(required=False)
+    model = serializers.CharField(required=False)
+    error_rate = serializers.SerializerMethodField()
+
+    def get_error_rate(self, row: dict[str, Any]) -> float:
+        return round(row["errors"] / row["requests"], 4) if row["requests"] else 0.0
+
+
+class UsageStatsSerializer(serializers.Serializer[Any]):
+    since = serializers.DateTimeField()
+    until = serializers.DateTimeField()
+    totals = StatsRowSerializer()
+    by_backend_model = StatsRowSerializer(many=True)
+    by_model = StatsRowSerializer(many=True)
+    by_backend = StatsRowSerializer(many=True)
+    pending_records = serializers.IntegerField(
+        help_text="Requests recorded but not rolled up yet (not in these numbers)."
+    )
+
+
+class LiveBackendSerializer(serializers.Serializer[Any]):
+    backend = serializers.CharField()
+    in_flight = serializers.IntegerField()
+    max_concurrency = serializers.IntegerField(allow_null=True)
+    status = serializers.CharField(allow_null=True)
+    latency_ms = serializers.FloatField(
+        allow_null=True, help_text="Recent time to first byte (moving average)."
+    )
+
+
+class LiveModelSerializer(serializers.Serializer[Any]):
+    backend = serializers.CharField()
+    model = serializers.CharField()
+    in_flight = serializers.IntegerField()
+
+
+class LiveUsageSerializer(serializers.Serializer[Any]):
+    process = serializers.IntegerField(help_text="Process id of the server answering.")
+    config_version = serializers.IntegerField()
+    in_flight = serializers.IntegerField(help_text="Requests in flight, all backends.")
+    backends = LiveBackendSerializer(many=True)
+    models = LiveModelSerializer(
+        many=True, help_text="Backend × model pairs with requests in flight."
+    )
+    buffered_events = serializers.IntegerField(
+        help_text="Finished requests waiting to be written (about once a second)."
+    )
+    at = serializers.DateTimeField()

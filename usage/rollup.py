@@ -1,0 +1,188 @@
+"""Roll raw usage records up into TokenUsage and UsageBucket, exactly once.
+
+Each batch is one transaction that adds its records to both tables and marks
+them rolled up. A rollup that dies mid-way therefore leaves its batch pending,
+as if it had never run, and a retried or concurrent rollup cannot add a record
+twice: on PostgreSQL each batch locks its rows and skips rows another rollup
+holds (``SELECT ... FOR UPDATE SKIP LOCKED``); on SQLite, transactions are
+IMMEDIATE and run one at a time. The counters are raised with
+``INSERT ... ON CONFLICT DO UPDATE SET n = n + excluded.n``, one statement per
+table, so concurrent rollups adding to the same series never lose an update.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, cast
+
+from django.db import connection, models, transaction
+from django.db.models import Max
+from django.utils import timezone
+
+from usage.models import COUNTER_FIELDS, TokenUsage, UsageBucket, UsageRecord
+
+logger = logging.getLogger(__name__)
+
+ROLLUP_BATCH_SIZE = 2000
+# Rows per INSERT statement: well under SQLite's limit on bound parameters.
+_ROWS_PER_STATEMENT = 500
+
+_RECORD_COLUMNS = (
+    "id",
+    "backend",
+    "served_model",
+    "requested_model",
+    "api_key_prefix",
+    "created_at",
+    "prompt_tokens",
+    "completion_tokens",
+    "total_tokens",
+    "estimated",
+    "is_error",
+    "latency_ms",
+)
+
+
+class RollupConflictError(RuntimeError):
+    """Some records of a batch were rolled up by someone else meanwhile."""
+
+
+@dataclass(slots=True)
+class _Counters:
+    """Sums for one series; one attribute per usage.models.COUNTER_FIELDS."""
+
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    estimated_requests: int = 0
+    estimated_tokens: int = 0
+    latency_ms_sum: float = 0.0
+
+
+def roll_up_usage(*, batch_size: int = ROLLUP_BATCH_SIZE) -> int:
+    """Add every pending usage record to the aggregates; return how many were added.
+
+    Records written while it runs are left to the next rollup, so it always ends.
+    Safe to run concurrently with itself and with the flusher.
+    """
+    last_id = UsageRecord.objects.pending().aggregate(last=Max("id"))["last"]
+    if last_id is None:
+        return 0
+    total = 0
+    while count := _roll_up_batch(last_id, batch_size):
+        total += count
+    return total
+
+
+def _roll_up_batch(last_id: int, batch_size: int) -> int:
+    with transaction.atomic():
+        pending = UsageRecord.objects.pending().filter(id__lte=last_id).order_by("id")
+        if connection.features.has_select_for_update_skip_locked:
+            pending = pending.select_for_update(skip_locked=True)
+        rows = list(pending.values_list(*_RECORD_COLUMNS)[:batch_size])
+        if not rows:
+            return 0
+        series: dict[tuple[str, str, str], _Counters] = {}
+        buckets: dict[tuple[datetime, str, str, str], _Counters] = {}
+        for row in rows:
+            (_, backend, served, requested, key, created_at, *counts) = row
+            # Requests that failed before a model was chosen are filed under
+            # the model the client asked for.
+            name = (backend, served or requested, key)
+            minute = created_at.replace(second=0, microsecond=0)
+            _add(series.setdefault(name, _Counters()), *counts)
+            _add(buckets.setdefault((minute, *name), _Counters()), *counts)
+        now = timezone.now()
+        _increment(
+            TokenUsage,
+            ("backend", "model", "api_key_prefix"),
+            series.items(),
+            replace={"updated_at": now},
+        )
+        _increment(
+            UsageBucket,
+            ("minute", "backend", "model", "api_key_prefix"),
+            buckets.items(),
+        )
+        ids = [row[0] for row in rows]
+        marked = UsageRecord.objects.filter(id__in=ids, rolled_up=False).update(
+            rolled_up=True
+        )
+        if marked != len(ids):
+            # Cannot happen while the locking above holds; rolling back is what
+            # keeps the totals exact if it ever does not.
+            raise RollupConflictError(
+                f"{len(ids) - marked} of {len(ids)} usage records were rolled up "
+                "concurrently; this batch was rolled back"
+            )
+    return len(rows)
+
+
+def _add(
+    counters: _Counters,
+    prompt: int,
+    completion: int,
+    total: int,
+    estimated: bool,
+    is_error: bool,
+    latency_ms: float,
+) -> None:
+    counters.requests += 1
+    counters.errors += is_error
+    counters.prompt_tokens += prompt
+    counters.completion_tokens += completion
+    counters.total_tokens += total
+    if estimated:
+        counters.estimated_requests += 1
+        counters.estimated_tokens += total
+    counters.latency_ms_sum += latency_ms
+
+
+def _increment(
+    model: type[models.Model],
+    key_fields: Sequence[str],
+    series: Iterable[tuple[tuple[Any, ...], _Counters]],
+    *,
+    replace: dict[str, Any] | None = None,
+) -> None:
+    """Add each series' counters to its row of `model`, creating missing rows.
+
+    Rows are written in key order, so concurrent rollups lock shared rows in the
+    same order and cannot deadlock.
+    """
+    replace = replace or {}
+    quote = connection.ops.quote_name
+    table = quote(model._meta.db_table)
+    columns = [*key_fields, *COUNTER_FIELDS, *replace]
+    fields = [
+        cast("models.Field[Any, Any]", model._meta.get_field(name)) for name in columns
+    ]
+    assignments = [
+        f"{quote(name)} = {table}.{quote(name)} + excluded.{quote(name)}"
+        for name in COUNTER_FIELDS
+    ] + [f"{quote(name)} = excluded.{quote(name)}" for name in replace]
+    row_sql = "(" + ", ".join(["%s"] * len(columns)) + ")"
+    ordered = sorted(series, key=lambda item: item[0])
+    with connection.cursor() as cursor:
+        for start in range(0, len(ordered), _ROWS_PER_STATEMENT):
+            chunk = ordered[start : start + _ROWS_PER_STATEMENT]
+            params: list[Any] = []
+            for key, counters in chunk:
+                counts = [getattr(counters, name) for name in COUNTER_FIELDS]
+                values = (*key, *counts, *replace.values())
+                params += [
+                    field.get_db_prep_value(value, connection)
+                    for field, value in zip(fields, values, strict=True)
+                ]
+            cursor.execute(
+                f"INSERT INTO {table} ({', '.join(map(quote, columns))}) "
+                f"VALUES {', '.join([row_sql] * len(chunk))} "
+                f"ON CONFLICT ({', '.join(map(quote, key_fields))}) "
+                f"DO UPDATE SET {', '.join(assignments)}",
+                params,
+            )
