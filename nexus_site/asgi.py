@@ -15,8 +15,10 @@ django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter
 
+from backends.breaker import breaker
 from routing import live
 from routing.proxy import ProxyApp
+from usage.flush import flusher
 
 Scope = dict[str, Any]
 
@@ -26,7 +28,8 @@ class NexusApplication:
 
     The proxy is dispatched here with one string comparison rather than through
     a URL router, because it is the hot path. Daphne sends no lifespan events,
-    so the per-process background tasks (snapshot refresh) start with the first
+    so the per-process background tasks (snapshot refresh, circuit-breaker
+    announcements, usage flushing) start with the first
     request (a cheap check on every later one); servers that do send them
     (uvicorn) start the tasks before the first request and stop them at exit.
     """
@@ -40,6 +43,8 @@ class NexusApplication:
             await self._lifespan(receive, send)
             return
         live.snapshots.ensure_started()
+        breaker.ensure_started()
+        flusher.ensure_started()
         if scope["type"] == "http" and (
             scope["path"].startswith("/v1/") or scope["path"] == "/v1"
         ):
@@ -52,9 +57,13 @@ class NexusApplication:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 live.snapshots.ensure_started()
+                breaker.ensure_started()
+                flusher.ensure_started()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await live.snapshots.stop()
+                await breaker.stop()
+                await flusher.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 

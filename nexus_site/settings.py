@@ -197,8 +197,26 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.TokenAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "DEFAULT_PAGINATION_CLASS": "backends.api.pagination.BoundedLimitOffsetPagination",
     "PAGE_SIZE": 100,
+    "DEFAULT_FILTER_BACKENDS": [
+        "django_filters.rest_framework.DjangoFilterBackend",
+        "rest_framework.filters.OrderingFilter",
+    ],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Nexus management API",
+    "DESCRIPTION": "Configure backends and routing, and read usage. Staff session "
+    "or admin token (`Authorization: Token ...`); client API keys are refused.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAdminUser"],
+    # The docs page loads Swagger UI from the project's static files, not a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "COMPONENT_SPLIT_REQUEST": True,
 }
 
 # --- Channels ---------------------------------------------------------------
@@ -239,8 +257,16 @@ CELERY_TIMEZONE = TIME_ZONE
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
 CELERY_BEAT_SCHEDULE_FILENAME = str(NEXUS_STATE_DIR / "celerybeat-schedule")
 CELERY_BEAT_SCHEDULE = {
+    "roll-up-usage": {
+        "task": "usage.tasks.roll_up_usage",
+        "schedule": env.float("NEXUS_USAGE_ROLLUP_INTERVAL", default=10.0),
+    },
     "prune-usage-buckets": {
         "task": "usage.tasks.prune_usage_buckets",
+        "schedule": env.float("NEXUS_USAGE_PRUNE_INTERVAL", default=3600.0),
+    },
+    "prune-usage-records": {
+        "task": "usage.tasks.prune_usage_records",
         "schedule": env.float("NEXUS_USAGE_PRUNE_INTERVAL", default=3600.0),
     },
 }
@@ -249,6 +275,13 @@ CELERY_BEAT_SCHEDULE = {
 
 # Per-minute usage buckets older than this are deleted by a beat task.
 NEXUS_USAGE_RETENTION_DAYS = env.int("NEXUS_USAGE_RETENTION_DAYS", default=30)
+# Raw usage records are deleted this long after they were rolled up. While kept,
+# they make a retried flush idempotent and feed per-request queries.
+NEXUS_USAGE_RECORD_RETENTION_HOURS = env.float(
+    "NEXUS_USAGE_RECORD_RETENTION_HOURS", default=48.0
+)
+# Seconds between writes of each serving process's usage buffer.
+NEXUS_USAGE_FLUSH_INTERVAL = env.float("NEXUS_USAGE_FLUSH_INTERVAL", default=1.0)
 
 # `manage.py nexus_run`: where Daphne listens, the admin it creates on first run,
 # and demo mode (None = on until the operator has backends of their own).
@@ -277,3 +310,63 @@ NEXUS_UPSTREAM_CONNECT_TIMEOUT = env.float(
 )
 NEXUS_UPSTREAM_MAX_CONNECTIONS = env.int("NEXUS_UPSTREAM_MAX_CONNECTIONS", default=1000)
 NEXUS_UPSTREAM_MAX_KEEPALIVE = env.int("NEXUS_UPSTREAM_MAX_KEEPALIVE", default=200)
+
+# --- Management API (issue 5) -----------------------------------------------
+
+# Filtering, the OpenAPI schema and its docs page (Swagger UI shipped as static
+# files by the sidecar package, so the page works without internet access).
+INSTALLED_APPS += ["django_filters", "drf_spectacular", "drf_spectacular_sidecar"]
+
+# --- Health -----------------------------------------------------------------
+
+# Seconds between health rounds (every enabled backend probed concurrently) and
+# how long one probe may take; a round lasts about one probe timeout at most.
+NEXUS_HEALTH_INTERVAL = env.float("NEXUS_HEALTH_INTERVAL", default=10.0)
+NEXUS_HEALTH_PROBE_TIMEOUT = env.float("NEXUS_HEALTH_PROBE_TIMEOUT", default=5.0)
+# Consecutive failed probes that make a backend unhealthy, and consecutive good
+# ones that bring an unhealthy backend back (an unknown one needs one).
+NEXUS_HEALTH_FAILURE_THRESHOLD = env.int("NEXUS_HEALTH_FAILURE_THRESHOLD", default=3)
+NEXUS_HEALTH_RECOVERY_THRESHOLD = env.int("NEXUS_HEALTH_RECOVERY_THRESHOLD", default=2)
+# Weight of the newest probe round trip in the latency average (0..1].
+NEXUS_HEALTH_LATENCY_ALPHA = env.float("NEXUS_HEALTH_LATENCY_ALPHA", default=0.3)
+# Seconds between model discovery runs, and how long listing one backend may take.
+NEXUS_DISCOVERY_INTERVAL = env.float("NEXUS_DISCOVERY_INTERVAL", default=300.0)
+NEXUS_DISCOVERY_TIMEOUT = env.float("NEXUS_DISCOVERY_TIMEOUT", default=15.0)
+# Circuit breaker (passive detection): this many failures seen by the proxy
+# within the window (seconds) stop traffic to a backend for the cool-down
+# (seconds), in every serving process; with PERSIST the backend is also marked
+# unhealthy, and health probes bring it back.
+NEXUS_BREAKER_FAILURES = env.int("NEXUS_BREAKER_FAILURES", default=5)
+NEXUS_BREAKER_WINDOW = env.float("NEXUS_BREAKER_WINDOW", default=10.0)
+NEXUS_BREAKER_COOLDOWN = env.float("NEXUS_BREAKER_COOLDOWN", default=30.0)
+NEXUS_BREAKER_PERSIST = env.bool("NEXUS_BREAKER_PERSIST", default=True)
+
+for _name, _value, _low in (
+    ("NEXUS_HEALTH_INTERVAL", NEXUS_HEALTH_INTERVAL, 0.1),
+    ("NEXUS_HEALTH_PROBE_TIMEOUT", NEXUS_HEALTH_PROBE_TIMEOUT, 0.1),
+    ("NEXUS_HEALTH_FAILURE_THRESHOLD", NEXUS_HEALTH_FAILURE_THRESHOLD, 1),
+    ("NEXUS_HEALTH_RECOVERY_THRESHOLD", NEXUS_HEALTH_RECOVERY_THRESHOLD, 1),
+    ("NEXUS_HEALTH_LATENCY_ALPHA", NEXUS_HEALTH_LATENCY_ALPHA, 0.01),
+    ("NEXUS_DISCOVERY_INTERVAL", NEXUS_DISCOVERY_INTERVAL, 1.0),
+    ("NEXUS_DISCOVERY_TIMEOUT", NEXUS_DISCOVERY_TIMEOUT, 0.1),
+    ("NEXUS_BREAKER_FAILURES", NEXUS_BREAKER_FAILURES, 1),
+    ("NEXUS_BREAKER_WINDOW", NEXUS_BREAKER_WINDOW, 0.1),
+    ("NEXUS_BREAKER_COOLDOWN", NEXUS_BREAKER_COOLDOWN, 0.1),
+):
+    if _value < _low:
+        raise ImproperlyConfigured(f"{_name} must be at least {_low}, not {_value}.")
+if NEXUS_HEALTH_LATENCY_ALPHA > 1:
+    raise ImproperlyConfigured("NEXUS_HEALTH_LATENCY_ALPHA must be at most 1.")
+
+# Stale runs are dropped rather than queued behind a slow worker: the next one
+# is due soon anyway.
+CELERY_BEAT_SCHEDULE["check-backend-health"] = {
+    "task": "backends.tasks.check_backends_health",
+    "schedule": NEXUS_HEALTH_INTERVAL,
+    "options": {"expires": NEXUS_HEALTH_INTERVAL},
+}
+CELERY_BEAT_SCHEDULE["discover-backend-models"] = {
+    "task": "backends.tasks.discover_backend_models",
+    "schedule": NEXUS_DISCOVERY_INTERVAL,
+    "options": {"expires": NEXUS_DISCOVERY_INTERVAL},
+}

@@ -1,13 +1,28 @@
 from __future__ import annotations
 
 from django.contrib import admin
+from django.contrib.admin.views.decorators import staff_member_required
 from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+from backends import views as backends_views
 
 admin.site.site_header = "Nexus administration"
 admin.site.site_title = "Nexus"
 admin.site.index_title = "Gateway configuration"
 
 urlpatterns = [
+    # For load balancers and monitoring: no login, no secrets (backends/views.py).
+    path("health", backends_views.health, name="health"),
     path("admin/", admin.site.urls),
     path("api/v1/", include("routing.api.urls")),
+    path("api/v1/", include("backends.api.urls")),
+    path("api/v1/", include("usage.api.urls")),
+    path("api/v1/schema/", SpectacularAPIView.as_view(), name="api-schema"),
+    # A browser without a staff session is sent to the admin login first.
+    path(
+        "api/v1/docs/",
+        staff_member_required(SpectacularSwaggerView.as_view(url_name="api-schema")),
+        name="api-docs",
+    ),
 ]
