@@ -1,0 +1,99 @@
+"""Usage through the whole pipeline: SDK -> Nexus (Daphne) -> mock -> database.
+
+The tokens the backend reported, stream and not, are in the database exactly
+once after the serving process flushed them and a rollup ran; a graceful stop
+flushes what the process still held.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+
+import openai
+import pytest
+
+from backends.models import Backend, BackendModel, HealthStatus
+from tests.conftest import MockBackendProcess, NexusServer
+from usage.models import ApiKey, TokenUsage, UsageRecord
+from usage.rollup import roll_up_usage
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _setup(mock: MockBackendProcess) -> str:
+    backend = Backend.objects.create(
+        name="mock-usage", base_url=mock.base_url, status=HealthStatus.HEALTHY
+    )
+    BackendModel.objects.create(backend=backend, name="llama3:8b")
+    _, key = ApiKey.objects.create_key("usage-e2e")
+    return key
+
+
+def _wait_for_records(count: int, limit: float = 10.0) -> None:
+    deadline = time.monotonic() + limit
+    while UsageRecord.objects.count() < count:
+        assert time.monotonic() < deadline, UsageRecord.objects.count()
+        time.sleep(0.1)
+
+
+def test_reported_tokens_reach_the_aggregates_exactly_once(
+    mock_backend_factory: Callable[..., MockBackendProcess],
+    nexus_server_factory: Callable[..., NexusServer],
+) -> None:
+    key = _setup(mock_backend_factory("--models", "llama3:8b", "--name", "m"))
+    server = nexus_server_factory()
+    sdk = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0)
+    expected = 0
+    for i in range(3):
+        reply = sdk.chat.completions.create(
+            model="llama3:8b", messages=[{"role": "user", "content": f"one two {i}"}]
+        )
+        expected += reply.usage.total_tokens
+    for i in range(2):
+        chunks = list(
+            sdk.chat.completions.create(
+                model="llama3:8b",
+                messages=[{"role": "user", "content": f"three {i}"}],
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        expected += chunks[-1].usage.total_tokens
+    with pytest.raises(openai.NotFoundError):
+        sdk.chat.completions.create(
+            model="nope", messages=[{"role": "user", "content": "x"}]
+        )
+
+    _wait_for_records(6)
+    roll_up_usage()
+    roll_up_usage()  # a second run adds nothing
+
+    (row,) = TokenUsage.objects.filter(backend="mock-usage")
+    assert row.model == "llama3:8b"
+    assert row.api_key_prefix == key[:11]
+    assert row.requests == 5 and row.errors == 0
+    assert row.total_tokens == expected
+    assert row.estimated_requests == 0
+    failed = TokenUsage.objects.get(backend="", model="nope")
+    assert failed.requests == 1 and failed.errors == 1
+
+
+def test_a_graceful_stop_flushes_what_the_process_still_held(
+    mock_backend_factory: Callable[..., MockBackendProcess],
+    nexus_server_factory: Callable[..., NexusServer],
+) -> None:
+    key = _setup(mock_backend_factory("--models", "llama3:8b", "--name", "m"))
+    # A flush interval far beyond the test: only the shutdown flush can write.
+    server = nexus_server_factory(NEXUS_USAGE_FLUSH_INTERVAL="3600")
+    sdk = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0)
+    for i in range(4):
+        sdk.chat.completions.create(
+            model="llama3:8b", messages=[{"role": "user", "content": str(i)}]
+        )
+    time.sleep(0.5)
+    assert UsageRecord.objects.count() == 0
+    server.process.send_signal(signal.SIGTERM)
+    server.process.wait(timeout=20)
+    assert UsageRecord.objects.count() == 4
