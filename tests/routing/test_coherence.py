@@ -32,6 +32,8 @@ SET_GPU1_UNHEALTHY = (
     "b = Backend.objects.get(name='gpu-1'); b.status = 'unhealthy'; b.save()"
 )
 BOUND_SECONDS = 1.0 if os.environ.get("NEXUS_TEST_MODE") == "production" else 3.0
+# The periodic version check runs every NEXUS_CONFIG_POLL_INTERVAL (1 s).
+POLL_BOUND_SECONDS = 3.0
 
 
 @pytest.fixture
@@ -162,3 +164,20 @@ def test_a_revoked_client_key_is_refused_everywhere_within_the_bound(
     ApiKey.objects.filter(pk=key.pk).deactivate()
     for server in servers:
         _wait_until(lambda s=server: status(s) == 401, BOUND_SECONDS)
+
+
+def test_the_periodic_check_alone_converges_without_broadcasts(
+    nexus_server_factory: Callable[..., NexusServer], token: str
+) -> None:
+    backend = BackendFactory(name="gpu-1")
+    BackendModelFactory(backend=backend, name="llama3:8b")
+    # A channel layer of its own (another Redis database in production mode; the
+    # in-memory layer is per process anyway): no broadcast from here reaches it.
+    server = nexus_server_factory(REDIS_URL="redis://127.0.0.1:6379/6")
+    assert _explain(server, token, "gpt-4")["error"]["status"] == 404
+
+    Alias.objects.create(name="gpt-4", target="llama3:8b")
+    _wait_until(
+        lambda: _explain(server, token, "gpt-4")["via"] == "alias",
+        POLL_BOUND_SECONDS,
+    )
