@@ -13,14 +13,28 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "nexus_site.settings")
 # state, consumers and the proxy are imported below this line for that reason.
 django_asgi_app = get_asgi_application()
 
-from channels.routing import ProtocolTypeRouter
+from channels.auth import AuthMiddlewareStack
+from channels.routing import ProtocolTypeRouter, URLRouter
+from django.urls import path, re_path
 
 from backends.breaker import breaker
 from routing import live
 from routing.proxy import ProxyApp
+from usage.consumers import UsageStreamConsumer
 from usage.flush import flusher
+from usage.publisher import publisher
 
 Scope = dict[str, Any]
+
+# Per-process background services: snapshot refresh, circuit-breaker
+# announcements, usage flushing, live usage publishing.
+BACKGROUND = (live.snapshots, breaker, flusher, publisher)
+
+
+def _start_background() -> None:
+    """Start every background service on the running loop (cheap once started)."""
+    for service in BACKGROUND:
+        service.ensure_started()
 
 
 class NexusApplication:
@@ -28,8 +42,7 @@ class NexusApplication:
 
     The proxy is dispatched here with one string comparison rather than through
     a URL router, because it is the hot path. Daphne sends no lifespan events,
-    so the per-process background tasks (snapshot refresh, circuit-breaker
-    announcements, usage flushing) start with the first
+    so the per-process background services start with the first
     request (a cheap check on every later one); servers that do send them
     (uvicorn) start the tasks before the first request and stop them at exit.
     """
@@ -42,9 +55,7 @@ class NexusApplication:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
-        live.snapshots.ensure_started()
-        breaker.ensure_started()
-        flusher.ensure_started()
+        _start_background()
         if scope["type"] == "http" and (
             scope["path"].startswith("/v1/") or scope["path"] == "/v1"
         ):
@@ -56,18 +67,22 @@ class NexusApplication:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                live.snapshots.ensure_started()
-                breaker.ensure_started()
-                flusher.ensure_started()
+                _start_background()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                await live.snapshots.stop()
-                await breaker.stop()
-                await flusher.stop()
+                for service in BACKGROUND:
+                    await service.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
 
-application = NexusApplication(
-    ProxyApp(), ProtocolTypeRouter({"http": django_asgi_app})
+http_routes = URLRouter(
+    [
+        # The usage stream needs the session (staff login) from the cookie.
+        path("api/usage-stream", AuthMiddlewareStack(UsageStreamConsumer.as_asgi())),
+        # Everything else is Django's. URLRouter takes ASGI apps; django-stubs
+        # types re_path() for views only.
+        re_path(r"", django_asgi_app),  # type: ignore[arg-type]
+    ]
 )
+application = NexusApplication(ProxyApp(), ProtocolTypeRouter({"http": http_routes}))

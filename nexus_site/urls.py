@@ -6,6 +6,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from backends import views as backends_views
+from usage import views as usage_views
 
 admin.site.site_header = "Nexus administration"
 admin.site.site_title = "Nexus"
@@ -15,6 +16,8 @@ urlpatterns = [
     # For load balancers and monitoring: no login, no secrets (backends/views.py).
     path("health", backends_views.health, name="health"),
     path("admin/", admin.site.urls),
+    path("dashboard/", usage_views.dashboard, name="dashboard"),
+    path("dashboard/history", usage_views.history, name="dashboard-history"),
     path("api/v1/", include("routing.api.urls")),
     path("api/v1/", include("backends.api.urls")),
     path("api/v1/", include("usage.api.urls")),

@@ -1,0 +1,101 @@
+"""The staff dashboard page and its history endpoint."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+from django.utils import timezone
+
+from tests.factories import UsageBucketFactory
+
+pytestmark = pytest.mark.django_db
+
+
+def test_dashboard_sends_anonymous_visitors_to_the_admin_login(client: Client) -> None:
+    response = client.get("/dashboard/")
+    assert response.status_code == 302
+    assert response["Location"].startswith("/admin/login/?next=/dashboard/")
+
+
+def test_dashboard_sends_non_staff_users_to_the_admin_login(client: Client) -> None:
+    client.force_login(User.objects.create_user("visitor"))
+    response = client.get("/dashboard/")
+    assert response.status_code == 302
+    assert response["Location"].startswith("/admin/login/")
+
+
+def test_dashboard_page_loads_its_script_and_stream(admin_client: Client) -> None:
+    response = admin_client.get("/dashboard/")
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert 'data-stream-url="/api/usage-stream"' in page
+    assert 'data-history-url="/dashboard/history"' in page
+    assert "usage/dashboard.js" in page
+    assert "usage/dashboard.css" in page
+    assert 'id="backends"' in page
+
+
+def test_history_sums_last_hour_per_minute(admin_client: Client) -> None:
+    minute = timezone.now().replace(second=0, microsecond=0) - timedelta(minutes=5)
+    UsageBucketFactory(
+        minute=minute,
+        model="llama3:8b",
+        requests=3,
+        errors=1,
+        total_tokens=30,
+        latency_ms_sum=300.0,
+    )
+    UsageBucketFactory(
+        minute=minute,
+        backend="gpu-2",
+        model="llama3:8b",
+        requests=1,
+        total_tokens=10,
+        latency_ms_sum=500.0,
+    )
+    UsageBucketFactory(minute=minute - timedelta(hours=2), model="old", requests=7)
+
+    history = admin_client.get("/dashboard/history?range=hour").json()
+
+    assert history["range"] == "hour"
+    assert history["step_seconds"] == 60
+    assert len(history["points"]) == 60
+    busy = [p for p in history["points"] if p["requests"]]
+    assert busy == [
+        {
+            "start": minute.isoformat(),
+            "requests": 4,
+            "errors": 1,
+            "total_tokens": 40,
+            "latency_ms_avg": 200.0,
+        }
+    ]
+    assert history["tokens_by_model"] == {"llama3:8b": 40}
+
+
+def test_history_of_the_day_groups_quarter_hours(admin_client: Client) -> None:
+    now = timezone.now().replace(second=0, microsecond=0)
+    UsageBucketFactory(minute=now - timedelta(hours=2), model="a", requests=2)
+    UsageBucketFactory(minute=now - timedelta(hours=30), model="b", requests=9)
+
+    history = admin_client.get("/dashboard/history?range=day").json()
+
+    assert history["step_seconds"] == 900
+    assert len(history["points"]) == 96
+    assert sum(p["requests"] for p in history["points"]) == 2
+    assert history["tokens_by_model"] == {"a": 14}
+
+
+def test_history_explains_an_unknown_range(admin_client: Client) -> None:
+    response = admin_client.get("/dashboard/history?range=week")
+    assert response.status_code == 400
+    assert response.json()["detail"] == ("Unknown range 'week'; use one of: hour, day.")
+
+
+def test_history_is_for_staff_only(client: Client) -> None:
+    response = client.get("/dashboard/history")
+    assert response.status_code == 403
+    assert "staff" in response.json()["detail"]

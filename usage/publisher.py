@@ -1,0 +1,273 @@
+"""Share live usage counters between serving processes, and merge them.
+
+Every serving process runs one ``publisher`` (``publisher.ensure_started()``,
+cheap and idempotent). About twice a second it sends this process's
+``live_usage.snapshot()`` to the ``nexus.usage`` Channels group when the
+counters moved (and every few seconds anyway, so that a process that just
+started learns of idle peers). The same task listens on that group, keeps the
+newest snapshot of every process it hears of, and wakes this process's usage
+streams. The process joins the group once, rather than once per open browser
+tab, so the merge happens once however many dashboards are open.
+
+Production (Redis channel layer): every process hears every other, so each
+stream shows the whole cluster. Embedded mode (in-memory channel layer): the
+layer does not cross process boundaries, so a stream shows only the counters
+of the process serving it.
+
+Subscribers never block the producer: each holds one "something changed" flag,
+not a queue of snapshots, and reads the newest merged state when it is ready
+to send. A slow reader therefore skips intermediate states instead of piling
+them up here. (What the server already handed to the socket is out of reach:
+Daphne buffers it for a client that stopped reading, which the stream's rate
+limit keeps to a few small events a second.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from typing import Any, TypedDict
+
+from channels.layers import get_channel_layer
+
+from usage.live import LiveSnapshotDict, SeriesDict, live_usage
+
+logger = logging.getLogger(__name__)
+
+USAGE_GROUP = "nexus.usage"
+PUBLISH_INTERVAL = 0.5  # seconds between checks of this process's counters
+HEARTBEAT_SECONDS = 5.0  # publish at least this often, even when idle
+# A process not heard of for this long has stopped; its counters are dropped.
+STALE_AFTER_SECONDS = 20.0
+# Redis channel-layer group membership expires (a day by default); re-join often.
+GROUP_REJOIN_SECONDS = 600.0
+
+
+class UsageSnapshotMessage(TypedDict):
+    """The channel-layer message: one process's counters."""
+
+    type: str  # always "usage.snapshot"
+    snapshot: LiveSnapshotDict
+
+
+class ModelLatencyDict(TypedDict):
+    model: str
+    p50_ms: float | None
+    p95_ms: float | None
+    samples: int
+
+
+class ClusterUsageDict(TypedDict):
+    """The counters of every known process, summed per backend × model."""
+
+    taken_at: float
+    processes: list[str]
+    series: list[SeriesDict]
+    latency: list[ModelLatencyDict]
+
+
+class Subscription:
+    """One reader of the merged state: a flag that says "something changed"."""
+
+    def __init__(self) -> None:
+        self._changed = asyncio.Event()
+
+    def notify(self) -> None:
+        self._changed.set()
+
+    async def wait(self) -> None:
+        """Wait until the state changed since the last wait() returned."""
+        await self._changed.wait()
+        self._changed.clear()
+
+
+class UsagePublisher:
+    """Publishes this process's counters and collects those of its peers."""
+
+    def __init__(self, interval: float = PUBLISH_INTERVAL) -> None:
+        self.interval = interval
+        self._known: dict[str, LiveSnapshotDict] = {}
+        self._subscriptions: set[Subscription] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def subscriber_count(self) -> int:
+        """How many usage streams this process is serving right now."""
+        return len(self._subscriptions)
+
+    def ensure_started(self) -> None:
+        """Start the publish and listen tasks on the running loop (idempotent)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop and all(not task.done() for task in self._tasks):
+            return
+        for task in self._tasks:
+            task.cancel()
+        self._loop = loop
+        self._tasks = [
+            loop.create_task(self._publish(), name="usage-publish"),
+            loop.create_task(self._listen(), name="usage-listen"),
+        ]
+
+    async def stop(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._loop = None
+
+    def subscribe(self) -> Subscription:
+        """Register a reader; it is woken whenever the merged state changes."""
+        subscription = Subscription()
+        self._subscriptions.add(subscription)
+        self._notify_all()  # the subscriber count is part of the state
+        return subscription
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        if subscription in self._subscriptions:
+            self._subscriptions.discard(subscription)
+            self._notify_all()
+
+    def _notify_all(self) -> None:
+        for subscription in self._subscriptions:
+            subscription.notify()
+
+    def remember(self, snapshot: LiveSnapshotDict) -> None:
+        """Keep `snapshot` if it is the newest of its process; wake the readers."""
+        known = self._known.get(snapshot["process"])
+        if known is not None and known["taken_at"] > snapshot["taken_at"]:
+            return
+        self._known[snapshot["process"]] = snapshot
+        self._notify_all()
+
+    def cluster_state(self) -> ClusterUsageDict:
+        """Merge the newest counters of every live process (this one is current)."""
+        now = time.time()
+        own = live_usage.snapshot()
+        # Forget stopped processes, so restarts do not pile up old names.
+        for process, snapshot in list(self._known.items()):
+            if now - snapshot["taken_at"] >= STALE_AFTER_SECONDS:
+                del self._known[process]
+        snapshots = [own] + [
+            snapshot
+            for process, snapshot in self._known.items()
+            if process != own["process"]
+        ]
+        return merge_snapshots(snapshots, taken_at=now)
+
+    async def _publish(self) -> None:
+        last_changes = -1
+        last_sent = 0.0
+        while True:
+            await asyncio.sleep(self.interval)
+            now = time.monotonic()
+            if (
+                live_usage.changes == last_changes
+                and now - last_sent < HEARTBEAT_SECONDS
+            ):
+                continue
+            snapshot = live_usage.snapshot()
+            last_changes, last_sent = snapshot["changes"], now
+            self.remember(snapshot)
+            layer = get_channel_layer()
+            if layer is None:
+                continue
+            message: UsageSnapshotMessage = {
+                "type": "usage.snapshot",
+                "snapshot": snapshot,
+            }
+            try:
+                await layer.group_send(USAGE_GROUP, message)
+            except Exception:
+                logger.warning("Could not publish live usage", exc_info=True)
+
+    async def _listen(self) -> None:
+        layer = get_channel_layer()
+        if layer is None:
+            return
+        while True:
+            channel = None
+            try:
+                channel = await layer.new_channel()
+                await layer.group_add(USAGE_GROUP, channel)
+                await self._receive(layer, channel)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.warning(
+                    "Usage listener lost the channel layer; retrying", exc_info=True
+                )
+                await asyncio.sleep(1.0)
+            finally:
+                if channel is not None:
+                    with contextlib.suppress(Exception):
+                        await layer.group_discard(USAGE_GROUP, channel)
+
+    async def _receive(self, layer: Any, channel: str) -> None:
+        loop = asyncio.get_running_loop()
+        rejoin_at = loop.time() + GROUP_REJOIN_SECONDS
+        while True:
+            # asyncio.timeout, not wait_for: see routing/holder.py.
+            try:
+                async with asyncio.timeout(max(0.1, rejoin_at - loop.time())):
+                    message = await layer.receive(channel)
+            except TimeoutError:
+                await layer.group_add(USAGE_GROUP, channel)
+                rejoin_at = loop.time() + GROUP_REJOIN_SECONDS
+                continue
+            if message.get("type") == "usage.snapshot":
+                self.remember(message["snapshot"])
+
+
+def merge_snapshots(
+    snapshots: list[LiveSnapshotDict], *, taken_at: float
+) -> ClusterUsageDict:
+    """Sum the series of `snapshots` per backend × model; pool their latencies."""
+    series: dict[tuple[str, str], SeriesDict] = {}
+    latencies: dict[str, list[float]] = {}
+    for snapshot in snapshots:
+        for row in snapshot["series"]:
+            key = (row["backend"], row["model"])
+            merged = series.get(key)
+            if merged is None:
+                series[key] = SeriesDict(**row)
+                continue
+            merged["requests"] += row["requests"]
+            merged["errors"] += row["errors"]
+            merged["prompt_tokens"] += row["prompt_tokens"]
+            merged["completion_tokens"] += row["completion_tokens"]
+            merged["total_tokens"] += row["total_tokens"]
+            merged["in_flight"] += row["in_flight"]
+        for model, values in snapshot["latencies_ms"].items():
+            latencies.setdefault(model, []).extend(values)
+    return {
+        "taken_at": taken_at,
+        "processes": sorted(snapshot["process"] for snapshot in snapshots),
+        "series": [series[key] for key in sorted(series)],
+        "latency": [
+            {
+                "model": model,
+                "p50_ms": _percentile(values, 50),
+                "p95_ms": _percentile(values, 95),
+                "samples": len(values),
+            }
+            for model, values in sorted(latencies.items())
+        ],
+    }
+
+
+def _percentile(values: list[float], percent: float) -> float | None:
+    # Nearest rank: always one of the observed values, no interpolation.
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(percent / 100 * len(ordered)))
+    return round(ordered[rank - 1], 1)
+
+
+# The publisher of this process: serving processes call
+# publisher.ensure_started() and await publisher.stop() at shutdown.
+publisher = UsagePublisher()
