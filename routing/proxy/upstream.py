@@ -172,6 +172,7 @@ async def forward(
                 is_last = position == len(targets) - 1
                 if response.status_code >= 500 and not is_last:
                     failures.append(f"{backend.name}: HTTP {response.status_code}")
+                    await response.aclose()  # or its pooled connection leaks
                     continue
                 streams = _is_event_stream(exchange, response)
                 # A whole reply is read before anything goes to the client, so a

@@ -599,3 +599,27 @@ def test_anthropic_backends_get_a_clear_501_until_supported(gateway: Gateway) ->
         )
     assert raised.value.status_code == 501
     assert "Anthropic" in raised.value.message
+
+
+def test_retried_5xx_replies_do_not_leak_upstream_connections(
+    gateway: Gateway,
+) -> None:
+    _mock(gateway.a, fail_status=503, error_rate=1)
+    # A pool of two connections: a leaked one per retry would exhaust it fast.
+    server = start_nexus_server(
+        NEXUS_UPSTREAM_MAX_CONNECTIONS="2",
+        NEXUS_UPSTREAM_MAX_KEEPALIVE="2",
+        NEXUS_UPSTREAM_CONNECT_TIMEOUT="1",
+        NEXUS_BREAKER_FAILURES="1000000",
+    )
+    try:
+        sdk = openai.OpenAI(
+            base_url=f"{server.base_url}/v1", api_key=gateway.key, max_retries=0
+        )
+        for i in range(12):
+            reply = sdk.chat.completions.with_raw_response.create(
+                model="llama3:8b", messages=chat(f"n{i}")
+            )
+            assert reply.headers["x-nexus-backend"] == "mock-b"
+    finally:
+        server.stop()
