@@ -29,6 +29,15 @@ test-embedded: $(VENV)/.installed-dev chromium
 test-production: $(VENV)/.installed-dev chromium
 	$(PRODUCTION) $(BIN)/pytest $(PYTEST_ARGS)
 
+# Not a test: the proxy's latency, throughput and memory against issue 6's goals,
+# with production-style settings in a scratch database (results in bench-results/).
+BENCH_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/nexus_bench
+BENCH_REDIS_URL ?= redis://127.0.0.1:6379/3
+BENCH := env DATABASE_URL=$(BENCH_DATABASE_URL) REDIS_URL=$(BENCH_REDIS_URL) \
+	SECRET_KEY=bench-only-not-secret ALLOWED_HOSTS=127.0.0.1,localhost
+bench: $(VENV)/.installed-dev
+	$(BENCH) $(BIN)/python manage.py nexus_bench $(BENCH_ARGS)
+
 # Browser tests drive Debian's chromium (Playwright's own browser download needs
 # the internet, which this project never uses).
 chromium:
