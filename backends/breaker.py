@@ -24,7 +24,6 @@ again it is on probation: a single failure reopens it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import uuid
@@ -35,14 +34,14 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from asgiref.sync import async_to_sync
 
+from nexus_site.groups import listen_to_group
+
 if TYPE_CHECKING:
     from routing.core import LiveStats
 
 logger = logging.getLogger(__name__)
 
 BREAKER_GROUP = "nexus.breaker"
-# Redis channel-layer group membership expires (a day by default); re-join often.
-GROUP_REJOIN_SECONDS = 600.0
 PUBLISH_TIMEOUT = 5.0
 
 
@@ -248,45 +247,14 @@ class CircuitBreaker:
         await self.drain()
 
     async def _listen(self) -> None:
-        from channels.layers import get_channel_layer
+        await listen_to_group(BREAKER_GROUP, self._on_message)
 
-        layer = get_channel_layer()
-        if layer is None:
-            return
-        while True:
-            channel = None
+    def _on_message(self, message: dict[str, Any]) -> None:
+        if message.get("type") == "breaker.opened":
             try:
-                channel = await layer.new_channel()
-                await layer.group_add(BREAKER_GROUP, channel)
-                await self._receive(layer, channel)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.warning(
-                    "Breaker listener lost the channel layer; retrying", exc_info=True
-                )
-                await asyncio.sleep(1.0)
-            finally:
-                if channel is not None:
-                    with contextlib.suppress(Exception):
-                        await layer.group_discard(BREAKER_GROUP, channel)
-
-    async def _receive(self, layer: Any, channel: str) -> None:
-        loop = asyncio.get_running_loop()
-        rejoin_at = loop.time() + GROUP_REJOIN_SECONDS
-        while True:
-            try:
-                async with asyncio.timeout(max(0.1, rejoin_at - loop.time())):
-                    message = await layer.receive(channel)
-            except TimeoutError:
-                await layer.group_add(BREAKER_GROUP, channel)
-                rejoin_at = loop.time() + GROUP_REJOIN_SECONDS
-                continue
-            if message.get("type") == "breaker.opened":
-                try:
-                    self.open_remotely(message)
-                except (KeyError, TypeError, ValueError):
-                    logger.warning("Ignoring a malformed breaker message: %r", message)
+                self.open_remotely(message)  # type: ignore[arg-type]
+            except (KeyError, TypeError, ValueError):
+                logger.warning("Ignoring a malformed breaker message: %r", message)
 
 
 def _queue_persist(backend_name: str, detail: str) -> None:

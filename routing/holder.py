@@ -13,20 +13,16 @@ flight keep the snapshot they started with.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
 from channels.db import database_sync_to_async
-from channels.layers import get_channel_layer
 
+from nexus_site.groups import listen_to_group
 from routing.versioning import CONFIG_GROUP, read_config_version
 
 logger = logging.getLogger(__name__)
-
-# Redis channel-layer group membership expires (a day by default); re-join often.
-GROUP_REJOIN_SECONDS = 600.0
 
 
 class Versioned(Protocol):
@@ -143,40 +139,8 @@ class SnapshotHolder(Generic[S]):
                 logger.warning("Checking the config version failed", exc_info=True)
 
     async def _listen(self) -> None:
-        layer = get_channel_layer()
-        if layer is None:
-            return
-        while True:
-            channel = None
-            try:
-                channel = await layer.new_channel()
-                await layer.group_add(CONFIG_GROUP, channel)
-                await self._receive_announcements(layer, channel)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.warning(
-                    "Config listener lost the channel layer; retrying", exc_info=True
-                )
-                await asyncio.sleep(1.0)
-            finally:
-                if channel is not None:
-                    with contextlib.suppress(Exception):
-                        await layer.group_discard(CONFIG_GROUP, channel)
+        await listen_to_group(CONFIG_GROUP, self._on_announcement)
 
-    async def _receive_announcements(self, layer: Any, channel: str) -> None:
-        loop = asyncio.get_running_loop()
-        rejoin_at = loop.time() + GROUP_REJOIN_SECONDS
-        while True:
-            timeout = max(0.1, rejoin_at - loop.time())
-            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a
-            # cancellation that races with a message arriving, and stop() hangs.
-            try:
-                async with asyncio.timeout(timeout):
-                    message = await layer.receive(channel)
-            except TimeoutError:
-                await layer.group_add(CONFIG_GROUP, channel)
-                rejoin_at = loop.time() + GROUP_REJOIN_SECONDS
-                continue
-            if message.get("type") == "config.changed":
-                self.request_version(int(message["version"]))
+    def _on_announcement(self, message: dict[str, Any]) -> None:
+        if message.get("type") == "config.changed":
+            self.request_version(int(message["version"]))

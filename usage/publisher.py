@@ -25,7 +25,6 @@ limit keeps to a few small events a second.)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -33,6 +32,7 @@ from typing import Any, TypedDict
 
 from channels.layers import get_channel_layer
 
+from nexus_site.groups import listen_to_group
 from usage.live import LiveSnapshotDict, SeriesDict, live_usage
 
 logger = logging.getLogger(__name__)
@@ -42,8 +42,6 @@ PUBLISH_INTERVAL = 0.5  # seconds between checks of this process's counters
 HEARTBEAT_SECONDS = 5.0  # publish at least this often, even when idle
 # A process not heard of for this long has stopped; its counters are dropped.
 STALE_AFTER_SECONDS = 20.0
-# Redis channel-layer group membership expires (a day by default); re-join often.
-GROUP_REJOIN_SECONDS = 600.0
 
 
 class UsageSnapshotMessage(TypedDict):
@@ -185,41 +183,11 @@ class UsagePublisher:
                 logger.warning("Could not publish live usage", exc_info=True)
 
     async def _listen(self) -> None:
-        layer = get_channel_layer()
-        if layer is None:
-            return
-        while True:
-            channel = None
-            try:
-                channel = await layer.new_channel()
-                await layer.group_add(USAGE_GROUP, channel)
-                await self._receive(layer, channel)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.warning(
-                    "Usage listener lost the channel layer; retrying", exc_info=True
-                )
-                await asyncio.sleep(1.0)
-            finally:
-                if channel is not None:
-                    with contextlib.suppress(Exception):
-                        await layer.group_discard(USAGE_GROUP, channel)
+        await listen_to_group(USAGE_GROUP, self._on_message)
 
-    async def _receive(self, layer: Any, channel: str) -> None:
-        loop = asyncio.get_running_loop()
-        rejoin_at = loop.time() + GROUP_REJOIN_SECONDS
-        while True:
-            # asyncio.timeout, not wait_for: see routing/holder.py.
-            try:
-                async with asyncio.timeout(max(0.1, rejoin_at - loop.time())):
-                    message = await layer.receive(channel)
-            except TimeoutError:
-                await layer.group_add(USAGE_GROUP, channel)
-                rejoin_at = loop.time() + GROUP_REJOIN_SECONDS
-                continue
-            if message.get("type") == "usage.snapshot":
-                self.remember(message["snapshot"])
+    def _on_message(self, message: dict[str, Any]) -> None:
+        if message.get("type") == "usage.snapshot":
+            self.remember(message["snapshot"])
 
 
 def merge_snapshots(

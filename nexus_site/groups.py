@@ -1,0 +1,68 @@
+"""Listening to a Channels group from a long-lived task of a serving process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from channels.layers import get_channel_layer
+
+logger = logging.getLogger(__name__)
+
+# Redis channel-layer group membership expires (a day by default); re-join often.
+GROUP_REJOIN_SECONDS = 600.0
+
+
+async def listen_to_group(group: str, handle: Callable[[dict[str, Any]], None]) -> None:
+    """Pass every message sent to `group` to `handle`, until cancelled.
+
+    Joins the group on a channel of its own, re-joins it periodically, starts
+    over after a channel-layer error, and leaves the group when it stops. An
+    exception from `handle` is logged and the message skipped.
+    """
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    while True:
+        channel = None
+        try:
+            channel = await layer.new_channel()
+            await layer.group_add(group, channel)
+            await _receive(layer, group, channel, handle)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.warning(
+                "Lost the channel layer listening to %s; retrying", group, exc_info=True
+            )
+            await asyncio.sleep(1.0)
+        finally:
+            if channel is not None:
+                with contextlib.suppress(Exception):
+                    await layer.group_discard(group, channel)
+
+
+async def _receive(
+    layer: Any, group: str, channel: str, handle: Callable[[dict[str, Any]], None]
+) -> None:
+    loop = asyncio.get_running_loop()
+    rejoin_at = loop.time() + GROUP_REJOIN_SECONDS
+    while True:
+        # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a
+        # cancellation that races with a message arriving, and stopping hangs.
+        try:
+            async with asyncio.timeout(max(0.1, rejoin_at - loop.time())):
+                message = await layer.receive(channel)
+        except TimeoutError:
+            await layer.group_add(group, channel)
+            rejoin_at = loop.time() + GROUP_REJOIN_SECONDS
+            continue
+        try:
+            handle(message)
+        except Exception:
+            logger.warning(
+                "Ignoring a message on %s: %r", group, message, exc_info=True
+            )
