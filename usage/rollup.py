@@ -19,10 +19,16 @@ from datetime import datetime
 from typing import Any, cast
 
 from django.db import connection, models, transaction
-from django.db.models import Max
+from django.db.models import Max, Q
 from django.utils import timezone
 
-from usage.models import COUNTER_FIELDS, TokenUsage, UsageBucket, UsageRecord
+from usage.models import (
+    COUNTER_FIELDS,
+    ApiKey,
+    TokenUsage,
+    UsageBucket,
+    UsageRecord,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +95,11 @@ def _roll_up_batch(last_id: int, batch_size: int) -> int:
             return 0
         series: dict[tuple[str, str, str], _Counters] = {}
         buckets: dict[tuple[datetime, str, str, str], _Counters] = {}
+        last_used: dict[str, datetime] = {}
         for row in rows:
             (_, backend, served, requested, key, created_at, *counts) = row
+            if key and (key not in last_used or created_at > last_used[key]):
+                last_used[key] = created_at
             # Requests that failed before a model was chosen are filed under
             # the model the client asked for.
             name = (backend, served or requested, key)
@@ -109,6 +118,7 @@ def _roll_up_batch(last_id: int, batch_size: int) -> int:
             ("minute", "backend", "model", "api_key_prefix"),
             buckets.items(),
         )
+        _touch_keys(last_used)
         ids = [row[0] for row in rows]
         marked = UsageRecord.objects.filter(id__in=ids, rolled_up=False).update(
             rolled_up=True
@@ -121,6 +131,14 @@ def _roll_up_batch(last_id: int, batch_size: int) -> int:
                 "concurrently; this batch was rolled back"
             )
     return len(rows)
+
+
+def _touch_keys(last_used: dict[str, datetime]) -> None:
+    """Move each client key's last use forward (a bulk update: no config bump)."""
+    for prefix, used_at in last_used.items():
+        ApiKey.objects.filter(prefix=prefix).filter(
+            Q(last_used_at__isnull=True) | Q(last_used_at__lt=used_at)
+        ).update(last_used_at=used_at)
 
 
 def _add(

@@ -78,6 +78,8 @@ def test_reported_tokens_reach_the_aggregates_exactly_once(
     assert row.estimated_requests == 0
     failed = TokenUsage.objects.get(backend="", model="nope")
     assert failed.requests == 1 and failed.errors == 1
+    used = ApiKey.objects.get(prefix=key[:11]).last_used_at
+    assert used == UsageRecord.objects.latest("created_at").created_at
 
 
 def test_a_graceful_stop_flushes_what_the_process_still_held(
