@@ -286,7 +286,9 @@ def test_concurrent_threads_keep_round_robin_exact_while_snapshots_swap() -> Non
     def swap() -> None:
         start.wait()
         version = 1
-        while not stop.is_set():
+        # Swap every millisecond: often enough to race the deciders hundreds of
+        # times, without a busy loop starving them of the GIL (that took 50 s).
+        while not stop.wait(0.001):
             version += 1
             current["snapshot"] = snapshot(
                 *backends, strategy="round_robin", version=version
@@ -315,6 +317,7 @@ def test_concurrent_threads_keep_round_robin_exact_while_snapshots_swap() -> Non
     swapper.join()
 
     assert errors == []
+    assert current["snapshot"].version > 10  # the swaps really happened meanwhile
     total = sum(results, Counter())
     assert total == {n: threads_count * per_thread // 4 for n in "abcd"}
     assert all(stats.in_flight(n) == 0 for n in "abcd")
