@@ -129,20 +129,9 @@ def discover_models(
     Without ``backend_ids`` every enabled backend is asked; disabled ones only
     when named and ``include_disabled`` is set.
     """
-    backends = Backend.objects.order_by("priority", "name")
-    if backend_ids is not None:
-        backends = backends.filter(pk__in=list(backend_ids))
-    if not include_disabled:
-        backends = backends.filter(enabled=True)
-    endpoints = {
-        backend.pk: Endpoint(
-            name=backend.name,
-            kind=backend.kind,
-            base_url=backend.base_url,
-            api_key=backend.api_key,
-        )
-        for backend in backends
-    }
+    endpoints = Backend.objects.endpoints(
+        backend_ids, include_disabled=include_disabled
+    )
     if not endpoints:
         return []
     timeout = settings.NEXUS_DISCOVERY_TIMEOUT

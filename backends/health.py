@@ -210,20 +210,9 @@ def check_all(
     checked only when named and ``include_disabled`` is set. Reports come back
     in the backends' admin order.
     """
-    backends = Backend.objects.order_by("priority", "name")
-    if backend_ids is not None:
-        backends = backends.filter(pk__in=list(backend_ids))
-    if not include_disabled:
-        backends = backends.filter(enabled=True)
-    endpoints = {
-        backend.pk: Endpoint(
-            name=backend.name,
-            kind=backend.kind,
-            base_url=backend.base_url,
-            api_key=backend.api_key,
-        )
-        for backend in backends
-    }
+    endpoints = Backend.objects.endpoints(
+        backend_ids, include_disabled=include_disabled
+    )
     if not endpoints:
         return []
     timeout = settings.NEXUS_HEALTH_PROBE_TIMEOUT

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models import Count, Q
+
+from backends.kinds import Endpoint
 
 
 class BackendKind(models.TextChoices):
@@ -31,6 +34,32 @@ class BackendQuerySet(models.QuerySet["Backend"]):
 
     def with_model_count(self) -> BackendQuerySet:
         return self.annotate(model_count=Count("models", distinct=True))
+
+    def endpoints(
+        self,
+        backend_ids: Iterable[int] | None = None,
+        *,
+        include_disabled: bool = False,
+    ) -> dict[int, Endpoint]:
+        """What a health round or discovery run needs to reach each backend, by pk.
+
+        Without ``backend_ids`` every enabled backend; disabled ones only when
+        named and ``include_disabled`` is set. In the admin's order.
+        """
+        backends = self.order_by("priority", "name")
+        if backend_ids is not None:
+            backends = backends.filter(pk__in=list(backend_ids))
+        if not include_disabled:
+            backends = backends.filter(enabled=True)
+        return {
+            backend.pk: Endpoint(
+                name=backend.name,
+                kind=backend.kind,
+                base_url=backend.base_url,
+                api_key=backend.api_key,
+            )
+            for backend in backends
+        }
 
 
 class Backend(models.Model):
