@@ -9,7 +9,6 @@ test_core_decision.py (the decision record, AC-15, AC-16).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -17,66 +16,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from routing.core import (
-    BackendSpec,
     CapabilityMismatch,
     CircularAlias,
     FallbackChainExhausted,
     InvalidModel,
     LiveStats,
     ModelNotFound,
-    ModelSpec,
     NoHealthyBackend,
     Reason,
     RequestRequirements,
-    Route,
     Router,
     RouterSnapshot,
     RoutingError,
-    make_policy,
 )
-
-
-def model(name: str, **capabilities: Any) -> ModelSpec:
-    return ModelSpec(name=name, **capabilities)
-
-
-def backend(name: str, *models: str | ModelSpec, **fields: Any) -> BackendSpec:
-    fields.setdefault("status", "healthy")
-    return BackendSpec(
-        name=name,
-        base_url=f"http://{name}.lan:11434",
-        models=tuple(m if isinstance(m, ModelSpec) else ModelSpec(m) for m in models),
-        **fields,
-    )
-
-
-def snapshot(
-    *backends: BackendSpec,
-    aliases: Mapping[str, str] | None = None,
-    fallbacks: Mapping[str, list[str]] | None = None,
-    strategy: str = "smart",
-    max_retries: int = 2,
-    version: int = 1,
-) -> RouterSnapshot:
-    return RouterSnapshot.build(
-        version=version,
-        backends=backends,
-        aliases=aliases,
-        fallbacks=fallbacks,
-        policy=make_policy(strategy=strategy, max_retries=max_retries),
-    )
-
-
-def select(
-    snap: RouterSnapshot,
-    model_name: str,
-    *,
-    stats: LiveStats | None = None,
-    router: Router | None = None,
-    **needs: Any,
-) -> Route:
-    requirements = RequestRequirements(model=model_name, **needs)
-    return (router or Router()).select(requirements, snap, stats or LiveStats())
+from tests.routing.core_builders import backend, model, select, snapshot
 
 
 def fail(snap: RouterSnapshot, model_name: str, **needs: Any) -> RoutingError:
