@@ -1,7 +1,12 @@
-"""ASGI entry point: the gateway's /v1 proxy beside Django (Channels)."""
+"""ASGI entry point: the gateway's /v1 proxy beside Django (Channels).
+
+Any ASGI server runs ``application``: Daphne (the default, also as the Docker
+image starts it), uvicorn or granian (``nexus_run --server``).
+"""
 
 from __future__ import annotations
 
+import atexit
 import os
 from typing import Any
 
@@ -9,80 +14,118 @@ from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "nexus_site.settings")
 
-# Set up Django (apps, settings) before anything imports models: the routing
-# state, consumers and the proxy are imported below this line for that reason.
+# Set up Django (apps, settings) before anything imports models: the gateway,
+# consumers and the proxy are imported below this line for that reason.
 django_asgi_app = get_asgi_application()
 
 from channels.auth import AuthMiddlewareStack
 from channels.routing import ProtocolTypeRouter, URLRouter
 from django.urls import path, re_path
 
-from backends.breaker import breaker
-from routing import live
+from nexus_site import serving
+from routing.gateway import Gateway, install_gateway
 from routing.proxy import ProxyApp
 from usage.consumers import UsageStreamConsumer
-from usage.flush import flusher
-from usage.publisher import publisher
 
 Scope = dict[str, Any]
 
-# Per-process background services: snapshot refresh, circuit-breaker
-# announcements, usage flushing, live usage publishing.
-BACKGROUND = (live.snapshots, breaker, flusher, publisher)
-
-
-def _start_background() -> None:
-    """Start every background service on the running loop (cheap once started)."""
-    for service in BACKGROUND:
-        service.ensure_started()
+_JSON = (b"content-type", b"application/json")
+_LIVE = b'{"status":"live"}'
+_READY = b'{"status":"ready"}'
+_DRAINING = b'{"status":"draining"}'
 
 
 class NexusApplication:
-    """Send /v1 to the proxy and everything else to Django; run background tasks.
+    """Send /v1 to the proxy, /metrics and /health/* to the gateway, the rest to
+    Django; run the gateway's background tasks.
 
-    The proxy is dispatched here with one string comparison rather than through
-    a URL router, because it is the hot path. Daphne sends no lifespan events,
-    so the per-process background services start with the first
-    request (a cheap check on every later one); servers that do send them
-    (uvicorn) start the tasks before the first request and stop them at exit.
+    The gateway's paths are dispatched here with string comparisons rather than
+    through a URL router or middleware, because /v1 is the hot path. Daphne
+    sends no lifespan events, so the gateway also starts with the first request
+    (a cheap check on every later one) or, under Daphne, as soon as its
+    reactor runs; servers that send them (uvicorn, granian) start it before the
+    first request and stop it at exit.
     """
 
-    def __init__(self, proxy: Any, django: Any) -> None:
+    def __init__(self, gateway: Gateway, proxy: Any, django: Any) -> None:
+        self.gateway = gateway
         self.proxy = proxy
         self.django = django
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
+        kind = scope["type"]
+        if kind == "http":
+            path = scope["path"]
+            if path.startswith("/v1/") or path == "/v1":
+                await self.proxy(scope, receive, send)
+                return
+            self.gateway.ensure_started()
+            if path == "/metrics":
+                await self.gateway.metrics_endpoint(scope, receive, send)
+                return
+            if path == "/health/live":
+                await _send(send, 200, _LIVE)
+                return
+            if path == "/health/ready":
+                ready = not self.gateway.draining
+                await _send(send, 200 if ready else 503, _READY if ready else _DRAINING)
+                return
+        elif kind == "lifespan":
             await self._lifespan(receive, send)
             return
-        _start_background()
-        if scope["type"] == "http" and (
-            scope["path"].startswith("/v1/") or scope["path"] == "/v1"
-        ):
-            await self.proxy(scope, receive, send)
         else:
-            await self.django(scope, receive, send)
+            self.gateway.ensure_started()
+        await self.django(scope, receive, send)
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                _start_background()
+                self.gateway.ensure_started()
+                serving.tune_process()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                for service in BACKGROUND:
-                    await service.stop()
+                await self.gateway.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
 
+async def _send(send: Any, status: int, body: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                _JSON,
+                (b"content-length", str(len(body)).encode()),
+                (b"cache-control", b"no-store"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+gateway = Gateway()
+install_gateway(gateway)
+# A process that exits without the gateway's stop() (a server sending no
+# lifespan events, stopped by a signal) still hands its usage on.
+atexit.register(gateway.usage_sink.flush_on_exit)
+
 http_routes = URLRouter(
     [
         # The usage stream needs the session (staff login) from the cookie.
-        path("api/usage-stream", AuthMiddlewareStack(UsageStreamConsumer.as_asgi())),
+        path(
+            "api/usage-stream",
+            AuthMiddlewareStack(
+                UsageStreamConsumer.as_asgi(publisher=gateway.publisher)
+            ),
+        ),
         # Everything else is Django's. URLRouter takes ASGI apps; django-stubs
         # types re_path() for views only.
         re_path(r"", django_asgi_app),  # type: ignore[arg-type]
     ]
 )
-application = NexusApplication(ProxyApp(), ProtocolTypeRouter({"http": http_routes}))
+application = NexusApplication(
+    gateway, ProxyApp(gateway), ProtocolTypeRouter({"http": http_routes})
+)
+serving.prepare_daphne(gateway)

@@ -309,7 +309,36 @@ NEXUS_UPSTREAM_CONNECT_TIMEOUT = env.float(
     "NEXUS_UPSTREAM_CONNECT_TIMEOUT", default=5.0
 )
 NEXUS_UPSTREAM_MAX_CONNECTIONS = env.int("NEXUS_UPSTREAM_MAX_CONNECTIONS", default=1000)
-NEXUS_UPSTREAM_MAX_KEEPALIVE = env.int("NEXUS_UPSTREAM_MAX_KEEPALIVE", default=200)
+# (lead's placeholder block; the settings reorganisation branch defines these.)
+NEXUS_WORKERS = env.int("NEXUS_WORKERS", default=os.cpu_count() or 1)
+NEXUS_SERVER = env.str("NEXUS_SERVER", default="daphne")
+NEXUS_ACCESS_LOG = env.bool("NEXUS_ACCESS_LOG", default=True)
+NEXUS_METRICS_ALLOW = env.list(
+    "NEXUS_METRICS_ALLOW",
+    default=[
+        "127.0.0.0/8",
+        "::1/128",
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+    ],
+)
+NEXUS_METRICS_TOKEN = env.str("NEXUS_METRICS_TOKEN", default="")
+NEXUS_DRAIN_SECONDS = env.float("NEXUS_DRAIN_SECONDS", default=30.0)
+NEXUS_USAGE_BUFFER_MAX = env.int("NEXUS_USAGE_BUFFER_MAX", default=100_000)
+NEXUS_USAGE_TRANSPORT = env.str(
+    "NEXUS_USAGE_TRANSPORT", default="redis" if REDIS_URL else "database"
+)
+# Seconds between shipments of a serving process's usage to Redis (production):
+# what a process killed without warning can lose.
+NEXUS_USAGE_SHIP_INTERVAL = env.float("NEXUS_USAGE_SHIP_INTERVAL", default=0.05)
+if NEXUS_USAGE_TRANSPORT == "redis":
+    # Serving processes ship usage to a Redis stream; the worker writes it.
+    CELERY_BEAT_SCHEDULE["drain-usage-stream"] = {
+        "task": "usage.tasks.drain_usage_stream",
+        "schedule": NEXUS_USAGE_FLUSH_INTERVAL,
+        "options": {"expires": 10 * NEXUS_USAGE_FLUSH_INTERVAL},
+    }
 
 # --- Management API (issue 5) -----------------------------------------------
 

@@ -5,7 +5,7 @@ from django.contrib.admin.views.decorators import staff_member_required
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from backends import views as backends_views
+from routing import views as routing_views
 from usage import views as usage_views
 
 admin.site.site_header = "Nexus administration"
@@ -13,8 +13,8 @@ admin.site.site_title = "Nexus"
 admin.site.index_title = "Gateway configuration"
 
 urlpatterns = [
-    # For load balancers and monitoring: no login, no secrets (backends/views.py).
-    path("health", backends_views.health, name="health"),
+    # For load balancers and monitoring: no login, no secrets (routing/views.py).
+    path("health", routing_views.health, name="health"),
     path("admin/", admin.site.urls),
     path("dashboard/", usage_views.dashboard, name="dashboard"),
     path("dashboard/history", usage_views.history, name="dashboard-history"),

@@ -19,7 +19,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from channels.db import database_sync_to_async
 
-from nexus_site.groups import listen_to_group
+from routing.groups import listen_to_group
 from routing.versioning import CONFIG_GROUP, read_config_version
 
 logger = logging.getLogger(__name__)
@@ -50,8 +50,9 @@ class SnapshotHolder(Generic[S]):
         self._wanted = 0
         self._rebuilding: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
         self.rebuilds = 0
+        # Called with each snapshot once it is the one routed with.
+        self.on_install: Callable[[S], None] = _ignore
 
     @property
     def snapshot(self) -> S:
@@ -60,6 +61,10 @@ class SnapshotHolder(Generic[S]):
         if snapshot is None:
             snapshot = self.load()
         return snapshot
+
+    def peek(self) -> S | None:
+        """The snapshot held now, without building one."""
+        return self._snapshot
 
     async def current(self) -> S:
         """The snapshot to route with, from async code (built on first use)."""
@@ -84,13 +89,11 @@ class SnapshotHolder(Generic[S]):
         if current is None or snapshot.version >= current.version:
             self._snapshot = snapshot
             self.rebuilds += 1
+            self.on_install(snapshot)
 
-    def ensure_started(self) -> None:
-        """Start the refresh tasks on the running loop (idempotent, cheap)."""
+    def start(self) -> None:
+        """Start the refresh tasks on the running loop."""
         loop = asyncio.get_running_loop()
-        if self._loop is loop:
-            return
-        self._loop = loop
         self._tasks = [
             loop.create_task(self._listen(), name="snapshot-listen"),
             loop.create_task(self._poll(), name="snapshot-poll"),
@@ -102,7 +105,6 @@ class SnapshotHolder(Generic[S]):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks = []
-        self._loop = None
 
     def request_version(self, version: int) -> None:
         """Note that `version` exists; rebuild unless we already have it."""
@@ -144,3 +146,7 @@ class SnapshotHolder(Generic[S]):
     def _on_announcement(self, message: dict[str, Any]) -> None:
         if message.get("type") == "config.changed":
             self.request_version(int(message["version"]))
+
+
+def _ignore(snapshot: object) -> None:
+    pass

@@ -41,11 +41,12 @@ def _assert_test_mode(django_db_setup: None) -> None:
 @pytest.fixture(autouse=True)
 def _fresh_gateway_state() -> Iterator[None]:
     """Each test starts without this process's cached gateway state."""
-    from routing import live
+    from routing.gateway import current_gateway
 
-    live.snapshots.forget()
+    snapshots = current_gateway().snapshots
+    snapshots.forget()
     yield
-    live.snapshots.forget()
+    snapshots.forget()
 
 
 @dataclass

@@ -1,19 +1,40 @@
-"""The in-process usage recorder: the proxy appends, the flusher drains. No ORM.
+"""The in-process usage recorder: the proxy appends, a shipper drains. No ORM.
 
 Appending is a deque append (atomic in CPython), so the request path takes no
-lock and never waits. ``usage/flush.py`` drains the buffer in sync code and is
-the only writer of usage rows.
+lock and never waits. Each serving process's gateway owns one buffer; in the
+embedded default ``usage/flush.py`` writes it to the database, in production
+``usage/stream.py`` ships it to a Redis stream that the Celery worker drains.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
 Endpoint = Literal["chat", "completions", "embeddings"]
+
+# Event ids: a random per-process prefix and a counter, unique across processes
+# and restarts, and far cheaper per request than uuid4().
+_ID_PREFIX = os.urandom(8).hex()
+_ID_COUNTER = itertools.count(1)
+
+
+def new_event_id() -> str:
+    """Return an id no other usage event of any process has (32 characters)."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
+
+
+def _reseed_after_fork() -> None:
+    global _ID_PREFIX, _ID_COUNTER
+    _ID_PREFIX = os.urandom(8).hex()
+    _ID_COUNTER = itertools.count(1)
+
+
+os.register_at_fork(after_in_child=_reseed_after_fork)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +65,7 @@ class UsageEvent:
     # Nexus's own unique id for this event: the flusher's idempotency key. Not
     # request_id, which a client may choose (X-Request-Id) and may repeat for
     # requests that each consumed tokens.
-    event_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    event_id: str = field(default_factory=new_event_id)
 
     @property
     def is_error(self) -> bool:
@@ -52,18 +73,20 @@ class UsageEvent:
 
 
 class UsageBuffer:
-    """Usage events not yet written to the database."""
+    """Usage events not yet handed on (to the database or a Redis stream)."""
 
     def __init__(self, maxlen: int | None = None) -> None:
         # A bound protects memory if the database is down for long; the oldest
         # events are dropped first and counted, never silently.
         self._events: deque[UsageEvent] = deque(maxlen=maxlen)
-        self.dropped = 0
+        self.dropped = 0  # since the flusher last reported drops
+        self.dropped_total = 0  # since the process started
         self._maxlen = maxlen
 
     def append(self, event: UsageEvent) -> None:
         if self._maxlen is not None and len(self._events) == self._maxlen:
             self.dropped += 1
+            self.dropped_total += 1
         self._events.append(event)
 
     def drain(self, limit: int | None = None) -> list[UsageEvent]:
@@ -80,7 +103,3 @@ class UsageBuffer:
 
     def __len__(self) -> int:
         return len(self._events)
-
-
-# The buffer of this process.
-buffer = UsageBuffer(maxlen=1_000_000)

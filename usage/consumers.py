@@ -28,7 +28,7 @@ from usage.publisher import (
     ClusterUsageDict,
     ModelLatencyDict,
     Subscription,
-    publisher,
+    UsagePublisher,
 )
 
 logger = logging.getLogger(__name__)
@@ -106,10 +106,19 @@ def build_stream_event(
 
 
 class UsageStreamConsumer(AsyncHttpConsumer):
-    """Stream live usage to one staff client until it disconnects."""
+    """Stream live usage to one staff client until it disconnects.
 
+    The ASGI wiring passes the serving process's publisher:
+    ``UsageStreamConsumer.as_asgi(publisher=gateway.publisher)``.
+    """
+
+    publisher: UsagePublisher | None = None
     subscription: Subscription | None = None
     writer: asyncio.Task[None] | None = None
+
+    def __init__(self, *args: Any, publisher: UsagePublisher | None = None) -> None:
+        super().__init__(*args)
+        self.publisher = publisher
 
     async def http_request(self, message: dict[str, Any]) -> None:
         # The base class ends the consumer as soon as handle() returns; a stream
@@ -133,21 +142,26 @@ class UsageStreamConsumer(AsyncHttpConsumer):
                 (b"x-accel-buffering", b"no"),  # nginx: do not buffer the stream
             ]
         )
-        publisher.ensure_started()
-        self.subscription = publisher.subscribe()
+        self.subscription = self._publisher.subscribe()
         self.writer = asyncio.get_running_loop().create_task(
             self._write(self.subscription), name="usage-stream"
         )
 
     async def disconnect(self) -> None:
         if self.subscription is not None:
-            publisher.unsubscribe(self.subscription)
+            self._publisher.unsubscribe(self.subscription)
             self.subscription = None
         if self.writer is not None:
             self.writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.writer
             self.writer = None
+
+    @property
+    def _publisher(self) -> UsagePublisher:
+        if self.publisher is None:
+            raise RuntimeError("UsageStreamConsumer.as_asgi() needs a publisher")
+        return self.publisher
 
     async def _refuse(
         self, status: int, detail: str, headers: tuple[tuple[bytes, bytes], ...] = ()
@@ -195,6 +209,7 @@ class UsageStreamConsumer(AsyncHttpConsumer):
             if loop.time() - health_at > HEALTH_REFRESH_SECONDS:
                 health = await database_sync_to_async(read_backend_health)()
                 health_at = loop.time()
+            publisher = self._publisher
             event = build_stream_event(
                 publisher.cluster_state(), health, publisher.subscriber_count
             )

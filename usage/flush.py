@@ -1,10 +1,11 @@
-"""Write the usage buffer to the database: the only writer of UsageRecord rows.
+"""Write usage events to the database: the only writer of UsageRecord rows.
 
-Serving processes start ``flusher`` (``flusher.ensure_started()``, cheap and
-idempotent; it runs ``run_flusher()``, which flushes about once a second, off
-the request path), and ``flush_on_exit()`` runs at interpreter exit, so a
-graceful shutdown writes what is left. ``flush_usage()`` is the sync core that
-both use, and that commands and tests call directly.
+``flush_usage()`` is the sync core: it writes the events a buffer holds. In the
+embedded default each serving process runs a ``DatabaseFlusher`` (started and
+stopped by its gateway), which calls it about once a second off the request
+path and once more at shutdown. In production the serving processes ship their
+events to a Redis stream instead (``usage/stream.py``) and the Celery worker
+writes them with the same function.
 
 Exactly once: a batch that fails to write is put back in the buffer and tried
 again later. If the failure was ambiguous (the commit reached the database but
@@ -19,7 +20,6 @@ is still there to conflict with.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import logging
 import math
@@ -30,7 +30,7 @@ from channels.db import database_sync_to_async
 from django.conf import settings
 from django.db import DataError, IntegrityError, models, transaction
 
-from usage.buffer import UsageBuffer, UsageEvent, buffer
+from usage.buffer import UsageBuffer, UsageEvent
 from usage.models import UsageRecord
 
 logger = logging.getLogger(__name__)
@@ -43,9 +43,7 @@ _MAX_STATUS = 32767  # PositiveSmallIntegerField
 _LOG_EVERY = 60
 
 
-def flush_usage(
-    *, source: UsageBuffer = buffer, batch_size: int = FLUSH_BATCH_SIZE
-) -> int:
+def flush_usage(source: UsageBuffer, *, batch_size: int = FLUSH_BATCH_SIZE) -> int:
     """Write the events buffered when called as UsageRecord rows; return the count.
 
     Events appended meanwhile wait for the next flush, so a busy proxy cannot
@@ -75,27 +73,64 @@ def flush_usage(
     return written
 
 
-async def run_flusher(interval: float | None = None) -> None:
-    """Flush this process's buffer every `interval` seconds until cancelled.
+class DatabaseFlusher:
+    """Writes one buffer to the database every `interval` seconds, in a task.
 
-    Start it once per serving process as a background task. It never raises
-    (a failed flush is logged and retried on the next tick) and flushes once
-    more when cancelled, so stopping the task at shutdown loses nothing.
+    ``start()`` runs it on the running loop; it never raises (a failed flush is
+    logged and retried on the next tick). ``stop()`` ends it after writing
+    what the buffer still holds; ``flush_on_exit()`` does the same from sync
+    code when the interpreter exits.
     """
-    period = settings.NEXUS_USAGE_FLUSH_INTERVAL if interval is None else interval
-    flush = database_sync_to_async(flush_usage)
-    failures = 0
-    try:
+
+    def __init__(self, buffer: UsageBuffer, interval: float | None = None) -> None:
+        self.buffer = buffer
+        self.interval = (
+            settings.NEXUS_USAGE_FLUSH_INTERVAL if interval is None else interval
+        )
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start the task on the running loop."""
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name="usage-flusher"
+        )
+
+    async def stop(self) -> None:
+        """Stop the task; what the buffer still holds is written first."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if len(self.buffer):
+            try:
+                await database_sync_to_async(flush_usage)(self.buffer)
+            except Exception:
+                logger.exception("Could not write %d usage events", len(self.buffer))
+
+    def flush_on_exit(self) -> None:
+        """Write what is left when the interpreter exits (graceful shutdown)."""
+        pending = len(self.buffer)
+        if not pending:
+            return
+        try:
+            flush_usage(self.buffer)
+        except Exception:
+            logger.exception("Lost %d usage events at shutdown", pending)
+
+    async def _run(self) -> None:
+        flush = database_sync_to_async(flush_usage)
+        failures = 0
         while True:
-            await asyncio.sleep(period)
-            if not len(buffer):
+            await asyncio.sleep(self.interval)
+            if not len(self.buffer):
                 continue  # skip the hop to the database thread when idle
             try:
-                await flush()
+                await flush(self.buffer)
             except Exception:
                 if failures % _LOG_EVERY == 0:
                     logger.exception(
-                        "Could not write %d usage events; will retry", len(buffer)
+                        "Could not write %d usage events; will retry", len(self.buffer)
                     )
                 failures += 1
             else:
@@ -104,64 +139,6 @@ async def run_flusher(interval: float | None = None) -> None:
                         "Writing usage events again after %d failures", failures
                     )
                 failures = 0
-    except asyncio.CancelledError:
-        if len(buffer):
-            with contextlib.suppress(Exception):
-                await flush()
-        raise
-
-
-class Flusher:
-    """Runs run_flusher() as a background task of this process's event loop."""
-
-    def __init__(self) -> None:
-        self._task: asyncio.Task[None] | None = None
-
-    def ensure_started(self) -> None:
-        """Start the task on the running loop unless it runs there (cheap)."""
-        loop = asyncio.get_running_loop()
-        task = self._task
-        if task is not None and not task.done() and task.get_loop() is loop:
-            return
-        self._task = loop.create_task(run_flusher(), name="usage-flusher")
-
-    async def stop(self) -> None:
-        """Stop the task; it writes what the buffer still holds first."""
-        task, self._task = self._task, None
-        if task is None:
-            return
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        # A task cancelled before its first step never ran its final flush.
-        if len(buffer):
-            try:
-                await database_sync_to_async(flush_usage)()
-            except Exception:
-                logger.exception("Could not write %d usage events", len(buffer))
-
-
-# The flusher of this process: serving processes call flusher.ensure_started()
-# (as they do live.snapshots.ensure_started()) and await flusher.stop() at
-# shutdown when the server says so (ASGI lifespan).
-flusher = Flusher()
-
-
-def flush_on_exit() -> None:
-    """Flush what is left when the interpreter exits (graceful shutdown)."""
-    pending = len(buffer)
-    if not pending:
-        return
-    try:
-        flush_usage()
-    except Exception:
-        logger.exception("Lost %d usage events at shutdown", pending)
-
-
-# Every process that can start the flusher imports this module, so its
-# buffer is written out on a graceful exit; a process with an empty buffer
-# does nothing here.
-atexit.register(flush_on_exit)
 
 
 def _write(records: list[UsageRecord]) -> int:

@@ -3,7 +3,9 @@
 The proxy updates them on every request (dict updates, no I/O, no lock on the
 event loop); a publisher reads ``snapshot()`` and fans it out over the Channels
 layer so that the dashboard shows the whole cluster. Totals only grow, so a
-reader derives rates from two snapshots.
+reader derives rates from two snapshots. Requests in flight are not counted
+here but read, at snapshot time, from the one counter the router also uses
+(``in_flight``), so the dashboard and routing never disagree.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import socket
 import time
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypedDict
 
@@ -46,13 +49,21 @@ class _Series:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-    in_flight: int = 0
+
+
+def _nothing_in_flight() -> Mapping[tuple[str, str], int]:
+    return {}
 
 
 @dataclass
 class LiveUsage:
-    """Counters per backend × model since this process started."""
+    """Counters per backend × model since this process started.
 
+    ``in_flight`` returns the live count of requests in flight per
+    (backend, model); ``changes`` moves whenever a snapshot would differ.
+    """
+
+    in_flight: Callable[[], Mapping[tuple[str, str], int]] = _nothing_in_flight
     process: str = field(
         default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}"
     )
@@ -66,14 +77,8 @@ class LiveUsage:
             series = self._series[(backend, model)] = _Series()
         return series
 
-    def begin(self, backend: str, model: str) -> None:
-        """A request to `model` on `backend` is in flight."""
-        self._get(backend, model).in_flight += 1
-        self.changes += 1
-
-    def end(self, backend: str, model: str) -> None:
-        series = self._get(backend, model)
-        series.in_flight = max(0, series.in_flight - 1)
+    def touch(self) -> None:
+        """Note that something a snapshot shows changed (a request began)."""
         self.changes += 1
 
     def record(self, event: UsageEvent) -> None:
@@ -94,6 +99,10 @@ class LiveUsage:
 
     def snapshot(self) -> LiveSnapshotDict:
         """A JSON-ready copy of every counter."""
+        in_flight = self.in_flight()
+        for key, count in in_flight.items():
+            if count and key not in self._series:
+                self._series[key] = _Series()
         return {
             "process": self.process,
             "taken_at": time.time(),
@@ -107,7 +116,7 @@ class LiveUsage:
                     "prompt_tokens": s.prompt_tokens,
                     "completion_tokens": s.completion_tokens,
                     "total_tokens": s.total_tokens,
-                    "in_flight": s.in_flight,
+                    "in_flight": in_flight.get((backend, model), 0),
                 }
                 for (backend, model), s in sorted(self._series.items())
             ],
@@ -116,7 +125,3 @@ class LiveUsage:
                 for model, window in sorted(self._latencies.items())
             },
         }
-
-
-# The counters of this process.
-live_usage = LiveUsage()

@@ -1,13 +1,13 @@
 """Share live usage counters between serving processes, and merge them.
 
-Every serving process runs one ``publisher`` (``publisher.ensure_started()``,
-cheap and idempotent). About twice a second it sends this process's
-``live_usage.snapshot()`` to the ``nexus.usage`` Channels group when the
-counters moved (and every few seconds anyway, so that a process that just
-started learns of idle peers). The same task listens on that group, keeps the
-newest snapshot of every process it hears of, and wakes this process's usage
-streams. The process joins the group once, rather than once per open browser
-tab, so the merge happens once however many dashboards are open.
+Every serving process's gateway runs one ``UsagePublisher``. About twice a
+second it sends the process's ``LiveUsage.snapshot()`` to the ``nexus.usage``
+Channels group when the counters moved (and every few seconds anyway, so that
+a process that just started learns of idle peers). The gateway listens on that
+group and hands each message to ``on_message()``, which keeps the newest
+snapshot of every process it hears of and wakes this process's usage streams.
+The process joins the group once, rather than once per open browser tab, so
+the merge happens once however many dashboards are open.
 
 Production (Redis channel layer): every process hears every other, so each
 stream shows the whole cluster. Embedded mode (in-memory channel layer): the
@@ -32,8 +32,7 @@ from typing import Any, TypedDict
 
 from channels.layers import get_channel_layer
 
-from nexus_site.groups import listen_to_group
-from usage.live import LiveSnapshotDict, SeriesDict, live_usage
+from usage.live import LiveSnapshotDict, LiveUsage, SeriesDict
 
 logger = logging.getLogger(__name__)
 
@@ -85,37 +84,31 @@ class Subscription:
 class UsagePublisher:
     """Publishes this process's counters and collects those of its peers."""
 
-    def __init__(self, interval: float = PUBLISH_INTERVAL) -> None:
+    def __init__(
+        self, live_usage: LiveUsage, interval: float = PUBLISH_INTERVAL
+    ) -> None:
+        self.live_usage = live_usage
         self.interval = interval
         self._known: dict[str, LiveSnapshotDict] = {}
         self._subscriptions: set[Subscription] = set()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
 
     @property
     def subscriber_count(self) -> int:
         """How many usage streams this process is serving right now."""
         return len(self._subscriptions)
 
-    def ensure_started(self) -> None:
-        """Start the publish and listen tasks on the running loop (idempotent)."""
-        loop = asyncio.get_running_loop()
-        if self._loop is loop and all(not task.done() for task in self._tasks):
-            return
-        for task in self._tasks:
-            task.cancel()
-        self._loop = loop
-        self._tasks = [
-            loop.create_task(self._publish(), name="usage-publish"),
-            loop.create_task(self._listen(), name="usage-listen"),
-        ]
+    def start(self) -> None:
+        """Start publishing this process's counters on the running loop."""
+        self._task = asyncio.get_running_loop().create_task(
+            self._publish(), name="usage-publish"
+        )
 
     async def stop(self) -> None:
-        tasks, self._tasks = self._tasks, []
-        for task in tasks:
+        task, self._task = self._task, None
+        if task is not None:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._loop = None
+            await asyncio.gather(task, return_exceptions=True)
 
     def subscribe(self) -> Subscription:
         """Register a reader; it is woken whenever the merged state changes."""
@@ -144,7 +137,7 @@ class UsagePublisher:
     def cluster_state(self) -> ClusterUsageDict:
         """Merge the newest counters of every live process (this one is current)."""
         now = time.time()
-        own = live_usage.snapshot()
+        own = self.live_usage.snapshot()
         # Forget stopped processes, so restarts do not pile up old names.
         for process, snapshot in list(self._known.items()):
             if now - snapshot["taken_at"] >= STALE_AFTER_SECONDS:
@@ -163,11 +156,11 @@ class UsagePublisher:
             await asyncio.sleep(self.interval)
             now = time.monotonic()
             if (
-                live_usage.changes == last_changes
+                self.live_usage.changes == last_changes
                 and now - last_sent < HEARTBEAT_SECONDS
             ):
                 continue
-            snapshot = live_usage.snapshot()
+            snapshot = self.live_usage.snapshot()
             last_changes, last_sent = snapshot["changes"], now
             self.remember(snapshot)
             layer = get_channel_layer()
@@ -182,10 +175,8 @@ class UsagePublisher:
             except Exception:
                 logger.warning("Could not publish live usage", exc_info=True)
 
-    async def _listen(self) -> None:
-        await listen_to_group(USAGE_GROUP, self._on_message)
-
-    def _on_message(self, message: dict[str, Any]) -> None:
+    def on_message(self, message: dict[str, Any]) -> None:
+        """Handle a message of USAGE_GROUP (a process's counters)."""
         if message.get("type") == "usage.snapshot":
             self.remember(message["snapshot"])
 
@@ -234,8 +225,3 @@ def _percentile(values: list[float], percent: float) -> float | None:
     ordered = sorted(values)
     rank = max(1, math.ceil(percent / 100 * len(ordered)))
     return round(ordered[rank - 1], 1)
-
-
-# The publisher of this process: serving processes call
-# publisher.ensure_started() and await publisher.stop() at shutdown.
-publisher = UsagePublisher()

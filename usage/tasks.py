@@ -5,8 +5,13 @@ from __future__ import annotations
 from celery import shared_task
 from django.conf import settings
 
-from usage import rollup
+from usage import rollup, stream
 from usage.models import UsageBucket, UsageRecord
+
+
+@shared_task
+def drain_usage_stream() -> int:
+    return stream.drain_usage_stream()
 
 
 @shared_task

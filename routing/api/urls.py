@@ -7,6 +7,7 @@ from routing.api.views import (
     AliasViewSet,
     EffectiveConfigView,
     FallbackChainViewSet,
+    LiveUsageView,
     RouteExplainView,
     RoutingPolicyView,
 )
@@ -19,5 +20,7 @@ urlpatterns = [
     path("route/explain", RouteExplainView.as_view(), name="route-explain"),
     path("policy", RoutingPolicyView.as_view(), name="routing-policy"),
     path("config", EffectiveConfigView.as_view(), name="effective-config"),
+    # Listed with the usage endpoints, but it reads this process's gateway.
+    path("usage/live", LiveUsageView.as_view(), name="usage-live"),
     *router.urls,
 ]

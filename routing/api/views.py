@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
 from rest_framework import generics, viewsets
@@ -11,7 +12,6 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from routing import live
 from routing.api.serializers import (
     AliasSerializer,
     EffectiveConfigSerializer,
@@ -24,8 +24,10 @@ from routing.core import (
     InvalidRequest,
     RequestRequirements,
 )
+from routing.gateway import current_gateway
 from routing.models import Alias, FallbackChain, RoutingPolicy
 from routing.snapshot import build_snapshot
+from usage.api.serializers import LiveUsageSerializer
 
 
 class RouteExplainView(APIView):
@@ -45,10 +47,58 @@ class RouteExplainView(APIView):
             requirements = RequestRequirements.from_request(request.data)
         except InvalidRequest as error:
             return Response(error.to_openai(), status=error.status)
-        decision = live.router.explain(
-            requirements, live.snapshots.snapshot.routes, live.stats
+        gateway = current_gateway()
+        decision = gateway.router.explain(
+            requirements, gateway.snapshots.snapshot.routes, gateway.stats
         )
         return Response(decision.as_dict())
+
+
+class LiveUsageView(APIView):
+    """Requests in flight per backend and per backend × model right now.
+
+    Counts are those of the serving process that answers: each counts its own
+    requests. Behind several processes, ask each one (or use the usage stream,
+    which sums them).
+    """
+
+    permission_classes = (IsAdminUser,)
+
+    @extend_schema(responses=LiveUsageSerializer)
+    def get(self, request: Request) -> Response:
+        gateway = current_gateway()
+        routes = gateway.snapshots.snapshot.routes
+        stats = gateway.stats
+        in_flight = dict(stats.in_flight_counts)
+        names = [backend.name for backend in routes.backends]
+        names += sorted(set(in_flight) - set(names))
+        backends = []
+        for name in names:
+            spec = routes.backend(name)
+            backends.append(
+                {
+                    "backend": name,
+                    "in_flight": in_flight.get(name, 0),
+                    "max_concurrency": spec.max_concurrency if spec else None,
+                    "status": spec.status if spec else None,
+                    "latency_ms": stats.latency_ms(name),
+                }
+            )
+        models = [
+            {"backend": backend, "model": model, "in_flight": count}
+            for (backend, model), count in sorted(stats.in_flight_by_model.items())
+            if count
+        ]
+        state = {
+            "process": os.getpid(),
+            "config_version": routes.version,
+            "in_flight": sum(in_flight.values()),
+            "backends": backends,
+            "models": models,
+            "buffered_events": len(gateway.buffer),
+            "at": timezone.now(),
+        }
+        return Response(LiveUsageSerializer(state).data)
 
 
 class AliasViewSet(viewsets.ModelViewSet[Alias]):

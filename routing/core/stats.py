@@ -57,6 +57,8 @@ class LiveStats:
         self.clock = clock
         self._lock = threading.Lock()
         self._in_flight: dict[str, int] = {}
+        # The same requests, per (backend, model): for dashboards, not scoring.
+        self._in_flight_models: dict[tuple[str, str], int] = {}
         # backend name -> (EWMA in ms, clock() of the last observation)
         self._latency: dict[str, tuple[float, float]] = {}
         # backend name -> clock() until which its circuit breaker is open
@@ -66,6 +68,11 @@ class LiveStats:
     def in_flight_counts(self) -> Mapping[str, int]:
         """Live view of requests in flight per backend (absent means zero)."""
         return self._in_flight
+
+    @property
+    def in_flight_by_model(self) -> Mapping[tuple[str, str], int]:
+        """Live view of requests in flight per (backend, model)."""
+        return self._in_flight_models
 
     @property
     def observed_latencies(self) -> Mapping[str, tuple[float, float]]:
@@ -120,23 +127,32 @@ class LiveStats:
         with self._lock:
             self._in_flight[backend] = self._in_flight.get(backend, 0) + 1
 
-    def try_begin(self, backend: BackendSpec) -> bool:
-        """Count a request to `backend` unless it is at max_concurrency.
+    def try_begin(self, backend: BackendSpec, model: str = "") -> bool:
+        """Count a request (for `model`) to `backend` unless it is at max_concurrency.
 
         Check and increment happen together, so concurrent callers cannot both
         take the last slot. Returns whether the request was counted.
         """
+        name = backend.name
         with self._lock:
-            current = self._in_flight.get(backend.name, 0)
+            current = self._in_flight.get(name, 0)
             if current >= backend.capacity:
                 return False
-            self._in_flight[backend.name] = current + 1
+            self._in_flight[name] = current + 1
+            key = (name, model)
+            self._in_flight_models[key] = self._in_flight_models.get(key, 0) + 1
             return True
 
-    def end(self, backend: str) -> None:
-        """Count one request to `backend` as finished (never below zero)."""
+    def end(self, backend: str, model: str = "") -> None:
+        """Count one request to `backend` (for `model`) as finished (never below 0)."""
         with self._lock:
             self._in_flight[backend] = max(self._in_flight.get(backend, 0) - 1, 0)
+            key = (backend, model)
+            count = self._in_flight_models.get(key, 0) - 1
+            if count > 0:
+                self._in_flight_models[key] = count
+            else:
+                self._in_flight_models.pop(key, None)
 
     def observe_latency(self, backend: str, latency_ms: float) -> None:
         """Fold one latency measurement into `backend`'s EWMA.

@@ -1,8 +1,8 @@
 """The OpenAI-compatible gateway under /v1: a plain ASGI app on the hot path.
 
 Nothing here touches the ORM, blocks, or builds an HTTP client per request: it
-reads the process's immutable gateway state (routing/live.py), asks the router
-for a backend, and relays the backend's answer as it arrives.
+reads the gateway's immutable state (routing/state.py), asks the router for a
+backend, and relays the backend's answer as it arrives.
 """
 
 from __future__ import annotations
@@ -13,15 +13,11 @@ import json
 import logging
 import re
 import time
-import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from django.conf import settings
-
-from routing import live
 from routing.core import RequestRequirements, RoutingError
-from routing.live import GatewayState
+from routing.metrics import UNKNOWN
 from routing.proxy.errors import (
     ProxyError,
     bad_request,
@@ -31,10 +27,14 @@ from routing.proxy.errors import (
 )
 from routing.proxy.models_list import ModelsList
 from routing.proxy.upstream import Exchange, forward
-from usage.buffer import UsageEvent, buffer
-from usage.live import live_usage
+from routing.state import GatewayState
+from usage.buffer import UsageEvent, new_event_id
+
+if TYPE_CHECKING:
+    from routing.gateway import Gateway
 
 logger = logging.getLogger(__name__)
+access_logger = logging.getLogger("nexus.access")
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -56,16 +56,27 @@ class ClientGone(Exception):
 
 
 class ProxyApp:
-    """ASGI application for every path under /v1."""
+    """ASGI application for every path under /v1, serving with one gateway."""
 
-    def __init__(self) -> None:
-        self.max_body = settings.NEXUS_MAX_BODY_BYTES
-        self.auth_required = settings.NEXUS_AUTH_REQUIRED
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.max_body = gateway.config.max_body_bytes
+        self.auth_required = gateway.config.auth_required
+        self.access_log = gateway.config.access_log
         self.models = ModelsList()
 
     async def __call__(
         self, scope: dict[str, Any], receive: Receive, send: Send
     ) -> None:
+        gateway = self.gateway
+        gateway.ensure_started()
+        gateway.request_started()
+        try:
+            await self._serve(scope, receive, send)
+        finally:
+            gateway.request_finished()
+
+    async def _serve(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         authorization = request_id = content_length = None
         for name, value in scope["headers"]:
             if name == b"authorization":
@@ -88,7 +99,15 @@ class ProxyApp:
             allowed = "POST" if endpoint is not None else "GET"
             if method != allowed:
                 raise method_not_allowed(method, path)
-            state = await _gateway_state()
+            if self.gateway.draining:
+                headers += ((b"connection", b"close"), (b"retry-after", b"1"))
+                raise ProxyError(
+                    503,
+                    "This Nexus server is shutting down; retry the request.",
+                    error_type="server_error",
+                    code="shutting_down",
+                )
+            state = await self._gateway_state()
             key_prefix = self._authenticate(state, authorization)
             if endpoint is not None:
                 self._check_length(content_length)
@@ -112,6 +131,90 @@ class ProxyApp:
             await _send_json(send, error.status, error.body(), headers)
         except ClientGone:
             pass
+
+    async def _gateway_state(self) -> GatewayState:
+        state = self.gateway.snapshots.peek()
+        if state is not None:
+            return state
+        try:
+            return await self.gateway.snapshots.current()
+        except Exception as error:
+            # Only the first request of a process builds the state; a database
+            # that is down or not migrated must not turn into a bare 500.
+            logger.exception("Could not load the gateway configuration")
+            raise ProxyError(
+                503,
+                "The gateway could not load its configuration; retry shortly.",
+                error_type="server_error",
+                code="configuration_unavailable",
+            ) from error
+
+    def _record(
+        self,
+        exchange: Exchange,
+        state: GatewayState,
+        key_prefix: str,
+        estimated_prompt: int,
+    ) -> None:
+        """Hand the request's usage to the gateway (memory only, no I/O)."""
+        usage = exchange.usage or {}
+        prompt = usage.get("prompt_tokens")
+        completion = usage.get("completion_tokens", 0)
+        reported = isinstance(prompt, int) and isinstance(completion, int)
+        if not reported:
+            prompt = estimated_prompt
+            completion = -(-exchange.completion_chars // 4)  # ceil(chars / 4)
+        assert isinstance(prompt, int) and isinstance(completion, int)
+        total = usage.get("total_tokens") if reported else None
+        now = time.perf_counter()
+        event = UsageEvent(
+            request_id=exchange.request_id,
+            endpoint=exchange.endpoint,  # type: ignore[arg-type]
+            api_key_prefix=key_prefix,
+            backend=exchange.backend,
+            requested_model=exchange.requested_model,
+            served_model=exchange.served_model,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=total if isinstance(total, int) else prompt + completion,
+            estimated=not reported,
+            latency_ms=(now - exchange.started) * 1000,
+            status=exchange.status,
+            streamed=exchange.stream,
+            error=exchange.error,
+        )
+        gateway = self.gateway
+        gateway.buffer.append(event)
+        gateway.live_usage.record(event)
+        model = exchange.served_model or _known_model(state, exchange.requested_model)
+        first_byte = exchange.first_byte
+        gateway.metrics.observe_request(
+            exchange.endpoint,
+            model,
+            exchange.backend,
+            exchange.status,
+            now - exchange.started,
+            None if first_byte is None else first_byte - exchange.started,
+            prompt,
+            completion,
+        )
+        if self.access_log and access_logger.isEnabledFor(logging.INFO):
+            access_logger.info(
+                "request_id=%s endpoint=%s model=%s backend=%s status=%d "
+                "latency_ms=%.1f tokens_in=%d tokens_out=%d retries=%d%s%s",
+                exchange.request_id,
+                exchange.endpoint,
+                # Client-chosen: escaped so that it cannot forge log lines.
+                exchange.requested_model[:128].encode("unicode_escape").decode(),
+                exchange.backend or "-",
+                exchange.status,
+                event.latency_ms,
+                prompt,
+                completion,
+                exchange.retries,
+                " stream=1" if exchange.stream else "",
+                f" error={exchange.error}" if exchange.error else "",
+            )
 
     def _authenticate(self, state: GatewayState, authorization: bytes | None) -> str:
         """Return the client key's prefix ("" when auth is off and none is given)."""
@@ -170,9 +273,10 @@ class ProxyApp:
             requested_model=requirements.model,
             stream=payload.get("stream") is True,
         )
+        gateway = self.gateway
         try:
             try:
-                route = live.router.select(requirements, state.routes, live.stats)
+                route = gateway.router.select(requirements, state.routes, gateway.stats)
             except RoutingError as error:
                 raise _routing_error(error) from error
             await self._forward_watching_client(
@@ -183,7 +287,7 @@ class ProxyApp:
             exchange.error = error.code or error.error_type
             raise
         finally:
-            _record(exchange, key_prefix, requirements.estimated_tokens)
+            self._record(exchange, state, key_prefix, requirements.estimated_tokens)
 
     async def _forward_watching_client(
         self,
@@ -202,7 +306,7 @@ class ProxyApp:
             _cancel_on_disconnect(receive, task, exchange)
         )
         try:
-            await forward(exchange, route, payload, raw, send, live.stats, headers)
+            await forward(self.gateway, exchange, route, payload, raw, send, headers)
         except asyncio.CancelledError:
             if not exchange.client_gone:
                 raise
@@ -211,21 +315,6 @@ class ProxyApp:
             exchange.error = "client_closed"
         finally:
             watcher.cancel()
-
-
-async def _gateway_state() -> GatewayState:
-    try:
-        return await live.snapshots.current()
-    except Exception as error:
-        # Only the first request of a process builds the state; a database that
-        # is down or not migrated must not turn into a bare 500.
-        logger.exception("Could not load the gateway configuration")
-        raise ProxyError(
-            503,
-            "The gateway could not load its configuration; retry shortly.",
-            error_type="server_error",
-            code="configuration_unavailable",
-        ) from error
 
 
 async def _cancel_on_disconnect(
@@ -314,38 +403,15 @@ def _request_id(value: bytes | None) -> str:
         text = value.decode("latin-1")
         if _REQUEST_ID.fullmatch(text):
             return text
-    return uuid.uuid4().hex
+    return new_event_id()
 
 
-def _record(exchange: Exchange, key_prefix: str, estimated_prompt: int) -> None:
-    """Append the request's usage to this process's buffer (no I/O)."""
-    usage = exchange.usage or {}
-    prompt = usage.get("prompt_tokens")
-    completion = usage.get("completion_tokens", 0)
-    reported = isinstance(prompt, int) and isinstance(completion, int)
-    if not reported:
-        prompt = estimated_prompt
-        completion = -(-exchange.completion_chars // 4)  # ceil(chars / 4)
-    assert isinstance(prompt, int) and isinstance(completion, int)
-    total = usage.get("total_tokens") if reported else None
-    event = UsageEvent(
-        request_id=exchange.request_id,
-        endpoint=exchange.endpoint,  # type: ignore[arg-type]
-        api_key_prefix=key_prefix,
-        backend=exchange.backend,
-        requested_model=exchange.requested_model,
-        served_model=exchange.served_model,
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        total_tokens=total if isinstance(total, int) else prompt + completion,
-        estimated=not reported,
-        latency_ms=(time.perf_counter() - exchange.started) * 1000,
-        status=exchange.status,
-        streamed=exchange.stream,
-        error=exchange.error,
-    )
-    buffer.append(event)
-    live_usage.record(event)
+def _known_model(state: GatewayState, model: str) -> str:
+    """The model's name if the configuration knows it, else "unknown" (metrics)."""
+    routes = state.routes
+    if model in routes.routes or model in routes.aliases:
+        return model
+    return UNKNOWN
 
 
 async def _send_json(send: Send, status: int, body: bytes, headers: Headers) -> None:

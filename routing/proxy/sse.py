@@ -1,4 +1,11 @@
-"""Server-sent events as they pass through: split, inspect usage, strip it."""
+"""Server-sent events as they pass through: split, inspect usage, strip it.
+
+``StreamRelay`` is what the proxy runs per upstream chunk. Most chunks of a
+chat stream are whole events without a usage block; those are passed on as
+one slice after two substring searches, with no per-event work. Only a chunk
+that carries a usage block (the last one) or CR line endings is split into
+events.
+"""
 
 from __future__ import annotations
 
@@ -33,6 +40,93 @@ class EventSplitter:
         """Bytes after the last complete event (a stream cut short)."""
         rest, self._pending = self._pending, b""
         return rest
+
+
+class StreamRelay:
+    """Relay an SSE byte stream event-aligned; note its usage; strip the extra
+    usage-only event the client did not ask for."""
+
+    __slots__ = (
+        "_keep",
+        "_kept",
+        "_kept_size",
+        "_pending",
+        "_text",
+        "_wants_usage",
+        "usage",
+    )
+
+    def __init__(self, wants_usage_chunk: bool, keep_bytes: int) -> None:
+        self._wants_usage = wants_usage_chunk
+        self._pending = b""
+        self._keep = keep_bytes
+        self._kept: list[bytes] = []  # to estimate tokens if no usage arrives
+        self._kept_size = 0
+        self._text = 0  # characters counted once the kept bytes hit the limit
+        self.usage: dict[str, Any] | None = None
+
+    def feed(self, data: bytes) -> bytes:
+        """Return the complete events of `data` (with what came before) to send."""
+        if self._pending:
+            data = self._pending + data
+        if b"\r" in data:
+            return self._feed_events(data)
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self._pending = data
+            return b""
+        cut += 2
+        complete, self._pending = data[:cut], data[cut:]
+        if b'"usage"' in complete and _USAGE.search(complete):
+            events = complete.split(b"\n\n")
+            events.pop()  # the empty string after the last separator
+            return self._pass_events([event + b"\n\n" for event in events])
+        self._keep_text(complete)
+        return complete
+
+    def _feed_events(self, data: bytes) -> bytes:
+        events: list[bytes] = []
+        start = 0
+        for match in _EVENT_END.finditer(data):
+            events.append(data[start : match.end()])
+            start = match.end()
+        self._pending = data[start:]
+        return self._pass_events(events)
+
+    def _pass_events(self, events: list[bytes]) -> bytes:
+        out: list[bytes] = []
+        for event in events:
+            usage = usage_of_event(event)
+            if usage is not None:
+                self.usage = usage
+                if not self._wants_usage and is_usage_only(event):
+                    continue
+            out.append(event)
+        complete = b"".join(out)
+        self._keep_text(complete)
+        return complete
+
+    def _keep_text(self, complete: bytes) -> None:
+        if self.usage is not None:
+            return
+        if self._kept_size < self._keep:
+            self._kept.append(complete)
+            self._kept_size += len(complete)
+        else:
+            self._text += _text_of_chunk(complete)
+
+    def rest(self) -> bytes:
+        """Bytes after the last complete event (a stream cut short)."""
+        rest, self._pending = self._pending, b""
+        return rest
+
+    def text_length(self) -> int:
+        """Characters of generated text relayed (for an estimate of tokens)."""
+        return self._text + sum(_text_of_chunk(chunk) for chunk in self._kept)
+
+
+def _text_of_chunk(chunk: bytes) -> int:
+    return text_of_events([event for event in _EVENT_END.split(chunk) if event.strip()])
 
 
 def usage_of_event(event: bytes) -> dict[str, Any] | None:

@@ -100,7 +100,7 @@ async def test_periodic_check_repairs_a_missed_announcement() -> None:
         source.build, read_version=source.read_version, poll_interval=0.05
     )
     holder.load()
-    holder.ensure_started()
+    holder.start()
     try:
         source.version = 7  # changed elsewhere; no announcement reaches us
         await _wait_for(lambda: holder.snapshot.version == 7, timeout=2)
@@ -115,7 +115,7 @@ async def test_announcement_on_the_channel_layer_triggers_a_rebuild() -> None:
         source.build, read_version=source.read_version, poll_interval=3600
     )
     holder.load()
-    holder.ensure_started()
+    holder.start()
     try:
         layer = get_channel_layer()
         source.version = 2
@@ -139,8 +139,7 @@ async def test_stop_cancels_every_background_task(poll_interval: float) -> None:
         source.build, read_version=source.read_version, poll_interval=poll_interval
     )
     holder.load()
-    holder.ensure_started()
-    holder.ensure_started()  # idempotent on the same loop
+    holder.start()
     await holder.stop()
     leftovers = [t for t in asyncio.all_tasks() if t.get_name().startswith("snapshot-")]
     assert leftovers == []

@@ -8,12 +8,35 @@ import json
 import httpx
 import pytest
 
-from routing import live
+from routing.gateway import Gateway, GatewayConfig
 from routing.proxy import ProxyApp
 from tests.conftest import MockBackendProcess
 from tests.factories import BackendFactory, BackendModelFactory
-from usage.buffer import buffer
 from usage.models import ApiKey
+
+
+def make_gateway() -> Gateway:
+    """A gateway as a serving process has one, its state loaded at start-up."""
+    gateway = Gateway(GatewayConfig(usage_transport="database"))
+    gateway.snapshots.load()
+    return gateway
+
+
+async def serve(
+    gateway: Gateway, requests: int = 1, **post: object
+) -> list[httpx.Response]:
+    """Send requests through the proxy in process, then stop the gateway."""
+    transport = httpx.ASGITransport(app=ProxyApp(gateway))
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://nexus") as c:
+            return [
+                await c.post("/v1/chat/completions", **post) for _ in range(requests)
+            ]
+    finally:
+        # Stopping would write the buffer to the database: keep it to inspect.
+        events = gateway.buffer.drain()
+        await gateway.stop()
+        gateway.buffer.requeue(events)
 
 
 @pytest.mark.django_db
@@ -23,14 +46,12 @@ def test_a_streamed_request_makes_no_database_queries(
     backend = BackendFactory(name="mock-a", base_url=mock_backend.base_url)
     BackendModelFactory(backend=backend, name="llama3:8b")
     _, key = ApiKey.objects.create_key("hot-path")
-    live.snapshots.load()  # at start-up, outside the request
-    buffer.drain()
+    gateway = make_gateway()  # at start-up, outside the request
 
-    async def stream_once() -> tuple[int, str]:
-        transport = httpx.ASGITransport(app=ProxyApp())
-        async with httpx.AsyncClient(transport=transport, base_url="http://nexus") as c:
-            response = await c.post(
-                "/v1/chat/completions",
+    with django_assert_num_queries(0):
+        (response,) = asyncio.run(
+            serve(
+                gateway,
                 json={
                     "model": "llama3:8b",
                     "messages": [{"role": "user", "content": "no queries please"}],
@@ -39,10 +60,8 @@ def test_a_streamed_request_makes_no_database_queries(
                 },
                 headers={"authorization": f"Bearer {key}"},
             )
-            return response.status_code, response.text
-
-    with django_assert_num_queries(0):
-        status, text = asyncio.run(stream_once())
+        )
+    status, text = response.status_code, response.text
 
     assert status == 200
     assert text.rstrip().endswith("data: [DONE]")
@@ -53,7 +72,7 @@ def test_a_streamed_request_makes_no_database_queries(
         c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
     )
     assert content == "[mock-a/llama3:8b] echo: no queries please"
-    (event,) = buffer.drain()
+    (event,) = gateway.buffer.drain()
     assert event.backend == "mock-a" and event.streamed and not event.estimated
     assert event.prompt_tokens > 0 and event.completion_tokens > 0
     assert event.total_tokens == event.prompt_tokens + event.completion_tokens
@@ -62,35 +81,30 @@ def test_a_streamed_request_makes_no_database_queries(
 
 @pytest.mark.django_db
 def test_live_counters_follow_requests(mock_backend: MockBackendProcess) -> None:
-    from usage.live import live_usage
-
     backend = BackendFactory(name="mock-live", base_url=mock_backend.base_url)
     BackendModelFactory(backend=backend, name="mistral:7b")
     _, key = ApiKey.objects.create_key("live")
-    live.snapshots.load()
-    before = {
-        (s["backend"], s["model"]): s for s in live_usage.snapshot()["series"]
-    }.get(("mock-live", "mistral:7b"), {"requests": 0, "total_tokens": 0})
+    gateway = make_gateway()
+    live_usage = gateway.live_usage
 
-    async def two_requests() -> None:
-        transport = httpx.ASGITransport(app=ProxyApp())
-        async with httpx.AsyncClient(transport=transport, base_url="http://nexus") as c:
-            for _ in range(2):
-                response = await c.post(
-                    "/v1/chat/completions",
-                    json={
-                        "model": "mistral:7b",
-                        "messages": [{"role": "user", "content": "hi"}],
-                    },
-                    headers={"authorization": f"Bearer {key}"},
-                )
-                assert response.status_code == 200
+    responses = asyncio.run(
+        serve(
+            gateway,
+            requests=2,
+            json={
+                "model": "mistral:7b",
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+            headers={"authorization": f"Bearer {key}"},
+        )
+    )
 
-    asyncio.run(two_requests())
+    assert [r.status_code for r in responses] == [200, 200]
     after = {(s["backend"], s["model"]): s for s in live_usage.snapshot()["series"]}[
         ("mock-live", "mistral:7b")
     ]
-    assert after["requests"] == before["requests"] + 2
-    assert after["total_tokens"] > before["total_tokens"]
+    assert after["requests"] == 2
+    assert after["total_tokens"] > 0
     assert after["in_flight"] == 0
+    assert gateway.stats.in_flight("mock-live") == 0
     assert live_usage.snapshot()["latencies_ms"]["mistral:7b"]

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -8,17 +8,13 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from routing import live
 from tests.factories import (
     ApiKeyFactory,
     StaffUserFactory,
     TokenUsageFactory,
     UsageBucketFactory,
-    UsageEventFactory,
     UsageRecordFactory,
 )
-from usage.buffer import buffer
-from usage.live import live_usage
 
 pytestmark = pytest.mark.django_db
 
@@ -210,44 +206,3 @@ def test_stats_over_a_chosen_range_and_backend(api: APIClient) -> None:
 
     assert body["totals"]["requests"] == 6
     assert [r["backend"] for r in body["by_backend"]] == ["gpu-2"]
-
-
-@pytest.fixture
-def load() -> Iterator[None]:
-    """Requests in flight in this process, as the proxy counts them."""
-    pairs = [
-        ("gpu-live-1", "llama3:8b"),
-        ("gpu-live-1", "mistral:7b"),
-        ("gpu-live-2", "llama3:8b"),
-    ]
-    for backend, model in pairs:
-        live.stats.begin(backend)
-        live_usage.begin(backend, model)
-    buffer.drain()
-    buffer.append(UsageEventFactory())
-    yield
-    for backend, model in pairs:
-        live.stats.end(backend)
-        live_usage.end(backend, model)
-    buffer.drain()
-
-
-@pytest.mark.usefixtures("load")
-def test_live_shows_requests_in_flight_per_backend_now(api: APIClient) -> None:
-    body = api.get("/api/v1/usage/live").json()
-
-    rows = {row["backend"]: row for row in body["backends"]}
-    assert rows["gpu-live-1"]["in_flight"] == 2
-    assert rows["gpu-live-2"]["in_flight"] == 1
-    pairs = {(row["backend"], row["model"]): row["in_flight"] for row in body["models"]}
-    assert (
-        pairs.items()
-        >= {
-            ("gpu-live-1", "llama3:8b"): 1,
-            ("gpu-live-1", "mistral:7b"): 1,
-            ("gpu-live-2", "llama3:8b"): 1,
-        }.items()
-    )
-    assert body["in_flight"] >= 3
-    assert body["buffered_events"] == 1
-    assert body["process"] > 0

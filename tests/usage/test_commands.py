@@ -1,9 +1,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from datetime import timedelta
 from io import StringIO
+from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -16,17 +16,11 @@ from tests.factories import (
     UsageEventFactory,
     UsageRecordFactory,
 )
-from usage.buffer import buffer
+from usage.buffer import UsageBuffer
 from usage.models import TokenUsage, UsageRecord
+from usage.stream import RedisShipper, clear_usage_stream
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture(autouse=True)
-def _empty_buffer() -> Iterator[None]:
-    buffer.drain()
-    yield
-    buffer.drain()
 
 
 def run(*args: str) -> str:
@@ -35,19 +29,31 @@ def run(*args: str) -> str:
     return out.getvalue()
 
 
-def test_flush_usage_writes_the_buffer_and_rolls_everything_up() -> None:
+def test_flush_usage_writes_shipped_events_and_rolls_everything_up(
+    settings: Any,
+) -> None:
     UsageRecordFactory.create_batch(2, total_tokens=10)
-    buffer.append(UsageEventFactory(total_tokens=5))
-
-    output = run("nexus_flush_usage")
-
-    assert "Flushed 1 buffered usage event " in output
-    assert "Rolled up 3 usage records; 0 pending." in output
-    assert TokenUsage.objects.get().total_tokens == 25
+    if settings.NEXUS_USAGE_TRANSPORT == "redis":
+        # What a serving process's shipper put in Redis a moment ago.
+        clear_usage_stream()
+        shipper = RedisShipper(UsageBuffer())
+        shipper.buffer.append(UsageEventFactory(total_tokens=5))
+        shipper.flush_on_exit()
+        output = run("nexus_flush_usage")
+        assert "Wrote 1 usage event from Redis" in output
+        assert "Rolled up 3 usage records; 0 pending." in output
+        assert TokenUsage.objects.get().total_tokens == 25
+    else:
+        output = run("nexus_flush_usage")
+        assert "write their own usage" in output
+        assert "Rolled up 2 usage records; 0 pending." in output
+        assert TokenUsage.objects.get().total_tokens == 20
     assert not UsageRecord.objects.pending().exists()
 
 
-def test_flush_usage_json_reports_counts() -> None:
+def test_flush_usage_json_reports_counts(settings: Any) -> None:
+    if settings.NEXUS_USAGE_TRANSPORT == "redis":
+        clear_usage_stream()
     UsageRecordFactory()
 
     result = json.loads(run("nexus_flush_usage", "--json"))

@@ -5,28 +5,28 @@ import math
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 from channels.db import database_sync_to_async
+from django.conf import settings
 from django.db import OperationalError, connection
 from django.db.models import Sum
 
 from tests.conftest import REPO_ROOT, server_env
 from tests.factories import UsageEventFactory
-from usage.buffer import UsageBuffer, buffer
-from usage.flush import Flusher, flush_usage, run_flusher
+from usage.buffer import UsageBuffer
+from usage.flush import DatabaseFlusher, flush_usage
 from usage.models import UsageRecord
+from usage.stream import drain_usage_stream
 
 
-@pytest.fixture(autouse=True)
-def _empty_buffer() -> Iterator[None]:
-    """Tests share the process buffer; none may leak events into another."""
-    buffer.drain()
-    yield
-    buffer.drain()
+@pytest.fixture
+def buffer() -> UsageBuffer:
+    """A serving process's buffer (each gateway owns one)."""
+    return UsageBuffer(maxlen=100_000)
 
 
 def _failing_inserts(message: str = "database is unreachable") -> Callable[..., Any]:
@@ -39,7 +39,7 @@ def _failing_inserts(message: str = "database is unreachable") -> Callable[..., 
 
 
 @pytest.mark.django_db
-def test_flush_writes_each_buffered_event_as_one_row() -> None:
+def test_flush_writes_each_buffered_event_as_one_row(buffer: UsageBuffer) -> None:
     ok = UsageEventFactory(
         request_id="req-1",
         endpoint="completions",
@@ -59,7 +59,7 @@ def test_flush_writes_each_buffered_event_as_one_row() -> None:
     buffer.append(ok)
     buffer.append(failed)
 
-    assert flush_usage() == 2
+    assert flush_usage(buffer) == 2
 
     assert len(buffer) == 0
     row = UsageRecord.objects.get(event_id=ok.event_id)
@@ -83,7 +83,9 @@ def test_flush_writes_each_buffered_event_as_one_row() -> None:
 
 
 @pytest.mark.django_db
-def test_a_failed_write_puts_the_batch_back_and_loses_nothing() -> None:
+def test_a_failed_write_puts_the_batch_back_and_loses_nothing(
+    buffer: UsageBuffer,
+) -> None:
     events = UsageEventFactory.build_batch(5)
     for event in events:
         buffer.append(event)
@@ -92,14 +94,16 @@ def test_a_failed_write_puts_the_batch_back_and_loses_nothing() -> None:
         connection.execute_wrapper(_failing_inserts()),
         pytest.raises(OperationalError),
     ):
-        flush_usage(batch_size=2)
+        flush_usage(buffer, batch_size=2)
 
     assert [e.event_id for e in buffer.drain()] == [e.event_id for e in events]
     assert not UsageRecord.objects.exists()
 
 
 @pytest.mark.django_db
-def test_a_batch_failing_midway_keeps_earlier_batches_and_requeues_the_rest() -> None:
+def test_a_batch_failing_midway_keeps_earlier_batches_and_requeues_the_rest(
+    buffer: UsageBuffer,
+) -> None:
     events = UsageEventFactory.build_batch(5)
     for event in events:
         buffer.append(event)
@@ -117,45 +121,51 @@ def test_a_batch_failing_midway_keeps_earlier_batches_and_requeues_the_rest() ->
         connection.execute_wrapper(second_insert_fails),
         pytest.raises(OperationalError),
     ):
-        flush_usage(batch_size=2)
+        flush_usage(buffer, batch_size=2)
     assert UsageRecord.objects.count() == 2
 
-    assert flush_usage() == 3
+    assert flush_usage(buffer) == 3
     assert set(UsageRecord.objects.values_list("event_id", flat=True)) == {
         e.event_id for e in events
     }
 
 
 @pytest.mark.django_db
-def test_retrying_a_flush_that_did_commit_writes_nothing_twice() -> None:
+def test_retrying_a_flush_that_did_commit_writes_nothing_twice(
+    buffer: UsageBuffer,
+) -> None:
     # The ambiguous failure: rows committed, then the flush was told it failed
     # (lost acknowledgement) and the events went back into the buffer.
     events = UsageEventFactory.build_batch(4)
     for event in events:
         buffer.append(event)
-    flush_usage()
+    flush_usage(buffer)
     buffer.requeue(events)
 
-    flush_usage()
+    flush_usage(buffer)
 
     assert UsageRecord.objects.count() == 4
     assert len(buffer) == 0
 
 
 @pytest.mark.django_db
-def test_requests_sharing_a_client_request_id_are_each_counted() -> None:
+def test_requests_sharing_a_client_request_id_are_each_counted(
+    buffer: UsageBuffer,
+) -> None:
     # X-Request-Id is chosen by the client and may repeat; each request used tokens.
     for _ in range(3):
         buffer.append(UsageEventFactory(request_id="client-chosen", total_tokens=9))
 
-    flush_usage()
+    flush_usage(buffer)
 
     assert UsageRecord.objects.filter(request_id="client-chosen").count() == 3
     assert UsageRecord.objects.aggregate(t=Sum("total_tokens"))["t"] == 27
 
 
 @pytest.mark.django_db
-def test_out_of_range_values_are_kept_within_the_columns_instead_of_failing() -> None:
+def test_out_of_range_values_are_kept_within_the_columns_instead_of_failing(
+    buffer: UsageBuffer,
+) -> None:
     odd = UsageEventFactory(
         prompt_tokens=-5,
         completion_tokens=3,
@@ -168,7 +178,7 @@ def test_out_of_range_values_are_kept_within_the_columns_instead_of_failing() ->
     buffer.append(odd)
     buffer.append(fine)
 
-    assert flush_usage() == 2
+    assert flush_usage(buffer) == 2
 
     row = UsageRecord.objects.get(event_id=odd.event_id)
     assert row.prompt_tokens == 0 and row.total_tokens == 3
@@ -178,13 +188,15 @@ def test_out_of_range_values_are_kept_within_the_columns_instead_of_failing() ->
 
 
 @pytest.mark.django_db
-def test_a_malformed_event_is_dropped_without_blocking_the_others() -> None:
+def test_a_malformed_event_is_dropped_without_blocking_the_others(
+    buffer: UsageBuffer,
+) -> None:
     broken = UsageEventFactory(created_at=math.nan)  # a proxy bug
     good = UsageEventFactory()
     buffer.append(broken)
     buffer.append(good)
 
-    assert flush_usage() == 1
+    assert flush_usage(buffer) == 1
 
     assert len(buffer) == 0
     assert list(UsageRecord.objects.values_list("event_id", flat=True)) == [
@@ -200,14 +212,14 @@ def test_flush_reports_events_the_full_buffer_dropped(
     for event in UsageEventFactory.build_batch(3):
         small.append(event)
 
-    assert flush_usage(source=small) == 2
+    assert flush_usage(small) == 2
 
     assert "dropped 1 events" in caplog.text
     assert small.dropped == 0  # reported once
 
 
 @pytest.mark.django_db(transaction=True)
-def test_concurrent_flushes_write_every_event_exactly_once() -> None:
+def test_concurrent_flushes_write_every_event_exactly_once(buffer: UsageBuffer) -> None:
     events = UsageEventFactory.build_batch(2000, total_tokens=3)
     produced = threading.Event()
 
@@ -219,7 +231,7 @@ def test_concurrent_flushes_write_every_event_exactly_once() -> None:
     def flush_until_drained() -> None:
         try:
             while not produced.is_set() or len(buffer):
-                flush_usage(batch_size=97)
+                flush_usage(buffer, batch_size=97)
         finally:
             connection.close()
 
@@ -247,31 +259,33 @@ async def _close_worker_connections() -> AsyncIterator[None]:
 
 @pytest.mark.usefixtures("_close_worker_connections")
 @pytest.mark.django_db(transaction=True)
-async def test_the_background_flusher_writes_soon_and_once_more_when_stopped() -> None:
+async def test_the_background_flusher_writes_soon_and_once_more_when_stopped(
+    buffer: UsageBuffer,
+) -> None:
     count = database_sync_to_async(UsageRecord.objects.count)
-    flusher = asyncio.create_task(run_flusher(interval=0.05))
+    flusher = DatabaseFlusher(buffer, interval=0.05)
+    flusher.start()
     for event in UsageEventFactory.build_batch(3):
         buffer.append(event)
     async with asyncio.timeout(10):
         while await count() < 3:
             await asyncio.sleep(0.02)
 
-    # Appended just before shutdown: the final flush on cancel writes them.
+    # Appended just before shutdown: the final flush on stop writes them.
     for event in UsageEventFactory.build_batch(2):
         buffer.append(event)
-    flusher.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await flusher
+    await flusher.stop()
 
     assert await count() == 5
 
 
 @pytest.mark.usefixtures("_close_worker_connections")
 @pytest.mark.django_db(transaction=True)
-async def test_the_process_flusher_runs_once_and_writes_everything_on_stop() -> None:
-    flusher = Flusher()
-    flusher.ensure_started()
-    flusher.ensure_started()  # as on every request: no second task
+async def test_the_process_flusher_runs_once_and_writes_everything_on_stop(
+    buffer: UsageBuffer,
+) -> None:
+    flusher = DatabaseFlusher(buffer)
+    flusher.start()
     assert [t.get_name() for t in asyncio.all_tasks()].count("usage-flusher") == 1
     for event in UsageEventFactory.build_batch(4):
         buffer.append(event)
@@ -285,7 +299,9 @@ async def test_the_process_flusher_runs_once_and_writes_everything_on_stop() -> 
 
 @pytest.mark.usefixtures("_close_worker_connections")
 @pytest.mark.django_db(transaction=True)
-async def test_the_background_flusher_survives_a_database_outage() -> None:
+async def test_the_background_flusher_survives_a_database_outage(
+    buffer: UsageBuffer,
+) -> None:
     count = database_sync_to_async(UsageRecord.objects.count)
     # The flusher's thread writes through its own connection; fail its inserts
     # from before the first flush.
@@ -299,7 +315,8 @@ async def test_the_background_flusher_survives_a_database_outage() -> None:
         connections["default"].execute_wrappers.remove(outage)
 
     await database_sync_to_async(install)()
-    flusher = asyncio.create_task(run_flusher(interval=0.02))
+    flusher = DatabaseFlusher(buffer, interval=0.02)
+    flusher.start()
     for event in UsageEventFactory.build_batch(3):
         buffer.append(event)
     await asyncio.sleep(0.2)
@@ -314,19 +331,21 @@ async def test_the_background_flusher_survives_a_database_outage() -> None:
     async with asyncio.timeout(10):
         while await count() < 3:
             await asyncio.sleep(0.02)
-    flusher.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await flusher
+    await flusher.stop()
 
 
 EXIT_SCRIPT = """
+import asyncio
+from nexus_site.asgi import gateway  # the serving process's gateway
 from tests.factories import UsageEventFactory
-from usage.buffer import buffer
-import usage.flush  # what a serving process imports to start the flusher
 
-for n in range(7):
-    buffer.append(UsageEventFactory(request_id=f"exit-{n}", total_tokens=5))
-# No flush here: the process ends, as a server does on a graceful shutdown.
+async def serve():
+    gateway.start()
+    for n in range(7):
+        gateway.buffer.append(UsageEventFactory(request_id=f"exit-{n}", total_tokens=5))
+
+asyncio.run(serve())
+# No stop() here: the process ends, as a server without lifespan events does.
 """
 
 
@@ -343,6 +362,8 @@ def test_a_graceful_exit_writes_what_the_buffer_still_holds() -> None:
     )
 
     assert result.returncode == 0, result.stderr
+    if settings.NEXUS_USAGE_TRANSPORT == "redis":
+        drain_usage_stream()  # the process shipped them; the worker writes them
     rows = UsageRecord.objects.filter(request_id__startswith="exit-")
     assert rows.count() == 7
     assert rows.aggregate(t=Sum("total_tokens"))["t"] == 35

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -22,20 +22,12 @@ from django.utils import timezone
 
 from tests.conftest import REPO_ROOT, server_env
 from tests.factories import UsageRecordFactory
-from usage.buffer import buffer
 from usage.models import COUNTER_FIELDS, TokenUsage, UsageBucket, UsageRecord
 from usage.rollup import roll_up_usage
 from usage.tasks import prune_usage_records
 from usage.tasks import roll_up_usage as roll_up_usage_task
 
 EXACT_COUNTERS = tuple(name for name in COUNTER_FIELDS if name != "latency_ms_sum")
-
-
-@pytest.fixture(autouse=True)
-def _empty_buffer() -> Iterator[None]:
-    buffer.drain()
-    yield
-    buffer.drain()
 
 
 def _series_totals(model: type[Any], *extra: str) -> dict[tuple[Any, ...], dict]:
@@ -198,10 +190,12 @@ def test_beat_rolls_usage_up_every_ten_seconds_by_default(settings) -> None:
 # --- Exactness across processes, concurrent rollups and a killed rollup ------
 
 SERVING_SCRIPT = """
-import json, sys
-from usage.buffer import UsageEvent, buffer
-from usage.flush import flush_usage
+import atexit, json, sys
+from usage.buffer import UsageBuffer, UsageEvent
+from usage.flush import DatabaseFlusher, flush_usage
 
+buffer = UsageBuffer()
+atexit.register(DatabaseFlusher(buffer).flush_on_exit)  # as a gateway does
 events = [UsageEvent(**fields) for fields in json.load(sys.stdin)]
 # Flush as the background flusher does, a batch at a time; the last events are
 # left for the exit flush of a graceful shutdown.
@@ -209,7 +203,7 @@ for start in range(0, len(events), 40):
     for event in events[start:start + 40]:
         buffer.append(event)
     if start + 40 < len(events):
-        flush_usage()
+        flush_usage(buffer)
 """
 
 ROLLUP_LOOP_SCRIPT = """

@@ -13,16 +13,21 @@ from collections.abc import Callable
 
 import openai
 import pytest
+from django.conf import settings
 
 from backends.models import Backend, BackendModel, HealthStatus
 from tests.conftest import MockBackendProcess, NexusServer
 from usage.models import ApiKey, TokenUsage, UsageRecord
 from usage.rollup import roll_up_usage
+from usage.stream import clear_usage_stream, drain_usage_stream
 
 pytestmark = pytest.mark.django_db(transaction=True)
+SHIPS_TO_REDIS = settings.NEXUS_USAGE_TRANSPORT == "redis"
 
 
 def _setup(mock: MockBackendProcess) -> str:
+    if SHIPS_TO_REDIS:
+        clear_usage_stream()  # events other tests' servers left behind
     backend = Backend.objects.create(
         name="mock-usage", base_url=mock.base_url, status=HealthStatus.HEALTHY
     )
@@ -33,7 +38,9 @@ def _setup(mock: MockBackendProcess) -> str:
 
 def _wait_for_records(count: int, limit: float = 10.0) -> None:
     deadline = time.monotonic() + limit
-    while UsageRecord.objects.count() < count:
+    while (SHIPS_TO_REDIS and drain_usage_stream()) or (
+        UsageRecord.objects.count() < count
+    ):
         assert time.monotonic() < deadline, UsageRecord.objects.count()
         time.sleep(0.1)
 
@@ -87,15 +94,42 @@ def test_a_graceful_stop_flushes_what_the_process_still_held(
     nexus_server_factory: Callable[..., NexusServer],
 ) -> None:
     key = _setup(mock_backend_factory("--models", "llama3:8b", "--name", "m"))
-    # A flush interval far beyond the test: only the shutdown flush can write.
-    server = nexus_server_factory(NEXUS_USAGE_FLUSH_INTERVAL="3600")
+    # Intervals far beyond the test: only the shutdown can hand usage on.
+    server = nexus_server_factory(
+        NEXUS_USAGE_FLUSH_INTERVAL="3600", NEXUS_USAGE_SHIP_INTERVAL="3600"
+    )
     sdk = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0)
     for i in range(4):
         sdk.chat.completions.create(
             model="llama3:8b", messages=[{"role": "user", "content": str(i)}]
         )
     time.sleep(0.5)
+    assert not SHIPS_TO_REDIS or drain_usage_stream() == 0
     assert UsageRecord.objects.count() == 0
     server.process.send_signal(signal.SIGTERM)
-    server.process.wait(timeout=20)
+    assert server.process.wait(timeout=20) == 0
+    if SHIPS_TO_REDIS:
+        drain_usage_stream()
     assert UsageRecord.objects.count() == 4
+
+
+@pytest.mark.skipif(
+    not SHIPS_TO_REDIS, reason="the embedded default writes usage once a second"
+)
+def test_a_killed_process_loses_no_usage_it_answered_a_moment_before(
+    mock_backend_factory: Callable[..., MockBackendProcess],
+    nexus_server_factory: Callable[..., NexusServer],
+) -> None:
+    key = _setup(mock_backend_factory("--models", "llama3:8b", "--name", "m"))
+    server = nexus_server_factory()
+    sdk = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0)
+    for i in range(30):
+        sdk.chat.completions.create(
+            model="llama3:8b", messages=[{"role": "user", "content": str(i)}]
+        )
+    time.sleep(0.3)  # a few shipping intervals, far less than a second
+    server.process.kill()
+    server.process.wait(timeout=10)
+
+    drain_usage_stream()
+    assert UsageRecord.objects.filter(backend="mock-usage").count() == 30

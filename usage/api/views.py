@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from functools import cached_property
 from typing import Any, cast
@@ -16,16 +15,12 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from routing import live
 from usage.api.serializers import (
-    LiveUsageSerializer,
     StatsQuerySerializer,
     TokenQuerySerializer,
     TokenUsageRowSerializer,
     UsageStatsSerializer,
 )
-from usage.buffer import buffer
-from usage.live import live_usage
 from usage.models import (
     COUNTER_FIELDS,
     USAGE_DIMENSIONS,
@@ -126,49 +121,3 @@ class UsageStatsView(APIView):
 
 def _zero() -> dict[str, Any]:
     return dict.fromkeys(COUNTER_FIELDS, 0)
-
-
-class LiveUsageView(APIView):
-    """Requests in flight per backend and per backend × model right now.
-
-    Counts are those of the process that answers.
-
-    Each serving process counts its own requests; behind several processes,
-    ask each one (or use the usage stream, which sums them).
-    """
-
-    permission_classes = (IsAdminUser,)
-
-    @extend_schema(responses=LiveUsageSerializer)
-    def get(self, request: Request) -> Response:
-        routes = live.snapshots.snapshot.routes
-        in_flight = dict(live.stats.in_flight_counts)
-        names = [backend.name for backend in routes.backends]
-        names += sorted(set(in_flight) - set(names))
-        backends = []
-        for name in names:
-            spec = routes.backend(name)
-            backends.append(
-                {
-                    "backend": name,
-                    "in_flight": in_flight.get(name, 0),
-                    "max_concurrency": spec.max_concurrency if spec else None,
-                    "status": spec.status if spec else None,
-                    "latency_ms": live.stats.latency_ms(name),
-                }
-            )
-        models = [
-            {"backend": row["backend"], "model": row["model"], "in_flight": n}
-            for row in live_usage.snapshot()["series"]
-            if (n := row["in_flight"])
-        ]
-        state = {
-            "process": os.getpid(),
-            "config_version": routes.version,
-            "in_flight": sum(in_flight.values()),
-            "backends": backends,
-            "models": models,
-            "buffered_events": len(buffer),
-            "at": timezone.now(),
-        }
-        return Response(LiveUsageSerializer(state).data)

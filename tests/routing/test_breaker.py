@@ -13,10 +13,10 @@ import pytest
 from django.contrib.auth import get_user_model
 from rest_framework.authtoken.models import Token
 
-from backends.breaker import BreakerSettings, CircuitBreaker
 from backends.health import check_all, record_breaker_opening
 from backends.models import Backend, HealthStatus
 from backends.tasks import persist_breaker_opening
+from routing.breaker import BREAKER_GROUP, BreakerSettings, CircuitBreaker
 from routing.core import (
     BackendSpec,
     LiveStats,
@@ -27,6 +27,7 @@ from routing.core import (
     Router,
     RouterSnapshot,
 )
+from routing.groups import listen_to_group
 from routing.versioning import read_config_version
 from tests.backends.mock_fleet import running_mocks
 from tests.conftest import NexusServer
@@ -143,8 +144,11 @@ def test_with_every_circuit_open_the_client_gets_a_503_saying_why() -> None:
 async def test_an_opening_reaches_breakers_listening_on_the_channel_layer() -> None:
     here, _ = make_breaker()
     there, _ = make_breaker()
-    there.ensure_started()
-    here.ensure_started()
+    # Each serving process's gateway listens for its breaker.
+    listeners = [
+        asyncio.create_task(listen_to_group(BREAKER_GROUP, breaker.on_message))
+        for breaker in (here, there)
+    ]
     try:
         await asyncio.sleep(0.1)  # let the listeners join the group
         for _ in range(3):
@@ -159,6 +163,9 @@ async def test_an_opening_reaches_breakers_listening_on_the_channel_layer() -> N
         assert there._background == set()
         assert not there.is_open("gpu-2")
     finally:
+        for listener in listeners:
+            listener.cancel()
+        await asyncio.gather(*listeners, return_exceptions=True)
         await here.stop()
         await there.stop()
 
@@ -252,7 +259,7 @@ def test_an_opening_in_one_process_stops_routing_in_a_serving_process(
     while (seen := excluded()) != {"gpu-1": ["circuit_open"]}:
         assert time.monotonic() < deadline, (
             f"the serving process never opened the circuit (excluded: {seen}); "
-            "is breaker.ensure_started() called in nexus_site/asgi.py?"
+            "does the gateway listen to the breaker group?"
         )
         time.sleep(0.1)
     # Nothing was written: the opening travelled on the channel layer alone.

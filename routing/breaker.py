@@ -7,11 +7,11 @@ K failures within a window open the backend's circuit for a cool-down
 (``NEXUS_BREAKER_*`` settings). Opening:
 
 1. takes effect in this process at once: the open circuit is written into the
-   process's ``LiveStats`` (``routing.live.stats``), which the router reads, so
-   the backend is skipped (reason ``circuit_open``) and left out of retries;
+   gateway's ``LiveStats``, which the router reads, so the backend is skipped
+   (reason ``circuit_open``) and left out of retries;
 2. is announced to every other serving process on the Channels group
-   ``BREAKER_GROUP`` from a background task; each process runs a listener
-   (``ensure_started()``) that opens the circuit there too;
+   ``BREAKER_GROUP`` from a background task; each process's gateway listens
+   there and passes the news to ``on_message()``, which opens the circuit too;
 3. is recorded in the database by a Celery task (``NEXUS_BREAKER_PERSIST``),
    queued from a worker thread: the backend turns unhealthy, the admin shows
    why, and health probes bring it back. This is also how the news reaches
@@ -30,14 +30,14 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import Any, TypedDict
 
 from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.conf import settings
 
-from nexus_site.groups import listen_to_group
-
-if TYPE_CHECKING:
-    from routing.core import LiveStats
+from backends.tasks import persist_breaker_opening
+from routing.core import LiveStats
 
 logger = logging.getLogger(__name__)
 
@@ -64,66 +64,34 @@ class BreakerSettings:
     cooldown: float = 30.0
     persist: bool = True
 
-
-def _read_settings() -> BreakerSettings:
-    from django.conf import settings
-
-    return BreakerSettings(
-        failures=settings.NEXUS_BREAKER_FAILURES,
-        window=settings.NEXUS_BREAKER_WINDOW,
-        cooldown=settings.NEXUS_BREAKER_COOLDOWN,
-        persist=settings.NEXUS_BREAKER_PERSIST,
-    )
-
-
-def _live_stats() -> LiveStats:
-    from routing import live
-
-    return live.stats
+    @classmethod
+    def from_settings(cls) -> BreakerSettings:
+        """The rules configured with the NEXUS_BREAKER_* settings."""
+        return cls(
+            failures=settings.NEXUS_BREAKER_FAILURES,
+            window=settings.NEXUS_BREAKER_WINDOW,
+            cooldown=settings.NEXUS_BREAKER_COOLDOWN,
+            persist=settings.NEXUS_BREAKER_PERSIST,
+        )
 
 
 class CircuitBreaker:
     """Per-backend circuit breakers of one process, shared with its router.
 
-    ``stats`` is the LiveStats the router reads (the process's own by default,
-    resolved on first use so that importing this module needs no Django set-up);
-    ``config`` defaults to the settings.
+    ``stats`` is the LiveStats the router reads; ``config`` the rules.
     """
 
-    def __init__(
-        self,
-        *,
-        stats: LiveStats | Callable[[], LiveStats] = _live_stats,
-        config: BreakerSettings | Callable[[], BreakerSettings] = _read_settings,
-    ) -> None:
-        self._stats_source = stats
-        self._config_source = config
-        self._stats: LiveStats | None = None
-        self._config: BreakerSettings | None = None
+    def __init__(self, *, stats: LiveStats, config: BreakerSettings) -> None:
+        self.stats = stats
+        self.config = config
         self.origin = uuid.uuid4().hex
         self._lock = threading.Lock()
         self._recent: dict[str, deque[float]] = {}
         # Opened and not yet seen succeeding: one failure reopens these.
         self._probation: set[str] = set()
         self._background: set[asyncio.Task[None]] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._listener: asyncio.Task[None] | None = None
-
-    @property
-    def stats(self) -> LiveStats:
-        stats = self._stats
-        if stats is None:
-            source = self._stats_source
-            stats = self._stats = source() if callable(source) else source
-        return stats
-
-    @property
-    def config(self) -> BreakerSettings:
-        config = self._config
-        if config is None:
-            source = self._config_source
-            config = self._config = source() if callable(source) else source
-        return config
+        # Called with the backend's name whenever this process opens a circuit.
+        self.on_open: Callable[[str], None] = _ignore
 
     # The proxy's side: no I/O, no ORM, no await.
 
@@ -160,6 +128,7 @@ class CircuitBreaker:
                     "the gateway"
                 )
             self._open(backend_name, config.cooldown)
+        self.on_open(backend_name)
         logger.warning(
             "Circuit breaker opened for backend %s for %g s: %s",
             backend_name,
@@ -206,8 +175,6 @@ class CircuitBreaker:
         task.add_done_callback(self._background.discard)
 
     async def _publish(self, event: BreakerOpenedEvent) -> None:
-        from channels.layers import get_channel_layer
-
         layer = get_channel_layer()
         if layer is not None:
             try:
@@ -223,33 +190,12 @@ class CircuitBreaker:
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 
-    # Listening for other processes' openings.
-
-    def ensure_started(self) -> None:
-        """Start listening for other processes' openings (idempotent, cheap).
-
-        Call it from the serving process's event loop, next to
-        ``live.snapshots.ensure_started()``.
-        """
-        loop = asyncio.get_running_loop()
-        if self._loop is loop:
-            return
-        self._loop = loop
-        self._listener = loop.create_task(self._listen(), name="breaker-listen")
-
     async def stop(self) -> None:
-        """Stop listening and wait for pending announcements."""
-        listener, self._listener = self._listener, None
-        self._loop = None
-        if listener is not None:
-            listener.cancel()
-            await asyncio.gather(listener, return_exceptions=True)
+        """Wait for pending announcements (shutdown)."""
         await self.drain()
 
-    async def _listen(self) -> None:
-        await listen_to_group(BREAKER_GROUP, self._on_message)
-
-    def _on_message(self, message: dict[str, Any]) -> None:
+    def on_message(self, message: dict[str, Any]) -> None:
+        """Handle a message of BREAKER_GROUP (another process opened a circuit)."""
         if message.get("type") == "breaker.opened":
             try:
                 self.open_remotely(message)  # type: ignore[arg-type]
@@ -257,10 +203,12 @@ class CircuitBreaker:
                 logger.warning("Ignoring a malformed breaker message: %r", message)
 
 
+def _ignore(backend_name: str) -> None:
+    pass
+
+
 def _queue_persist(backend_name: str, detail: str) -> None:
     """Queue the Celery task that marks the backend unhealthy (a worker thread)."""
-    from backends.tasks import persist_breaker_opening
-
     try:
         persist_breaker_opening.delay(backend_name, detail)
     except Exception:
@@ -269,6 +217,3 @@ def _queue_persist(backend_name: str, detail: str) -> None:
             backend_name,
             exc_info=True,
         )
-
-
-breaker = CircuitBreaker()

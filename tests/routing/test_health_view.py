@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 from django.test import Client
 
-from backends.breaker import breaker
 from backends.models import Backend, HealthStatus
+from routing.gateway import current_gateway
 from tests.factories import BackendFactory, BackendModelFactory
 
 pytestmark = pytest.mark.django_db
@@ -19,8 +19,9 @@ SECRET = "sk-upstream-Zq8v3LmT0pXw"
 @pytest.fixture(autouse=True)
 def _closed_circuits() -> Iterator[None]:
     yield
-    for name in list(breaker.stats.open_circuits):
-        breaker.stats.close_circuit(name)
+    stats = current_gateway().stats
+    for name in list(stats.open_circuits):
+        stats.close_circuit(name)
 
 
 def test_health_is_200_with_every_backend_and_a_summary(client: Client) -> None:
@@ -83,7 +84,8 @@ def test_a_backend_with_an_open_circuit_does_not_count_as_serving(
     client: Client,
 ) -> None:
     BackendFactory(name="gpu-1")
-    breaker.stats.open_circuit("gpu-1", breaker.stats.clock() + 60)
+    stats = current_gateway().stats
+    stats.open_circuit("gpu-1", stats.clock() + 60)
     response = client.get("/health")
     assert response.status_code == 503
     assert response.json()["backends"][0]["circuit_open"] is True

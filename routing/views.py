@@ -10,9 +10,9 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_safe
 
-from backends.breaker import breaker
 from backends.health import redact_error
 from backends.models import Backend, HealthStatus
+from routing.gateway import current_gateway
 
 
 class BackendHealthDict(TypedDict):
@@ -68,6 +68,7 @@ def health(request: HttpRequest) -> JsonResponse:
     }
     rows: list[BackendHealthDict] = []
     serving = 0
+    breaker = current_gateway().breaker
     for backend in backends:
         circuit_open = breaker.is_open(backend.name)
         if not backend.enabled:

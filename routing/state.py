@@ -1,7 +1,7 @@
-"""This process's live gateway state: what it routes with, and its load stats.
+"""What a serving process routes with: the gateway state, built from the database.
 
-One of each per serving process. The proxy and the explain API read them; only
-the holder's background tasks replace the state.
+The gateway's snapshot holder calls ``build_state()`` off the request path and
+swaps the result in whole; the proxy only ever reads a ``GatewayState``.
 """
 
 from __future__ import annotations
@@ -10,11 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from django.conf import settings
 from django.db import transaction
 
-from routing.core import LiveStats, Router, RouterSnapshot
-from routing.holder import SnapshotHolder
+from routing.core import RouterSnapshot
 from routing.snapshot import build_snapshot
 from usage.models import ApiKey
 
@@ -37,10 +35,3 @@ def build_state() -> GatewayState:
     return GatewayState(
         version=routes.version, routes=routes, keys=MappingProxyType(keys)
     )
-
-
-snapshots: SnapshotHolder[GatewayState] = SnapshotHolder(
-    build_state, poll_interval=settings.NEXUS_CONFIG_POLL_INTERVAL
-)
-router = Router()
-stats = LiveStats()

@@ -1,0 +1,114 @@
+"""How a serving process runs: collector tuning, Daphne's settings, SIGTERM.
+
+``prepare_daphne()`` applies only when Daphne is the server (its command line
+is loaded, as under ``nexus_run`` and in the Docker image):
+
+* Twisted parses the body of every POST as a form submission before the
+  application sees it; Nexus never reads forms that way (Django parses its own),
+  so that costly step is turned off.
+* Daphne's access log writes a line per request to stdout; gateway paths log
+  their own structured line instead (logger ``nexus.access``), so Daphne's is
+  kept for Django's pages only.
+* Daphne sends no lifespan events: the gateway starts as soon as the reactor
+  runs, the collector is tuned, and SIGTERM drains instead of cancelling
+  every request at once: /health/ready turns 503, new /v1 requests get a 503,
+  requests and streams in flight finish within ``NEXUS_DRAIN_SECONDS``, the
+  usage still held is handed on, and the process exits 0. A second SIGTERM
+  stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from typing import Any
+
+from routing.gateway import Gateway, tune_garbage_collector
+
+logger = logging.getLogger(__name__)
+
+# Paths whose requests the gateway logs itself (or that are polled often).
+GATEWAY_PATHS = ("/v1/", "/v1", "/metrics", "/health/live", "/health/ready")
+
+_tuned = False
+
+
+def tune_process() -> None:
+    """Tune the garbage collector once per process, after start-up."""
+    global _tuned
+    if not _tuned:
+        _tuned = True
+        tune_garbage_collector()
+
+
+def is_daphne_serving() -> bool:
+    return "daphne.cli" in sys.modules
+
+
+def prepare_daphne(gateway: Gateway) -> None:
+    """Configure Daphne for the gateway (see the module docstring)."""
+    if not is_daphne_serving():
+        return
+    from daphne.http_protocol import WebRequest
+    from daphne.server import Server
+    from twisted.internet import reactor as twisted_reactor
+
+    reactor: Any = twisted_reactor
+
+    init = WebRequest.__init__
+
+    def init_without_form_parsing(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parsePOSTFormSubmission", False)
+        init(self, *args, **kwargs)
+
+    WebRequest.__init__ = init_without_form_parsing
+
+    log_action = Server.log_action
+
+    def log_django_only(
+        self: Any, protocol: str, action: str, details: dict[str, Any]
+    ) -> None:
+        if protocol == "http" and str(details.get("path", "")).startswith(
+            GATEWAY_PATHS
+        ):
+            return
+        log_action(self, protocol, action, details)
+
+    Server.log_action = log_django_only
+
+    def when_running() -> None:
+        # Called by the reactor's loop, where asyncio.get_running_loop() works.
+        gateway.ensure_started()
+        tune_process()
+        _drain_on_sigterm(gateway, reactor)
+
+    # Start-up triggers run before the loop does: go through callLater.
+    reactor.callWhenRunning(lambda: reactor.callLater(0, when_running))
+
+
+def _drain_on_sigterm(gateway: Gateway, reactor: Any) -> None:
+    loop = asyncio.get_running_loop()
+    state = {"stopping": False}
+
+    async def shut_down() -> None:
+        logger.info(
+            "SIGTERM: draining %d requests in flight (up to %g s)",
+            gateway.active,
+            gateway.config.drain_seconds,
+        )
+        await gateway.drain()
+        await gateway.stop()
+        logger.info("Drained; stopping")
+        reactor.stop()
+
+    def on_sigterm() -> None:
+        if state["stopping"]:
+            logger.warning("Second SIGTERM: stopping now")
+            reactor.stop()
+            return
+        state["stopping"] = True
+        loop.create_task(shut_down(), name="drain")
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)

@@ -1,0 +1,280 @@
+"""One gateway per serving process: all its live state, with one lifecycle.
+
+The ASGI wiring (nexus_site/asgi.py) builds a ``Gateway`` from the settings and
+hands it to the proxy (``ProxyApp(gateway)``), the usage stream and /metrics.
+It owns what a serving process keeps between requests: the snapshot holder,
+the router and its live stats (in flight, latency, open circuits), the circuit
+breaker, the usage buffer and its shipper, the live usage counters and their
+publisher, the upstream HTTP client and the metrics. ``start()`` starts every
+background task on the running loop, ``stop()`` ends them after handing on the
+usage still held; ``drain()`` is the graceful part of a shutdown.
+
+Tests build their own gateways; Django views that need the serving process's
+live numbers ask ``current_gateway()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from django.conf import settings
+
+from routing.breaker import BREAKER_GROUP, BreakerSettings, CircuitBreaker
+from routing.core import Health, LiveStats, Router
+from routing.groups import listen_to_group
+from routing.holder import SnapshotHolder
+from routing.metrics import GatewayMetrics, MetricsEndpoint, parse_networks
+from routing.proxy.upstream import UpstreamClient
+from routing.state import GatewayState, build_state
+from routing.versioning import read_config_version
+from usage.buffer import UsageBuffer
+from usage.flush import DatabaseFlusher
+from usage.live import LiveUsage
+from usage.publisher import USAGE_GROUP, UsagePublisher
+
+logger = logging.getLogger(__name__)
+
+GAUGE_REFRESH_SECONDS = 1.0
+# Collect the young generation less often: a proxy allocates many short-lived
+# objects per request and keeps few, so the default 700 runs it constantly.
+GC_THRESHOLDS = (7000, 20, 20)
+
+
+class UsageSink(Protocol):
+    """Hands the buffer's events on: to the database, or to a Redis stream."""
+
+    def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    def flush_on_exit(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """The settings a gateway runs with (read once, passed in)."""
+
+    auth_required: bool = True
+    max_body_bytes: int = 10 * 1024 * 1024
+    connect_timeout: float = 5.0
+    max_connections: int = 1000
+    config_poll_interval: float = 1.0
+    usage_buffer_max: int = 100_000
+    usage_transport: str = "database"  # or "redis"
+    access_log: bool = True
+    drain_seconds: float = 30.0
+    metrics_allow: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
+    metrics_token: str = ""
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
+
+    @classmethod
+    def from_settings(cls) -> GatewayConfig:
+        return cls(
+            auth_required=settings.NEXUS_AUTH_REQUIRED,
+            max_body_bytes=settings.NEXUS_MAX_BODY_BYTES,
+            connect_timeout=settings.NEXUS_UPSTREAM_CONNECT_TIMEOUT,
+            max_connections=settings.NEXUS_UPSTREAM_MAX_CONNECTIONS,
+            config_poll_interval=settings.NEXUS_CONFIG_POLL_INTERVAL,
+            usage_buffer_max=settings.NEXUS_USAGE_BUFFER_MAX,
+            usage_transport=settings.NEXUS_USAGE_TRANSPORT,
+            access_log=settings.NEXUS_ACCESS_LOG,
+            drain_seconds=settings.NEXUS_DRAIN_SECONDS,
+            metrics_allow=tuple(settings.NEXUS_METRICS_ALLOW),
+            metrics_token=settings.NEXUS_METRICS_TOKEN,
+            breaker=BreakerSettings.from_settings(),
+        )
+
+
+def _make_sink(config: GatewayConfig, buffer: UsageBuffer) -> UsageSink:
+    if config.usage_transport == "redis":
+        from usage.stream import RedisShipper  # needs the redis package only here
+
+        return RedisShipper(buffer)
+    return DatabaseFlusher(buffer)
+
+
+class Gateway:
+    """The live state of one serving process (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: GatewayConfig | None = None,
+        *,
+        build: Callable[[], GatewayState] = build_state,
+        read_version: Callable[[], int] = read_config_version,
+        sink: Callable[[GatewayConfig, UsageBuffer], UsageSink] = _make_sink,
+    ) -> None:
+        self.config = config = config or GatewayConfig.from_settings()
+        self.snapshots: SnapshotHolder[GatewayState] = SnapshotHolder(
+            build,
+            poll_interval=config.config_poll_interval,
+            read_version=read_version,
+        )
+        self.router = Router()
+        self.stats = LiveStats()
+        self.breaker = CircuitBreaker(stats=self.stats, config=config.breaker)
+        self.buffer = UsageBuffer(maxlen=config.usage_buffer_max)
+        self.usage_sink = sink(config, self.buffer)
+        self.live_usage = LiveUsage(in_flight=lambda: self.stats.in_flight_by_model)
+        self.publisher = UsagePublisher(self.live_usage)
+        self.upstream = UpstreamClient(
+            max_connections=config.max_connections,
+            connect_timeout=config.connect_timeout,
+        )
+        self.metrics = GatewayMetrics()
+        self.metrics_endpoint = MetricsEndpoint(
+            self.metrics,
+            self.refresh_gauges,
+            parse_networks(config.metrics_allow),
+            config.metrics_token,
+        )
+        self.breaker.on_open = self._count_opening
+        self.snapshots.on_install = self._note_config
+        # Requests the proxy is serving now; draining waits for zero.
+        self.active = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    # Lifecycle -------------------------------------------------------------
+
+    @property
+    def started(self) -> bool:
+        return self._loop is not None
+
+    def ensure_started(self) -> None:
+        """Start on the running loop unless already running there (cheap)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop and not self.draining:
+            self.start()
+
+    def start(self) -> None:
+        """Start every background task on the running loop."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.snapshots.start()
+        self.usage_sink.start()
+        self.publisher.start()
+        self.upstream.open()
+        self._tasks = [
+            loop.create_task(
+                listen_to_group(BREAKER_GROUP, self.breaker.on_message),
+                name="breaker-listen",
+            ),
+            loop.create_task(
+                listen_to_group(USAGE_GROUP, self.publisher.on_message),
+                name="usage-listen",
+            ),
+            loop.create_task(self._refresh_gauges_periodically(), name="gauges"),
+        ]
+
+    async def stop(self) -> None:
+        """Stop every task; usage still held is handed on first."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.snapshots.stop()
+        await self.publisher.stop()
+        await self.breaker.stop()
+        await self.usage_sink.stop()
+        await self.upstream.close()
+        self._loop = None
+
+    # Draining --------------------------------------------------------------
+
+    def request_started(self) -> None:
+        self.active += 1
+        self._idle.clear()
+
+    def request_finished(self) -> None:
+        self.active -= 1
+        if self.active <= 0:
+            self.active = 0
+            self._idle.set()
+
+    async def drain(self, grace: float | None = None) -> bool:
+        """Refuse new requests and wait for those in flight; True if all ended."""
+        self.draining = True
+        timeout = self.config.drain_seconds if grace is None else grace
+        try:
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
+        except TimeoutError:
+            logger.warning(
+                "%d requests still in flight after the %g s drain period",
+                self.active,
+                timeout,
+            )
+            return False
+        return True
+
+    # State shown elsewhere -------------------------------------------------
+
+    def refresh_gauges(self) -> None:
+        """Copy in-flight, health and buffer numbers into the metrics."""
+        state = self.snapshots.peek()
+        in_flight = dict(self.stats.in_flight_counts)
+        names: list[tuple[str, bool]] = []
+        if state is not None:
+            for backend in state.routes.backends:
+                is_up = (
+                    backend.enabled
+                    and backend.status == Health.HEALTHY
+                    and not self.stats.is_circuit_open(backend.name)
+                )
+                names.append((backend.name, is_up))
+        self.metrics.set_backends(in_flight, names)
+        self.metrics.set_usage_buffer(len(self.buffer), self.buffer.dropped_total)
+
+    async def _refresh_gauges_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(GAUGE_REFRESH_SECONDS)
+            try:
+                self.refresh_gauges()
+            except Exception:
+                logger.warning("Could not update the gauges", exc_info=True)
+
+    def _count_opening(self, backend_name: str) -> None:
+        self.metrics.breaker_openings.labels(backend_name).inc()
+
+    def _note_config(self, state: GatewayState) -> None:
+        self.metrics.config_version.set(state.version)
+
+
+def tune_garbage_collector() -> None:
+    """Move start-up objects out of the collector's way and collect less often.
+
+    Everything alive after start-up (modules, settings, the first snapshot)
+    would otherwise be traversed by every full collection: ``gc.freeze()``
+    moves it to a permanent generation. Per-request objects are freed by
+    reference counting; the raised thresholds only make the rare cyclic
+    collections less frequent, which removes the loop stalls behind the tail
+    latency.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
+_current: Gateway | None = None
+
+
+def install_gateway(gateway: Gateway) -> None:
+    """Make `gateway` the one this process serves with (the ASGI wiring)."""
+    global _current
+    _current = gateway
+
+
+def current_gateway() -> Gateway:
+    """The gateway of this serving process (built on first use elsewhere)."""
+    global _current
+    if _current is None:
+        _current = Gateway()
+    return _current

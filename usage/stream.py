@@ -1,0 +1,226 @@
+"""Usage events through a Redis stream: serving processes append, Celery writes.
+
+In production a serving process does no database writes for usage: its
+gateway's ``RedisShipper`` moves the in-process buffer to the ``nexus:usage``
+Redis stream every few tens of milliseconds (one pipelined round trip per
+batch), so a process killed without warning loses at most that much. The
+Celery worker's ``drain_usage_stream()`` (beat, about once a second, and
+``manage.py nexus_flush_usage``) writes what the stream holds with
+``flush_usage()`` and only then deletes those entries. Two drains running at
+once write the same events twice, which the unique ``event_id`` turns into
+once, so no lock is needed for exactness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+from typing import Any, cast
+
+import redis
+import redis.asyncio
+from django.conf import settings
+
+from usage.buffer import UsageBuffer, UsageEvent
+from usage.flush import flush_usage
+
+logger = logging.getLogger(__name__)
+
+STREAM_KEY = "nexus:usage"
+# Redis keeps at most about this many undrained events (the Celery worker down
+# for a long time); the oldest go first. At ~400 bytes each: ~400 MB of Redis.
+STREAM_MAX_EVENTS = 1_000_000
+SHIP_BATCH = 1000
+DRAIN_BATCH = 1000
+_FIELDS = tuple(field.name for field in dataclasses.fields(UsageEvent))
+# During a Redis outage, log the failure once per this many attempts.
+_LOG_EVERY = 200
+
+
+def encode_event(event: UsageEvent) -> bytes:
+    """Serialise an event for the stream (named fields survive upgrades)."""
+    return json.dumps(
+        {name: getattr(event, name) for name in _FIELDS}, separators=(",", ":")
+    ).encode()
+
+
+def decode_event(data: bytes) -> UsageEvent:
+    """Read an event written by encode_event(); unknown fields are ignored."""
+    values = json.loads(data)
+    if not isinstance(values, dict):
+        raise TypeError("a usage event must be a JSON object")
+    return UsageEvent(**{name: values[name] for name in _FIELDS if name in values})
+
+
+def _add_all(pipe: Any, events: list[UsageEvent]) -> None:
+    for event in events:
+        pipe.xadd(
+            STREAM_KEY,
+            {"e": encode_event(event)},
+            maxlen=STREAM_MAX_EVENTS,
+            approximate=True,
+        )
+
+
+class RedisShipper:
+    """Moves one buffer to the Redis stream, in a task of the serving process."""
+
+    def __init__(
+        self,
+        buffer: UsageBuffer,
+        redis_url: str | None = None,
+        interval: float | None = None,
+    ) -> None:
+        self.buffer = buffer
+        self.redis_url = redis_url or settings.REDIS_URL
+        self.interval = (
+            settings.NEXUS_USAGE_SHIP_INTERVAL if interval is None else interval
+        )
+        self._client: redis.asyncio.Redis | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start shipping on the running loop (the client is made here, once)."""
+        self._client = redis.asyncio.Redis.from_url(
+            self.redis_url, socket_timeout=5, socket_connect_timeout=5
+        )
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name="usage-shipper"
+        )
+
+    async def stop(self) -> None:
+        """Stop the task after shipping what the buffer still holds."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        client, self._client = self._client, None
+        if client is None:
+            return
+        try:
+            while len(self.buffer):
+                await self._ship(client)
+        except Exception:
+            logger.exception(
+                "Could not ship %d usage events at shutdown", len(self.buffer)
+            )
+        finally:
+            await client.aclose()
+
+    def flush_on_exit(self) -> None:
+        """Ship what is left from sync code when the interpreter exits."""
+        if not len(self.buffer):
+            return
+        client = redis.Redis.from_url(
+            self.redis_url, socket_timeout=5, socket_connect_timeout=5
+        )
+        try:
+            while len(self.buffer):
+                events = self.buffer.drain(SHIP_BATCH)
+                try:
+                    with client.pipeline(transaction=False) as pipe:
+                        _add_all(pipe, events)
+                        pipe.execute()
+                except Exception:
+                    self.buffer.requeue(events)
+                    raise
+        except Exception:
+            logger.exception("Lost %d usage events at shutdown", len(self.buffer))
+        finally:
+            client.close()
+
+    async def _ship(self, client: redis.asyncio.Redis) -> None:
+        events = self.buffer.drain(SHIP_BATCH)
+        if not events:
+            return
+        try:
+            async with client.pipeline(transaction=False) as pipe:
+                _add_all(pipe, events)
+                await pipe.execute()
+        except BaseException:
+            # A failed (or cancelled) round trip may have added some of them:
+            # shipping them again is safe, the event id makes the write once.
+            self.buffer.requeue(events)
+            raise
+
+    async def _run(self) -> None:
+        client = self._client
+        assert client is not None
+        failures = 0
+        while True:
+            await asyncio.sleep(self.interval if not failures else 1.0)
+            if not len(self.buffer):
+                continue
+            try:
+                while len(self.buffer):
+                    await self._ship(client)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                if failures % _LOG_EVERY == 0:
+                    logger.exception(
+                        "Could not ship %d usage events to Redis; will retry",
+                        len(self.buffer),
+                    )
+                failures += 1
+            else:
+                if failures:
+                    logger.info(
+                        "Shipping usage events again after %d failures", failures
+                    )
+                failures = 0
+
+
+def drain_usage_stream(*, batch_size: int = DRAIN_BATCH) -> int:
+    """Write every event the stream holds to the database; return how many.
+
+    Entries are deleted only after their rows are committed; on a database
+    error they stay in the stream for the next run and the error is raised.
+    """
+    client = redis.Redis.from_url(
+        settings.REDIS_URL, socket_timeout=10, socket_connect_timeout=5
+    )
+    moved = 0
+    try:
+        while True:
+            entries = cast(
+                list[tuple[bytes, dict[bytes, bytes]]],
+                client.xrange(STREAM_KEY, count=batch_size),
+            )
+            if not entries:
+                return moved
+            batch = UsageBuffer()
+            for entry_id, fields in entries:
+                try:
+                    batch.append(decode_event(fields[b"e"]))
+                except (KeyError, TypeError, ValueError):
+                    logger.exception("Dropped malformed usage entry %r", entry_id)
+            flush_usage(batch)
+            client.xdel(STREAM_KEY, *[entry_id for entry_id, _ in entries])
+            moved += len(entries)
+            if len(entries) < batch_size:
+                return moved
+    finally:
+        client.close()
+
+
+def clear_usage_stream() -> None:
+    """Delete every event waiting in the stream (tests, a reset installation)."""
+    client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5)
+    try:
+        client.delete(STREAM_KEY)
+    finally:
+        client.close()
+
+
+def stream_length() -> int:
+    """Return how many events wait in the stream (for reports and tests)."""
+    client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5)
+    try:
+        return cast(int, client.xlen(STREAM_KEY))
+    finally:
+        client.close()
