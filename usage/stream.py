@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import operator
 from typing import Any, cast
 
 import redis
@@ -30,39 +31,48 @@ from usage.flush import flush_usage
 logger = logging.getLogger(__name__)
 
 STREAM_KEY = "nexus:usage"
-# Redis keeps at most about this many undrained events (the Celery worker down
-# for a long time); the oldest go first. At ~400 bytes each: ~400 MB of Redis.
-STREAM_MAX_EVENTS = 1_000_000
+# Redis keeps at most about this many undrained batches (the Celery worker
+# down for a long time); the oldest go first. A batch is one shipment of one
+# process: a handful of events, up to SHIP_BATCH under heavy load.
+STREAM_MAX_ENTRIES = 200_000
 SHIP_BATCH = 1000
 DRAIN_BATCH = 1000
 _FIELDS = tuple(field.name for field in dataclasses.fields(UsageEvent))
+_values_of = operator.attrgetter(*_FIELDS)
 # During a Redis outage, log the failure once per this many attempts.
 _LOG_EVERY = 200
 
 
-def encode_event(event: UsageEvent) -> bytes:
-    """Serialise an event for the stream (named fields survive upgrades)."""
+def encode_events(events: list[UsageEvent]) -> bytes:
+    """Serialise a batch for one stream entry (field names survive upgrades)."""
     return json.dumps(
-        {name: getattr(event, name) for name in _FIELDS}, separators=(",", ":")
+        {"fields": _FIELDS, "events": [_values_of(event) for event in events]},
+        separators=(",", ":"),
     ).encode()
 
 
-def decode_event(data: bytes) -> UsageEvent:
-    """Read an event written by encode_event(); unknown fields are ignored."""
-    values = json.loads(data)
-    if not isinstance(values, dict):
-        raise TypeError("a usage event must be a JSON object")
-    return UsageEvent(**{name: values[name] for name in _FIELDS if name in values})
+def decode_events(data: bytes) -> list[UsageEvent]:
+    """Read a batch written by encode_events(); unknown fields are ignored."""
+    batch = json.loads(data)
+    if not isinstance(batch, dict):
+        raise TypeError("a usage batch must be a JSON object")
+    names = batch["fields"]
+    known = [(index, name) for index, name in enumerate(names) if name in _FIELDS]
+    return [
+        UsageEvent(**{name: values[index] for index, name in known})
+        for values in batch["events"]
+    ]
 
 
-def _add_all(pipe: Any, events: list[UsageEvent]) -> None:
-    for event in events:
-        pipe.xadd(
-            STREAM_KEY,
-            {"e": encode_event(event)},
-            maxlen=STREAM_MAX_EVENTS,
-            approximate=True,
-        )
+def _add_batch(pipe: Any, events: list[UsageEvent]) -> None:
+    # One entry per batch: one command and one JSON document however many
+    # events a shipment holds.
+    pipe.xadd(
+        STREAM_KEY,
+        {"b": encode_events(events)},
+        maxlen=STREAM_MAX_ENTRIES,
+        approximate=True,
+    )
 
 
 class RedisShipper:
@@ -123,7 +133,7 @@ class RedisShipper:
                 events = self.buffer.drain(SHIP_BATCH)
                 try:
                     with client.pipeline(transaction=False) as pipe:
-                        _add_all(pipe, events)
+                        _add_batch(pipe, events)
                         pipe.execute()
                 except Exception:
                     self.buffer.requeue(events)
@@ -139,7 +149,7 @@ class RedisShipper:
             return
         try:
             async with client.pipeline(transaction=False) as pipe:
-                _add_all(pipe, events)
+                _add_batch(pipe, events)
                 await pipe.execute()
         except BaseException:
             # A failed (or cancelled) round trip may have added some of them:
@@ -178,6 +188,8 @@ class RedisShipper:
 def drain_usage_stream(*, batch_size: int = DRAIN_BATCH) -> int:
     """Write every event the stream holds to the database; return how many.
 
+    Reads `batch_size` entries (shipments) at a time.
+
     Entries are deleted only after their rows are committed; on a database
     error they stay in the stream for the next run and the error is raised.
     """
@@ -196,12 +208,15 @@ def drain_usage_stream(*, batch_size: int = DRAIN_BATCH) -> int:
             batch = UsageBuffer()
             for entry_id, fields in entries:
                 try:
-                    batch.append(decode_event(fields[b"e"]))
+                    events = decode_events(fields[b"b"])
                 except (KeyError, TypeError, ValueError):
                     logger.exception("Dropped malformed usage entry %r", entry_id)
+                    continue
+                for event in events:
+                    batch.append(event)
+            moved += len(batch)
             flush_usage(batch)
             client.xdel(STREAM_KEY, *[entry_id for entry_id, _ in entries])
-            moved += len(entries)
             if len(entries) < batch_size:
                 return moved
     finally:

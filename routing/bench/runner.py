@@ -343,7 +343,7 @@ class _Runner:
             return {"error": "py-spy is not installed (pip install py-spy)"}
         self.options.profile_dir.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        output = self.options.profile_dir / f"profile-{target.label}-{stamp}.svg"
+        output = self.options.profile_dir / f"profile-{target.label}-{stamp}.txt"
         duration = self.options.duration
         self.progress(f"  {target.label}: profiling under 16 connections")
         script = self.scratch / f"{target.label}-chat.lua"
@@ -362,6 +362,8 @@ class _Runner:
                 "--rate",
                 "250",
                 "--nonblocking",
+                "--format",
+                "raw",
                 "--output",
                 str(output),
             ],

@@ -28,9 +28,7 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         try:
             moved = (
-                drain_usage_stream()
-                if settings.NEXUS_USAGE_TRANSPORT == "redis"
-                else 0
+                drain_usage_stream() if settings.NEXUS_USAGE_TRANSPORT == "redis" else 0
             )
             rolled_up = roll_up_usage()
             pending = UsageRecord.objects.pending().count()
