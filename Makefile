@@ -36,7 +36,7 @@ BENCH_REDIS_URL ?= redis://127.0.0.1:6379/3
 BENCH := env DATABASE_URL=$(BENCH_DATABASE_URL) REDIS_URL=$(BENCH_REDIS_URL) \
 	SECRET_KEY=bench-only-not-secret ALLOWED_HOSTS=127.0.0.1,localhost
 bench: $(VENV)/.installed-dev test-tools
-	$(BENCH) $(BIN)/python manage.py nexus_bench $(BENCH_ARGS)
+	$(BENCH) $(BIN)/python -m tests.bench $(BENCH_ARGS)
 
 # Browser tests drive Debian's chromium (Playwright's own browser download needs
 # the internet, which this project never uses); the benchmark and its smoke test

@@ -85,6 +85,7 @@ INSTALLED_APPS = [
     "routing",
     "backends",
     "usage",
+    "nexus_site",
 ]
 
 MIDDLEWARE = [

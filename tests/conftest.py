@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -12,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from nexus_site.mock_backend import MockBackendProcess, spawn_mock_backend
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-READY_LINE = re.compile(r"listening on (http://\S+)")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -49,48 +49,9 @@ def _fresh_gateway_state() -> Iterator[None]:
     snapshots.forget()
 
 
-@dataclass
-class MockBackendProcess:
-    """A running ``manage.py nexus_mock_backend`` child process."""
-
-    process: subprocess.Popen[str]
-    base_url: str
-
-    @property
-    def port(self) -> int:
-        return int(self.base_url.rsplit(":", 1)[1])
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
 def start_mock_backend(*args: str, timeout: float = 20.0) -> MockBackendProcess:
     """Start a mock backend on a free port and wait until it accepts requests."""
-    cmd = [sys.executable, "manage.py", "nexus_mock_backend", "--port", "0", *args]
-    process = subprocess.Popen(
-        cmd,
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        bufsize=1,
-    )
-    assert process.stdout is not None
-    seen: list[str] = []
-    # Reading line by line blocks until the server prints its address or exits.
-    for line in process.stdout:
-        seen.append(line)
-        match = READY_LINE.search(line)
-        if match:
-            return MockBackendProcess(process=process, base_url=match.group(1))
-    process.wait(timeout=timeout)
-    raise RuntimeError(f"mock backend did not start: {''.join(seen)}")
+    return spawn_mock_backend(*args, timeout=timeout)
 
 
 @pytest.fixture

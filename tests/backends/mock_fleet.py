@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from backends.models import Backend, HealthStatus
-from tests.conftest import MockBackendProcess, start_mock_backend
+from nexus_site.mock_backend import MockBackendProcess, spawn_mock_backend
 from tests.factories import BackendFactory
 
 
@@ -69,7 +69,7 @@ class KindMock:
 
 
 def start_kind_mock(kind: str, *args: str) -> KindMock:
-    process = start_mock_backend("--kind", kind, "--name", f"mock-{kind}", *args)
+    process = spawn_mock_backend("--kind", kind, "--name", f"mock-{kind}", *args)
     return KindMock(kind, process, httpx.Client(base_url=process.base_url))
 
 

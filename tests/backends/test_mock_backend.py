@@ -7,6 +7,8 @@ import json
 import signal
 import socket
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,7 +19,12 @@ import openai
 import pytest
 from django.core.management import CommandError, call_command
 
-from tests.conftest import MockBackendProcess, start_mock_backend
+from nexus_site.mock_backend import (
+    MockBackendProcess,
+    MockStartError,
+    spawn_mock_backend,
+)
+from tests.conftest import REPO_ROOT
 
 MODELS = ["llama3:8b", "mistral:7b"]
 
@@ -71,7 +78,7 @@ def control(process: MockBackendProcess) -> Mock:
 @pytest.fixture(scope="module")
 def shared_mock() -> Iterator[Mock]:
     """One process for the module; tests change knobs at runtime instead."""
-    process = start_mock_backend(
+    process = spawn_mock_backend(
         "--models", ",".join(MODELS), "--name", "mock-a", "--seed", "7"
     )
     mock = control(process)
@@ -580,6 +587,56 @@ def test_sigterm_stops_it_mid_stream_with_status_zero(
 def test_invalid_flags_fail_with_a_clear_message(args: list[str], message: str) -> None:
     with pytest.raises(CommandError, match=message):
         call_command("nexus_mock_backend", "--port", "0", *args)
+
+
+def test_python_m_rejects_a_bad_flag_with_usage_status_and_message() -> None:
+    finished = subprocess.run(
+        [sys.executable, "-m", "nexus_site.mock_backend", "--models", "m"]
+        + ["--port", "0", "--chunks", "0"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert finished.returncode == 2
+    assert "--chunks: chunks must be a whole" in finished.stderr
+
+
+def test_the_manage_py_command_serves_like_python_m() -> None:
+    process = subprocess.Popen(
+        [sys.executable, "manage.py", "nexus_mock_backend", "--port", "0"]
+        + ["--models", "m1", "--name", "legacy"],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    mock = MockBackendProcess(process, "")
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert "Mock backend 'legacy' listening on http://127.0.0.1:" in line
+        mock.base_url = line.split("listening on ")[1].split()[0]
+        listed = httpx.get(f"{mock.base_url}/v1/models").json()
+        assert [model["id"] for model in listed["data"]] == ["m1"]
+    finally:
+        mock.stop()
+    assert process.returncode == 0
+
+
+def test_spawn_reports_the_childs_output_when_the_mock_cannot_start() -> None:
+    with pytest.raises(MockStartError, match="--models: models must name"):
+        spawn_mock_backend("--models", " , ")
+
+
+def test_spawn_gives_up_on_a_silent_child_after_the_timeout() -> None:
+    started = time.monotonic()
+    with pytest.raises(MockStartError, match="did not start within 0.5 s"):
+        spawn_mock_backend(
+            "--models", "m1", command_prefix=("sh", "-c", "exec sleep 30", "sh"),
+            timeout=0.5,
+        )  # fmt: skip
+    assert time.monotonic() - started < 10
 
 
 # --kind: the probe endpoints of other servers (the adapters in backends.kinds

@@ -1,4 +1,4 @@
-"""`make bench` in smoke mode: real mock, Daphne, uvicorn and wrk on loopback.
+"""`make bench` (tests.bench) in smoke mode: real mock, Daphne, uvicorn and wrk.
 
 These tests check that the benchmark runs end to end and reports every figure
 it promises, never how fast anything is.
@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from django.conf import settings
-from django.core.management import call_command
-from django.core.management.base import CommandError
 from django.db import connection
 
 from backends.models import Backend
-from routing.bench.database import BACKEND_NAME, KEY_NAME
+from tests.bench.cli import main
+from tests.bench.database import BACKEND_NAME, KEY_NAME
+from tests.conftest import REPO_ROOT
 from usage.models import ApiKey
 
 needs_wrk = pytest.mark.skipif(
@@ -36,7 +38,7 @@ def _assert_percentiles(summary: dict[str, float | int | None]) -> None:
 def test_smoke_run_reports_every_figure_for_both_servers(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    call_command("nexus_bench", "--duration", "1", "--quick", "--output", tmp_path)
+    assert main(["--duration", "1", "--quick", "--output", str(tmp_path)]) == 0
 
     report = json.loads((tmp_path / "latest.json").read_text())
     assert list(tmp_path.glob("bench-*.json")), "a timestamped copy is kept too"
@@ -80,12 +82,33 @@ def test_smoke_run_reports_every_figure_for_both_servers(
 
 
 @pytest.mark.django_db
-def test_unknown_server_is_refused_with_the_choices() -> None:
-    with pytest.raises(CommandError, match="--servers takes some of daphne, uvicorn"):
-        call_command("nexus_bench", "--servers", "gunicorn")
+def test_unknown_server_is_refused_with_the_choices(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--servers", "gunicorn"])
+    assert exited.value.code == 2
+    assert "--servers takes some of daphne, uvicorn" in capsys.readouterr().err
 
 
 @pytest.mark.django_db
-def test_duration_below_one_second_is_refused() -> None:
-    with pytest.raises(CommandError, match="--duration must be at least 1"):
-        call_command("nexus_bench", "--duration", "0")
+def test_duration_below_one_second_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--duration", "0"])
+    assert exited.value.code == 2
+    assert "--duration must be at least 1" in capsys.readouterr().err
+
+
+def test_python_m_tests_bench_sets_up_django_and_checks_its_options() -> None:
+    finished = subprocess.run(
+        [sys.executable, "-m", "tests.bench", "--duration", "0"],
+        cwd=REPO_ROOT,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert finished.returncode == 2, finished.stderr
+    assert "--duration must be at least 1" in finished.stderr

@@ -13,9 +13,9 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from backends.mock.config import ConfigError, MockConfig
-from backends.mock.http_parsing import Request
-from backends.mock.jobs import (
+from nexus_site.mock_backend.config import ConfigError, MockConfig
+from nexus_site.mock_backend.http_parsing import Request
+from nexus_site.mock_backend.jobs import (
     ApiError,
     EmbeddingJob,
     Generation,
@@ -24,16 +24,16 @@ from backends.mock.jobs import (
     parse_embedding_request,
     parse_json_object,
 )
-from backends.mock.kinds import answer_kind_request, describe_model
-from backends.mock.listener import Listener
-from backends.mock.protocol import Header, HttpConnection
-from backends.mock.replies import (
+from nexus_site.mock_backend.kinds import answer_kind_request, describe_model
+from nexus_site.mock_backend.listener import Listener
+from nexus_site.mock_backend.protocol import Header, HttpConnection
+from nexus_site.mock_backend.replies import (
     encode_json,
     render_embeddings,
     render_generation,
     render_stream,
 )
-from backends.mock.stats import MockStats, RecordedRequest
+from nexus_site.mock_backend.stats import MockStats, RecordedRequest
 
 logger = logging.getLogger(__name__)
 

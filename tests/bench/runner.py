@@ -23,7 +23,7 @@ from typing import Any
 
 from django.conf import settings
 
-from routing.bench.clients import (
+from tests.bench.clients import (
     BenchError,
     Endpoint,
     fetch_once,
@@ -32,13 +32,13 @@ from routing.bench.clients import (
     start_wrk,
     write_wrk_script,
 )
-from routing.bench.database import (
+from tests.bench.database import (
     BACKEND_NAME,
     MODEL,
     describe_settings,
     install_bench_rows,
 )
-from routing.bench.processes import (
+from tests.bench.processes import (
     SERVERS,
     Child,
     Pinning,
@@ -48,7 +48,7 @@ from routing.bench.processes import (
     start_server,
     version_of,
 )
-from routing.bench.report import build_report, summarize_ns
+from tests.bench.report import build_report, summarize_ns
 
 # A small but realistic chat request; the mock's reply is about 350 bytes.
 CHAT_BODY = {

@@ -31,7 +31,7 @@ import math
 import struct
 from typing import Any
 
-from backends.mock.jobs import EmbeddingJob, Generation
+from nexus_site.mock_backend.jobs import EmbeddingJob, Generation
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 

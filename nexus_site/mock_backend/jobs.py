@@ -1,7 +1,7 @@
 """Validate OpenAI request bodies into jobs for the mock backend to answer.
 
 A job already holds the reply text and token counts; both rules are documented in
-``backends.mock.replies``, next to the wire format.
+``nexus_site.mock_backend.replies``, next to the wire format.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ import gc
 import signal
 from collections.abc import Callable
 
-from backends.mock.config import MockConfig
-from backends.mock.server import MockBackend
+from nexus_site.mock_backend.config import MockConfig
+from nexus_site.mock_backend.server import MockBackend
 
 
 def run_mock_backend(

@@ -6,7 +6,7 @@ import asyncio
 import socket
 from collections.abc import Callable
 
-from backends.mock.protocol import HttpConnection
+from nexus_site.mock_backend.protocol import HttpConnection
 
 BACKLOG = 1024
 

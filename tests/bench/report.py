@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from routing.bench.runner import BenchOptions
+    from tests.bench.runner import BenchOptions
 
 SCHEMA_VERSION = 1
 # A load average above this share of the CPUs before the run means that other

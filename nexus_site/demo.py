@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from django.conf import settings
 from django.db import transaction
 
 from backends.models import Backend, BackendKind, BackendModel, HealthStatus
+from nexus_site.mock_backend import MockBackendProcess, spawn_mock_backend
 from routing.versioning import mark_config_changed
 from usage.models import ApiKey
 
-READY_LINE = re.compile(r"listening on (http://\S+)")
 DEMO_KEY_NAME = "demo"
 
 
@@ -55,44 +51,23 @@ DEMO_BACKENDS = (
 )
 
 
-def spawn_mock_backend(
-    name: str, models: list[str], *extra_args: str, host: str = "127.0.0.1"
-) -> tuple[subprocess.Popen[str], str]:
-    """Start ``nexus_mock_backend`` on a free port; return the process and its URL.
+def spawn_demo_mock(spec: DemoBackend) -> MockBackendProcess:
+    """Start the mock backend that plays ``spec``, slow enough to look real.
 
-    The child's stdout stays open: the caller must keep reading it, or a chatty
-    child would block on a full pipe.
+    Its stdout stays an open pipe for the launcher to relay.
     """
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            str(Path(settings.BASE_DIR) / "manage.py"),
-            "nexus_mock_backend",
-            "--host",
-            host,
-            "--port",
-            "0",
-            "--name",
-            name,
-            "--models",
-            ",".join(models),
-            *extra_args,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        bufsize=1,
-        start_new_session=True,
+    return spawn_mock_backend(
+        "--name",
+        spec.name,
+        "--models",
+        ",".join(model.name for model in spec.models),
+        "--latency-ms",
+        "20",
+        "--chunk-delay-ms",
+        "30",
+        # The launcher, not the terminal's Ctrl-C, stops it.
+        new_session=True,
     )
-    assert process.stdout is not None
-    seen: list[str] = []
-    for line in process.stdout:
-        seen.append(line)
-        match = READY_LINE.search(line)
-        if match:
-            return process, match.group(1)
-    process.wait()
-    raise RuntimeError(f"mock backend {name} did not start:\n{''.join(seen)}")
 
 
 @transaction.atomic

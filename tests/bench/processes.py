@@ -9,7 +9,6 @@ VmHWM.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -17,13 +16,12 @@ import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 import httpx
 
-from routing.bench.clients import BenchError
+from nexus_site.mock_backend import MockStartError, spawn_mock_backend
+from tests.bench.clients import BenchError
 
-READY_LINE = re.compile(r"listening on (http://\S+)")
 START_TIMEOUT = 60.0
 SERVERS = ("daphne", "uvicorn")
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -79,9 +77,8 @@ class Child:
     """A started child process and the log file its output goes to."""
 
     label: str
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[str]
     log_path: Path
-    log: IO[bytes]
     url: str = ""
 
     @property
@@ -104,7 +101,6 @@ class Child:
         return values
 
     def log_tail(self, lines: int = 40) -> str:
-        self.log.flush()
         text = self.log_path.read_text(errors="replace")
         return "\n".join(text.splitlines()[-lines:])
 
@@ -123,18 +119,23 @@ class Child:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        self.log.close()
 
 
 def _spawn(
     label: str, argv: Sequence[str], env: dict[str, str], cwd: Path, logs: Path
 ) -> Child:
     log_path = logs / f"{label}.log"
-    log = log_path.open("wb")
-    process = subprocess.Popen(
-        list(argv), cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT
-    )
-    return Child(label, process, log_path, log)
+    # The child keeps its own copy of the file; ours is not needed after the fork.
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            list(argv),
+            cwd=cwd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    return Child(label, process, log_path)
 
 
 def start_mock(
@@ -147,32 +148,25 @@ def start_mock(
     model: str,
     chunks: int,
 ) -> Child:
-    """Start ``nexus_mock_backend`` on a free port and wait for its address."""
-    argv = [
-        *pin_prefix(cpus),
-        sys.executable,
-        "manage.py",
-        "nexus_mock_backend",
-        "--port",
-        "0",
-        "--models",
-        model,
-        "--name",
-        name,
-        "--chunks",
-        str(chunks),
-    ]
-    child = _spawn("mock", argv, env, cwd, logs)
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        child.check_alive()
-        match = READY_LINE.search(child.log_path.read_text(errors="replace"))
-        if match:
-            child.url = match.group(1)
-            return child
-        time.sleep(0.05)
-    child.stop()
-    raise BenchError("the mock backend did not start:\n" + child.log_tail())
+    """Start the mock backend on a free port and wait for its address."""
+    log_path = logs / "mock.log"
+    try:
+        mock = spawn_mock_backend(
+            "--models",
+            model,
+            "--name",
+            name,
+            "--chunks",
+            str(chunks),
+            timeout=START_TIMEOUT,
+            output=log_path,
+            env=env,
+            cwd=cwd,
+            command_prefix=pin_prefix(cpus),
+        )
+    except MockStartError as error:
+        raise BenchError(str(error)) from None
+    return Child("mock", mock.process, log_path, url=mock.base_url)
 
 
 def server_argv(kind: str, port: int) -> list[str]:

@@ -1,7 +1,9 @@
 """A fake OpenAI-compatible model server, for tests, demo mode and benchmarks.
 
-Run it with ``manage.py nexus_mock_backend --models a,b``. Once it accepts
-connections it prints ``... listening on http://HOST:PORT ...`` (flushed).
+It imports no Django. Run it with ``python -m nexus_site.mock_backend --models
+a,b`` (or ``manage.py nexus_mock_backend``, the same flags). Once it accepts
+connections it prints ``... listening on http://HOST:PORT ...`` (flushed);
+``spawn_mock_backend()`` starts one as a child process and waits for that line.
 
 Endpoints, in OpenAI's wire format:
 
@@ -12,8 +14,8 @@ Endpoints, in OpenAI's wire format:
 
 Replies are deterministic and say who answered what: ``"[<name>/<model>] echo:
 <last user text>"``; token counting and embeddings are described in
-``backends.mock.replies``. A stream has ``chunks`` content chunks (the first
-carries the role, the last the finish reason) whose text joins to the
+``nexus_site.mock_backend.replies``. A stream has ``chunks`` content chunks
+(the first carries the role, the last the finish reason) whose text joins to the
 non-streamed reply. Every /v1 response has ``X-Mock-Backend: <name>`` and, when
 the request had ``X-Request-ID``, ``X-Mock-Request-Id`` echoing it. Errors use
 OpenAI's shape: 400 bad JSON or fields, 401 wrong or missing key (only with
@@ -32,7 +34,8 @@ server's probe endpoints as well (Ollama's ``/api/tags``, ``/api/ps`` and
 ``/api/show``, vLLM's ``/health`` and ``max_model_len``, llama.cpp's
 ``/health``, ``/props`` and its 503 while ``loading``, Anthropic's
 ``/v1/models``), shaped by ``context_length``, ``loaded_models``,
-``vision_models`` and ``tool_models``; ``backends.mock.kinds`` has the details.
+``vision_models`` and ``tool_models``; ``nexus_site.mock_backend.kinds`` has the
+details.
 
 Control API, on the same port, never authenticated nor counted in the stats:
 
@@ -60,15 +63,23 @@ second on one core, so it is not the bottleneck of a proxy benchmark.
 
 from __future__ import annotations
 
-from backends.mock.config import ConfigError, MockConfig
-from backends.mock.listener import ListenError
-from backends.mock.runner import run_mock_backend
-from backends.mock.server import MockBackend
+from nexus_site.mock_backend.config import ConfigError, MockConfig
+from nexus_site.mock_backend.listener import ListenError
+from nexus_site.mock_backend.runner import run_mock_backend
+from nexus_site.mock_backend.server import MockBackend
+from nexus_site.mock_backend.spawn import (
+    MockBackendProcess,
+    MockStartError,
+    spawn_mock_backend,
+)
 
 __all__ = [
     "ConfigError",
     "ListenError",
     "MockBackend",
+    "MockBackendProcess",
     "MockConfig",
+    "MockStartError",
     "run_mock_backend",
+    "spawn_mock_backend",
 ]

@@ -1,8 +1,9 @@
 """The probe endpoints of the servers the mock can imitate (``kind`` knob).
 
-Every kind keeps the OpenAI-compatible ``/v1`` API of ``backends.mock.server``
-except ``anthropic``, and adds what Nexus's health checks and model discovery
-ask that kind of server, in its own wire format:
+Every kind keeps the OpenAI-compatible ``/v1`` API of
+``nexus_site.mock_backend.server`` except ``anthropic``, and adds what Nexus's
+health checks and model discovery ask that kind of server, in its own wire
+format:
 
 - ``ollama``: ``GET /api/tags`` (every model), ``GET /api/ps`` (the
   ``loaded_models``, all when unset, each with ``context_length``),
@@ -32,10 +33,10 @@ import hmac
 import time
 from typing import Any
 
-from backends.mock.config import MockConfig
-from backends.mock.http_parsing import Request
-from backends.mock.jobs import ApiError, parse_json_object
-from backends.mock.replies import encode_json
+from nexus_site.mock_backend.config import MockConfig
+from nexus_site.mock_backend.http_parsing import Request
+from nexus_site.mock_backend.jobs import ApiError, parse_json_object
+from nexus_site.mock_backend.replies import encode_json
 
 OLLAMA_VERSION = "0.6.8"
 VLLM_VERSION = "0.8.5"

@@ -23,7 +23,7 @@ from collections.abc import Coroutine, Sequence
 from http import HTTPStatus
 from typing import Any, Protocol, cast
 
-from backends.mock.http_parsing import (
+from nexus_site.mock_backend.http_parsing import (
     MAX_BODY_BYTES,
     MAX_HEAD_BYTES,
     ProtocolError,

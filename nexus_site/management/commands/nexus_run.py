@@ -11,7 +11,7 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from backends import demo
+from nexus_site import demo
 from nexus_site.launcher import Supervisor, is_port_free, wait_for_port
 
 
@@ -148,18 +148,12 @@ class Command(BaseCommand):
                 self.stdout.write("Demo mode is off: demo backends disabled.")
             return ""
         for spec in demo.DEMO_BACKENDS:
-            process, base_url = demo.spawn_mock_backend(
-                spec.name,
-                [m.name for m in spec.models],
-                "--latency-ms",
-                "20",
-                "--chunk-delay-ms",
-                "30",
-            )
-            supervisor.adopt(spec.name, process)
-            demo.register_demo_backend(spec, base_url)
+            mock = demo.spawn_demo_mock(spec)
+            supervisor.adopt(spec.name, mock.process)
+            demo.register_demo_backend(spec, mock.base_url)
             supervisor.say(
-                f"Demo backend {spec.name} (mock, pid {process.pid}) at {base_url}"
+                f"Demo backend {spec.name} (mock, pid {mock.process.pid}) "
+                f"at {mock.base_url}"
             )
         return demo.ensure_demo_api_key(settings.NEXUS_STATE_DIR)
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from backends.mock.jobs import MAX_EMBEDDING_DIM
+from nexus_site.mock_backend.jobs import MAX_EMBEDDING_DIM
 
 MAX_CHUNKS = 10_000
 MAX_RECORDED_REQUESTS = 10_000
@@ -28,7 +28,7 @@ class MockConfig:
 
     Times are in milliseconds. ``api_key`` None means no authentication;
     ``drop_after_chunks`` None means streams are never cut. ``kind`` picks the
-    server imitated (see ``backends.mock.kinds``); ``context_length``,
+    server imitated (see ``nexus_site.mock_backend.kinds``); ``context_length``,
     ``loaded_models`` (None: all), ``vision_models``, ``tool_models`` and
     ``loading`` shape what its probe endpoints report.
     """
