@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+# How long children get between SIGTERM and SIGKILL, beyond the serving
+# processes' own drain period.
 STOP_GRACE_SECONDS = 10.0
 
 
@@ -41,7 +43,10 @@ class Child:
 class Supervisor:
     """Start child processes, prefix their output, and stop them together."""
 
-    def __init__(self, out: Writer = sys.stdout) -> None:
+    def __init__(
+        self, out: Writer = sys.stdout, grace: float = STOP_GRACE_SECONDS
+    ) -> None:
+        self.grace = grace
         self.children: list[Child] = []
         self._out = out
         self._out_lock = threading.Lock()
@@ -52,7 +57,14 @@ class Supervisor:
             self._out.write(text + "\n")
             self._out.flush()
 
-    def start(self, label: str, argv: Sequence[str]) -> Child:
+    def start(
+        self,
+        label: str,
+        argv: Sequence[str],
+        *,
+        pass_fds: Sequence[int] = (),
+        env: dict[str, str] | None = None,
+    ) -> Child:
         process = subprocess.Popen(
             list(argv),
             stdout=subprocess.PIPE,
@@ -60,6 +72,8 @@ class Supervisor:
             text=True,
             bufsize=1,
             start_new_session=True,
+            pass_fds=tuple(pass_fds),
+            env=env,
         )
         return self.adopt(label, process)
 
@@ -102,7 +116,7 @@ class Supervisor:
         """Stop children, newest first, politely then by force."""
         for child in reversed(self.children):
             _signal_group(child.process, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        deadline = time.monotonic() + self.grace
         for child in reversed(self.children):
             remaining = max(0.0, deadline - time.monotonic())
             try:
@@ -131,6 +145,24 @@ def is_port_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def open_listener(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """Bind the gateway's port once, for every serving process to accept on.
+
+    Raises OSError if the address is in use.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def wait_for_port(host: str, port: int, child: Child, timeout: float = 30.0) -> bool:

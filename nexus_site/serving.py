@@ -112,3 +112,68 @@ def _drain_on_sigterm(gateway: Gateway, reactor: Any) -> None:
         loop.create_task(shut_down(), name="drain")
 
     loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+
+
+SERVERS = ("daphne", "uvicorn", "granian")
+ASGI_APP = "nexus_site.asgi:application"
+
+
+def server_commands(
+    server: str,
+    *,
+    fd: int,
+    host: str,
+    port: int,
+    workers: int,
+    proxy_headers: bool = False,
+    drain_seconds: float = 30.0,
+) -> list[list[str]]:
+    """The command lines of the serving processes ``nexus_run`` starts.
+
+    Daphne and uvicorn processes each accept on the listening socket `fd` that
+    the launcher opened once; granian binds the port itself and runs its own
+    worker processes, so it is one command.
+    """
+    python = sys.executable
+    if server == "daphne":
+        daphne = [python, "-m", "daphne", "--fd", str(fd)]
+        if proxy_headers:
+            daphne.append("--proxy-headers")
+        return [[*daphne, ASGI_APP] for _ in range(workers)]
+    if server == "uvicorn":
+        uvicorn = [
+            python,
+            "-m",
+            "uvicorn",
+            "--fd",
+            str(fd),
+            "--lifespan",
+            "on",
+            "--no-access-log",
+            "--timeout-graceful-shutdown",
+            str(max(1, round(drain_seconds))),
+        ]
+        if proxy_headers:
+            uvicorn += ["--proxy-headers", "--forwarded-allow-ips", "*"]
+        else:
+            uvicorn.append("--no-proxy-headers")
+        return [[*uvicorn, ASGI_APP] for _ in range(workers)]
+    if server == "granian":
+        return [
+            [
+                python,
+                "-m",
+                "granian",
+                "--interface",
+                "asgi",
+                "--host",
+                host,
+                "--port",
+                str(port),
+                "--workers",
+                str(workers),
+                "--no-access-log",
+                ASGI_APP,
+            ]
+        ]
+    raise ValueError(f"Unknown server {server!r}; choose one of {', '.join(SERVERS)}")

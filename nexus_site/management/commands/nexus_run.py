@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import secrets
+import shutil
 import sys
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -12,19 +16,42 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from nexus_site import demo
-from nexus_site.launcher import Supervisor, is_port_free, wait_for_port
+from nexus_site.launcher import Child, Supervisor, open_listener, wait_for_port
+from nexus_site.serving import SERVERS, server_commands
 
 
 class Command(BaseCommand):
     help = (
         "Run Nexus with everything it needs: migrate the database, create an admin "
-        "user on first run, then start Daphne, a Celery worker, Celery beat and (in "
-        "demo mode) two mock backends. Ctrl-C stops them all."
+        "user on first run, then start the serving processes (Daphne by default, "
+        "one per CPU, on one port), a Celery worker, Celery beat and (in demo "
+        "mode) two mock backends. Ctrl-C or SIGTERM stops them all, letting "
+        "requests in flight finish."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--host", default=settings.NEXUS_HOST)
         parser.add_argument("--port", type=int, default=settings.NEXUS_PORT)
+        parser.add_argument(
+            "--workers",
+            type=int,
+            default=settings.NEXUS_WORKERS,
+            help="Serving processes sharing the port (default: NEXUS_WORKERS, "
+            "else the number of CPUs).",
+        )
+        parser.add_argument(
+            "--server",
+            choices=SERVERS,
+            default=settings.NEXUS_SERVER,
+            help="The ASGI server (default: NEXUS_SERVER, else daphne). uvicorn "
+            "and granian need `pip install 'nexus[servers]'`.",
+        )
+        parser.add_argument(
+            "--proxy-headers",
+            action="store_true",
+            help="Trust X-Forwarded-For/-Proto from clients (only behind a "
+            "reverse proxy that sets them; it decides who may read /metrics).",
+        )
         demo_group = parser.add_mutually_exclusive_group()
         demo_group.add_argument(
             "--demo",
@@ -37,13 +64,30 @@ class Command(BaseCommand):
         demo_group.add_argument("--no-demo", dest="demo", action="store_false")
 
     def handle(
-        self, *args: Any, host: str, port: int, demo: bool | None, **options: Any
+        self,
+        *args: Any,
+        host: str,
+        port: int,
+        demo: bool | None,
+        workers: int,
+        server: str,
+        proxy_headers: bool,
+        **options: Any,
     ) -> None:
-        if not is_port_free(host, port):
+        if not 1 <= workers <= 256:
+            raise CommandError(f"--workers must be within 1..256, not {workers}.")
+        if server != "daphne" and importlib.util.find_spec(server) is None:
             raise CommandError(
-                f"{host}:{port} is already in use. Stop whatever is using it or "
-                "choose another port with NEXUS_PORT or --port."
+                f"{server} is not installed; install it with "
+                "`pip install 'nexus[servers]'` (or use --server daphne)."
             )
+        try:
+            listener = open_listener(host, port)
+        except OSError as error:
+            raise CommandError(
+                f"Cannot listen on {host}:{port} ({error.strerror}). Stop whatever "
+                "is using it or choose another port with NEXUS_PORT or --port."
+            ) from error
         call_command("migrate", interactive=False, verbosity=0)
         db = settings.DATABASES["default"]
         self.stdout.write(
@@ -51,26 +95,17 @@ class Command(BaseCommand):
         )
         admin_line = self._ensure_admin_user()
 
-        supervisor = Supervisor(self.stdout)
+        # Serving processes drain for NEXUS_DRAIN_SECONDS before exiting.
+        supervisor = Supervisor(self.stdout, grace=settings.NEXUS_DRAIN_SECONDS + 10.0)
         supervisor.install_signal_handlers()
         status = 1
         try:
             demo_key = self._start_demo(supervisor, demo_wanted=demo)
             python = sys.executable
-            web = supervisor.start(
-                "web",
-                [
-                    python,
-                    "-m",
-                    "daphne",
-                    "-b",
-                    host,
-                    "-p",
-                    str(port),
-                    "--proxy-headers",
-                    "nexus_site.asgi:application",
-                ],
+            webs = self._start_web(
+                supervisor, listener, server, host, port, workers, proxy_headers
             )
+            web = webs[0]
             worker = supervisor.start(
                 "worker",
                 [
@@ -116,13 +151,64 @@ class Command(BaseCommand):
                 self._banner(
                     host, port, admin_line, demo_key, web.pid, worker.pid, beat.pid
                 )
+                self.stdout.write(
+                    f"  Serving with {server}: {workers} process"
+                    f"{'es' * (workers != 1)} on one port "
+                    f"(pids {', '.join(str(w.pid) for w in webs)})\n"
+                )
                 status = supervisor.wait()
         finally:
             supervisor.say("Stopping Nexus…")
             supervisor.stop()
             supervisor.say("Stopped.")
+            listener.close()
+            shutil.rmtree(
+                Path(settings.NEXUS_STATE_DIR) / f"metrics-{os.getpid()}",
+                ignore_errors=True,
+            )
         if status:
             sys.exit(status)
+
+    def _start_web(
+        self,
+        supervisor: Supervisor,
+        listener: Any,
+        server: str,
+        host: str,
+        port: int,
+        workers: int,
+        proxy_headers: bool,
+    ) -> list[Child]:
+        """Start the serving processes on the listening socket opened once."""
+        env = dict(os.environ)
+        if workers > 1 or server == "granian":
+            # Several processes answer /metrics: each writes its values here
+            # and the one scraped sums them (prometheus-client multiprocess).
+            metrics_dir = Path(settings.NEXUS_STATE_DIR) / f"metrics-{os.getpid()}"
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+            metrics_dir.mkdir(parents=True)
+            env["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+        if server == "granian":
+            listener.close()  # granian binds the port itself
+        commands = server_commands(
+            server,
+            fd=listener.fileno(),
+            host=host,
+            port=port,
+            workers=workers,
+            proxy_headers=proxy_headers,
+            drain_seconds=settings.NEXUS_DRAIN_SECONDS,
+        )
+        fds = () if server == "granian" else (listener.fileno(),)
+        labels = (
+            ["web"]
+            if len(commands) == 1
+            else [f"web-{n}" for n in range(1, len(commands) + 1)]
+        )
+        return [
+            supervisor.start(label, command, pass_fds=fds, env=env)
+            for label, command in zip(labels, commands, strict=True)
+        ]
 
     def _ensure_admin_user(self) -> str:
         """Create the admin on first run; return a line describing how to log in."""
