@@ -22,6 +22,7 @@ from django.conf import settings
 
 from backends.models import Backend, BackendModel, HealthStatus
 from tests.conftest import REPO_ROOT, MockBackendProcess, NexusServer, server_env
+from tests.routing.test_metrics import sample
 from usage.models import ApiKey, UsageRecord
 from usage.stream import clear_usage_stream, drain_usage_stream
 
@@ -186,6 +187,20 @@ def test_sigterm_to_nexus_run_drains_every_serving_process(
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.1)
+            # Several processes answer on the port (a new connection each time
+            # goes to whichever accepts first); /metrics sums all of them.
+            for _ in range(8):
+                httpx.post(
+                    f"{base_url}/v1/chat/completions",
+                    headers={"authorization": f"Bearer {key}", "connection": "close"},
+                    json={
+                        "model": MODEL,
+                        "messages": [{"role": "user", "content": "m"}],
+                    },
+                    timeout=30,
+                ).raise_for_status()
+            metrics = probe.get(f"{base_url}/metrics").text
+            assert sample(metrics, "nexus_requests_total", status="200") == 8
             streams = Streams(base_url, key)
             streams.start_and_wait_for_first_chunks()
 
@@ -201,7 +216,7 @@ def test_sigterm_to_nexus_run_drains_every_serving_process(
     reader.join(timeout=5)
     text = "".join(output)
     assert "Serving with daphne: 2 processes on one port" in text
-    assert _usage_records() == STREAMS
+    assert _usage_records() == STREAMS + 8
 
 
 def _free_port() -> int:
