@@ -12,7 +12,6 @@ from django.conf import settings
 from django.db import transaction
 
 from backends.models import Backend, BackendKind, BackendModel, HealthStatus
-from routing.versioning import mark_config_changed
 from usage.models import ApiKey
 
 READY_LINE = re.compile(r"listening on (http://\S+)")
@@ -132,7 +131,7 @@ def disable_demo_backends() -> int:
     """Stop routing to demo backends (their mock processes are not running)."""
     count = Backend.objects.filter(is_demo=True, enabled=True).update(enabled=False)
     if count:
-        mark_config_changed()  # a bulk update sends no signals
+        Backend.objects.announce_change()  # a bulk update sends no signals
     return count
 
 
