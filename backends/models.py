@@ -12,6 +12,7 @@ from django.db.models import Count, Q
 
 from backends.kinds import Endpoint
 from backends.signals import backends_changed
+from backends.vocabulary import HealthStatus
 
 
 class BackendKind(models.TextChoices):
@@ -20,13 +21,6 @@ class BackendKind(models.TextChoices):
     VLLM = "vllm", "vLLM"
     LLAMACPP = "llamacpp", "llama.cpp server"
     ANTHROPIC = "anthropic", "Anthropic"
-
-
-class HealthStatus(models.TextChoices):
-    UNKNOWN = "unknown", "Unknown"
-    HEALTHY = "healthy", "Healthy"
-    UNHEALTHY = "unhealthy", "Unhealthy"
-    DRAINING = "draining", "Draining"
 
 
 # What a health check records on a Backend; operators read it, never write it.
@@ -167,7 +161,9 @@ class Backend(models.Model):
     )
 
     status = models.CharField(
-        max_length=16, choices=HealthStatus.choices, default=HealthStatus.UNKNOWN
+        max_length=16,
+        choices=[(status.value, status.label) for status in HealthStatus],
+        default=HealthStatus.UNKNOWN,
     )
     last_check_at = models.DateTimeField(null=True, blank=True)
     last_error = models.TextField(blank=True, default="")
@@ -187,7 +183,7 @@ class Backend(models.Model):
                 condition=Q(kind__in=BackendKind.values), name="backend_kind_valid"
             ),
             models.CheckConstraint(
-                condition=Q(status__in=HealthStatus.values),
+                condition=Q(status__in=[status.value for status in HealthStatus]),
                 name="backend_status_valid",
             ),
             models.CheckConstraint(

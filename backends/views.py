@@ -73,7 +73,7 @@ def health(request: HttpRequest) -> JsonResponse:
         if not backend.enabled:
             summary["disabled"] += 1
         else:
-            summary[HealthStatus(backend.status).value] += 1  # type: ignore[literal-required]
+            summary[HealthStatus(backend.status).value] += 1
             if backend.status == HealthStatus.HEALTHY and not circuit_open:
                 serving += 1
         rows.append(
