@@ -102,6 +102,17 @@ class CheckReportDict(TypedDict):
     superseded: bool
 
 
+class BackendHealthDict(TypedDict):
+    """One backend's recorded health in JSON (the live usage stream's rows)."""
+
+    name: str
+    enabled: bool
+    status: str
+    avg_latency_ms: float | None
+    last_check_at: str | None
+    last_error: str
+
+
 @dataclass(frozen=True, slots=True)
 class CheckReport:
     """What one check found and what the backend's state is now.
@@ -144,6 +155,26 @@ class CheckReport:
             "error": self.error,
             "superseded": self.superseded,
         }
+
+
+def read_backend_health() -> list[BackendHealthDict]:
+    """Read every backend's recorded health, by name (sync code only)."""
+    rows = Backend.objects.order_by("name").values(
+        "name", "enabled", "status", "avg_latency_ms", "last_check_at", "last_error"
+    )
+    return [
+        {
+            "name": row["name"],
+            "enabled": row["enabled"],
+            "status": row["status"],
+            "avg_latency_ms": row["avg_latency_ms"],
+            "last_check_at": (
+                row["last_check_at"].isoformat() if row["last_check_at"] else None
+            ),
+            "last_error": row["last_error"][:200],
+        }
+        for row in rows
+    ]
 
 
 def next_health(

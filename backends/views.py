@@ -15,7 +15,9 @@ from backends.health import redact_error
 from backends.models import Backend, HealthStatus
 
 
-class BackendHealthDict(TypedDict):
+class PublicBackendDict(TypedDict):
+    """One backend as GET /health shows it to anyone."""
+
     name: str
     kind: str
     url: str
@@ -40,7 +42,7 @@ class HealthSummaryDict(TypedDict):
 class HealthDict(TypedDict):
     status: str  # "ok", "degraded" or "unavailable"
     summary: HealthSummaryDict
-    backends: list[BackendHealthDict]
+    backends: list[PublicBackendDict]
 
 
 @never_cache
@@ -66,7 +68,7 @@ def health(request: HttpRequest) -> JsonResponse:
         "unknown": 0,
         "disabled": 0,
     }
-    rows: list[BackendHealthDict] = []
+    rows: list[PublicBackendDict] = []
     serving = 0
     for backend in backends:
         circuit_open = breaker.is_open(backend.name)
