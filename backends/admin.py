@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, cast
 
 from django.contrib import admin, messages
-from django.db import transaction
 from django.db.models import QuerySet
 from django.forms import BaseModelFormSet, ModelForm
 from django.http import HttpRequest
@@ -13,11 +12,17 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.timesince import timesince
 
-from backends.discovery import OPERATOR_FIELDS, discover_models
+from backends.discovery import discover_models
 from backends.forms import KEY_SET, NO_KEY, BackendAdminForm
 from backends.health import CheckReport, check_all
-from backends.models import Backend, BackendModel, BackendQuerySet, HealthStatus
-from routing.versioning import mark_config_changed
+from backends.models import (
+    CAPABILITY_FIELDS,
+    HEALTH_FIELDS,
+    Backend,
+    BackendModel,
+    BackendQuerySet,
+    HealthStatus,
+)
 
 if TYPE_CHECKING:
     from django.contrib.admin.options import _FieldsetSpec
@@ -40,14 +45,6 @@ BADGE_STYLE = (
     "display:inline-block;padding:1px 7px;border-radius:8px;color:#fff;"
     "font-size:11px;font-weight:bold;background:{}"
 )
-HEALTH_FIELDS = (
-    "status",
-    "last_check_at",
-    "last_error",
-    "consecutive_failures",
-    "consecutive_successes",
-    "avg_latency_ms",
-)
 
 
 def render_badge(text: str, colour: str, title: str = "") -> SafeString:
@@ -60,14 +57,6 @@ def render_badge(text: str, colour: str, title: str = "") -> SafeString:
             text,
         )
     return format_html('<span style="{}">{}</span>', BADGE_STYLE.format(colour), text)
-
-
-def mark_manual_fields(form: ModelForm[BackendModel]) -> None:
-    """Record the capability fields an operator just set, so discovery keeps them."""
-    edited = [name for name in form.changed_data if name in OPERATOR_FIELDS]
-    if edited:
-        instance = form.instance
-        instance.manual_fields = sorted(set(instance.manual_fields or ()) | set(edited))
 
 
 def is_clean_check(report: CheckReport) -> bool:
@@ -94,10 +83,7 @@ class BackendModelInline(BackendModelInlineBase):
     model = BackendModel
     fields = (
         "name",
-        "context_length",
-        "supports_vision",
-        "supports_tools",
-        "supports_json_mode",
+        *CAPABILITY_FIELDS,
         "loaded",
         "discovered",
         "enabled",
@@ -190,7 +176,7 @@ class BackendAdmin(BackendAdminBase):
         if formset.model is BackendModel:
             for inline_form in formset.forms:
                 if inline_form.has_changed():
-                    mark_manual_fields(inline_form)
+                    inline_form.instance.claim_fields(inline_form.changed_data)
         super().save_formset(request, form, formset, change)
 
     @admin.display(description="status", ordering="status")
@@ -244,16 +230,7 @@ class BackendAdmin(BackendAdminBase):
 
     @admin.action(description="Drain (no new requests; requests in flight finish)")
     def drain(self, request: HttpRequest, queryset: QuerySet[Backend]) -> None:
-        with transaction.atomic():
-            names = list(
-                queryset.exclude(status=HealthStatus.DRAINING).values_list(
-                    "name", flat=True
-                )
-            )
-            Backend.objects.filter(name__in=names).update(status=HealthStatus.DRAINING)
-            if names:
-                # A bulk update sends no signals: tell the serving processes.
-                mark_config_changed()
+        names = cast(BackendQuerySet, queryset).drain()
         for name in names:
             self.message_user(
                 request, f"{name}: draining; it gets no new requests.", messages.SUCCESS
@@ -263,21 +240,7 @@ class BackendAdmin(BackendAdminBase):
 
     @admin.action(description="Undrain (check health, then take requests again)")
     def undrain(self, request: HttpRequest, queryset: QuerySet[Backend]) -> None:
-        with transaction.atomic():
-            pks = list(
-                queryset.filter(status=HealthStatus.DRAINING).values_list(
-                    "pk", flat=True
-                )
-            )
-            # Unknown until the check below: a backend is not trusted blindly
-            # after maintenance.
-            Backend.objects.filter(pk__in=pks).update(
-                status=HealthStatus.UNKNOWN,
-                consecutive_failures=0,
-                consecutive_successes=0,
-            )
-            if pks:
-                mark_config_changed()
+        pks = cast(BackendQuerySet, queryset).undrain()
         for report in check_all(pks, include_disabled=True):
             self.message_user(
                 request,
@@ -293,10 +256,7 @@ class BackendModelAdmin(BackendModelAdminBase):
     list_display = (
         "name",
         "backend",
-        "context_length",
-        "supports_vision",
-        "supports_tools",
-        "supports_json_mode",
+        *CAPABILITY_FIELDS,
         "loaded",
         "discovered",
         "enabled",
@@ -317,10 +277,7 @@ class BackendModelAdmin(BackendModelAdminBase):
     fields = (
         "backend",
         "name",
-        "context_length",
-        "supports_vision",
-        "supports_tools",
-        "supports_json_mode",
+        *CAPABILITY_FIELDS,
         "loaded",
         "enabled",
         "discovered",
@@ -337,7 +294,7 @@ class BackendModelAdmin(BackendModelAdminBase):
         form: ModelForm[BackendModel],
         change: bool,
     ) -> None:
-        mark_manual_fields(form)
+        obj.claim_fields(form.changed_data)
         super().save_model(request, obj, form, change)
 
     @admin.action(description="Let discovery manage the selected models' fields")

@@ -14,8 +14,8 @@ with its row locked (two runs at once apply one after the other):
 - a backend that cannot be listed (down, loading, models from configuration)
   keeps its rows untouched.
 
-The run commits once at the end, and any change bumps the routing config
-version once.
+The run commits once at the end, and announces any change to the apps above
+(which bump the routing config version once).
 """
 
 from __future__ import annotations
@@ -30,27 +30,11 @@ import httpx
 from django.conf import settings
 from django.db import transaction
 
-from backends.kinds import (
-    BackendLoading,
-    Endpoint,
-    ModelInfo,
-    ProbeFailed,
-    describe_error,
-    get_adapter,
-)
-from backends.models import Backend, BackendModel
-from routing.versioning import mark_config_changed
+from backends.kinds import BackendKindAdapter, Endpoint, ModelInfo
+from backends.kinds.calls import call_backends
+from backends.models import CAPABILITY_FIELDS, OPERATOR_FIELDS, Backend, BackendModel
 
 logger = logging.getLogger(__name__)
-
-CAPABILITY_FIELDS = (
-    "context_length",
-    "supports_vision",
-    "supports_tools",
-    "supports_json_mode",
-)
-# Fields discovery may set and an operator may claim (BackendModel.manual_fields).
-OPERATOR_FIELDS = (*CAPABILITY_FIELDS, "enabled")
 
 
 class DiscoveryReportDict(TypedDict):
@@ -134,23 +118,30 @@ def discover_models(
     )
     if not endpoints:
         return []
-    timeout = settings.NEXUS_DISCOVERY_TIMEOUT
-    listings = asyncio.run(_list_all(endpoints, timeout))
+    answers = asyncio.run(
+        call_backends(
+            endpoints,
+            _list,
+            timeout=settings.NEXUS_DISCOVERY_TIMEOUT,
+            connections_per_backend=4,
+            action="Listing models of",
+        )
+    )
     reports = []
     # One transaction, so that a run's changes bump the routing version once.
     with transaction.atomic():
         for pk, endpoint in endpoints.items():
-            listing = listings[pk]
+            answer = answers[pk]
             report = DiscoveryReport(
                 backend_id=pk, name=endpoint.name, kind=endpoint.kind
             )
-            if listing is None:
-                report.note = "models come from the configuration for this kind"
-            elif isinstance(listing, str):
+            if answer.error:
                 report.ok = False
-                report.error = listing
+                report.error = answer.error
+            elif answer.value is None:
+                report.note = "models come from the configuration for this kind"
             else:
-                _apply(report, listing)
+                _apply(report, answer.value)
             reports.append(report)
     for report in reports:
         if report.changed:
@@ -158,42 +149,13 @@ def discover_models(
     return reports
 
 
-async def _list_all(
-    endpoints: dict[int, Endpoint], timeout: float
-) -> dict[int, list[ModelInfo] | str | None]:
-    async with httpx.AsyncClient(
-        timeout=httpx.Timeout(timeout),
-        limits=httpx.Limits(max_connections=4 * len(endpoints) + 10),
-        trust_env=False,
-        follow_redirects=False,
-    ) as client:
-        results = await asyncio.gather(
-            *(_list_one(client, endpoint, timeout) for endpoint in endpoints.values())
-        )
-    return dict(zip(endpoints, results, strict=True))
-
-
-async def _list_one(
-    client: httpx.AsyncClient, endpoint: Endpoint, timeout: float
-) -> list[ModelInfo] | str | None:
-    """Return the backend's models, why they could not be listed, or None when
-    the kind does not list models."""
-    try:
-        adapter = get_adapter(endpoint.kind)
-    except KeyError:
-        return f"unknown backend kind {endpoint.kind!r}"
+async def _list(
+    adapter: BackendKindAdapter, client: httpx.AsyncClient, endpoint: Endpoint
+) -> list[ModelInfo] | None:
+    """Return the backend's models, or None when its kind does not list them."""
     if not adapter.discovers_models:
         return None
-    try:
-        async with asyncio.timeout(timeout):
-            return await adapter.list_models(client, endpoint)
-    except (TimeoutError, httpx.HTTPError, ProbeFailed) as error:
-        if isinstance(error, BackendLoading):
-            return str(error)
-        return describe_error(error, timeout=timeout)
-    except Exception as error:
-        logger.warning("Listing models of %s failed", endpoint.name, exc_info=True)
-        return describe_error(error)
+    return await adapter.list_models(client, endpoint)
 
 
 def _apply(report: DiscoveryReport, listing: list[ModelInfo]) -> None:
@@ -238,7 +200,8 @@ def _apply(report: DiscoveryReport, listing: list[ModelInfo]) -> None:
             to_update, (*OPERATOR_FIELDS, "loaded", "discovered", "manual_fields")
         )
         if to_create or to_update:
-            mark_config_changed()
+            # Bulk writes send no model signals.
+            BackendModel.objects.announce_change()
 
 
 def _new_row(backend_id: int, info: ModelInfo) -> BackendModel:

@@ -18,49 +18,36 @@ click): each backend row is locked while its new state is computed, and a probe
 that started before the last recorded one finished is dropped, so one moment
 of a backend's life is never counted twice and no update is lost.
 
-A status change bumps the routing config version (the updates bypass model
-signals on purpose: a round that only refreshes latency and check times must not
-make every serving process rebuild its snapshot).
+A status change is announced to the apps above (``announce_change()``; the
+updates bypass model signals on purpose: a round that only refreshes latency
+and check times must not make every serving process rebuild its snapshot).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import TypedDict
 
 import httpx
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Count
-from django.utils import timezone
 
 from backends.kinds import (
     MAX_MESSAGE,
+    BackendKindAdapter,
     Endpoint,
-    ProbeFailed,
     ProbeResult,
     ProbeStatus,
-    describe_error,
-    get_adapter,
 )
-from backends.models import Backend, BackendModel, HealthStatus
-from routing.versioning import mark_config_changed
+from backends.kinds.calls import Answer, call_backends
+from backends.models import HEALTH_FIELDS, Backend, BackendModel, HealthStatus
 
 logger = logging.getLogger(__name__)
-
-_HEALTH_FIELDS = (
-    "status",
-    "last_check_at",
-    "last_error",
-    "consecutive_failures",
-    "consecutive_successes",
-    "avg_latency_ms",
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +102,17 @@ class CheckReportDict(TypedDict):
     superseded: bool
 
 
+class BackendHealthDict(TypedDict):
+    """One backend's recorded health in JSON (the live usage stream's rows)."""
+
+    name: str
+    enabled: bool
+    status: str
+    avg_latency_ms: float | None
+    last_check_at: str | None
+    last_error: str
+
+
 @dataclass(frozen=True, slots=True)
 class CheckReport:
     """What one check found and what the backend's state is now.
@@ -157,6 +155,26 @@ class CheckReport:
             "error": self.error,
             "superseded": self.superseded,
         }
+
+
+def read_backend_health() -> list[BackendHealthDict]:
+    """Read every backend's recorded health, by name (sync code only)."""
+    rows = Backend.objects.order_by("name").values(
+        "name", "enabled", "status", "avg_latency_ms", "last_check_at", "last_error"
+    )
+    return [
+        {
+            "name": row["name"],
+            "enabled": row["enabled"],
+            "status": row["status"],
+            "avg_latency_ms": row["avg_latency_ms"],
+            "last_check_at": (
+                row["last_check_at"].isoformat() if row["last_check_at"] else None
+            ),
+            "last_error": row["last_error"][:200],
+        }
+        for row in rows
+    ]
 
 
 def next_health(
@@ -215,8 +233,17 @@ def check_all(
     )
     if not endpoints:
         return []
-    timeout = settings.NEXUS_HEALTH_PROBE_TIMEOUT
-    observations = asyncio.run(_probe_all(endpoints, timeout))
+    answers = asyncio.run(
+        call_backends(
+            endpoints,
+            _probe,
+            timeout=settings.NEXUS_HEALTH_PROBE_TIMEOUT,
+            connections_per_backend=2,
+            keep_alive=False,
+            action="Probing",
+        )
+    )
+    observations = {pk: _observe(answer) for pk, answer in answers.items()}
     return _record(observations, {pk: e.api_key for pk, e in endpoints.items()})
 
 
@@ -228,50 +255,17 @@ def check_backend(backend_id: int) -> CheckReport:
     return reports[0]
 
 
-async def _probe_all(
-    endpoints: dict[int, Endpoint], timeout: float
-) -> dict[int, Observation]:
-    limits = httpx.Limits(
-        max_connections=2 * len(endpoints) + 10, max_keepalive_connections=0
-    )
-    async with httpx.AsyncClient(
-        timeout=httpx.Timeout(timeout),
-        limits=limits,
-        # Backends sit on private networks; a user's HTTP proxy is not for them.
-        trust_env=False,
-        follow_redirects=False,
-    ) as client:
-        results = await asyncio.gather(
-            *(_probe_one(client, endpoint, timeout) for endpoint in endpoints.values())
-        )
-    return dict(zip(endpoints, results, strict=True))
+async def _probe(
+    adapter: BackendKindAdapter, client: httpx.AsyncClient, endpoint: Endpoint
+) -> ProbeResult:
+    return await adapter.probe(client, endpoint)
 
 
-async def _probe_one(
-    client: httpx.AsyncClient, endpoint: Endpoint, timeout: float
-) -> Observation:
-    started_at = timezone.now()
-    started = time.perf_counter()
-    try:
-        adapter = get_adapter(endpoint.kind)
-    except KeyError:
-        result = ProbeResult(
-            ProbeStatus.DOWN, error=f"unknown backend kind {endpoint.kind!r}"
-        )
-    else:
-        try:
-            async with asyncio.timeout(timeout):
-                result = await adapter.probe(client, endpoint)
-        except (TimeoutError, httpx.HTTPError, ProbeFailed) as error:
-            result = ProbeResult(
-                ProbeStatus.DOWN, error=describe_error(error, timeout=timeout)
-            )
-        except Exception as error:
-            # A bug or a truly odd answer: one backend must not sink the round.
-            logger.warning("Probing %s failed", endpoint.name, exc_info=True)
-            result = ProbeResult(ProbeStatus.DOWN, error=describe_error(error))
-    finished_at = started_at + timedelta(seconds=time.perf_counter() - started)
-    return Observation(result, started_at, finished_at)
+def _observe(answer: Answer[ProbeResult]) -> Observation:
+    result = answer.value
+    if result is None:
+        result = ProbeResult(ProbeStatus.DOWN, error=answer.error)
+    return Observation(result, answer.started_at, answer.finished_at)
 
 
 def _record(
@@ -310,7 +304,9 @@ def _record(
                 updated.append(row)
                 changed |= row.status != previous
                 if result.loaded_models is not None:
-                    changed |= _mark_loaded(row.pk, result.loaded_models)
+                    changed |= BackendModel.objects.filter(
+                        backend_id=row.pk
+                    ).set_loaded(result.loaded_models)
             reports.append(
                 CheckReport(
                     backend_id=row.pk,
@@ -326,9 +322,9 @@ def _record(
                     superseded=superseded,
                 )
             )
-        Backend.objects.bulk_update(updated, _HEALTH_FIELDS)
+        Backend.objects.bulk_update(updated, HEALTH_FIELDS)
         if changed:
-            mark_config_changed()
+            Backend.objects.announce_change()
     for report in reports:
         if report.status_changed:
             logger.info(
@@ -350,16 +346,6 @@ def _state_of(row: Backend) -> HealthState:
         avg_latency_ms=row.avg_latency_ms,
         last_error=row.last_error,
     )
-
-
-def _mark_loaded(backend_id: int, loaded: frozenset[str]) -> bool:
-    """Set BackendModel.loaded from the backend's own list; True if any changed."""
-    models = BackendModel.objects.filter(backend_id=backend_id)
-    now_loaded = models.filter(name__in=loaded, loaded=False).update(loaded=True)
-    now_unloaded = (
-        models.exclude(name__in=loaded).filter(loaded=True).update(loaded=False)
-    )
-    return bool(now_loaded or now_unloaded)
 
 
 def _count_models(observations: dict[int, Observation]) -> dict[int, int]:
@@ -411,6 +397,6 @@ def record_breaker_opening(backend_name: str, detail: str) -> bool:
             consecutive_successes=0,
             last_error=redact_error(f"circuit breaker opened: {detail}", row.api_key),
         )
-        mark_config_changed()
+        Backend.objects.announce_change()
     logger.info("Backend %s is now unhealthy (circuit breaker)", backend_name)
     return True

@@ -7,10 +7,12 @@ from urllib.parse import urlsplit
 
 from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
-from django.db import models
+from django.db import models, transaction
 from django.db.models import Count, Q
 
 from backends.kinds import Endpoint
+from backends.signals import backends_changed
+from backends.vocabulary import HealthStatus
 
 
 class BackendKind(models.TextChoices):
@@ -21,16 +23,69 @@ class BackendKind(models.TextChoices):
     ANTHROPIC = "anthropic", "Anthropic"
 
 
-class HealthStatus(models.TextChoices):
-    UNKNOWN = "unknown", "Unknown"
-    HEALTHY = "healthy", "Healthy"
-    UNHEALTHY = "unhealthy", "Unhealthy"
-    DRAINING = "draining", "Draining"
+# What a health check records on a Backend; operators read it, never write it.
+HEALTH_FIELDS = (
+    "status",
+    "last_check_at",
+    "last_error",
+    "consecutive_failures",
+    "consecutive_successes",
+    "avg_latency_ms",
+)
+# What a backend reports about each model it serves, and discovery records.
+CAPABILITY_FIELDS = (
+    "context_length",
+    "supports_vision",
+    "supports_tools",
+    "supports_json_mode",
+)
+# Fields discovery may set and an operator may claim (BackendModel.manual_fields).
+OPERATOR_FIELDS = (*CAPABILITY_FIELDS, "enabled")
 
 
 class BackendQuerySet(models.QuerySet["Backend"]):
     def enabled(self) -> BackendQuerySet:
         return self.filter(enabled=True)
+
+    def announce_change(self) -> None:
+        """Tell the apps above that backends changed in a bulk write.
+
+        Call it inside the writing transaction after an ``update()`` or
+        ``bulk_update()`` that the routing data depends on: those send no model
+        signals.
+        """
+        backends_changed.send(sender=self.model, using=self.db)
+
+    def drain(self) -> list[str]:
+        """Stop new requests to these backends; return the names newly draining.
+
+        Requests in flight finish. Backends already draining are left alone.
+        """
+        with transaction.atomic(using=self.db):
+            pks, names = _pks_and_names(self.exclude(status=HealthStatus.DRAINING))
+            if pks:
+                self.model.objects.filter(pk__in=pks).update(
+                    status=HealthStatus.DRAINING
+                )
+                self.announce_change()
+        return names
+
+    def undrain(self) -> list[int]:
+        """Let draining backends back once checked; return their primary keys.
+
+        Their status becomes unknown, with counters reset, so that the router
+        trusts them again only after a health check after maintenance.
+        """
+        with transaction.atomic(using=self.db):
+            pks, _ = _pks_and_names(self.filter(status=HealthStatus.DRAINING))
+            if pks:
+                self.model.objects.filter(pk__in=pks).update(
+                    status=HealthStatus.UNKNOWN,
+                    consecutive_failures=0,
+                    consecutive_successes=0,
+                )
+                self.announce_change()
+        return pks
 
     def with_model_count(self) -> BackendQuerySet:
         return self.annotate(model_count=Count("models", distinct=True))
@@ -60,6 +115,11 @@ class BackendQuerySet(models.QuerySet["Backend"]):
             )
             for backend in backends
         }
+
+
+def _pks_and_names(backends: BackendQuerySet) -> tuple[list[int], list[str]]:
+    rows = list(backends.order_by("priority", "name").values_list("pk", "name"))
+    return [pk for pk, _ in rows], [name for _, name in rows]
 
 
 class Backend(models.Model):
@@ -101,7 +161,9 @@ class Backend(models.Model):
     )
 
     status = models.CharField(
-        max_length=16, choices=HealthStatus.choices, default=HealthStatus.UNKNOWN
+        max_length=16,
+        choices=[(status.value, status.label) for status in HealthStatus],
+        default=HealthStatus.UNKNOWN,
     )
     last_check_at = models.DateTimeField(null=True, blank=True)
     last_error = models.TextField(blank=True, default="")
@@ -121,7 +183,7 @@ class Backend(models.Model):
                 condition=Q(kind__in=BackendKind.values), name="backend_kind_valid"
             ),
             models.CheckConstraint(
-                condition=Q(status__in=HealthStatus.values),
+                condition=Q(status__in=[status.value for status in HealthStatus]),
                 name="backend_status_valid",
             ),
             models.CheckConstraint(
@@ -172,6 +234,27 @@ class Backend(models.Model):
         return self.enabled and self.status == HealthStatus.HEALTHY
 
 
+class BackendModelQuerySet(models.QuerySet["BackendModel"]):
+    def announce_change(self) -> None:
+        """Tell the apps above that backend models changed in a bulk write.
+
+        See ``BackendQuerySet.announce_change()``.
+        """
+        backends_changed.send(sender=self.model, using=self.db)
+
+    def set_loaded(self, loaded: Iterable[str]) -> bool:
+        """Mark these models loaded when named in `loaded`, else not loaded.
+
+        Returns whether any row changed (the caller announces the change).
+        """
+        names = list(loaded)
+        now_loaded = self.filter(name__in=names, loaded=False).update(loaded=True)
+        now_unloaded = (
+            self.exclude(name__in=names).filter(loaded=True).update(loaded=False)
+        )
+        return bool(now_loaded or now_unloaded)
+
+
 class BackendModel(models.Model):
     """A model served by a backend, with the capabilities the router filters on."""
 
@@ -195,8 +278,8 @@ class BackendModel(models.Model):
         default=False, help_text="Found by model discovery rather than added by hand."
     )
     enabled = models.BooleanField(default=True)
-    # Written by the admin when an operator edits a field, read by discovery
-    # (backends/discovery.py), which never overwrites the fields listed here.
+    # Written by claim_fields() when an operator edits a field (admin or API),
+    # read by discovery (backends/discovery.py), which never overwrites them.
     manual_fields = models.JSONField(
         default=list,
         blank=True,
@@ -205,6 +288,8 @@ class BackendModel(models.Model):
 
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
+
+    objects = BackendModelQuerySet.as_manager()
 
     class Meta:
         ordering = ("backend__priority", "backend__name", "name")
@@ -227,3 +312,13 @@ class BackendModel(models.Model):
         self.name = self.name.strip()
         if not self.name:
             raise ValidationError({"name": "The model name cannot be blank."})
+
+    def claim_fields(self, edited: Iterable[str]) -> None:
+        """Record that an operator set these fields, so that discovery keeps them.
+
+        Names that discovery never writes (anything outside OPERATOR_FIELDS)
+        are ignored. Does not save.
+        """
+        claimed = {name for name in edited if name in OPERATOR_FIELDS}
+        if claimed:
+            self.manual_fields = sorted(set(self.manual_fields or ()) | claimed)

@@ -9,7 +9,6 @@ from django.db import transaction
 
 from backends.models import Backend, BackendKind, BackendModel, HealthStatus
 from nexus_site.mock_backend import MockBackendProcess, spawn_mock_backend
-from routing.versioning import mark_config_changed
 from usage.models import ApiKey
 
 DEMO_KEY_NAME = "demo"
@@ -107,7 +106,7 @@ def disable_demo_backends() -> int:
     """Stop routing to demo backends (their mock processes are not running)."""
     count = Backend.objects.filter(is_demo=True, enabled=True).update(enabled=False)
     if count:
-        mark_config_changed()  # a bulk update sends no signals
+        Backend.objects.announce_change()  # a bulk update sends no signals
     return count
 
 

@@ -10,6 +10,8 @@ from django.db import models
 from django.db.models import BaseConstraint, F, Q
 from django.db.models.lookups import Exact
 
+from routing.core import Strategy
+
 
 class Alias(models.Model):
     """A public model name that routes to another model (single level)."""
@@ -135,11 +137,14 @@ class ChainStep(models.Model):
 WEIGHTS_CONSTRAINT = "routingpolicy_weights_sum_100"
 
 
-class Strategy(models.TextChoices):
-    SMART = "smart", "Smart (priority, load, latency)"
-    ROUND_ROBIN = "round_robin", "Round robin"
-    PRIORITY_ONLY = "priority_only", "Priority only"
-    RANDOM = "random", "Random"
+# The admin's words for the router core's strategies (routing.core.Strategy is
+# the one list of them).
+STRATEGY_LABELS: dict[Strategy, str] = {
+    Strategy.SMART: "Smart (priority, load, latency)",
+    Strategy.ROUND_ROBIN: "Round robin",
+    Strategy.PRIORITY_ONLY: "Priority only",
+    Strategy.RANDOM: "Random",
+}
 
 
 class RoutingPolicy(models.Model):
@@ -149,7 +154,9 @@ class RoutingPolicy(models.Model):
 
     id = models.PositiveSmallIntegerField(primary_key=True, default=SINGLETON_PK)
     strategy = models.CharField(
-        max_length=16, choices=Strategy.choices, default=Strategy.SMART
+        max_length=16,
+        choices=[(strategy.value, STRATEGY_LABELS[strategy]) for strategy in Strategy],
+        default=Strategy.SMART,
     )
     weight_priority = models.PositiveSmallIntegerField(
         "priority weight", default=50, validators=[MaxValueValidator(100)]
@@ -173,7 +180,7 @@ class RoutingPolicy(models.Model):
         constraints = (
             models.CheckConstraint(condition=Q(id=1), name="routingpolicy_singleton"),
             models.CheckConstraint(
-                condition=Q(strategy__in=Strategy.values),
+                condition=Q(strategy__in=[strategy.value for strategy in Strategy]),
                 name="routingpolicy_strategy_valid",
             ),
             models.CheckConstraint(

@@ -15,7 +15,9 @@ from backends.models import Backend, HealthStatus
 from routing.gateway import current_gateway
 
 
-class BackendHealthDict(TypedDict):
+class PublicBackendDict(TypedDict):
+    """One backend as GET /health shows it to anyone."""
+
     name: str
     kind: str
     url: str
@@ -40,7 +42,7 @@ class HealthSummaryDict(TypedDict):
 class HealthDict(TypedDict):
     status: str  # "ok", "degraded" or "unavailable"
     summary: HealthSummaryDict
-    backends: list[BackendHealthDict]
+    backends: list[PublicBackendDict]
 
 
 @never_cache
@@ -66,7 +68,7 @@ def health(request: HttpRequest) -> JsonResponse:
         "unknown": 0,
         "disabled": 0,
     }
-    rows: list[BackendHealthDict] = []
+    rows: list[PublicBackendDict] = []
     serving = 0
     breaker = current_gateway().breaker
     for backend in backends:
@@ -74,7 +76,7 @@ def health(request: HttpRequest) -> JsonResponse:
         if not backend.enabled:
             summary["disabled"] += 1
         else:
-            summary[HealthStatus(backend.status).value] += 1  # type: ignore[literal-required]
+            summary[HealthStatus(backend.status).value] += 1
             if backend.status == HealthStatus.HEALTHY and not circuit_open:
                 serving += 1
         rows.append(

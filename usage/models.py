@@ -13,6 +13,8 @@ from django.db import models
 from django.db.models import Q, QuerySet, Sum
 from django.utils import timezone
 
+from usage.signals import api_keys_changed
+
 KEY_SCHEME = "nx-"
 PREFIX_LENGTH = len(KEY_SCHEME) + 8
 
@@ -38,12 +40,10 @@ class ApiKeyQuerySet(models.QuerySet["ApiKey"]):
 
     def deactivate(self) -> int:
         """Deactivate these keys everywhere; return how many were active."""
-        from routing.versioning import mark_config_changed
-
         count = self.filter(is_active=True).update(is_active=False)
         if count:
-            # A bulk update sends no signals; serving processes must still learn.
-            mark_config_changed(self.db)
+            # A bulk update sends no model signals; serving processes must still learn.
+            api_keys_changed.send(sender=self.model, using=self.db)
         return count
 
     def for_raw_key(self, raw_key: str) -> ApiKey | None:

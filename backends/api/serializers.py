@@ -14,8 +14,7 @@ from rest_framework import serializers
 from rest_framework.settings import api_settings
 from rest_framework.validators import UniqueValidator
 
-from backends.discovery import OPERATOR_FIELDS
-from backends.models import Backend, BackendModel
+from backends.models import CAPABILITY_FIELDS, HEALTH_FIELDS, Backend, BackendModel
 
 M = TypeVar("M", bound=models.Model)
 
@@ -141,24 +140,11 @@ class BackendSerializer(ModelCleanSerializer[Backend]):
             "request_timeout",
             "is_demo",
             "model_count",
-            "status",
-            "last_check_at",
-            "last_error",
-            "consecutive_failures",
-            "consecutive_successes",
-            "avg_latency_ms",
+            *HEALTH_FIELDS,
             "created_at",
             "updated_at",
         )
-        read_only_fields = (
-            "is_demo",
-            "status",
-            "last_check_at",
-            "last_error",
-            "consecutive_failures",
-            "consecutive_successes",
-            "avg_latency_ms",
-        )
+        read_only_fields = ("is_demo", *HEALTH_FIELDS)
 
 
 class BackendModelSerializer(ModelCleanSerializer[BackendModel]):
@@ -173,10 +159,7 @@ class BackendModelSerializer(ModelCleanSerializer[BackendModel]):
             "backend",
             "backend_name",
             "name",
-            "context_length",
-            "supports_vision",
-            "supports_tools",
-            "supports_json_mode",
+            *CAPABILITY_FIELDS,
             "loaded",
             "discovered",
             "enabled",
@@ -190,14 +173,9 @@ class BackendModelSerializer(ModelCleanSerializer[BackendModel]):
         self, instance: BackendModel, validated_data: dict[str, Any]
     ) -> BackendModel:
         # As in the admin: what an operator changes, model discovery keeps.
-        edited = {
+        instance.claim_fields(
             name
-            for name in OPERATOR_FIELDS
-            if name in validated_data
-            and validated_data[name] != getattr(instance, name)
-        }
-        if edited:
-            validated_data["manual_fields"] = sorted(
-                set(instance.manual_fields or ()) | edited
-            )
+            for name, value in validated_data.items()
+            if value != getattr(instance, name)
+        )
         return super().update(instance, validated_data)

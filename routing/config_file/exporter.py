@@ -30,7 +30,7 @@ def export_config() -> str:
     """Return the configuration as TOML, in a stable order, without API keys."""
     policy = RoutingPolicy.objects.filter(pk=RoutingPolicy.SINGLETON_PK).first()
     policy = policy or RoutingPolicy()
-    strategies = " | ".join(Strategy.values)
+    strategies = " | ".join(Strategy)
     lines = [HEADER, "[routing]"]
     lines += _settings(policy, POLICY_SETTINGS)
     lines[-len(POLICY_SETTINGS)] += f"  # {strategies}"

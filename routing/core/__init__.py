@@ -31,7 +31,6 @@ from routing.core.policy import (
     MAX_RETRIES_ENV,
     STRATEGY_ENV,
     Policy,
-    Strategy,
     apply_overrides,
     make_policy,
     parse_strategy,
@@ -41,14 +40,8 @@ from routing.core.router import Route, Router
 from routing.core.scoring import ScoreComponents, ScoringWeights, score_backend
 from routing.core.shapes import DecisionDict
 from routing.core.stats import LiveStats
-from routing.core.types import (
-    BackendSpec,
-    Health,
-    ModelSpec,
-    Reason,
-    RouterSnapshot,
-    Target,
-)
+from routing.core.types import BackendSpec, ModelSpec, RouterSnapshot, Target
+from routing.core.vocabulary import Health, Reason, Strategy
 
 __all__ = [
     "MAX_RETRIES_ENV",

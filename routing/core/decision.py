@@ -13,9 +13,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
 
-from routing.core.policy import Strategy
+from routing.core.errors import RoutingError
 from routing.core.requirements import RequestRequirements
 from routing.core.scoring import ScoreComponents, ScoringWeights, score_backend
 from routing.core.shapes import (
@@ -27,10 +26,8 @@ from routing.core.shapes import (
     TargetDict,
 )
 from routing.core.strategies import order_retries
-from routing.core.types import ModelRoutes, PreparedTarget, Reason, Target
-
-if TYPE_CHECKING:
-    from routing.core.errors import RoutingError
+from routing.core.types import ModelRoutes, PreparedTarget, Target
+from routing.core.vocabulary import Reason, Strategy
 
 
 class Via(enum.StrEnum):

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar, TypedDict
+from typing import ClassVar, Protocol, TypedDict
 
-if TYPE_CHECKING:
-    from routing.core.decision import Decision
+from routing.core.shapes import DecisionDict
 
 INVALID_REQUEST = "invalid_request_error"
 SERVICE_UNAVAILABLE = "service_unavailable_error"
@@ -27,6 +26,18 @@ class OpenAIErrorBody(TypedDict):
     error: OpenAIErrorDetail
 
 
+class DecisionRecord(Protocol):
+    """How the router decided: ``routing.core.decision.Decision``.
+
+    Named by its shape so that errors, which decisions carry, need not import
+    the decision module back.
+    """
+
+    def as_dict(self) -> DecisionDict:
+        """Return the JSON shape."""
+        ...
+
+
 class RoutingError(Exception):
     """Base class: a request the router cannot place on any backend.
 
@@ -42,7 +53,7 @@ class RoutingError(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
-        self.decision: Decision | None = None
+        self.decision: DecisionRecord | None = None
 
     def to_openai(self) -> OpenAIErrorBody:
         """Return the body to send to the client."""

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from routing.core.scoring import ScoringWeights
+from routing.core.vocabulary import Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -18,15 +18,6 @@ MAX_RETRIES_LIMIT = 10
 # Values already warned about, so that a bad setting read on every snapshot
 # rebuild is logged once per process rather than once per rebuild.
 _warned: set[str] = set()
-
-
-class Strategy(enum.StrEnum):
-    """How to pick one backend among those that can serve a request."""
-
-    SMART = "smart"
-    ROUND_ROBIN = "round_robin"
-    PRIORITY_ONLY = "priority_only"
-    RANDOM = "random"
 
 
 @dataclass(frozen=True, slots=True)

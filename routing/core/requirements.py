@@ -6,13 +6,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from routing.core.errors import InvalidModel, InvalidRequest
+from routing.core.vocabulary import JSON_MODE, TOOLS, VISION
 
 MAX_MODEL_NAME_LENGTH = 256
-
-# Bits of a capability mask; a backend model offers a set, a request needs one.
-VISION = 1
-TOOLS = 2
-JSON_MODE = 4
 
 _TEXT_PART_TYPES = frozenset({"text", "input_text"})
 _IMAGE_PART_TYPES = frozenset({"image_url", "input_image"})

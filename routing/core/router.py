@@ -54,7 +54,6 @@ from routing.core.errors import (
     NoHealthyBackend,
     RoutingError,
 )
-from routing.core.policy import Strategy
 from routing.core.requirements import RequestRequirements
 from routing.core.stats import LiveStats
 from routing.core.strategies import (
@@ -64,6 +63,7 @@ from routing.core.strategies import (
     pick_smart,
 )
 from routing.core.types import PreparedTarget, RouterSnapshot, Target
+from routing.core.vocabulary import Strategy
 
 _OUTCOME_WORDS = {
     Outcome.NOT_FOUND: "not found",

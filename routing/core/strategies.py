@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from routing.core.policy import Strategy
+from routing.core.vocabulary import Strategy
 
 
 def pick_smart(totals: Sequence[float]) -> int:

@@ -9,50 +9,20 @@ replaced by assigning a new one.
 
 from __future__ import annotations
 
-import enum
 import math
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from routing.core.policy import Policy
-from routing.core.requirements import JSON_MODE, TOOLS, VISION
+from routing.core.requirements import RequestRequirements
 from routing.core.scoring import score_priority
-
-if TYPE_CHECKING:
-    from routing.core.requirements import RequestRequirements
+from routing.core.vocabulary import JSON_MODE, TOOLS, VISION, Health, Reason
 
 # Stands in for "no limit" so that the hot loop compares plain integers.
 UNLIMITED = sys.maxsize
-
-
-class Health(enum.StrEnum):
-    """A backend's health as the health checker last saw it."""
-
-    UNKNOWN = "unknown"
-    HEALTHY = "healthy"
-    UNHEALTHY = "unhealthy"
-    DRAINING = "draining"
-
-
-class Reason(enum.StrEnum):
-    """Why a backend was not a candidate for a request."""
-
-    BACKEND_DISABLED = "backend_disabled"
-    MODEL_DISABLED = "model_disabled"
-    UNHEALTHY = "unhealthy"
-    DRAINING = "draining"
-    HEALTH_UNKNOWN = "health_unknown"
-    AT_CAPACITY = "at_capacity"
-    # The proxy saw repeated failures: backends.breaker opened this backend's
-    # circuit for a cool-down (LiveStats.open_circuits), before any health probe.
-    CIRCUIT_OPEN = "circuit_open"
-    NO_VISION = "no_vision"
-    NO_TOOLS = "no_tools"
-    NO_JSON_MODE = "no_json_mode"
-    CONTEXT_TOO_SHORT = "context_too_short"
 
 
 _HEALTH_REASONS: dict[str, Reason] = {

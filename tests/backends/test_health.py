@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -19,6 +20,7 @@ from backends.health import (
     check_all,
     check_backend,
     next_health,
+    read_backend_health,
 )
 from backends.kinds import ProbeResult, ProbeStatus
 from backends.models import Backend, HealthStatus
@@ -406,3 +408,27 @@ def test_traffic_follows_health_through_the_gateway(
     finally:
         a.stop()
         b.stop()
+
+
+@pytest.mark.django_db
+def test_recorded_health_is_read_by_name_with_short_errors() -> None:
+    checked_at = datetime(2025, 3, 1, 12, 30, tzinfo=UTC)
+    BackendFactory(
+        name="b-gpu",
+        status=HealthStatus.UNHEALTHY,
+        last_check_at=checked_at,
+        last_error="x" * 250,
+        avg_latency_ms=12.5,
+    )
+    BackendFactory(name="a-cpu", enabled=False)
+    rows = read_backend_health()
+    assert [row["name"] for row in rows] == ["a-cpu", "b-gpu"]
+    assert rows[0]["last_check_at"] is None
+    assert rows[1] == {
+        "name": "b-gpu",
+        "enabled": True,
+        "status": "unhealthy",
+        "avg_latency_ms": 12.5,
+        "last_check_at": "2025-03-01T12:30:00+00:00",
+        "last_error": "x" * 200,
+    }

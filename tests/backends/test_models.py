@@ -7,6 +7,7 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
 from backends.models import Backend, BackendModel, HealthStatus
+from routing.core import Health
 from tests.factories import BackendFactory, BackendModelFactory
 
 
@@ -154,3 +155,30 @@ def test_only_enabled_healthy_backends_are_routable() -> None:
     assert not BackendFactory(unhealthy=True).is_routable
     assert not BackendFactory(disabled=True).is_routable
     assert not BackendFactory(status=HealthStatus.DRAINING).is_routable
+
+
+def test_a_backend_takes_the_health_states_the_router_reads() -> None:
+    field = Backend._meta.get_field("status")
+    assert field.choices == [
+        ("unknown", "Unknown"),
+        ("healthy", "Healthy"),
+        ("unhealthy", "Unhealthy"),
+        ("draining", "Draining"),
+    ]
+    assert [value for value, _ in field.choices] == [h.value for h in Health]
+
+
+@pytest.mark.django_db
+def test_an_unknown_status_is_refused() -> None:
+    assert "status" in _errors(BackendFactory.build(status="resting"))
+    with pytest.raises(IntegrityError), transaction.atomic():
+        BackendFactory(status="resting")
+
+
+@pytest.mark.django_db
+def test_an_operator_claims_only_the_fields_discovery_writes() -> None:
+    model = BackendModelFactory(manual_fields=["supports_tools"])
+    model.claim_fields(["name", "context_length", "enabled"])
+    assert model.manual_fields == ["context_length", "enabled", "supports_tools"]
+    model.claim_fields(["name", "loaded"])
+    assert model.manual_fields == ["context_length", "enabled", "supports_tools"]

@@ -6,6 +6,7 @@ import pytest
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 
+from routing.core import Strategy
 from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
 from tests.factories import (
     AliasFactory,
@@ -173,3 +174,9 @@ def test_a_model_has_at_most_one_chain() -> None:
     FallbackChainFactory(model="llama3:70b")
 
     assert _messages(FallbackChain(model="llama3:70b"))
+
+
+def test_the_policy_offers_every_strategy_the_router_knows() -> None:
+    field = RoutingPolicy._meta.get_field("strategy")
+    assert [value for value, _ in field.choices] == [s.value for s in Strategy]
+    assert dict(field.choices)["smart"] == "Smart (priority, load, latency)"

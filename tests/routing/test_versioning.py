@@ -6,16 +6,20 @@ import pytest
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.db import transaction
+from django.utils import timezone
 
+from backends.models import Backend, BackendModel, HealthStatus
 from routing.models import Alias, RoutingPolicy
 from routing.versioning import CONFIG_GROUP, read_config_version
 from tests.factories import (
     AliasFactory,
+    ApiKeyFactory,
     BackendFactory,
     BackendModelFactory,
     ChainStepFactory,
     FallbackChainFactory,
 )
+from usage.models import ApiKey
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -74,6 +78,42 @@ def test_change_after_a_rolled_back_savepoint_still_bumps() -> None:
         except RuntimeError:
             pass
         AliasFactory(name="kept")
+    assert read_config_version() == before + 1
+
+
+def test_draining_and_undraining_backends_bump_the_version() -> None:
+    BackendFactory(name="a", status=HealthStatus.HEALTHY)
+    BackendFactory(name="b", status=HealthStatus.HEALTHY)
+    before = read_config_version()
+    assert Backend.objects.drain() == ["a", "b"]
+    assert read_config_version() == before + 1
+    assert Backend.objects.drain() == []
+    assert read_config_version() == before + 1
+    assert len(Backend.objects.undrain()) == 2
+    assert read_config_version() == before + 2
+    assert set(Backend.objects.values_list("status", flat=True)) == {"unknown"}
+
+
+def test_bulk_writes_of_lower_apps_bump_once_per_transaction() -> None:
+    model = BackendModelFactory(loaded=False)
+    ApiKeyFactory()
+    before = read_config_version()
+    with transaction.atomic():
+        Backend.objects.drain()
+        BackendModel.objects.filter(pk=model.pk).set_loaded({model.name})
+        BackendModel.objects.announce_change()
+        ApiKey.objects.deactivate()
+    assert read_config_version() == before + 1
+
+
+def test_saving_only_when_a_key_was_last_used_does_not_bump() -> None:
+    key = ApiKeyFactory()
+    before = read_config_version()
+    key.last_used_at = timezone.now()
+    key.save(update_fields=["last_used_at"])
+    assert read_config_version() == before
+    key.name = "renamed"
+    key.save()
     assert read_config_version() == before + 1
 
 

@@ -2,73 +2,48 @@
 
 from __future__ import annotations
 
-import json
-import sys
-from typing import Any
+from collections.abc import Sequence
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from backends.health import CheckReport, check_all
+from backends.management.rounds import BackendRoundCommand, format_columns
+from backends.models import HealthStatus
 
-from backends.health import check_all
-from backends.models import Backend, HealthStatus
+HEADER = ("NAME", "KIND", "STATUS", "LATENCY", "MODELS", "ERROR")
 
 
-class Command(BaseCommand):
+class Command(BackendRoundCommand[CheckReport]):
     help = (
         "Run a health round now: probe every enabled backend (or --backend NAME, "
         "even a disabled one) concurrently, record the results as the scheduled "
         "checks do, and print name, kind, status, latency, models and error. Exits "
         "with status 1 when a checked backend is unhealthy or still unknown."
     )
+    backend_help = "Check only this backend."
+    nothing_to_do = "No enabled backends to check."
+    failure_label = "Not healthy"
 
-    def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument(
-            "--backend", metavar="NAME", help="Check only this backend."
-        )
-        parser.add_argument(
-            "--json", action="store_true", help="Print the reports as JSON."
-        )
+    def run_round(
+        self, backend_ids: list[int] | None, *, include_disabled: bool
+    ) -> list[CheckReport]:
+        return check_all(backend_ids, include_disabled=include_disabled)
 
-    def handle(self, *args: Any, **options: Any) -> None:
-        name = options["backend"]
-        if name is not None:
-            backend = Backend.objects.filter(name=name).first()
-            if backend is None:
-                known = ", ".join(Backend.objects.values_list("name", flat=True))
-                raise CommandError(
-                    f"No backend named {name!r}. Known backends: {known or 'none'}."
-                )
-            reports = check_all([backend.pk], include_disabled=True)
-        else:
-            reports = check_all()
-        if options["json"]:
-            self.stdout.write(json.dumps([r.as_dict() for r in reports], indent=2))
-        elif not reports:
-            self.stdout.write("No enabled backends to check.")
-        else:
-            rows = [
-                (
-                    r.name,
-                    r.kind,
-                    r.status,
-                    "-" if r.latency_ms is None else f"{r.latency_ms:,.0f} ms",
-                    str(r.models),
-                    r.error,
-                )
-                for r in reports
-            ]
-            header = ("NAME", "KIND", "STATUS", "LATENCY", "MODELS", "ERROR")
-            widths = [max(len(row[i]) for row in (header, *rows)) for i in range(5)]
-            for row in (header, *rows):
-                cells = [
-                    cell.ljust(width)
-                    for cell, width in zip(row[:5], widths, strict=True)
-                ]
-                self.stdout.write("  ".join([*cells, row[5]]).rstrip())
-        failing = [
+    def format_reports(self, reports: Sequence[CheckReport]) -> list[str]:
+        rows = [
+            (
+                r.name,
+                r.kind,
+                r.status,
+                "-" if r.latency_ms is None else f"{r.latency_ms:,.0f} ms",
+                str(r.models),
+                r.error,
+            )
+            for r in reports
+        ]
+        return format_columns([HEADER, *rows])
+
+    def failed(self, reports: Sequence[CheckReport]) -> list[str]:
+        return [
             r.name
             for r in reports
             if r.status in (HealthStatus.UNHEALTHY, HealthStatus.UNKNOWN)
         ]
-        if failing:
-            self.stderr.write(f"Not healthy: {', '.join(failing)}")
-            sys.exit(1)

@@ -1,0 +1,49 @@
+"""The words every part of the router core shares: the bottom of the core.
+
+Strategies, backend health, exclusion reasons and capability bits are named
+here once, so that the core's other modules import downwards only (see the
+import-linter contract "routing.core imports downwards"). This module imports
+nothing from the rest of the core.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from backends.vocabulary import HealthStatus
+
+# The router reads health in the backends app's own words: one enum, which the
+# core calls Health.
+Health = HealthStatus
+
+# Bits of a capability mask; a backend model offers a set, a request needs one.
+VISION = 1
+TOOLS = 2
+JSON_MODE = 4
+
+
+class Strategy(enum.StrEnum):
+    """How to pick one backend among those that can serve a request."""
+
+    SMART = "smart"
+    ROUND_ROBIN = "round_robin"
+    PRIORITY_ONLY = "priority_only"
+    RANDOM = "random"
+
+
+class Reason(enum.StrEnum):
+    """Why a backend was not a candidate for a request."""
+
+    BACKEND_DISABLED = "backend_disabled"
+    MODEL_DISABLED = "model_disabled"
+    UNHEALTHY = "unhealthy"
+    DRAINING = "draining"
+    HEALTH_UNKNOWN = "health_unknown"
+    AT_CAPACITY = "at_capacity"
+    # The proxy saw repeated failures: its circuit breaker opened this backend's
+    # circuit for a cool-down (LiveStats.open_circuits), before any health probe.
+    CIRCUIT_OPEN = "circuit_open"
+    NO_VISION = "no_vision"
+    NO_TOOLS = "no_tools"
+    NO_JSON_MODE = "no_json_mode"
+    CONTEXT_TOO_SHORT = "context_too_short"
