@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from drf_spectacular.types import OpenApiTypes
@@ -18,14 +17,9 @@ from routing.api.serializers import (
     FallbackChainSerializer,
     RoutingPolicySerializer,
 )
-from routing.core import (
-    MAX_RETRIES_ENV,
-    STRATEGY_ENV,
-    InvalidRequest,
-    RequestRequirements,
-)
+from routing.core import InvalidRequest, RequestRequirements
 from routing.models import Alias, FallbackChain, RoutingPolicy
-from routing.snapshot import build_snapshot
+from routing.snapshot import build_snapshot, read_policy_overrides
 
 
 class RouteExplainView(APIView):
@@ -107,11 +101,7 @@ class EffectiveConfigView(APIView):
                 "strategy": policy.strategy.value,
                 "weights": policy.weights,
                 "max_retries": policy.max_retries,
-                "overrides": {
-                    name: os.environ[name]
-                    for name in (STRATEGY_ENV, MAX_RETRIES_ENV)
-                    if os.environ.get(name, "").strip()
-                },
+                "overrides": read_policy_overrides(),
             },
             "backends": snapshot.backends,
             "aliases": dict(snapshot.aliases),
