@@ -9,7 +9,8 @@ PRODUCTION := env NEXUS_TEST_MODE=production DATABASE_URL=$(TEST_DATABASE_URL) \
 	REDIS_URL=$(TEST_REDIS_URL) SECRET_KEY=tests-only-not-secret \
 	ALLOWED_HOSTS=127.0.0.1,localhost,testserver
 
-.PHONY: run test lint test-embedded test-production test-tools bench
+.PHONY: run test lint test-embedded test-production test-tools setup-tools \
+	smoke-pythons bench
 
 run: $(VENV)/.installed
 	$(BIN)/python manage.py nexus_run
@@ -40,12 +41,41 @@ bench: $(VENV)/.installed-dev test-tools
 
 # Browser tests drive Debian's chromium (Playwright's own browser download needs
 # the internet, which this project never uses); the benchmark and its smoke test
-# need wrk. Installed with apt when missing.
-test-tools:
+# need wrk. `make setup-tools` installs them with apt when missing; the test
+# targets only check (`make setup-tools test` does both, in that order even
+# under -j).
+TOOLS := /usr/bin/chromium /usr/bin/wrk
+setup-tools:
 	@test -x /usr/bin/chromium -a -x /usr/bin/wrk || { \
 		echo "Installing Debian's chromium and wrk for the browser and bench tests"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 			apt-get install -y -qq chromium wrk; }
+
+test-tools: $(if $(filter setup-tools,$(MAKECMDGOALS)),setup-tools)
+	@for tool in $(TOOLS); do test -x $$tool || { echo "$$tool is missing:" \
+		"run \`make setup-tools\` (installs Debian's chromium and wrk)." >&2; \
+		exit 1; }; done
+
+# Not part of `make test`: install Nexus for each other supported Python in a
+# scratch venv outside the repo, then run `manage.py check` and two fast test
+# files there. pyenv's shims exist for every installed version but run only the
+# selected ones, so each interpreter is looked up where it really runs.
+SMOKE_PYTHONS ?= 3.12 3.13
+SMOKE_DIR ?= /tmp/nexus-smoke
+SMOKE_TESTS ?= tests/test_settings.py tests/routing/test_router.py
+python_for = $(firstword $(foreach c,$(shell command -v python$(1)) \
+	$(wildcard $(HOME)/.pyenv/versions/$(1).*/bin/python$(1)), \
+	$(if $(shell $(c) -c 'print(1)' 2>/dev/null),$(c))))
+smoke-pythons: $(foreach v,$(SMOKE_PYTHONS),smoke-python$(v))
+smoke-python%: $(SMOKE_DIR)/py%/.installed-dev
+	$(EMBEDDED) NEXUS_STATE_DIR=.nexus-test $(SMOKE_DIR)/py$*/bin/python manage.py check
+	$(EMBEDDED) $(SMOKE_DIR)/py$*/bin/pytest -q -p no:cacheprovider $(SMOKE_TESTS)
+.PRECIOUS: $(SMOKE_DIR)/py%/.installed-dev  # keep the venvs for the next run
+$(SMOKE_DIR)/py%/.installed-dev: pyproject.toml
+	@test -n "$(call python_for,$*)" || { echo "No working python$* found." >&2; exit 1; }
+	$(call python_for,$*) -m venv --clear $(SMOKE_DIR)/py$*
+	$(SMOKE_DIR)/py$*/bin/pip install --quiet -e '.[dev]'
+	touch $@
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

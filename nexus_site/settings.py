@@ -8,14 +8,23 @@ Two modes share every code path and differ only here:
 * embedded default: nothing is set. SQLite in the state directory, an in-memory
   channel layer, and Celery on kombu's filesystem transport, so one command runs
   Nexus on a bare machine.
+
+Every environment variable Nexus reads is read here, grouped by concern: core
+Django; database, cache and channel layer; DRF; gateway; health; usage; Celery
+(last: its beat schedule runs the health and usage tasks at the intervals read
+above). Code elsewhere reads ``django.conf.settings``, never ``os.environ``.
+Numbers are checked against a range when read, and a bad value stops the
+process with an ImproperlyConfigured that names the variable.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import secrets
 import tempfile
 from pathlib import Path
+from typing import TypeVar
 
 import environ
 from django.core.exceptions import ImproperlyConfigured
@@ -25,6 +34,76 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 env = environ.Env()
 if (BASE_DIR / ".env").is_file():
     environ.Env.read_env(BASE_DIR / ".env")
+
+# An int setting's default: a number, or None for "not set".
+_Default = TypeVar("_Default", int, None)
+
+
+def _bounded_int(name: str, default: _Default, low: int, high: int) -> int | _Default:
+    """Read a whole number from ``low`` to ``high``; unset or empty gives ``default``.
+
+    Raises ImproperlyConfigured, naming the variable, on anything else.
+    """
+    raw = env.str(name, default="").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = low - 1
+    if not low <= value <= high:
+        raise ImproperlyConfigured(
+            f"{name} must be a whole number from {low} to {high}, not {raw!r}."
+        )
+    return value
+
+
+def _bounded_float(name: str, default: float, low: float, high: float) -> float:
+    """Read a number from ``low`` to ``high``; unset or empty gives ``default``.
+
+    Raises ImproperlyConfigured, naming the variable, on anything else
+    (including nan and inf).
+    """
+    raw = env.str(name, default="").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not low <= value <= high:
+        raise ImproperlyConfigured(
+            f"{name} must be a number from {low:g} to {high:g}, not {raw!r}."
+        )
+    return value
+
+
+def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """Read one of ``choices`` (case-insensitive); unset or empty gives ``default``."""
+    value = env.str(name, default="").strip().lower() or default
+    if value not in choices:
+        raise ImproperlyConfigured(
+            f"{name} must be one of {', '.join(choices)}, not {value!r}."
+        )
+    return value
+
+
+def _networks(
+    name: str, default: str
+) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """Read a comma-separated list of CIDR networks ("10.0.0.0/8,::1/128")."""
+    networks = []
+    for text in env.list(name, default=default.split(",")):
+        try:
+            networks.append(ipaddress.ip_network(text.strip()))
+        except ValueError as error:
+            raise ImproperlyConfigured(
+                f"{name} must list CIDR networks such as 10.0.0.0/8: {error}."
+            ) from None
+    return tuple(networks)
+
+
+# --- Core Django ----------------------------------------------------------------
 
 # State directory: everything the embedded default writes (SQLite file, generated
 # secret key, Celery's filesystem broker, static files). Git-ignored.
@@ -51,8 +130,6 @@ def _embedded_secret_key() -> str:
                 fd.write(secrets.token_urlsafe(50))
     return path.read_text(encoding="ascii").strip()
 
-
-# --- Django -----------------------------------------------------------------
 
 DEBUG = env.bool("DEBUG", default=False)
 
@@ -86,6 +163,11 @@ INSTALLED_APPS = [
     "backends",
     "usage",
     "nexus_site",
+    # Filtering, the OpenAPI schema and its docs page (Swagger UI shipped as
+    # static files by the sidecar package, so the page works offline).
+    "django_filters",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
 ]
 
 MIDDLEWARE = [
@@ -116,36 +198,6 @@ TEMPLATES = [
         },
     },
 ]
-
-if NEXUS_PRODUCTION:
-    DATABASES = {"default": env.db("DATABASE_URL")}
-    DATABASES["default"].setdefault("CONN_MAX_AGE", env.int("DB_CONN_MAX_AGE", 60))
-    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
-else:
-    DATABASES = {
-        "default": {
-            "ENGINE": "django.db.backends.sqlite3",
-            "NAME": Path(
-                env.str(
-                    "NEXUS_SQLITE_PATH", default=str(NEXUS_STATE_DIR / "nexus.sqlite3")
-                )
-            ),
-            # The web server, the Celery worker and beat share this file: WAL lets
-            # readers run beside a writer, IMMEDIATE avoids upgrade deadlocks.
-            "OPTIONS": {
-                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
-                "transaction_mode": "IMMEDIATE",
-                "timeout": 20,
-            },
-            # A file, not the default in-memory database, so that the server
-            # processes the tests start can share it; one per test session.
-            "TEST": {
-                "NAME": str(
-                    Path(tempfile.gettempdir()) / f"nexus-test-{os.getpid()}.sqlite3"
-                )
-            },
-        }
-    }
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
@@ -189,7 +241,55 @@ LOGGING = {
     },
 }
 
-# --- DRF --------------------------------------------------------------------
+# --- Database, cache and channel layer ------------------------------------------
+
+if NEXUS_PRODUCTION:
+    DATABASES = {"default": env.db("DATABASE_URL")}
+    DATABASES["default"].setdefault(
+        "CONN_MAX_AGE", _bounded_int("DB_CONN_MAX_AGE", 60, 0, 86_400)
+    )
+    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+else:
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": Path(
+                env.str(
+                    "NEXUS_SQLITE_PATH", default=str(NEXUS_STATE_DIR / "nexus.sqlite3")
+                )
+            ),
+            # The web server, the Celery worker and beat share this file: WAL lets
+            # readers run beside a writer, IMMEDIATE avoids upgrade deadlocks.
+            "OPTIONS": {
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+                "transaction_mode": "IMMEDIATE",
+                "timeout": 20,
+            },
+            # A file, not the default in-memory database, so that the server
+            # processes the tests start can share it; one per test session.
+            "TEST": {
+                "NAME": str(
+                    Path(tempfile.gettempdir()) / f"nexus-test-{os.getpid()}.sqlite3"
+                )
+            },
+        }
+    }
+
+# No CACHES: Nexus keeps nothing in Django's cache (Django's per-process memory
+# cache is the default). Cross-process state goes through the database, the
+# channel layer and the config version marker.
+
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL]},
+        }
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+# --- DRF (the management API under /api/) ---------------------------------------
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
@@ -220,19 +320,123 @@ SPECTACULAR_SETTINGS = {
     "COMPONENT_SPLIT_REQUEST": True,
 }
 
-# --- Channels ---------------------------------------------------------------
+# --- Gateway: the launcher and the proxy (/v1) ----------------------------------
 
-if REDIS_URL:
-    CHANNEL_LAYERS = {
-        "default": {
-            "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL]},
-        }
-    }
-else:
-    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+# `manage.py nexus_run`: where it serves, with which ASGI server and how many
+# serving processes on that one port, how long in-flight requests may finish on
+# SIGTERM, the admin it creates on first run, and demo mode (None = on until the
+# operator has backends of their own).
+NEXUS_HOST = env.str("NEXUS_HOST", default="127.0.0.1")
+NEXUS_PORT = _bounded_int("NEXUS_PORT", 8000, 1, 65_535)
+NEXUS_SERVER = _choice("NEXUS_SERVER", "daphne", ("daphne", "uvicorn", "granian"))
+NEXUS_WORKERS = _bounded_int("NEXUS_WORKERS", min(os.cpu_count() or 1, 256), 1, 256)
+NEXUS_DRAIN_SECONDS = _bounded_float("NEXUS_DRAIN_SECONDS", 30.0, 0, 3600)
+NEXUS_DEMO = env.bool("NEXUS_DEMO") if "NEXUS_DEMO" in env else None
+NEXUS_ADMIN_USER = env.str("NEXUS_ADMIN_USER", default="admin")
+NEXUS_ADMIN_EMAIL = env.str("NEXUS_ADMIN_EMAIL", default="admin@localhost")
+NEXUS_ADMIN_PASSWORD = env.str("NEXUS_ADMIN_PASSWORD", default="")
 
-# --- Celery -----------------------------------------------------------------
+# Require a Nexus client key (Authorization: Bearer nx-...) on /v1/*. Turn off
+# only on a trusted network.
+NEXUS_AUTH_REQUIRED = env.bool("NEXUS_AUTH_REQUIRED", default=True)
+# Request bodies larger than this get a 413.
+NEXUS_MAX_BODY_BYTES = _bounded_int(
+    "NEXUS_MAX_BODY_BYTES", 10 * 1024 * 1024, 1024, 1024**3
+)
+# The shared upstream HTTP client of each serving process.
+NEXUS_UPSTREAM_CONNECT_TIMEOUT = _bounded_float(
+    "NEXUS_UPSTREAM_CONNECT_TIMEOUT", 5.0, 0.01, 600
+)
+NEXUS_UPSTREAM_MAX_CONNECTIONS = _bounded_int(
+    "NEXUS_UPSTREAM_MAX_CONNECTIONS", 1000, 1, 100_000
+)
+# Seconds between each serving process's check of the routing config version
+# (repairs lost change broadcasts; the only path between processes when the
+# channel layer is in-memory).
+NEXUS_CONFIG_POLL_INTERVAL = _bounded_float(
+    "NEXUS_CONFIG_POLL_INTERVAL", 1.0, 0.01, 3600
+)
+# Override the stored routing policy ("" / None: keep it). An unknown strategy
+# means smart, with a warning (routing.core.policy.apply_overrides).
+NEXUS_ROUTING_STRATEGY = env.str("NEXUS_ROUTING_STRATEGY", default="").strip()
+NEXUS_ROUTING_MAX_RETRIES = _bounded_int("NEXUS_ROUTING_MAX_RETRIES", None, 0, 10)
+# One structured log line per /v1 request, on the "nexus.access" logger.
+NEXUS_ACCESS_LOG = env.bool("NEXUS_ACCESS_LOG", default=True)
+# Who may read /metrics: clients in these networks, or anyone presenting
+# NEXUS_METRICS_TOKEN as a bearer token (when it is set).
+NEXUS_METRICS_ALLOW = _networks(
+    "NEXUS_METRICS_ALLOW",
+    "127.0.0.0/8,::1/128,10.0.0.0/8,172.16.0.0/12,192.168.0.0/16",
+)
+NEXUS_METRICS_TOKEN = env.str("NEXUS_METRICS_TOKEN", default="")
+
+# --- Health: probes, discovery and the circuit breaker --------------------------
+
+# Seconds between health rounds (every enabled backend probed concurrently) and
+# how long one probe may take; a round lasts about one probe timeout at most.
+NEXUS_HEALTH_INTERVAL = _bounded_float("NEXUS_HEALTH_INTERVAL", 10.0, 0.1, 86_400)
+NEXUS_HEALTH_PROBE_TIMEOUT = _bounded_float("NEXUS_HEALTH_PROBE_TIMEOUT", 5.0, 0.1, 600)
+# Consecutive failed probes that make a backend unhealthy, and consecutive good
+# ones that bring an unhealthy backend back (an unknown one needs one).
+NEXUS_HEALTH_FAILURE_THRESHOLD = _bounded_int(
+    "NEXUS_HEALTH_FAILURE_THRESHOLD", 3, 1, 1000
+)
+NEXUS_HEALTH_RECOVERY_THRESHOLD = _bounded_int(
+    "NEXUS_HEALTH_RECOVERY_THRESHOLD", 2, 1, 1000
+)
+# Weight of the newest probe round trip in the latency average (0..1].
+NEXUS_HEALTH_LATENCY_ALPHA = _bounded_float("NEXUS_HEALTH_LATENCY_ALPHA", 0.3, 0.01, 1)
+# Seconds between model discovery runs, and how long listing one backend may take.
+NEXUS_DISCOVERY_INTERVAL = _bounded_float("NEXUS_DISCOVERY_INTERVAL", 300.0, 1, 86_400)
+NEXUS_DISCOVERY_TIMEOUT = _bounded_float("NEXUS_DISCOVERY_TIMEOUT", 15.0, 0.1, 600)
+# Circuit breaker (passive detection): this many failures seen by the proxy
+# within the window (seconds) stop traffic to a backend for the cool-down
+# (seconds), in every serving process; with PERSIST the backend is also marked
+# unhealthy, and health probes bring it back.
+NEXUS_BREAKER_FAILURES = _bounded_int("NEXUS_BREAKER_FAILURES", 5, 1, 1_000_000_000)
+NEXUS_BREAKER_WINDOW = _bounded_float("NEXUS_BREAKER_WINDOW", 10.0, 0.1, 86_400)
+NEXUS_BREAKER_COOLDOWN = _bounded_float("NEXUS_BREAKER_COOLDOWN", 30.0, 0.1, 86_400)
+NEXUS_BREAKER_PERSIST = env.bool("NEXUS_BREAKER_PERSIST", default=True)
+
+# --- Usage accounting -----------------------------------------------------------
+
+# Seconds between writes of each serving process's usage buffer, and how many
+# events a serving process holds while the database is unreachable.
+NEXUS_USAGE_FLUSH_INTERVAL = _bounded_float(
+    "NEXUS_USAGE_FLUSH_INTERVAL", 1.0, 0.01, 3600
+)
+NEXUS_USAGE_BUFFER_MAX = _bounded_int(
+    "NEXUS_USAGE_BUFFER_MAX", 100_000, 1000, 10_000_000
+)
+# How serving processes hand usage events on: through Redis, or straight to the
+# database.
+NEXUS_USAGE_TRANSPORT = _choice(
+    "NEXUS_USAGE_TRANSPORT", "redis" if REDIS_URL else "database", ("redis", "database")
+)
+if NEXUS_USAGE_TRANSPORT == "redis" and not REDIS_URL:
+    raise ImproperlyConfigured("NEXUS_USAGE_TRANSPORT=redis needs REDIS_URL.")
+# Seconds between shipments of a serving process's usage to Redis (transport
+# redis): about what a process killed without warning can lose.
+NEXUS_USAGE_SHIP_INTERVAL = _bounded_float(
+    "NEXUS_USAGE_SHIP_INTERVAL", 0.05, 0.001, 3600
+)
+# Seconds between rollups of raw records into the aggregates, and between prune
+# runs.
+NEXUS_USAGE_ROLLUP_INTERVAL = _bounded_float(
+    "NEXUS_USAGE_ROLLUP_INTERVAL", 10.0, 0.1, 86_400
+)
+NEXUS_USAGE_PRUNE_INTERVAL = _bounded_float(
+    "NEXUS_USAGE_PRUNE_INTERVAL", 3600.0, 1, 7 * 86_400
+)
+# Per-minute usage buckets older than this are deleted by a beat task.
+NEXUS_USAGE_RETENTION_DAYS = _bounded_int("NEXUS_USAGE_RETENTION_DAYS", 30, 1, 36_500)
+# Raw usage records are deleted this long after they were rolled up. While kept,
+# they make a retried flush idempotent and feed per-request queries.
+NEXUS_USAGE_RECORD_RETENTION_HOURS = _bounded_float(
+    "NEXUS_USAGE_RECORD_RETENTION_HOURS", 48.0, 0, 24 * 36_500
+)
+
+# --- Celery ---------------------------------------------------------------------
 
 if REDIS_URL:
     CELERY_BROKER_URL = REDIS_URL
@@ -257,82 +461,32 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TIMEZONE = TIME_ZONE
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
 CELERY_BEAT_SCHEDULE_FILENAME = str(NEXUS_STATE_DIR / "celerybeat-schedule")
+# Health and discovery runs that go stale are dropped rather than queued behind
+# a slow worker: the next one is due soon anyway.
 CELERY_BEAT_SCHEDULE = {
     "roll-up-usage": {
         "task": "usage.tasks.roll_up_usage",
-        "schedule": env.float("NEXUS_USAGE_ROLLUP_INTERVAL", default=10.0),
+        "schedule": NEXUS_USAGE_ROLLUP_INTERVAL,
     },
     "prune-usage-buckets": {
         "task": "usage.tasks.prune_usage_buckets",
-        "schedule": env.float("NEXUS_USAGE_PRUNE_INTERVAL", default=3600.0),
+        "schedule": NEXUS_USAGE_PRUNE_INTERVAL,
     },
     "prune-usage-records": {
         "task": "usage.tasks.prune_usage_records",
-        "schedule": env.float("NEXUS_USAGE_PRUNE_INTERVAL", default=3600.0),
+        "schedule": NEXUS_USAGE_PRUNE_INTERVAL,
+    },
+    "check-backend-health": {
+        "task": "backends.tasks.check_backends_health",
+        "schedule": NEXUS_HEALTH_INTERVAL,
+        "options": {"expires": NEXUS_HEALTH_INTERVAL},
+    },
+    "discover-backend-models": {
+        "task": "backends.tasks.discover_backend_models",
+        "schedule": NEXUS_DISCOVERY_INTERVAL,
+        "options": {"expires": NEXUS_DISCOVERY_INTERVAL},
     },
 }
-
-# --- Nexus ------------------------------------------------------------------
-
-# Per-minute usage buckets older than this are deleted by a beat task.
-NEXUS_USAGE_RETENTION_DAYS = env.int("NEXUS_USAGE_RETENTION_DAYS", default=30)
-# Raw usage records are deleted this long after they were rolled up. While kept,
-# they make a retried flush idempotent and feed per-request queries.
-NEXUS_USAGE_RECORD_RETENTION_HOURS = env.float(
-    "NEXUS_USAGE_RECORD_RETENTION_HOURS", default=48.0
-)
-# Seconds between writes of each serving process's usage buffer.
-NEXUS_USAGE_FLUSH_INTERVAL = env.float("NEXUS_USAGE_FLUSH_INTERVAL", default=1.0)
-
-# `manage.py nexus_run`: where Daphne listens, the admin it creates on first run,
-# and demo mode (None = on until the operator has backends of their own).
-NEXUS_HOST = env.str("NEXUS_HOST", default="127.0.0.1")
-NEXUS_PORT = env.int("NEXUS_PORT", default=8000)
-NEXUS_DEMO = env.bool("NEXUS_DEMO") if "NEXUS_DEMO" in env else None
-NEXUS_ADMIN_USER = env.str("NEXUS_ADMIN_USER", default="admin")
-NEXUS_ADMIN_EMAIL = env.str("NEXUS_ADMIN_EMAIL", default="admin@localhost")
-NEXUS_ADMIN_PASSWORD = env.str("NEXUS_ADMIN_PASSWORD", default="")
-
-# Seconds between each serving process's check of the routing config version
-# (repairs lost change broadcasts; the only path between processes when the
-# channel layer is in-memory).
-NEXUS_CONFIG_POLL_INTERVAL = env.float("NEXUS_CONFIG_POLL_INTERVAL", default=1.0)
-
-# --- Proxy ------------------------------------------------------------------
-
-# Require a Nexus client key (Authorization: Bearer nx-...) on /v1/*. Turn off
-# only on a trusted network.
-NEXUS_AUTH_REQUIRED = env.bool("NEXUS_AUTH_REQUIRED", default=True)
-# Request bodies larger than this get a 413.
-NEXUS_MAX_BODY_BYTES = env.int("NEXUS_MAX_BODY_BYTES", default=10 * 1024 * 1024)
-# The shared upstream HTTP client of each serving process.
-NEXUS_UPSTREAM_CONNECT_TIMEOUT = env.float(
-    "NEXUS_UPSTREAM_CONNECT_TIMEOUT", default=5.0
-)
-NEXUS_UPSTREAM_MAX_CONNECTIONS = env.int("NEXUS_UPSTREAM_MAX_CONNECTIONS", default=1000)
-# (lead's placeholder block; the settings reorganisation branch defines these.)
-NEXUS_WORKERS = env.int("NEXUS_WORKERS", default=os.cpu_count() or 1)
-NEXUS_SERVER = env.str("NEXUS_SERVER", default="daphne")
-NEXUS_ACCESS_LOG = env.bool("NEXUS_ACCESS_LOG", default=True)
-NEXUS_METRICS_ALLOW = env.list(
-    "NEXUS_METRICS_ALLOW",
-    default=[
-        "127.0.0.0/8",
-        "::1/128",
-        "10.0.0.0/8",
-        "172.16.0.0/12",
-        "192.168.0.0/16",
-    ],
-)
-NEXUS_METRICS_TOKEN = env.str("NEXUS_METRICS_TOKEN", default="")
-NEXUS_DRAIN_SECONDS = env.float("NEXUS_DRAIN_SECONDS", default=30.0)
-NEXUS_USAGE_BUFFER_MAX = env.int("NEXUS_USAGE_BUFFER_MAX", default=100_000)
-NEXUS_USAGE_TRANSPORT = env.str(
-    "NEXUS_USAGE_TRANSPORT", default="redis" if REDIS_URL else "database"
-)
-# Seconds between shipments of a serving process's usage to Redis (production):
-# what a process killed without warning can lose.
-NEXUS_USAGE_SHIP_INTERVAL = env.float("NEXUS_USAGE_SHIP_INTERVAL", default=0.05)
 if NEXUS_USAGE_TRANSPORT == "redis":
     # Serving processes ship usage to a Redis stream; the worker writes it.
     CELERY_BEAT_SCHEDULE["drain-usage-stream"] = {
@@ -340,63 +494,3 @@ if NEXUS_USAGE_TRANSPORT == "redis":
         "schedule": NEXUS_USAGE_FLUSH_INTERVAL,
         "options": {"expires": 10 * NEXUS_USAGE_FLUSH_INTERVAL},
     }
-
-# --- Management API (issue 5) -----------------------------------------------
-
-# Filtering, the OpenAPI schema and its docs page (Swagger UI shipped as static
-# files by the sidecar package, so the page works without internet access).
-INSTALLED_APPS += ["django_filters", "drf_spectacular", "drf_spectacular_sidecar"]
-
-# --- Health -----------------------------------------------------------------
-
-# Seconds between health rounds (every enabled backend probed concurrently) and
-# how long one probe may take; a round lasts about one probe timeout at most.
-NEXUS_HEALTH_INTERVAL = env.float("NEXUS_HEALTH_INTERVAL", default=10.0)
-NEXUS_HEALTH_PROBE_TIMEOUT = env.float("NEXUS_HEALTH_PROBE_TIMEOUT", default=5.0)
-# Consecutive failed probes that make a backend unhealthy, and consecutive good
-# ones that bring an unhealthy backend back (an unknown one needs one).
-NEXUS_HEALTH_FAILURE_THRESHOLD = env.int("NEXUS_HEALTH_FAILURE_THRESHOLD", default=3)
-NEXUS_HEALTH_RECOVERY_THRESHOLD = env.int("NEXUS_HEALTH_RECOVERY_THRESHOLD", default=2)
-# Weight of the newest probe round trip in the latency average (0..1].
-NEXUS_HEALTH_LATENCY_ALPHA = env.float("NEXUS_HEALTH_LATENCY_ALPHA", default=0.3)
-# Seconds between model discovery runs, and how long listing one backend may take.
-NEXUS_DISCOVERY_INTERVAL = env.float("NEXUS_DISCOVERY_INTERVAL", default=300.0)
-NEXUS_DISCOVERY_TIMEOUT = env.float("NEXUS_DISCOVERY_TIMEOUT", default=15.0)
-# Circuit breaker (passive detection): this many failures seen by the proxy
-# within the window (seconds) stop traffic to a backend for the cool-down
-# (seconds), in every serving process; with PERSIST the backend is also marked
-# unhealthy, and health probes bring it back.
-NEXUS_BREAKER_FAILURES = env.int("NEXUS_BREAKER_FAILURES", default=5)
-NEXUS_BREAKER_WINDOW = env.float("NEXUS_BREAKER_WINDOW", default=10.0)
-NEXUS_BREAKER_COOLDOWN = env.float("NEXUS_BREAKER_COOLDOWN", default=30.0)
-NEXUS_BREAKER_PERSIST = env.bool("NEXUS_BREAKER_PERSIST", default=True)
-
-for _name, _value, _low in (
-    ("NEXUS_HEALTH_INTERVAL", NEXUS_HEALTH_INTERVAL, 0.1),
-    ("NEXUS_HEALTH_PROBE_TIMEOUT", NEXUS_HEALTH_PROBE_TIMEOUT, 0.1),
-    ("NEXUS_HEALTH_FAILURE_THRESHOLD", NEXUS_HEALTH_FAILURE_THRESHOLD, 1),
-    ("NEXUS_HEALTH_RECOVERY_THRESHOLD", NEXUS_HEALTH_RECOVERY_THRESHOLD, 1),
-    ("NEXUS_HEALTH_LATENCY_ALPHA", NEXUS_HEALTH_LATENCY_ALPHA, 0.01),
-    ("NEXUS_DISCOVERY_INTERVAL", NEXUS_DISCOVERY_INTERVAL, 1.0),
-    ("NEXUS_DISCOVERY_TIMEOUT", NEXUS_DISCOVERY_TIMEOUT, 0.1),
-    ("NEXUS_BREAKER_FAILURES", NEXUS_BREAKER_FAILURES, 1),
-    ("NEXUS_BREAKER_WINDOW", NEXUS_BREAKER_WINDOW, 0.1),
-    ("NEXUS_BREAKER_COOLDOWN", NEXUS_BREAKER_COOLDOWN, 0.1),
-):
-    if _value < _low:
-        raise ImproperlyConfigured(f"{_name} must be at least {_low}, not {_value}.")
-if NEXUS_HEALTH_LATENCY_ALPHA > 1:
-    raise ImproperlyConfigured("NEXUS_HEALTH_LATENCY_ALPHA must be at most 1.")
-
-# Stale runs are dropped rather than queued behind a slow worker: the next one
-# is due soon anyway.
-CELERY_BEAT_SCHEDULE["check-backend-health"] = {
-    "task": "backends.tasks.check_backends_health",
-    "schedule": NEXUS_HEALTH_INTERVAL,
-    "options": {"expires": NEXUS_HEALTH_INTERVAL},
-}
-CELERY_BEAT_SCHEDULE["discover-backend-models"] = {
-    "task": "backends.tasks.discover_backend_models",
-    "schedule": NEXUS_DISCOVERY_INTERVAL,
-    "options": {"expires": NEXUS_DISCOVERY_INTERVAL},
-}

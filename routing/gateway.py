@@ -28,7 +28,7 @@ from routing.breaker import BREAKER_GROUP, BreakerSettings, CircuitBreaker
 from routing.core import Health, LiveStats, Router
 from routing.groups import listen_to_group
 from routing.holder import SnapshotHolder
-from routing.metrics import GatewayMetrics, MetricsEndpoint, parse_networks
+from routing.metrics import GatewayMetrics, MetricsEndpoint, Network, parse_networks
 from routing.proxy.upstream import UpstreamClient
 from routing.state import GatewayState, build_state
 from routing.versioning import read_config_version
@@ -66,7 +66,7 @@ class GatewayConfig:
     usage_transport: str = "database"  # or "redis"
     access_log: bool = True
     drain_seconds: float = 30.0
-    metrics_allow: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
+    metrics_allow: tuple[str | Network, ...] = ("127.0.0.0/8", "::1/128")
     metrics_token: str = ""
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
 

@@ -195,9 +195,11 @@ class GatewayMetrics:
         return generate_latest(merged)
 
 
-def parse_networks(values: Iterable[str]) -> tuple[Network, ...]:
-    """Parse CIDR strings (a bad one raises ValueError naming it)."""
-    return tuple(ipaddress.ip_network(value.strip(), strict=False) for value in values)
+def parse_networks(values: Iterable[str | Network]) -> tuple[Network, ...]:
+    """Parse CIDR strings or networks (a bad one raises ValueError)."""
+    return tuple(
+        ipaddress.ip_network(str(value).strip(), strict=False) for value in values
+    )
 
 
 class MetricsEndpoint:

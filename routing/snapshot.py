@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
+from django.conf import settings
 from django.db import transaction
 
 from backends.models import Backend
 from routing.core import (
+    MAX_RETRIES_ENV,
+    STRATEGY_ENV,
     BackendSpec,
     ModelSpec,
     Policy,
@@ -44,8 +45,22 @@ def build_snapshot() -> RouterSnapshot:
         backends=backends,
         aliases=aliases,
         fallbacks=fallbacks,
-        policy=apply_overrides(policy, os.environ),
+        policy=apply_overrides(policy, read_policy_overrides()),
     )
+
+
+def read_policy_overrides() -> dict[str, str]:
+    """Return the routing policy overrides set in settings, by variable name.
+
+    Only the variables that are set (NEXUS_ROUTING_STRATEGY,
+    NEXUS_ROUTING_MAX_RETRIES), in the form apply_overrides() reads.
+    """
+    overrides = {}
+    if settings.NEXUS_ROUTING_STRATEGY:
+        overrides[STRATEGY_ENV] = settings.NEXUS_ROUTING_STRATEGY
+    if settings.NEXUS_ROUTING_MAX_RETRIES is not None:
+        overrides[MAX_RETRIES_ENV] = str(settings.NEXUS_ROUTING_MAX_RETRIES)
+    return overrides
 
 
 def _backend_spec(backend: Backend) -> BackendSpec:

@@ -1,11 +1,16 @@
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -101,3 +106,183 @@ def test_production_mode_uses_postgres_and_redis(tmp_path: Path) -> None:
         "channels_redis.core.RedisChannelLayer",
         "redis://127.0.0.1:6379/0",
     ]
+
+
+# --- values read from the environment, checked as they are read -----------------
+
+SETTINGS_FILE = REPO_ROOT / "nexus_site" / "settings.py"
+
+
+def _load_settings(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **variables: str
+) -> dict[str, Any]:
+    """Evaluate the settings file afresh under these variables (embedded mode)."""
+    for name in ("DATABASE_URL", "REDIS_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NEXUS_STATE_DIR", str(tmp_path))
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    return runpy.run_path(str(SETTINGS_FILE))
+
+
+def _numeric_nexus_settings(values: dict[str, Any]) -> list[str]:
+    return [
+        name
+        for name, value in values.items()
+        if name.startswith("NEXUS_")
+        and isinstance(value, int | float)
+        and not isinstance(value, bool)
+    ]
+
+
+def test_new_gateway_settings_have_their_defaults(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    values = _load_settings(monkeypatch, tmp_path)
+
+    assert values["NEXUS_WORKERS"] == min(os.cpu_count() or 1, 256)
+    assert values["NEXUS_SERVER"] == "daphne"
+    assert values["NEXUS_ACCESS_LOG"] is True
+    assert values["NEXUS_DRAIN_SECONDS"] == 30.0
+    assert values["NEXUS_USAGE_BUFFER_MAX"] == 100_000
+    assert values["NEXUS_USAGE_TRANSPORT"] == "database"  # no REDIS_URL
+    assert values["NEXUS_METRICS_TOKEN"] == ""
+    allowed = values["NEXUS_METRICS_ALLOW"]
+    assert ipaddress.ip_address("127.0.0.1") in allowed[0]
+    assert any(ipaddress.ip_address("::1") in net for net in allowed)
+    assert any(ipaddress.ip_address("192.168.1.20") in net for net in allowed)
+    assert not any(ipaddress.ip_address("8.8.8.8") in net for net in allowed)
+
+
+def test_new_gateway_settings_are_read_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    values = _load_settings(
+        monkeypatch,
+        tmp_path,
+        NEXUS_WORKERS="4",
+        NEXUS_SERVER="Granian",
+        NEXUS_ACCESS_LOG="false",
+        NEXUS_DRAIN_SECONDS="2.5",
+        NEXUS_METRICS_ALLOW="203.0.113.0/24",
+        NEXUS_METRICS_TOKEN="scrape-me",
+        NEXUS_USAGE_TRANSPORT="database",
+        NEXUS_ROUTING_STRATEGY=" random ",
+        NEXUS_ROUTING_MAX_RETRIES="0",
+    )
+
+    assert values["NEXUS_WORKERS"] == 4
+    assert values["NEXUS_SERVER"] == "granian"
+    assert values["NEXUS_ACCESS_LOG"] is False
+    assert values["NEXUS_DRAIN_SECONDS"] == 2.5
+    assert values["NEXUS_METRICS_ALLOW"] == (ipaddress.ip_network("203.0.113.0/24"),)
+    assert values["NEXUS_METRICS_TOKEN"] == "scrape-me"
+    assert values["NEXUS_ROUTING_STRATEGY"] == "random"
+    assert values["NEXUS_ROUTING_MAX_RETRIES"] == 0
+
+
+def test_usage_goes_through_redis_when_there_is_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:6379/0")
+    monkeypatch.setenv("NEXUS_STATE_DIR", str(tmp_path))
+
+    values = runpy.run_path(str(SETTINGS_FILE))
+
+    assert values["NEXUS_USAGE_TRANSPORT"] == "redis"
+
+
+def test_empty_variables_mean_the_default(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    values = _load_settings(
+        monkeypatch,
+        tmp_path,
+        NEXUS_PORT="",
+        NEXUS_ROUTING_MAX_RETRIES=" ",
+        NEXUS_HEALTH_INTERVAL="",
+    )
+
+    assert values["NEXUS_PORT"] == 8000
+    assert values["NEXUS_ROUTING_MAX_RETRIES"] is None
+    assert values["NEXUS_HEALTH_INTERVAL"] == 10.0
+
+
+def test_every_numeric_setting_is_range_checked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    names = _numeric_nexus_settings(_load_settings(monkeypatch, tmp_path))
+    names.append("NEXUS_ROUTING_MAX_RETRIES")  # None (unset) by default
+    assert len(names) >= 25
+
+    for name in names:
+        with pytest.raises(ImproperlyConfigured, match=f"^{name} must be"):
+            _load_settings(monkeypatch, tmp_path, **{name: "-1e99"})
+        monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("NEXUS_WORKERS", "0", "NEXUS_WORKERS must be a whole number from 1 to 256"),
+        ("NEXUS_WORKERS", "257", "NEXUS_WORKERS must be a whole number from 1 to 256"),
+        ("NEXUS_WORKERS", "two", "not 'two'"),
+        ("NEXUS_PORT", "8000.5", "NEXUS_PORT must be a whole number"),
+        ("NEXUS_DRAIN_SECONDS", "3601", "NEXUS_DRAIN_SECONDS must be a number from 0"),
+        ("NEXUS_DRAIN_SECONDS", "nan", "NEXUS_DRAIN_SECONDS must be a number"),
+        ("NEXUS_USAGE_BUFFER_MAX", "999", "from 1000 to 10000000"),
+        ("NEXUS_HEALTH_LATENCY_ALPHA", "1.5", "NEXUS_HEALTH_LATENCY_ALPHA must be"),
+        ("NEXUS_ROUTING_MAX_RETRIES", "11", "from 0 to 10"),
+        ("NEXUS_SERVER", "gunicorn", "NEXUS_SERVER must be one of daphne, uvicorn"),
+        ("NEXUS_METRICS_ALLOW", "10.0.0.0/33", "NEXUS_METRICS_ALLOW must list CIDR"),
+        ("NEXUS_METRICS_ALLOW", "127.0.0.0/8,localhost", "NEXUS_METRICS_ALLOW"),
+        ("NEXUS_USAGE_TRANSPORT", "kafka", "NEXUS_USAGE_TRANSPORT must be one of"),
+        ("NEXUS_USAGE_TRANSPORT", "redis", "NEXUS_USAGE_TRANSPORT=redis needs REDIS"),
+    ],
+)
+def test_bad_values_stop_startup_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    name: str,
+    value: str,
+    message: str,
+) -> None:
+    with pytest.raises(ImproperlyConfigured, match=re.escape(message)):
+        _load_settings(monkeypatch, tmp_path, **{name: value})
+
+
+def test_a_bad_value_stops_manage_py_with_the_variable_named(tmp_path: Path) -> None:
+    result = _run_settings(
+        {"NEXUS_STATE_DIR": str(tmp_path), "NEXUS_BREAKER_WINDOW": "0"}, "pass"
+    )
+
+    assert result.returncode != 0
+    assert "NEXUS_BREAKER_WINDOW must be a number from 0.1 to 86400, not '0'" in (
+        result.stderr
+    )
+
+
+def test_database_connection_age_is_range_checked_in_production(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
+    monkeypatch.setenv("SECRET_KEY", "x" * 50)
+    monkeypatch.setenv("ALLOWED_HOSTS", "nexus.example.com")
+    monkeypatch.setenv("NEXUS_STATE_DIR", str(tmp_path))
+    monkeypatch.setenv("DB_CONN_MAX_AGE", "-5")
+
+    with pytest.raises(ImproperlyConfigured, match="^DB_CONN_MAX_AGE must be"):
+        runpy.run_path(str(SETTINGS_FILE))
+
+
+def test_env_example_lists_every_variable_the_settings_read() -> None:
+    source = SETTINGS_FILE.read_text(encoding="utf-8")
+    read = set(
+        re.findall(r'(?:env\.\w+|_bounded_\w+|_choice|_networks)\(\s*"(\w+)"', source)
+    )
+    read |= set(re.findall(r'"(\w+)" in env', source))
+    example = (REPO_ROOT / ".env.example").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^(\w+)=", example, flags=re.MULTILINE))
+
+    assert len(read) > 40
+    assert read - listed == set()

@@ -6,14 +6,21 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
 from django.contrib import admin, messages
-from django.db.models import OuterRef, QuerySet, Subquery, Sum
+from django.db.models import OuterRef, QuerySet, Subquery
 from django.http import HttpRequest
 from django.template.defaultfilters import pluralize
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
-from usage.models import ApiKey, ApiKeyQuerySet, TokenUsage, UsageBucket
+from usage.models import (
+    ANONYMOUS,
+    ApiKey,
+    ApiKeyQuerySet,
+    TokenUsage,
+    UsageBucket,
+    describe_key,
+)
 
 if TYPE_CHECKING:
     from django.contrib.admin.options import _FieldsetSpec
@@ -26,8 +33,6 @@ else:
 
 # Rows of the usage table on a key's page; the full list is one link away.
 USAGE_ROWS_SHOWN = 20
-# Stands for "no key" (auth off) in the key filter; real prefixes start with "nx-".
-ANONYMOUS = "-"
 
 
 def _usage_url(admin_site: admin.AdminSite, prefix: str) -> str:
@@ -108,28 +113,24 @@ class ApiKeyAdmin(ApiKeyAdminBase):
 
     @admin.display(description="usage")
     def usage(self, obj: ApiKey) -> SafeString:
-        rows = TokenUsage.objects.filter(api_key_prefix=obj.prefix)
-        totals = rows.aggregate(
-            requests=Sum("requests"),
-            errors=Sum("errors"),
-            total_tokens=Sum("total_tokens"),
-        )
-        if totals["requests"] is None:
+        usage = TokenUsage.objects.for_series(key=obj.prefix)
+        shown = list(usage.report(["backend", "model"])[:USAGE_ROWS_SHOWN])
+        if not shown:
             return format_html("{}", "No usage recorded for this key yet.")
-        shown = rows.order_by("-total_tokens", "backend", "model")[:USAGE_ROWS_SHOWN]
+        totals = usage.totals()
         body = format_html_join(
             "",
             "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>"
             "<td>{}</td><td>{}</td></tr>",
             (
                 (
-                    row.backend,
-                    row.model,
-                    row.requests,
-                    row.errors,
-                    row.prompt_tokens,
-                    row.completion_tokens,
-                    row.total_tokens,
+                    row["backend"],
+                    row["model"],
+                    row["requests"],
+                    row["errors"],
+                    row["prompt_tokens"],
+                    row["completion_tokens"],
+                    row["total_tokens"],
                 )
                 for row in shown
             ),
@@ -203,7 +204,7 @@ class ApiKeyFilter(_SeriesFilter):
             ApiKey.objects.filter(prefix__in=prefixes).values_list("prefix", "name")
         )
         return [
-            (prefix or ANONYMOUS, _describe_key(prefix, names.get(prefix)))
+            (prefix or ANONYMOUS, describe_key(prefix, names.get(prefix)))
             for prefix in prefixes
         ]
 
@@ -212,14 +213,6 @@ class ApiKeyFilter(_SeriesFilter):
         if value is None:
             return queryset
         return queryset.filter(api_key_prefix="" if value == ANONYMOUS else value)
-
-
-def _describe_key(prefix: str, name: str | None) -> str:
-    if not prefix:
-        return "anonymous"
-    if name is None:
-        return f"{prefix}… (deleted)"
-    return f"{name} ({prefix}…)"
 
 
 class UsageAdmin(UsageAdminBase):
@@ -255,7 +248,7 @@ class UsageAdmin(UsageAdminBase):
 
     @admin.display(description="API key", ordering="api_key_prefix")
     def key(self, obj: TokenUsage | UsageBucket) -> SafeString | str:
-        label = _describe_key(obj.api_key_prefix, obj.key_name)  # type: ignore[union-attr]
+        label = describe_key(obj.api_key_prefix, obj.key_name)  # type: ignore[union-attr]
         if obj.key_pk is None:  # type: ignore[union-attr]
             return label
         url = reverse(

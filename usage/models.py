@@ -5,12 +5,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import Any, Self
+from typing import Any, ClassVar, Self, cast
 
 from django.db import models
-from django.db.models import Q, QuerySet, Sum
+from django.db.models import OuterRef, Q, QuerySet, Subquery, Sum
+from django.db.models.query import ValuesIterable
 from django.utils import timezone
 
 from usage.signals import api_keys_changed
@@ -82,6 +83,23 @@ class ApiKey(models.Model):
         return hmac.compare_digest(self.hashed_key, hash_key(raw_key))
 
 
+# Stands for "no key" (client auth off) where a key is named in text (the API's
+# and the admin's key filters); real prefixes start with "nx-".
+ANONYMOUS = "-"
+
+
+def describe_key(prefix: str, name: str | None) -> str:
+    """Return how reports label a client key: by name and prefix.
+
+    ``name`` is None when no key has the prefix any more (deleted).
+    """
+    if not prefix:
+        return "anonymous"
+    if name is None:
+        return f"{prefix}… (deleted)"
+    return f"{name} ({prefix}…)"
+
+
 # What usage can be grouped by, and the column each dimension reads.
 USAGE_DIMENSIONS = {"backend": "backend", "model": "model", "key": "api_key_prefix"}
 COUNTER_FIELDS = (
@@ -96,7 +114,36 @@ COUNTER_FIELDS = (
 )
 
 
+def add_derived_fields(counters: dict[str, Any]) -> dict[str, Any]:
+    """Add the figures every usage report derives from summed counters; return it.
+
+    ``latency_ms_avg`` (None without requests), ``error_rate`` (errors per
+    request) and ``estimated_share`` (the share of tokens Nexus estimated);
+    unrounded, so each surface rounds for its readers.
+    """
+    requests, tokens = counters["requests"], counters["total_tokens"]
+    counters["latency_ms_avg"] = (
+        counters["latency_ms_sum"] / requests if requests else None
+    )
+    counters["error_rate"] = counters["errors"] / requests if requests else 0.0
+    counters["estimated_share"] = (
+        counters["estimated_tokens"] / tokens if tokens else 0.0
+    )
+    return counters
+
+
+class _ReportRows(ValuesIterable):
+    """Rows of a values() query with add_derived_fields() applied to each."""
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for row in super().__iter__():
+            yield add_derived_fields(row)
+
+
 class UsageCountersQuerySet(models.QuerySet[Any]):
+    # The dimensions report() accepts; a subclass may add its own.
+    dimensions: ClassVar[Mapping[str, str]] = USAGE_DIMENSIONS
+
     def for_series(
         self,
         *,
@@ -114,15 +161,33 @@ class UsageCountersQuerySet(models.QuerySet[Any]):
             rows = rows.filter(api_key_prefix=key)
         return rows
 
-    def summarize(self, by: Sequence[str]) -> QuerySet[Any, dict[str, Any]]:
-        """Sum the counters per value of the `by` dimensions (see USAGE_DIMENSIONS).
+    def report(self, by: Sequence[str]) -> QuerySet[Any, dict[str, Any]]:
+        """Sum the counters per value of the ``by`` dimensions: the usage report.
 
-        Returns dicts with the dimension columns and one sum per counter; with
-        no dimensions, one dict of grand totals (when there are rows).
+        Each row is a dict with the dimension columns, one sum per counter, the
+        fields add_derived_fields() derives, and, when grouped by key,
+        ``key_name`` (None for no key or a deleted one). Rows come largest total
+        first, then in dimension order; still a query, so it pages in SQL.
         """
-        columns = [USAGE_DIMENSIONS[name] for name in by]
+        columns = [self.dimensions[name] for name in by]
         sums = {name: Sum(name) for name in COUNTER_FIELDS}
-        return self.order_by().values(*columns).annotate(**sums).order_by(*columns)
+        rows = self.order_by().values(*columns).annotate(**sums)
+        if "api_key_prefix" in columns:
+            keys = ApiKey.objects.filter(prefix=OuterRef("api_key_prefix"))
+            rows = rows.annotate(key_name=Subquery(keys.values("name")[:1]))
+        rows = rows.order_by("-total_tokens", *columns)
+        # values() sets its row type when called, so the derived fields are
+        # added the way values() builds its dicts: by the query's iterable.
+        rows._iterable_class = _ReportRows
+        return rows
+
+    def totals(self) -> dict[str, Any]:
+        """Sum the counters of all these rows (zeros when there are none).
+
+        Returns one dict shaped like a report() row without dimensions.
+        """
+        sums = {name: Sum(name, default=0) for name in COUNTER_FIELDS}
+        return add_derived_fields(self.order_by().aggregate(**sums))
 
 
 class UsageCounters(models.Model):
@@ -187,6 +252,9 @@ class TokenUsage(UsageCounters):
 
 
 class UsageBucketQuerySet(UsageCountersQuerySet):
+    # The history charts report per minute.
+    dimensions: ClassVar[Mapping[str, str]] = {**USAGE_DIMENSIONS, "minute": "minute"}
+
     def between(
         self, since: datetime | None = None, until: datetime | None = None
     ) -> UsageBucketQuerySet:
@@ -227,6 +295,19 @@ class UsageBucket(UsageCounters):
 
     def __str__(self) -> str:
         return f"{self.minute:%Y-%m-%d %H:%M} {self.backend} / {self.model}"
+
+
+def select_usage_rows(
+    since: datetime | None = None, until: datetime | None = None
+) -> UsageCountersQuerySet:
+    """Return the usage rows a report over a time range reads.
+
+    Without a range: the all-time totals (TokenUsage). With one: the per-minute
+    buckets in it, kept for NEXUS_USAGE_RETENTION_DAYS.
+    """
+    if since is None and until is None:
+        return cast(UsageCountersQuerySet, TokenUsage.objects.all())
+    return UsageBucket.objects.between(since, until)
 
 
 class Endpoint(models.TextChoices):

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from django.contrib.admin.views.decorators import staff_member_required
-from django.db.models import Sum
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.utils import timezone
 from django.views.decorators.http import require_GET
 
-from usage.models import UsageBucket
+from usage.models import COUNTER_FIELDS, UsageBucket, add_derived_fields
 
 # range name -> (how far back, width of one chart point)
 HISTORY_RANGES: dict[str, tuple[timedelta, timedelta]] = {
@@ -49,49 +48,34 @@ def build_history(range_name: str, *, now: datetime | None = None) -> HistoryDic
         (now.timestamp() // step_s + 1) * step_s, tz=now.tzinfo
     )
     start = end - span
-    sums: dict[int, list[float]] = {}
-    rows = (
-        UsageBucket.objects.between(start, end)
-        .order_by()
-        .values("minute")
-        .annotate(
-            requests=Sum("requests"),
-            errors=Sum("errors"),
-            tokens=Sum("total_tokens"),
-            latency=Sum("latency_ms_sum"),
-        )
-    )
-    for row in rows:
+    buckets = UsageBucket.objects.between(start, end)
+    steps: dict[int, dict[str, Any]] = {}
+    for row in buckets.report(["minute"]):
         index = int((row["minute"] - start).total_seconds() // step_s)
-        point = sums.setdefault(index, [0, 0, 0, 0.0])
-        point[0] += row["requests"]
-        point[1] += row["errors"]
-        point[2] += row["tokens"]
-        point[3] += row["latency"]
+        counters = steps.setdefault(index, dict.fromkeys(COUNTER_FIELDS, 0))
+        for name in COUNTER_FIELDS:
+            counters[name] += row[name]
     points: list[HistoryPointDict] = []
     for index in range(int(span / step)):
-        requests, errors, tokens, latency = sums.get(index, [0, 0, 0, 0.0])
+        counters = add_derived_fields(
+            steps.get(index, dict.fromkeys(COUNTER_FIELDS, 0))
+        )
+        latency = counters["latency_ms_avg"]
         points.append(
             {
                 "start": (start + index * step).isoformat(),
-                "requests": int(requests),
-                "errors": int(errors),
-                "total_tokens": int(tokens),
-                "latency_ms_avg": round(latency / requests, 1) if requests else None,
+                "requests": counters["requests"],
+                "errors": counters["errors"],
+                "total_tokens": counters["total_tokens"],
+                "latency_ms_avg": None if latency is None else round(latency, 1),
             }
         )
-    by_model = (
-        UsageBucket.objects.between(start, end)
-        .order_by()
-        .values("model")
-        .annotate(tokens=Sum("total_tokens"))
-        .order_by("-tokens", "model")
-    )
+    by_model = buckets.report(["model"])
     return {
         "range": range_name,
         "step_seconds": step_s,
         "points": points,
-        "tokens_by_model": {row["model"]: row["tokens"] for row in by_model},
+        "tokens_by_model": {row["model"]: row["total_tokens"] for row in by_model},
     }
 
 

@@ -18,15 +18,10 @@ from routing.api.serializers import (
     FallbackChainSerializer,
     RoutingPolicySerializer,
 )
-from routing.core import (
-    MAX_RETRIES_ENV,
-    STRATEGY_ENV,
-    InvalidRequest,
-    RequestRequirements,
-)
+from routing.core import InvalidRequest, RequestRequirements
 from routing.gateway import current_gateway
 from routing.models import Alias, FallbackChain, RoutingPolicy
-from routing.snapshot import build_snapshot
+from routing.snapshot import build_snapshot, read_policy_overrides
 from usage.api.serializers import LiveUsageSerializer
 
 
@@ -157,11 +152,7 @@ class EffectiveConfigView(APIView):
                 "strategy": policy.strategy.value,
                 "weights": policy.weights,
                 "max_retries": policy.max_retries,
-                "overrides": {
-                    name: os.environ[name]
-                    for name in (STRATEGY_ENV, MAX_RETRIES_ENV)
-                    if os.environ.get(name, "").strip()
-                },
+                "overrides": read_policy_overrides(),
             },
             "backends": snapshot.backends,
             "aliases": dict(snapshot.aliases),

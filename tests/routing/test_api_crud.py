@@ -7,12 +7,13 @@ import pytest
 import schemathesis
 from django.contrib.staticfiles import finders
 from django.core.wsgi import get_wsgi_application
+from django.test import override_settings
 from hypothesis import HealthCheck, settings
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 from schemathesis.checks import not_a_server_error
 
-from routing.core import MAX_RETRIES_ENV, STRATEGY_ENV
+from routing.core import STRATEGY_ENV
 from routing.models import Alias, FallbackChain, RoutingPolicy
 from routing.versioning import read_config_version
 from tests.factories import (
@@ -252,19 +253,20 @@ def test_policy_rules_match_the_admin(
 
 
 @pytest.mark.django_db
-def test_config_shows_what_the_router_uses_without_secrets(
-    api: APIClient, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_config_shows_what_the_router_uses_without_secrets(api: APIClient) -> None:
     gpu = BackendFactory(name="gpu-1", api_key=SECRET, priority=1)
     BackendModelFactory(backend=gpu, name="llama3:8b", supports_tools=True)
     BackendFactory(name="gpu-2", priority=2)
     AliasFactory(name="gpt-4", target="llama3:8b")
     ChainStepFactory(chain=FallbackChainFactory(model="gpt-4"), model="mistral:7b")
     RoutingPolicy.objects.create(strategy="priority_only", max_retries=1)
-    monkeypatch.setenv(STRATEGY_ENV, "random")
-    monkeypatch.setenv(MAX_RETRIES_ENV, "")
+    # As NEXUS_ROUTING_STRATEGY=random and NEXUS_ROUTING_MAX_RETRIES= would.
+    overrides = override_settings(
+        NEXUS_ROUTING_STRATEGY="random", NEXUS_ROUTING_MAX_RETRIES=None
+    )
 
-    response = api.get("/api/v1/config")
+    with overrides:
+        response = api.get("/api/v1/config")
 
     assert response.status_code == 200
     assert SECRET not in response.content.decode()

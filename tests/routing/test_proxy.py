@@ -608,7 +608,6 @@ def test_retried_5xx_replies_do_not_leak_upstream_connections(
     # A pool of two connections: a leaked one per retry would exhaust it fast.
     server = start_nexus_server(
         NEXUS_UPSTREAM_MAX_CONNECTIONS="2",
-        NEXUS_UPSTREAM_MAX_KEEPALIVE="2",
         NEXUS_UPSTREAM_CONNECT_TIMEOUT="1",
         NEXUS_BREAKER_FAILURES="1000000",
     )

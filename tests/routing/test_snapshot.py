@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from routing.core import Health, Strategy
@@ -51,10 +53,10 @@ def test_snapshot_carries_every_routing_table() -> None:
     assert "sk-upstream" not in repr(snapshot)
 
 
-def test_env_overrides_the_stored_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_env_overrides_the_stored_policy(settings: Any) -> None:
     RoutingPolicy.load()
-    monkeypatch.setenv("NEXUS_ROUTING_STRATEGY", "priority_only")
-    monkeypatch.setenv("NEXUS_ROUTING_MAX_RETRIES", "5")
+    settings.NEXUS_ROUTING_STRATEGY = "priority_only"
+    settings.NEXUS_ROUTING_MAX_RETRIES = 5
     snapshot = build_snapshot()
     assert snapshot.policy.strategy == Strategy.PRIORITY_ONLY
     assert snapshot.policy.max_retries == 5

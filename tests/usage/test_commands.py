@@ -126,6 +126,16 @@ def test_usage_groups_by_key_and_names_the_key() -> None:
     assert "anonymous" not in output  # the anonymous request is two hours old
 
 
+def test_usage_by_key_marks_deleted_keys_as_the_admin_does() -> None:
+    TokenUsageFactory(api_key_prefix="nx-gone0000", total_tokens=5)
+    TokenUsageFactory(api_key_prefix="", total_tokens=3)
+
+    output = run("nexus_usage", "--by", "key", "--since", "all")
+
+    assert "nx-gone0000… (deleted)" in output
+    assert "anonymous" in output
+
+
 def test_usage_json_for_scripts() -> None:
     _buckets()
 

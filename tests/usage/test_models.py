@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import hashlib
+from datetime import timedelta
 
 import pytest
 from django.db import IntegrityError, transaction
+from django.utils import timezone
 
-from tests.factories import ApiKeyFactory, TokenUsageFactory
-from usage.models import ApiKey, TokenUsage, hash_key
+from tests.factories import ApiKeyFactory, TokenUsageFactory, UsageBucketFactory
+from usage.models import (
+    ApiKey,
+    TokenUsage,
+    UsageBucket,
+    describe_key,
+    hash_key,
+    select_usage_rows,
+)
 
 
 def _stored_text(key: ApiKey) -> str:
@@ -85,3 +94,108 @@ def test_token_usage_has_one_row_per_backend_model_and_key() -> None:
         TokenUsage.objects.create(
             backend="gpu-1", model="llama3:8b", api_key_prefix="nx-abc"
         )
+
+
+# --- the usage report -----------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_report_sums_each_series_and_derives_rates() -> None:
+    TokenUsageFactory(
+        backend="gpu-1",
+        model="llama3:8b",
+        api_key_prefix="nx-a0000000",
+        requests=3,
+        errors=1,
+        total_tokens=100,
+        estimated_tokens=25,
+        latency_ms_sum=300.0,
+    )
+    TokenUsageFactory(
+        backend="gpu-2",
+        model="llama3:8b",
+        requests=1,
+        total_tokens=300,
+        latency_ms_sum=100.0,
+    )
+
+    [row] = TokenUsage.objects.report(["model"])
+
+    assert row["model"] == "llama3:8b"
+    assert (row["requests"], row["errors"], row["total_tokens"]) == (4, 1, 400)
+    assert row["latency_ms_avg"] == 100.0
+    assert row["error_rate"] == 0.25
+    assert row["estimated_share"] == 25 / 400
+    assert "key_name" not in row
+
+
+@pytest.mark.django_db
+def test_report_puts_the_largest_total_first_and_pages_in_the_database() -> None:
+    for tokens in (10, 30, 20):
+        TokenUsageFactory(model=f"m-{tokens}", total_tokens=tokens)
+
+    rows = TokenUsage.objects.report(["model"])
+
+    assert [row["model"] for row in rows] == ["m-30", "m-20", "m-10"]
+    assert rows.count() == 3
+    assert [row["model"] for row in rows[1:2]] == ["m-20"]
+    assert rows[1:2][0]["latency_ms_avg"] is not None
+
+
+@pytest.mark.django_db
+def test_report_by_key_names_each_key() -> None:
+    key = ApiKeyFactory(name="ci-bot")
+    TokenUsageFactory(api_key_prefix=key.prefix, total_tokens=3)
+    TokenUsageFactory(api_key_prefix="", total_tokens=2)
+    TokenUsageFactory(api_key_prefix="nx-gone0000", total_tokens=1)
+
+    rows = TokenUsage.objects.report(["key"])
+
+    assert [(r["api_key_prefix"], r["key_name"]) for r in rows] == [
+        (key.prefix, "ci-bot"),
+        ("", None),
+        ("nx-gone0000", None),
+    ]
+    assert [describe_key(r["api_key_prefix"], r["key_name"]) for r in rows] == [
+        f"ci-bot ({key.prefix}…)",
+        "anonymous",
+        "nx-gone0000… (deleted)",
+    ]
+
+
+@pytest.mark.django_db
+def test_report_of_idle_series_has_no_mean_latency() -> None:
+    TokenUsageFactory(requests=0, errors=0, total_tokens=0)
+
+    [row] = TokenUsage.objects.report(["backend"])
+
+    assert row["latency_ms_avg"] is None
+    assert row["error_rate"] == 0.0
+    assert row["estimated_share"] == 0.0
+
+
+@pytest.mark.django_db
+def test_totals_are_zeros_without_rows() -> None:
+    totals = UsageBucket.objects.all().totals()
+
+    assert totals["requests"] == totals["total_tokens"] == 0
+    assert totals["latency_ms_avg"] is None
+    assert totals["error_rate"] == 0.0
+
+
+@pytest.mark.django_db
+def test_usage_rows_of_a_range_are_the_minute_buckets_in_it() -> None:
+    now = timezone.now().replace(second=0, microsecond=0)
+    TokenUsageFactory(requests=100)
+    UsageBucketFactory(minute=now - timedelta(minutes=5), requests=2)
+    UsageBucketFactory(minute=now - timedelta(hours=5), requests=7)
+
+    all_time = select_usage_rows().totals()
+    last_hour = select_usage_rows(now - timedelta(hours=1)).totals()
+    until = select_usage_rows(until=now - timedelta(hours=1)).totals()
+
+    assert (all_time["requests"], last_hour["requests"], until["requests"]) == (
+        100,
+        2,
+        7,
+    )

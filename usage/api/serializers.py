@@ -7,12 +7,8 @@ from typing import Any
 
 from rest_framework import serializers
 
-from usage.models import USAGE_DIMENSIONS
+from usage.models import ANONYMOUS, USAGE_DIMENSIONS
 from usage.periods import PERIOD_HELP, parse_moment
-
-# Stands for "no key" (client auth off) in the key filter; real prefixes start
-# with "nx-". The admin's key filter uses the same value.
-ANONYMOUS = "-"
 
 
 class UsageQuerySerializer(serializers.Serializer[Any]):
@@ -83,6 +79,8 @@ def _moment(value: str) -> datetime:
 
 
 class CountersSerializer(serializers.Serializer[Any]):
+    """One row of UsageCountersQuerySet.report(), or its totals()."""
+
     requests = serializers.IntegerField()
     # DRF's metaclass moves declared fields off the class, so this does not
     # replace Serializer.errors at run time; only the type checker sees a clash.
@@ -101,8 +99,8 @@ class CountersSerializer(serializers.Serializer[Any]):
     )
 
     def get_latency_ms_avg(self, row: dict[str, Any]) -> float | None:
-        requests = row["requests"]
-        return round(row["latency_ms_sum"] / requests, 1) if requests else None
+        average = row["latency_ms_avg"]
+        return None if average is None else round(average, 1)
 
 
 class TokenUsageRowSerializer(CountersSerializer):
@@ -125,7 +123,7 @@ class StatsRowSerializer(CountersSerializer):
     error_rate = serializers.SerializerMethodField()
 
     def get_error_rate(self, row: dict[str, Any]) -> float:
-        return round(row["errors"] / row["requests"], 4) if row["requests"] else 0.0
+        return round(row["error_rate"], 4)
 
 
 class UsageStatsSerializer(serializers.Serializer[Any]):

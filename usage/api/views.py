@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from functools import cached_property
-from typing import Any, cast
+from typing import Any
 
 from django.db.models import QuerySet
 from django.utils import timezone
@@ -21,24 +20,12 @@ from usage.api.serializers import (
     TokenUsageRowSerializer,
     UsageStatsSerializer,
 )
-from usage.models import (
-    COUNTER_FIELDS,
-    USAGE_DIMENSIONS,
-    ApiKey,
-    TokenUsage,
-    UsageBucket,
-    UsageCountersQuerySet,
-    UsageRecord,
-)
+from usage.models import UsageCountersQuerySet, UsageRecord, select_usage_rows
 
 
 def _usage_rows(query: dict[str, Any]) -> UsageCountersQuerySet:
-    """All-time totals, or the per-minute buckets of a time range, filtered."""
-    rows: UsageCountersQuerySet
-    if "since" in query or "until" in query:
-        rows = UsageBucket.objects.between(query.get("since"), query.get("until"))
-    else:
-        rows = cast(UsageCountersQuerySet, TokenUsage.objects.all())
+    """The usage rows of the query's time range and series filters."""
+    rows = select_usage_rows(query.get("since"), query.get("until"))
     return rows.for_series(
         backend=query.get("backend"), model=query.get("model"), key=query.get("key")
     )
@@ -64,21 +51,12 @@ class TokenUsageView(generics.GenericAPIView[Any]):
         return params.validated_data
 
     def get_queryset(self) -> QuerySet[Any, dict[str, Any]]:
-        by = self.query["by"]
-        columns = [USAGE_DIMENSIONS[name] for name in by]
-        return _usage_rows(self.query).summarize(by).order_by("-total_tokens", *columns)
+        return _usage_rows(self.query).report(self.query["by"])
 
     @extend_schema(parameters=[TokenQuerySerializer])
     def get(self, request: Request) -> Response:
         page = self.paginate_queryset(self.get_queryset())
         assert page is not None  # pagination is configured in settings
-        if "key" in self.query["by"]:
-            prefixes = {row["api_key_prefix"] for row in page}
-            names = dict(
-                ApiKey.objects.filter(prefix__in=prefixes).values_list("prefix", "name")
-            )
-            for row in page:
-                row["key_name"] = names.get(row["api_key_prefix"])
         return self.get_paginated_response(self.get_serializer(page, many=True).data)
 
 
@@ -97,27 +75,16 @@ class UsageStatsView(APIView):
         query.is_valid(raise_exception=True)
         params = query.validated_data
         until = params.get("until") or timezone.now()
-        pairs = list(
-            _usage_rows({**params, "until": until}).summarize(["backend", "model"])
-        )
-        by_model: dict[str, dict[str, Any]] = defaultdict(_zero)
-        by_backend: dict[str, dict[str, Any]] = defaultdict(_zero)
-        totals = _zero()
-        for row in pairs:
-            for bucket in (by_model[row["model"]], by_backend[row["backend"]], totals):
-                for name in COUNTER_FIELDS:
-                    bucket[name] += row[name]
+        rows = _usage_rows({**params, "until": until})
         stats = {
             "since": params["since"],
             "until": until,
-            "totals": totals,
-            "by_backend_model": pairs,
-            "by_model": [{"model": k, **v} for k, v in sorted(by_model.items())],
-            "by_backend": [{"backend": k, **v} for k, v in sorted(by_backend.items())],
+            "totals": rows.totals(),
+            "by_backend_model": rows.report(["backend", "model"]).order_by(
+                "backend", "model"
+            ),
+            "by_model": rows.report(["model"]).order_by("model"),
+            "by_backend": rows.report(["backend"]).order_by("backend"),
             "pending_records": UsageRecord.objects.pending().count(),
         }
         return Response(UsageStatsSerializer(stats).data)
-
-
-def _zero() -> dict[str, Any]:
-    return dict.fromkeys(COUNTER_FIELDS, 0)

@@ -9,7 +9,12 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
 from django.utils import timezone
 
-from usage.models import ApiKey, TokenUsage, UsageBucket, UsageRecord
+from usage.models import (
+    USAGE_DIMENSIONS,
+    UsageRecord,
+    describe_key,
+    select_usage_rows,
+)
 from usage.periods import PERIOD_HELP, parse_moment
 
 COLUMNS = (
@@ -52,7 +57,9 @@ class Command(BaseCommand):
             except ValueError as error:
                 raise CommandError(f"--since: {error}") from None
         try:
-            rows = self._summarize(by, since)
+            usage = select_usage_rows(since)
+            rows = list(usage.report([by]))
+            totals = usage.totals() if rows and not options["json"] else None
             pending = UsageRecord.objects.pending().count()
         except DatabaseError as error:
             raise CommandError(f"Could not read usage: {error}") from error
@@ -64,77 +71,40 @@ class Command(BaseCommand):
                         "since": since.isoformat() if since else None,
                         "until": timezone.now().isoformat(),
                         "by": by,
-                        "rows": rows,
+                        "rows": [_scripted(by, row) for row in rows],
                         "pending_records": pending,
                     },
                     indent=2,
                 )
             )
             return
-        self._print_table(by, since, rows)
+        period = "all time" if since is None else f"since {since:%Y-%m-%d %H:%M} UTC"
+        if totals is None:
+            self.stdout.write(f"No usage {period}.")
+        else:
+            self.stdout.write(f"Usage by {by}, {period}:")
+            self._print_table(by, rows, totals)
         if pending:
             self.stdout.write(
                 f"{pending} more request{'s' * (pending != 1)} not rolled up yet "
                 "(`manage.py nexus_flush_usage` does it now)."
             )
 
-    def _summarize(self, by: str, since: Any) -> list[dict[str, Any]]:
-        source = (
-            TokenUsage.objects.all()
-            if since is None
-            else UsageBucket.objects.between(since)
-        )
-        rows = [dict(row) for row in source.summarize([by])]
-        names = {}
-        if by == "key":
-            prefixes = [row["api_key_prefix"] for row in rows]
-            names = dict(
-                ApiKey.objects.filter(prefix__in=prefixes).values_list("prefix", "name")
-            )
-        for row in rows:
-            if by == "key":
-                prefix = row.pop("api_key_prefix")
-                row["key"] = prefix
-                row["key_name"] = names.get(prefix)
-            row["estimated_share"] = (
-                row["estimated_tokens"] / row["total_tokens"]
-                if row["total_tokens"]
-                else 0.0
-            )
-            row["latency_ms_avg"] = (
-                row.pop("latency_ms_sum") / row["requests"] if row["requests"] else None
-            )
-        rows.sort(key=lambda row: (-row["total_tokens"], str(row[by])))
-        return rows
-
-    def _print_table(self, by: str, since: Any, rows: list[dict[str, Any]]) -> None:
-        period = "all time" if since is None else f"since {since:%Y-%m-%d %H:%M} UTC"
-        if not rows:
-            self.stdout.write(f"No usage {period}.")
-            return
+    def _print_table(
+        self, by: str, rows: list[dict[str, Any]], totals: dict[str, Any]
+    ) -> None:
         header = [by, *(title for _, title in COLUMNS), "estimated"]
+        labelled = [(_label(by, row), row) for row in rows] + [("total", totals)]
         table = [header]
-        totals = dict.fromkeys((name for name, _ in COLUMNS), 0)
-        estimated_tokens = 0
-        for row in rows:
+        for label, row in labelled:
             table.append(
                 [
-                    _label(by, row),
+                    label,
                     *(f"{row[name]:,}" for name, _ in COLUMNS),
                     f"{row['estimated_share']:.0%}",
                 ]
             )
-            for name, _ in COLUMNS:
-                totals[name] += row[name]
-            estimated_tokens += row["estimated_tokens"]
-        share = (
-            estimated_tokens / totals["total_tokens"] if totals["total_tokens"] else 0
-        )
-        table.append(
-            ["total", *(f"{totals[name]:,}" for name, _ in COLUMNS), f"{share:.0%}"]
-        )
         widths = [max(len(line[i]) for line in table) for i in range(len(header))]
-        self.stdout.write(f"Usage by {by}, {period}:")
         for index, line in enumerate(table):
             cells = [line[0].ljust(widths[0])]
             cells += [
@@ -146,10 +116,15 @@ class Command(BaseCommand):
                 self.stdout.write("  ".join("-" * width for width in widths))
 
 
+def _scripted(by: str, row: dict[str, Any]) -> dict[str, Any]:
+    """A report row as --json prints it: the mean latency, not the sum."""
+    row = {name: value for name, value in row.items() if name != "latency_ms_sum"}
+    if by == "key":
+        row["key"] = row.pop("api_key_prefix")
+    return row
+
+
 def _label(by: str, row: dict[str, Any]) -> str:
-    if by != "key":
-        return str(row[by]) or "(none)"
-    if not row["key"]:
-        return "anonymous"
-    name = row["key_name"] or "deleted key"
-    return f"{name} ({row['key']}…)"
+    if by == "key":
+        return describe_key(row["api_key_prefix"], row["key_name"])
+    return str(row[USAGE_DIMENSIONS[by]]) or "(none)"
