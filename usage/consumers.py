@@ -22,7 +22,7 @@ from channels.exceptions import StopConsumer
 from channels.generic.http import AsyncHttpConsumer
 from rest_framework.authtoken.models import Token
 
-from backends.models import Backend
+from backends.health import BackendHealthDict, read_backend_health
 from usage.live import SeriesDict
 from usage.publisher import (
     ClusterUsageDict,
@@ -37,13 +37,9 @@ MAX_UPDATES_PER_SECOND = 4
 HEALTH_REFRESH_SECONDS = 5.0
 
 
-class BackendHealthDict(TypedDict):
-    name: str
-    enabled: bool
-    status: str
-    avg_latency_ms: float | None
-    last_check_at: str | None
-    last_error: str
+class BackendLoadDict(BackendHealthDict):
+    """A backend's recorded health and its requests in flight right now."""
+
     in_flight: int
 
 
@@ -55,28 +51,7 @@ class UsageStreamEventDict(TypedDict):
     subscribers: int  # usage streams open on the serving process
     series: list[SeriesDict]
     latency: list[ModelLatencyDict]
-    backends: list[BackendHealthDict]
-
-
-def read_backend_health() -> list[BackendHealthDict]:
-    """Read every backend's health from the database (sync code only)."""
-    rows = Backend.objects.order_by("name").values(
-        "name", "enabled", "status", "avg_latency_ms", "last_check_at", "last_error"
-    )
-    return [
-        {
-            "name": row["name"],
-            "enabled": row["enabled"],
-            "status": row["status"],
-            "avg_latency_ms": row["avg_latency_ms"],
-            "last_check_at": (
-                row["last_check_at"].isoformat() if row["last_check_at"] else None
-            ),
-            "last_error": row["last_error"][:200],
-            "in_flight": 0,
-        }
-        for row in rows
-    ]
+    backends: list[BackendLoadDict]
 
 
 def _is_staff_token(raw: str) -> bool:
@@ -91,7 +66,7 @@ def build_stream_event(
     in_flight: dict[str, int] = {}
     for row in usage["series"]:
         in_flight[row["backend"]] = in_flight.get(row["backend"], 0) + row["in_flight"]
-    backends: list[BackendHealthDict] = [
+    backends: list[BackendLoadDict] = [
         {**backend, "in_flight": in_flight.get(backend["name"], 0)}
         for backend in health
     ]
