@@ -136,7 +136,7 @@ def server_commands(
     """
     python = sys.executable
     if server == "daphne":
-        daphne = [python, "-m", "daphne", "--fd", str(fd)]
+        daphne = [python, "-m", "nexus_site.daphne_main", "--fd", str(fd)]
         if proxy_headers:
             daphne.append("--proxy-headers")
         return [[*daphne, ASGI_APP] for _ in range(workers)]

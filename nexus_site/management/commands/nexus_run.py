@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import secrets
@@ -47,6 +48,13 @@ class Command(BaseCommand):
             "and granian need `pip install 'nexus[servers]'`.",
         )
         parser.add_argument(
+            "--web-only",
+            action="store_true",
+            help="Start only the serving processes (containers that run the "
+            "Celery worker and beat as services of their own); no demo, no admin "
+            "bootstrap.",
+        )
+        parser.add_argument(
             "--proxy-headers",
             action="store_true",
             help="Trust X-Forwarded-For/-Proto from clients (only behind a "
@@ -72,6 +80,7 @@ class Command(BaseCommand):
         workers: int,
         server: str,
         proxy_headers: bool,
+        web_only: bool,
         **options: Any,
     ) -> None:
         if not 1 <= workers <= 256:
@@ -84,73 +93,39 @@ class Command(BaseCommand):
         try:
             listener = open_listener(host, port)
         except OSError as error:
+            reason = (
+                "is already in use"
+                if error.errno == errno.EADDRINUSE
+                else f"cannot be listened on ({error.strerror})"
+            )
             raise CommandError(
-                f"Cannot listen on {host}:{port} ({error.strerror}). Stop whatever "
-                "is using it or choose another port with NEXUS_PORT or --port."
+                f"{host}:{port} {reason}. Stop whatever is using it or choose "
+                "another port with NEXUS_PORT or --port."
             ) from error
         call_command("migrate", interactive=False, verbosity=0)
         db = settings.DATABASES["default"]
         self.stdout.write(
             f"Database ready: {db['ENGINE'].rsplit('.', 1)[1]} {db['NAME']}"
         )
-        admin_line = self._ensure_admin_user()
+        admin_line = "" if web_only else self._ensure_admin_user()
 
         # Serving processes drain for NEXUS_DRAIN_SECONDS before exiting.
         supervisor = Supervisor(self.stdout, grace=settings.NEXUS_DRAIN_SECONDS + 10.0)
         supervisor.install_signal_handlers()
         status = 1
         try:
-            demo_key = self._start_demo(supervisor, demo_wanted=demo)
-            python = sys.executable
+            demo_key = (
+                "" if web_only else self._start_demo(supervisor, demo_wanted=demo)
+            )
             webs = self._start_web(
                 supervisor, listener, server, host, port, workers, proxy_headers
             )
             web = webs[0]
-            worker = supervisor.start(
-                "worker",
-                [
-                    python,
-                    "-m",
-                    "celery",
-                    "-A",
-                    "nexus_site",
-                    "worker",
-                    "--loglevel",
-                    "INFO",
-                    "--pool",
-                    "threads",
-                    "--concurrency",
-                    "4",
-                    "--hostname",
-                    "nexus-worker@%h",
-                    *(
-                        ()
-                        if settings.REDIS_URL
-                        else ("--without-mingle", "--without-gossip")
-                    ),
-                ],
-            )
-            beat = supervisor.start(
-                "beat",
-                [
-                    python,
-                    "-m",
-                    "celery",
-                    "-A",
-                    "nexus_site",
-                    "beat",
-                    "--loglevel",
-                    "INFO",
-                    "--schedule",
-                    settings.CELERY_BEAT_SCHEDULE_FILENAME,
-                ],
-            )
+            background = () if web_only else self._start_celery(supervisor)
             if not wait_for_port(host, port, web):
                 supervisor.say("The web server did not start; see [web] above.")
             else:
-                self._banner(
-                    host, port, admin_line, demo_key, web.pid, worker.pid, beat.pid
-                )
+                self._banner(host, port, admin_line, demo_key, web, *background)
                 self.stdout.write(
                     f"  Serving with {server}: {workers} process"
                     f"{'es' * (workers != 1)} on one port "
@@ -168,6 +143,50 @@ class Command(BaseCommand):
             )
         if status:
             sys.exit(status)
+
+    def _start_celery(self, supervisor: Supervisor) -> tuple[Child, Child]:
+        """Start a Celery worker and beat (periodic health, discovery, usage)."""
+        python = sys.executable
+        worker = supervisor.start(
+            "worker",
+            [
+                python,
+                "-m",
+                "celery",
+                "-A",
+                "nexus_site",
+                "worker",
+                "--loglevel",
+                "INFO",
+                "--pool",
+                "threads",
+                "--concurrency",
+                "4",
+                "--hostname",
+                "nexus-worker@%h",
+                *(
+                    ()
+                    if settings.REDIS_URL
+                    else ("--without-mingle", "--without-gossip")
+                ),
+            ],
+        )
+        beat = supervisor.start(
+            "beat",
+            [
+                python,
+                "-m",
+                "celery",
+                "-A",
+                "nexus_site",
+                "beat",
+                "--loglevel",
+                "INFO",
+                "--schedule",
+                settings.CELERY_BEAT_SCHEDULE_FILENAME,
+            ],
+        )
+        return worker, beat
 
     def _start_web(
         self,
@@ -249,21 +268,23 @@ class Command(BaseCommand):
         port: int,
         admin_line: str,
         demo_key: str,
-        web_pid: int,
-        worker_pid: int,
-        beat_pid: int,
+        web: Child,
+        worker: Child | None = None,
+        beat: Child | None = None,
     ) -> None:
         url = f"http://{host}:{port}"
         lines = [
             "",
             "Nexus is running.",
             f"  Gateway:       {url}/v1  (OpenAI-compatible; send a Nexus key)",
-            f"  Admin:         {url}/admin/  {admin_line}",
-            (
-                f"  Processes:     web pid {web_pid}, worker pid {worker_pid}, "
-                f"beat pid {beat_pid}"
-            ),
         ]
+        if admin_line:
+            lines.append(f"  Admin:         {url}/admin/  {admin_line}")
+        if worker is not None and beat is not None:
+            lines.append(
+                f"  Processes:     web pid {web.pid}, worker pid {worker.pid}, "
+                f"beat pid {beat.pid}"
+            )
         if demo_key:
             lines.append(f"  Demo API key:  {demo_key}")
         lines += ["Press Ctrl-C to stop.", ""]
