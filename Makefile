@@ -10,7 +10,7 @@ PRODUCTION := env NEXUS_TEST_MODE=production DATABASE_URL=$(TEST_DATABASE_URL) \
 	ALLOWED_HOSTS=127.0.0.1,localhost,testserver
 
 .PHONY: run test lint test-embedded test-production test-tools setup-tools \
-	smoke-pythons bench
+	smoke-pythons bench bench-peers
 
 run: $(VENV)/.installed
 	$(BIN)/python manage.py nexus_run
@@ -30,14 +30,30 @@ test-embedded: $(VENV)/.installed-dev test-tools
 test-production: $(VENV)/.installed-dev test-tools
 	$(PRODUCTION) $(BIN)/pytest $(PYTEST_ARGS)
 
-# Not a test: the proxy's latency, throughput and memory against issue 6's goals,
-# with production-style settings in a scratch database (results in bench-results/).
+# Not a test: the proxy's latency, throughput and memory under Daphne, uvicorn
+# and granian, in one and N processes, against issue 11's goals, with
+# production-style settings in a scratch database (results in bench-results/).
 BENCH_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/nexus_bench
 BENCH_REDIS_URL ?= redis://127.0.0.1:6379/3
 BENCH := env DATABASE_URL=$(BENCH_DATABASE_URL) REDIS_URL=$(BENCH_REDIS_URL) \
 	SECRET_KEY=bench-only-not-secret ALLOWED_HOSTS=127.0.0.1,localhost
 bench: $(VENV)/.installed-dev test-tools
 	$(BENCH) $(BIN)/python -m tests.bench $(BENCH_ARGS)
+
+# The same, plus LiteLLM's proxy on the same mock, installed from PyPI into its
+# own virtualenv (never part of the product or `make test`).
+PEERS := .bench-peers
+bench-peers: $(VENV)/.installed-dev test-tools $(PEERS)/litellm/.installed
+	$(BENCH) $(BIN)/python -m tests.bench --litellm $(PEERS)/litellm/bin/litellm \
+		$(BENCH_ARGS)
+
+$(PEERS)/litellm/.installed:
+	@{ python3.11 -m venv $(PEERS)/litellm && \
+		$(PEERS)/litellm/bin/pip install --quiet 'litellm[proxy]'; } || { \
+		echo "make bench-peers: could not install LiteLLM (python3.11 -m venv" \
+			"and pip install 'litellm[proxy]' from PyPI) into $(PEERS)/litellm;" \
+			"see pip's output above." >&2; rm -rf $(PEERS)/litellm; exit 1; }
+	touch $@
 
 # Browser tests drive Debian's chromium (Playwright's own browser download needs
 # the internet, which this project never uses); the benchmark and its smoke test

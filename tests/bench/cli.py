@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import signal
 import sys
 from collections.abc import Sequence
@@ -15,16 +17,31 @@ from django.core.management import call_command
 
 from tests.bench.clients import BenchError
 from tests.bench.database import child_environment, ensure_database
-from tests.bench.processes import SERVERS
+from tests.bench.plan import (
+    DEFAULT_DURATION,
+    DEFAULT_WARMUP,
+    BenchOptions,
+    estimate_seconds,
+)
+from tests.bench.processes import (
+    DEFAULT_TARGETS,
+    LITELLM,
+    TARGET_CHOICES,
+    TargetSpec,
+    parse_targets,
+)
 from tests.bench.report import format_report, write_json
-from tests.bench.runner import BenchOptions, run_benchmark
+from tests.bench.runner import run_benchmark
 
 DESCRIPTION = (
-    "Measure what the proxy costs: start a mock backend and one Nexus serving "
-    "process (Daphne, then uvicorn), load both with wrk and latency probes, and "
-    "print requests/s, p50/p99 latency, streaming time-to-first-byte and peak "
-    "RSS, direct versus through Nexus, against the goals of issue 6. `make "
-    "bench` runs it with production-style settings (PostgreSQL and Redis)."
+    "Measure what the proxy costs: start a mock backend, then each target "
+    "(a bare Daphne app for reference, Nexus under Daphne, uvicorn and granian "
+    "in one process and in N processes on one port, LiteLLM with --litellm), "
+    "load it with wrk and latency probes, and print requests/s, p50/p99 "
+    "latency, streaming time-to-first-byte at a paced rate, CPU per request "
+    "and memory, direct versus through each target, against the goals of "
+    "issue 11. `make bench` runs it with production-style settings "
+    "(PostgreSQL and Redis); `make bench-peers` adds LiteLLM."
 )
 
 
@@ -36,15 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--duration",
         type=int,
-        default=10,
-        help="Seconds per measurement (default 10). A run makes 8 measurements "
-        "of the mock directly and 8 through each server: about 5 minutes.",
+        default=DEFAULT_DURATION,
+        help=f"Seconds per measurement (default {DEFAULT_DURATION}). The "
+        "run prints its estimated length before it starts (about 4 minutes "
+        "with the defaults).",
     )
     parser.add_argument(
         "--warmup",
         type=float,
-        default=3.0,
-        help="Seconds of load before each target is measured (default 3).",
+        default=DEFAULT_WARMUP,
+        help=f"Seconds of load before each target is measured (default "
+        f"{DEFAULT_WARMUP:g}).",
     )
     parser.add_argument(
         "--quick",
@@ -53,21 +72,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--servers",
-        default=",".join(SERVERS),
-        help="Comma-separated serving processes to measure (default: "
-        f"{','.join(SERVERS)}).",
+        default=",".join(DEFAULT_TARGETS),
+        help="Comma-separated targets to measure, from "
+        f"{', '.join(TARGET_CHOICES)} (NAME-xN: N processes on one port; "
+        f"default: {','.join(DEFAULT_TARGETS)}).",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 2,
+        help="N of the NAME-xN targets (default: the number of CPUs, "
+        f"{os.cpu_count()} here).",
+    )
+    parser.add_argument(
+        "--litellm",
+        metavar="PATH",
+        help="Also measure LiteLLM's proxy, one worker on the same mock, with "
+        "this `litellm` executable (make bench-peers installs one).",
     )
     parser.add_argument(
         "--no-pin",
         dest="pin",
         action="store_false",
-        help="Do not pin processes to CPUs with taskset.",
+        help="Do not pin single-process targets to CPUs with taskset.",
     )
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="After measuring, record a py-spy flame graph of each serving "
-        "process under 16 connections (into the output directory).",
+        help="After measuring each Nexus target, record a py-spy profile "
+        "(collapsed stacks) under 16 connections into the output directory, "
+        "and report its top frames.",
     )
     parser.add_argument(
         "--output",
@@ -92,21 +126,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     options = parser.parse_args(argv)
-    servers = tuple(s.strip() for s in options.servers.split(",") if s.strip())
-    unknown = sorted(set(servers) - set(SERVERS))
-    if unknown or not servers:
-        parser.error(
-            f"--servers takes some of {', '.join(SERVERS)}, not {options.servers!r}."
-        )
     if options.duration < 1:
         parser.error("--duration must be at least 1 second.")
+    if not 2 <= options.workers <= 64:
+        parser.error(f"--workers must be within 2..64, not {options.workers}.")
+    names = [s.strip() for s in options.servers.split(",") if s.strip()]
+    try:
+        targets = parse_targets(names, options.workers)
+    except ValueError as error:
+        parser.error(
+            f"--servers takes some of {', '.join(TARGET_CHOICES)}, not {error}."
+        )
+    if not targets and not options.litellm:
+        parser.error(f"--servers takes some of {', '.join(TARGET_CHOICES)}.")
+    if options.litellm:
+        litellm = shutil.which(options.litellm)
+        if litellm is None:
+            parser.error(
+                f"--litellm: {options.litellm!r} is not an executable (make "
+                "bench-peers installs LiteLLM into .bench-peers/litellm/)."
+            )
+        targets += (TargetSpec(LITELLM, LITELLM, role="peer"),)
     bench = BenchOptions(
         duration=options.duration,
         warmup=0.0 if options.quick else max(0.0, options.warmup),
-        servers=servers,
+        targets=targets,
         pin=options.pin,
         profile_dir=options.output if options.profile else None,
         wrk=options.wrk,
+        litellm=str(Path(litellm).absolute()) if options.litellm else None,
+    )
+    estimate = estimate_seconds(bench)
+    _progress(
+        f"Measuring the mock directly and {', '.join(t.label for t in targets)}: "
+        f"about {estimate / 60:.1f} minutes ({round(estimate)} s)"
     )
     ensure_database()
     call_command("migrate", interactive=False, verbosity=0)

@@ -76,6 +76,7 @@ class Samples:
     first_bytes_ns: list[int] = field(default_factory=list)
     errors: int = 0
     elapsed_s: float = 0.0
+    max_lag_ns: int = 0  # paced clients: the latest a request started
 
     @property
     def count(self) -> int:
@@ -215,32 +216,120 @@ async def _send_back_to_back(
 ) -> None:
     request = endpoint.request_bytes()
     reader, writer = await asyncio.open_connection(endpoint.host, endpoint.port)
-    clock = time.perf_counter_ns
     try:
-        while (begin := clock()) < deadline:
-            writer.write(request)
-            status, headers = _parse_head(await reader.readuntil(b"\r\n\r\n"))
-            first = 0
-            body = bytearray()
-            if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
-                while size := int((await reader.readline()).split(b";")[0], 16):
-                    body += (await reader.readexactly(size + 2))[:-2]
-                    if not first and b"data:" in body:
-                        first = clock()
-                await reader.readline()
-            else:
-                body += await reader.readexactly(
-                    int(headers.get(b"content-length", b"0"))
-                )
-                first = clock()
-            end = clock()
-            if status != 200 or expect not in body:
-                samples.errors += 1
-                continue
-            samples.first_bytes_ns.append(first - begin)
-            samples.latencies_ns.append(end - begin)
+        while time.perf_counter_ns() < deadline:
+            _record(samples, await _exchange(reader, writer, request), expect)
     finally:
         writer.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _Exchange:
+    status: int
+    body: bytes
+    begin_ns: int
+    first_ns: int  # first body bytes (of a stream: the first SSE data line)
+    end_ns: int
+
+
+async def _exchange(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes
+) -> _Exchange:
+    """Send one request on a keep-alive connection and time its response."""
+    clock = time.perf_counter_ns
+    begin = clock()
+    writer.write(request)
+    status, headers = _parse_head(await reader.readuntil(b"\r\n\r\n"))
+    first = 0
+    body = bytearray()
+    if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
+        while size := int((await reader.readline()).split(b";")[0], 16):
+            body += (await reader.readexactly(size + 2))[:-2]
+            if not first and b"data:" in body:
+                first = clock()
+        await reader.readline()
+    else:
+        body += await reader.readexactly(int(headers.get(b"content-length", b"0")))
+        first = clock()
+    return _Exchange(status, bytes(body), begin, first or clock(), clock())
+
+
+def _record(samples: Samples, exchange: _Exchange, expect: bytes) -> None:
+    if exchange.status != 200 or expect not in exchange.body:
+        samples.errors += 1
+        return
+    samples.first_bytes_ns.append(exchange.first_ns - exchange.begin_ns)
+    samples.latencies_ns.append(exchange.end_ns - exchange.begin_ns)
+
+
+def measure_paced(
+    endpoint: Endpoint,
+    rate: float,
+    duration: float,
+    cpus: Collection[int] | None = None,
+    *,
+    expect: bytes,
+) -> Samples:
+    """Send ``rate`` requests per second for ``duration`` seconds, on schedule.
+
+    Open loop: each request starts at its scheduled time whether or not earlier
+    ones have finished, on an idle keep-alive connection (a new one when all are
+    busy). Records the same times as ``measure_concurrently``, and how far
+    behind schedule the client fell (``max_lag_ns``), which says whether the
+    offered rate was really offered.
+    """
+    previous = os.sched_getaffinity(0)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    try:
+        return _run_loop(_measure_paced(endpoint, rate, duration, expect))
+    finally:
+        os.sched_setaffinity(0, previous)
+
+
+async def _measure_paced(
+    endpoint: Endpoint, rate: float, duration: float, expect: bytes
+) -> Samples:
+    samples = Samples()
+    request = endpoint.request_bytes()
+    idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    opened: list[asyncio.StreamWriter] = []
+
+    async def send_one() -> None:
+        if idle:
+            reader, writer = idle.pop()
+        else:
+            reader, writer = await asyncio.open_connection(endpoint.host, endpoint.port)
+            opened.append(writer)
+        try:
+            exchange = await _exchange(reader, writer, request)
+        except (OSError, asyncio.IncompleteReadError, ValueError):
+            samples.errors += 1
+            writer.close()
+            return
+        _record(samples, exchange, expect)
+        idle.append((reader, writer))
+
+    # A connection ready before the clock starts, as a client's pool would have.
+    idle.append(await asyncio.open_connection(endpoint.host, endpoint.port))
+    opened.append(idle[0][1])
+    clock = time.perf_counter_ns
+    interval = 1e9 / rate
+    started = clock()
+    tasks = []
+    try:
+        for number in range(max(1, int(duration * rate))):
+            due = started + int(number * interval)
+            if (wait := due - clock()) > 0:
+                await asyncio.sleep(wait / 1e9)
+            samples.max_lag_ns = max(samples.max_lag_ns, clock() - due)
+            tasks.append(asyncio.create_task(send_one()))
+        await asyncio.gather(*tasks)
+    finally:
+        for writer in opened:
+            writer.close()
+    samples.elapsed_s = (clock() - started) / 1e9
+    return samples
 
 
 def write_wrk_script(directory: Path, endpoint: Endpoint, name: str) -> Path:

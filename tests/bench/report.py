@@ -1,19 +1,21 @@
-"""The benchmark report: comparisons, goals, the printed table and the JSON file."""
+"""The benchmark report: comparisons, goals, the printed tables and the JSON file."""
 
 from __future__ import annotations
 
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from tests.bench.runner import BenchOptions
+from tests.bench.goals import judge_goals, ratio
 
-SCHEMA_VERSION = 1
+if TYPE_CHECKING:
+    from tests.bench.plan import BenchOptions
+
+SCHEMA_VERSION = 2
 # A load average above this share of the CPUs before the run means that other
 # processes compete for them.
 BUSY_LOAD_SHARE = 0.5
@@ -23,48 +25,36 @@ METHOD = {
     "asyncio on uvloop, plain sockets), never wrk's (coordinated-omission "
     "corrected) percentiles: at c=1 one sequential probe connection alone; at "
     "c=16/64 the probe holds c/4 of the c connections while wrk holds the rest",
-    "streaming": "wrk for streams/s; a Python asyncio client with c connections "
-    "for time to the first SSE data line (TTFB) and to the end of the stream",
-    "memory": "VmHWM (peak resident set) of the serving process, from /proc",
+    "streaming": "time to the first SSE data line (TTFB) and to the end of the "
+    "stream from a Python asyncio client that starts new streams at a fixed "
+    "rate (open loop, keep-alive connections, raw samples); closed-loop "
+    "streams/s from wrk at c=8",
+    "targets": "bare-daphne: Daphne as it comes serving a constant ~350-byte "
+    "JSON reply (the ceiling of one Daphne process here); daphne, uvicorn, "
+    "granian: Nexus in one serving process; NAME-xN: Nexus in N processes on "
+    "one port, started as nexus_run starts them; litellm: LiteLLM's proxy, one "
+    "worker, on the same mock (make bench-peers)",
+    "multi-process": "not pinned (they need every "
+    "CPU, which they share with the mock and wrk), are loaded by wrk alone "
+    "(no latency probe: a Python client would take their CPU) and their CPU "
+    "and memory are summed over every process",
+    "resources": "CPU time (utime+stime) and memory (VmRSS, peak VmHWM) from "
+    "/proc, over each target's whole process tree (granian's workers are child "
+    "processes)",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class Goal:
-    """One target from issue 6, checked for each serving process."""
-
-    name: str
-    unit: str
-    limit: float
-    at_most: bool  # True: the value must be <= limit; False: >= limit
-
-    @property
-    def target(self) -> str:
-        limit = f"{self.limit:,.0f}" if self.limit >= 100 else f"{self.limit:g}"
-        return f"{'<=' if self.at_most else '>='} {limit} {self.unit}"
-
-    def is_met(self, value: float) -> bool:
-        return value <= self.limit if self.at_most else value >= self.limit
-
-
-GOALS = {
-    "added_p50_c1": Goal("added p50 latency, chat c=1", "ms", 1.0, at_most=True),
-    "rps_c16": Goal("throughput, chat c=16", "req/s", 1500.0, at_most=False),
-    "ttfb_overhead": Goal(
-        "streaming TTFB overhead (p50), c=8", "ms", 2.0, at_most=True
-    ),
-    "peak_rss": Goal("peak RSS of the serving process", "MB", 150.0, at_most=True),
-}
-
-
-# The streaming goal is judged at this concurrency (issue 6's benchmark).
-GOAL_STREAM_CONCURRENCY = "8"
 
 
 def summarize_ns(samples_ns: Sequence[int]) -> dict[str, float | int | None]:
     """Percentiles (nearest rank) of raw samples, in milliseconds."""
     if not samples_ns:
-        return {"samples": 0, "mean": None, "p50": None, "p90": None, "p99": None}
+        return {
+            "samples": 0,
+            "mean": None,
+            "p50": None,
+            "p90": None,
+            "p99": None,
+            "max": None,
+        }
     ordered = sorted(samples_ns)
 
     def rank(p: float) -> float:
@@ -88,35 +78,37 @@ def build_report(
     started_at: float,
     environment: dict[str, Any],
 ) -> dict[str, Any]:
-    """Add the direct-versus-Nexus comparisons and the goal verdicts to the results."""
+    """Add the comparisons with the direct run and the goal verdicts to the results."""
     direct = results["direct"]
     servers = {name: data for name, data in results.items() if name != "direct"}
     comparisons = {name: _compare(direct, data) for name, data in servers.items()}
-    goals = [
-        verdict
-        for name in servers
-        for verdict in _judge(name, servers[name], comparisons[name])
-    ]
     return {
         "schema": SCHEMA_VERSION,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started_at)),
         "environment": environment,
         "method": METHOD,
-        "options": {
-            key: str(value) if isinstance(value, Path) else value
-            for key, value in asdict(options).items()
-        },
+        "options": _plain(asdict(options)),
         "direct": direct,
         "servers": servers,
         "comparison": comparisons,
-        "goals": goals,
+        "goals": judge_goals(servers, comparisons),
     }
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    return str(value) if isinstance(value, Path) else value
 
 
 def _compare(direct: dict[str, Any], via: dict[str, Any]) -> dict[str, Any]:
     chat = {}
     for concurrency, cell in via["chat"].items():
-        base = direct["chat"][concurrency]
+        base = direct["chat"].get(concurrency)
+        if base is None:
+            continue
         chat[concurrency] = {
             "added_p50_ms": _minus(
                 cell["latency_ms"]["p50"], base["latency_ms"]["p50"]
@@ -124,74 +116,33 @@ def _compare(direct: dict[str, Any], via: dict[str, Any]) -> dict[str, Any]:
             "added_p99_ms": _minus(
                 cell["latency_ms"]["p99"], base["latency_ms"]["p99"]
             ),
-            "throughput_ratio": round(
-                cell["requests_per_s"] / base["requests_per_s"], 3
+            "throughput_ratio": ratio(cell["requests_per_s"], base["requests_per_s"]),
+        }
+    stream = {
+        concurrency: {
+            "throughput_ratio": ratio(
+                cell["streams_per_s"], direct["stream"][concurrency]["streams_per_s"]
             )
-            if base["requests_per_s"]
-            else None,
         }
-    stream = {}
-    for concurrency, cell in via["stream"].items():
-        base = direct["stream"][concurrency]
-        stream[concurrency] = {
-            "ttfb_overhead_p50_ms": _minus(
-                cell["ttfb_ms"]["p50"], base["ttfb_ms"]["p50"]
+        for concurrency, cell in via["stream"].items()
+        if concurrency in direct["stream"]
+    }
+    paced, base_paced = via.get("paced_stream"), direct.get("paced_stream")
+    paced_comparison = None
+    if paced and base_paced:
+        paced_comparison = {
+            "ttfb_added_p50_ms": _minus(
+                paced["ttfb_ms"]["p50"], base_paced["ttfb_ms"]["p50"]
             ),
-            "ttfb_overhead_p99_ms": _minus(
-                cell["ttfb_ms"]["p99"], base["ttfb_ms"]["p99"]
+            "ttfb_added_p99_ms": _minus(
+                paced["ttfb_ms"]["p99"], base_paced["ttfb_ms"]["p99"]
             ),
-            "throughput_ratio": round(cell["streams_per_s"] / base["streams_per_s"], 3)
-            if base["streams_per_s"]
-            else None,
         }
-    return {"chat": chat, "stream": stream}
+    return {"chat": chat, "stream": stream, "paced_stream": paced_comparison}
 
 
 def _minus(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round(a - b, 3)
-
-
-def _judge(
-    server: str, data: dict[str, Any], comparison: dict[str, Any]
-) -> list[dict[str, Any]]:
-    chat, stream = data["chat"], data["stream"]
-    stream_cell = stream.get(GOAL_STREAM_CONCURRENCY)
-    stream_comparison = comparison["stream"].get(GOAL_STREAM_CONCURRENCY)
-    found: dict[str, tuple[float | None, int]] = {
-        "added_p50_c1": (
-            comparison["chat"].get("1", {}).get("added_p50_ms"),
-            chat.get("1", {}).get("errors", 0),
-        ),
-        "rps_c16": (
-            chat.get("16", {}).get("requests_per_s"),
-            chat.get("16", {}).get("errors", 0),
-        ),
-        "ttfb_overhead": (
-            stream_comparison["ttfb_overhead_p50_ms"] if stream_comparison else None,
-            stream_cell["errors"] if stream_cell else 0,
-        ),
-        "peak_rss": (round(data["peak_rss_kib"] * 1024 / 1e6, 1), 0),
-    }
-    verdicts = []
-    for key, (value, errors) in found.items():
-        goal = GOALS[key]
-        if value is None:
-            status = "NOT MEASURED"
-        elif errors:
-            status = "MISS (errors)"
-        else:
-            status = "PASS" if goal.is_met(value) else "MISS"
-        verdicts.append(
-            {
-                "server": server,
-                "goal": goal.name,
-                "target": goal.target,
-                "value": value,
-                "unit": goal.unit,
-                "status": status,
-            }
-        )
-    return verdicts
 
 
 def write_json(report: dict[str, Any], directory: Path) -> Path:
@@ -206,9 +157,10 @@ def write_json(report: dict[str, Any], directory: Path) -> Path:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    """The human summary: environment, method, results table and goal verdicts."""
+    """The human summary: environment, method, results tables and goal verdicts."""
     env = report["environment"]
     method = report["method"]
+    litellm = f", LiteLLM {env['litellm']}" if env.get("litellm") else ""
     lines = [
         f"Nexus proxy benchmark, {report['started_at']}",
         (
@@ -218,36 +170,90 @@ def format_report(report: dict[str, Any]) -> str:
         ),
         (
             f"  Python {env['python']}, Daphne {env['daphne']}, "
-            f"uvicorn {env['uvicorn']}, {env['wrk']}"
+            f"uvicorn {env['uvicorn']}, granian {env['granian']}{litellm}, "
+            f"{env['wrk']}"
         ),
         f"  pinning: {env['pinning']}",
         *_busy_warning(env),
-        f"  {report['options']['duration']} s per measurement",
+        (
+            f"  {report['options']['duration']} s per measurement; run took "
+            f"{env['elapsed_s']} s (estimated {env['estimated_s']} s)"
+        ),
         f"  throughput: {method['throughput']}",
         f"  latency: {method['latency']}",
+        f"  multi-process targets: {method['multi-process']}",
         "",
         "Non-stream chat completions",
     ]
+    lines += _chat_table(report)
+    lines += [
+        "  ratio: throughput / direct. +p50, +p99: latency added over direct.",
+        "  Little ms: mean latency implied by req/s (c / rate), to cross-check.",
+        (
+            "  CPU: busy share of one CPU, summed over the target's processes; "
+            "CPU ms/req: the target's CPU time per request (direct: the mock's)."
+        ),
+        "",
+        "Streaming chat completions, new streams at a fixed rate (open loop)",
+    ]
+    lines += _paced_table(report)
+    if any(data["stream"] for data in report["servers"].values()):
+        lines += ["", "Streaming chat completions, closed loop (wrk)"]
+        lines += _stream_table(report)
+    lines += ["", "Processes and memory"]
+    lines += _process_table(report)
+    lines += ["", "Goals (issue 11)"]
+    rows = [["target", "goal", "target value", "measured", "verdict", "note"]]
+    for verdict in report["goals"]:
+        value = verdict["value"]
+        unit = verdict["unit"]
+        measured = (
+            "-"
+            if value is None
+            else f"{value:,.2f}x"
+            if unit == "x"
+            else f"{value:,.2f} {unit}"
+        )
+        rows.append(
+            [
+                verdict["server"],
+                verdict["goal"],
+                verdict["target"],
+                measured,
+                verdict["status"],
+                verdict["note"],
+            ]
+        )
+    lines += _table(rows, left=range(6))
+    for name, data in report["servers"].items():
+        if "profile" in data:
+            lines += ["", *_profile_lines(name, data["profile"])]
+    return "\n".join(lines)
+
+
+def _chat_table(report: dict[str, Any]) -> list[str]:
     rows: list[list[str]] = [
         ["c", "target", "req/s", "ratio", "p50 ms", "+p50", "p99 ms", "+p99"]
         + ["Little ms", "errors", "server CPU", "mock CPU", "CPU ms/req"]
     ]
-    targets = ["direct", *report["servers"]]
-    direct = report["direct"]
-    for concurrency in direct["chat"]:
-        for target in targets:
-            data = direct if target == "direct" else report["servers"][target]
-            cell = data["chat"][concurrency]
+    targets = {"direct": report["direct"], **report["servers"]}
+    concurrencies = sorted({int(c) for data in targets.values() for c in data["chat"]})
+    for concurrency in map(str, concurrencies):
+        first = True
+        for name, data in targets.items():
+            cell = data["chat"].get(concurrency)
+            if cell is None:
+                continue
             compared = (
-                report["comparison"][target]["chat"][concurrency]
-                if target != "direct"
+                report["comparison"][name]["chat"].get(concurrency, {})
+                if name != "direct"
                 else {}
             )
             latency = cell["latency_ms"]
             rows.append(
                 [
-                    concurrency if target == "direct" else "",
-                    "mock (direct)" if target == "direct" else f"via {target}",
+                    concurrency if first else "",
+                    _label(name),
                     f"{cell['requests_per_s']:,.0f}",
                     _number(compared.get("throughput_ratio"), "{:.2f}"),
                     _number(latency["p50"]),
@@ -261,80 +267,127 @@ def format_report(report: dict[str, Any]) -> str:
                     _cost(cell),
                 ]
             )
-    lines += _table(rows)
-    lines += [
-        "  ratio: throughput via Nexus / direct. +p50, +p99: latency added by Nexus.",
-        "  Little ms: mean latency implied by req/s (c / rate), to cross-check.",
-        (
-            "  CPU: busy share of one CPU; CPU ms/req: CPU time per request of the "
-            "serving process (direct: the mock's)."
-        ),
-        "",
-        "Streaming chat completions (" + report["method"]["streaming"] + ")",
-    ]
+            first = False
+    return _table(rows)
+
+
+def _paced_table(report: dict[str, Any]) -> list[str]:
     rows = [
-        ["c", "target", "streams/s", "ratio", "TTFB p50", "+p50", "TTFB p99", "+p99"]
-        + ["stream p50", "stream p99", "errors", "server CPU", "CPU ms/req"]
+        ["target", "streams/s", "TTFB p50", "+p50", "TTFB p99", "+p99"]
+        + ["stream p50", "stream p99", "errors", "max lag ms", "CPU ms/stream"]
     ]
-    for concurrency in direct["stream"]:
-        for target in targets:
-            data = direct if target == "direct" else report["servers"][target]
-            cell = data["stream"][concurrency]
+    targets = {"direct": report["direct"], **report["servers"]}
+    for name, data in targets.items():
+        cell = data.get("paced_stream")
+        if not cell:
+            continue
+        compared = (
+            report["comparison"][name].get("paced_stream") or {}
+            if name != "direct"
+            else {}
+        )
+        rows.append(
+            [
+                _label(name),
+                f"{cell['streams_per_s']:,.1f}",
+                _number(cell["ttfb_ms"]["p50"]),
+                _number(compared.get("ttfb_added_p50_ms"), "{:+.2f}"),
+                _number(cell["ttfb_ms"]["p99"]),
+                _number(compared.get("ttfb_added_p99_ms"), "{:+.2f}"),
+                _number(cell["stream_ms"]["p50"]),
+                _number(cell["stream_ms"]["p99"]),
+                str(cell["errors"]),
+                _number(cell["max_lag_ms"]),
+                _cost(cell),
+            ]
+        )
+    return _table(rows, left=(0,)) + [
+        "  max lag: how far behind its schedule the client started a stream."
+    ]
+
+
+def _stream_table(report: dict[str, Any]) -> list[str]:
+    rows = [["c", "target", "streams/s", "ratio", "errors", "server CPU"]]
+    rows[0].append("CPU ms/stream")
+    targets = {"direct": report["direct"], **report["servers"]}
+    for concurrency in report["direct"]["stream"]:
+        first = True
+        for name, data in targets.items():
+            cell = data["stream"].get(concurrency)
+            if cell is None:
+                continue
             compared = (
-                report["comparison"][target]["stream"][concurrency]
-                if target != "direct"
+                report["comparison"][name]["stream"].get(concurrency, {})
+                if name != "direct"
                 else {}
             )
             rows.append(
                 [
-                    concurrency if target == "direct" else "",
-                    "mock (direct)" if target == "direct" else f"via {target}",
+                    concurrency if first else "",
+                    _label(name),
                     f"{cell['streams_per_s']:,.0f}",
                     _number(compared.get("throughput_ratio"), "{:.2f}"),
-                    _number(cell["ttfb_ms"]["p50"]),
-                    _number(compared.get("ttfb_overhead_p50_ms"), "{:+.2f}"),
-                    _number(cell["ttfb_ms"]["p99"]),
-                    _number(compared.get("ttfb_overhead_p99_ms"), "{:+.2f}"),
-                    _number(cell["stream_ms"]["p50"]),
-                    _number(cell["stream_ms"]["p99"]),
                     str(cell["errors"]),
                     _percent(cell["cpu_percent"].get("server")),
                     _cost(cell),
                 ]
             )
-    lines += _table(rows)
-    lines += ["", "Memory of the serving process"]
-    rows = [["server", "RSS after warm-up", "RSS at end", "peak RSS (VmHWM)"]]
+            first = False
+    return _table(rows)
+
+
+def _process_table(report: dict[str, Any]) -> list[str]:
+    rows = [
+        ["target", "processes", "pinned", "requests", "RSS after warm-up"]
+        + ["RSS at end", "peak RSS per process", "CPU c=16 by process"]
+    ]
     for name, data in report["servers"].items():
+        about = data["target"]
+        c16 = data["chat"].get("16", {})
+        shares = c16.get("server_cpu_percent_by_process", {})
         rows.append(
             [
                 name,
+                str(len(data["processes"])),
+                "yes" if about["pinned"] else "no",
+                f"{data['requests']:,}",
                 _megabytes(data["rss_after_warmup_kib"]),
                 _megabytes(data["rss_end_kib"]),
                 _megabytes(data["peak_rss_kib"]),
+                " + ".join(f"{share:.0f}%" for share in shares.values())
+                if len(shares) > 1
+                else "",
             ]
         )
-    lines += _table(rows)
-    lines += ["", "Goals (issue 6)"]
-    rows = [["server", "goal", "target", "measured", "verdict"]]
-    for verdict in report["goals"]:
-        value = verdict["value"]
-        rows.append(
-            [
-                verdict["server"],
-                verdict["goal"],
-                verdict["target"],
-                "-" if value is None else f"{value:,.2f} {verdict['unit']}",
-                verdict["status"],
-            ]
-        )
-    lines += _table(rows)
-    for name, data in report["servers"].items():
-        profile = data.get("profile")
-        if profile:
-            where = profile.get("flamegraph") or f"failed: {profile.get('error')}"
-            lines.append(f"Profile of {name} under c=16: {where}")
-    return "\n".join(lines)
+    return _table(rows, left=(0, 2)) + [
+        "  RSS: summed over the target's processes; peak: the largest VmHWM of one.",
+    ]
+
+
+def _profile_lines(name: str, profile: dict[str, Any]) -> list[str]:
+    if "error" in profile:
+        return [f"Profile of {name} under c=16 failed: {profile['error']}"]
+    lines = [
+        (
+            f"Profile of {name} under c=16: {profile['samples']:,} samples, "
+            f"{profile['file']}"
+        ),
+        "  top frames by self time (% of samples):",
+    ]
+    lines += [f"    {f['percent']:5.1f}  {f['frame']}" for f in profile["top_self"]]
+    lines.append(
+        "  top frames by inclusive time (% of samples; the entry chain, "
+        f"{len(profile['trunk'])} frames that each call one frame only, is left "
+        "out and listed in the JSON):"
+    )
+    lines += [
+        f"    {f['percent']:5.1f}  {f['frame']}" for f in profile["top_inclusive"]
+    ]
+    return lines
+
+
+def _label(name: str) -> str:
+    return "mock (direct)" if name == "direct" else name
 
 
 def _cost(cell: dict[str, Any]) -> str:
@@ -359,17 +412,20 @@ def _busy_warning(env: dict[str, Any]) -> list[str]:
     ]
 
 
-def _table(rows: list[list[Any]]) -> list[str]:
+def _table(rows: list[list[Any]], left: Collection[int] = (1,)) -> list[str]:
+    """Align columns: those in ``left`` to the left, the rest (numbers) right."""
     cells = [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     align: list[Callable[[str, int], str]] = [
         (lambda text, width: text.ljust(width))
-        if i == 1
+        if i in left
         else (lambda text, width: text.rjust(width))
         for i in range(len(widths))
     ]
     return [
-        "  " + "  ".join(align[i](cell, widths[i]) for i, cell in enumerate(row))
+        (
+            "  " + "  ".join(align[i](cell, widths[i]) for i, cell in enumerate(row))
+        ).rstrip()
         for row in cells
     ]
 

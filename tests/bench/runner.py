@@ -1,9 +1,10 @@
-"""Run the benchmark: the same load straight at the mock, then through Nexus.
+"""Run the benchmark: the same load straight at the mock, then at each target.
 
 One mock backend serves every run. It is measured directly first (the limit),
-then each serving process (Daphne, then uvicorn, on the same ASGI application)
-is started alone, warmed up, and measured with the same clients. Nothing runs
-in parallel except the load generators of one measurement.
+then each target (the bare Daphne reference, Nexus under each server in one or
+several processes, LiteLLM if given) is started alone, warmed up, and measured
+with the same clients. Nothing runs in parallel except the load generators of
+one measurement.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -26,9 +26,11 @@ from django.conf import settings
 from tests.bench.clients import (
     BenchError,
     Endpoint,
+    Samples,
     fetch_once,
     finish_wrk,
     measure_concurrently,
+    measure_paced,
     start_wrk,
     write_wrk_script,
 )
@@ -38,16 +40,25 @@ from tests.bench.database import (
     describe_settings,
     install_bench_rows,
 )
+from tests.bench.peers import (
+    MASTER_KEY,
+    READY_PATH,
+    litellm_command,
+    litellm_environment,
+    write_litellm_config,
+)
+from tests.bench.plan import BenchOptions, Plan, estimate_seconds, plan_for
 from tests.bench.processes import (
-    SERVERS,
-    Child,
     Pinning,
+    ProcessGroup,
+    TargetSpec,
     pin_prefix,
     plan_pinning,
     start_mock,
-    start_server,
+    start_target,
     version_of,
 )
+from tests.bench.profiles import record_profile
 from tests.bench.report import build_report, summarize_ns
 
 # A small but realistic chat request; the mock's reply is about 350 bytes.
@@ -67,42 +78,27 @@ PROBE_SHARE = 4
 # Time for wrk's connections to open before the probe starts timing, and for
 # the probe to stop before wrk does, so the probe only sees full load.
 _EDGE_SECONDS = 0.3
-
 Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True, slots=True)
-class BenchOptions:
-    """What to measure and for how long."""
-
-    duration: int = 10  # seconds per measurement
-    warmup: float = 3.0  # seconds of load before a target's first measurement
-    servers: tuple[str, ...] = SERVERS
-    concurrency: tuple[int, ...] = (1, 16, 64)
-    # Back-to-back streams keep the server busy, so at 8 the time to first byte
-    # includes waiting behind the other 7; 1 shows the overhead alone.
-    stream_concurrency: tuple[int, ...] = (1, 8)
-    stream_chunks: int = 16
-    pin: bool = True
-    profile_dir: Path | None = None  # where py-spy profiles go; None: no profiling
-    wrk: str = "wrk"
 
 
 @dataclass
 class _Target:
-    """One thing to measure: the mock itself, or Nexus in front of it."""
+    """One thing to measure: the mock itself, or a server in front of it."""
 
     label: str
+    plan: Plan
     chat: Endpoint
     stream: Endpoint
     load_cpus: frozenset[int]
-    watched: dict[str, Child] = field(default_factory=dict)
+    spec: TargetSpec | None = None
+    watched: dict[str, ProcessGroup] = field(default_factory=dict)
+    requests: int = 0  # answered so far, warm-up included
 
 
 def run_benchmark(
     options: BenchOptions, env: dict[str, str], progress: Progress
 ) -> dict[str, Any]:
-    """Measure the mock directly and through each serving process; return the report.
+    """Measure the mock directly and through each target; return the report.
 
     Needs a migrated database; adds a backend, a model and a client key for the
     run and removes them afterwards. Raises BenchError when something cannot be
@@ -135,28 +131,15 @@ def run_benchmark(
         runner = _Runner(options, wrk, pinning, scratch, progress)
         direct = _Target(
             "direct",
+            plan_for(None),
             *_endpoints(mock.url, {}),
             load_cpus=pinning.load_direct,
             watched={"mock": mock},
         )
         progress(f"Mock backend at {mock.url}; measuring it directly")
         results["direct"] = runner.measure(direct)
-        auth = {"Authorization": f"Bearer {key}"}
-        for kind in options.servers:
-            progress(f"Starting Nexus under {kind}")
-            server = start_server(kind, env, cwd, scratch, pinning.server, auth)
-            try:
-                target = _Target(
-                    kind,
-                    *_endpoints(server.url, auth),
-                    load_cpus=pinning.load_via_nexus,
-                    watched={"server": server, "mock": mock},
-                )
-                results[kind] = runner.measure(target)
-                if options.profile_dir is not None:
-                    results[kind]["profile"] = runner.profile(target, server)
-            finally:
-                server.stop()
+        for spec in options.targets:
+            results[spec.label] = runner.run_target(spec, mock, env, cwd, key)
     return build_report(
         results,
         options=options,
@@ -168,9 +151,13 @@ def run_benchmark(
             "python": _python_version(),
             "daphne": version_of("daphne"),
             "uvicorn": version_of("uvicorn"),
+            "granian": version_of("granian"),
+            "litellm": _litellm_version(options.litellm),
             "wrk": _wrk_version(wrk),
             "settings": describe_settings(),
             "pinning": pinning.describe(),
+            "estimated_s": round(estimate_seconds(options)),
+            "elapsed_s": round(time.time() - started_at),
         },
     )
 
@@ -190,8 +177,77 @@ class _Runner:
         self.scratch = scratch
         self.progress = progress
 
+    def run_target(
+        self,
+        spec: TargetSpec,
+        mock: ProcessGroup,
+        env: dict[str, str],
+        cwd: Path,
+        key: str,
+    ) -> dict[str, Any]:
+        """Start one target, measure it (and profile it if asked), stop it."""
+        pinned = not spec.is_multi_process
+        server_cpus = self.pinning.server if pinned else frozenset()
+        load_cpus = self.pinning.load_via_server if pinned else frozenset()
+        auth = {"Authorization": f"Bearer {key}"}
+        ready: tuple[str, dict[str, str]] = ("/v1/models", auth)
+        litellm: list[str] = []
+        if spec.role == "reference":
+            ready = ("/", {})
+        elif spec.role == "peer":
+            assert self.options.litellm is not None
+            config = write_litellm_config(self.scratch, mock.url, MODEL)
+            litellm = litellm_command(self.options.litellm, config)
+            env = litellm_environment(env)
+            auth = {"Authorization": f"Bearer {MASTER_KEY}"}
+            ready = (READY_PATH, {})
+        self.progress(
+            f"Starting {spec.label} ({spec.workers} serving process"
+            f"{'es' * spec.is_multi_process}, "
+            f"{'pinned' if pinned and server_cpus else 'not pinned'})"
+        )
+        try:
+            server = start_target(
+                spec, env, cwd, self.scratch, server_cpus, ready, litellm
+            )
+        except BenchError as error:
+            if spec.role != "peer":
+                raise
+            raise BenchError(
+                f"LiteLLM's proxy ({self.options.litellm}) could not be started "
+                f"here: {error}"
+            ) from None
+        if not pinned:
+            # Every CPU for the servers: the mock may use any of them too.
+            mock.set_affinity(os.sched_getaffinity(0))
+        try:
+            target = _Target(
+                spec.label,
+                plan_for(spec),
+                *_endpoints(server.url, auth),
+                load_cpus=load_cpus,
+                spec=spec,
+                watched={"server": server, "mock": mock},
+            )
+            result = self.measure(target)
+            result["target"] = {
+                "server": spec.server,
+                "role": spec.role,
+                "processes": spec.workers,
+                "pinned": bool(pinned and server_cpus),
+                "command": " ".join(_short_argv(server.roots[0].args)),
+            }
+            if self.options.profile_dir is not None and spec.role == "nexus":
+                result["profile"] = self.profile(target, server)
+            return result
+        finally:
+            server.stop()
+            if not pinned and self.pinning.mock:
+                mock.set_affinity(self.pinning.mock)
+
     def measure(self, target: _Target) -> dict[str, Any]:
-        """Check, warm up, then measure chat at each concurrency and streaming."""
+        """Check, warm up, then measure what the target's plan says."""
+        plan = target.plan
         _check_replies(target)
         chat_script = write_wrk_script(
             self.scratch, target.chat, f"{target.label}-chat"
@@ -200,16 +256,20 @@ class _Runner:
             self.scratch, target.stream, f"{target.label}-stream"
         )
         self._warm_up(target, chat_script)
-        result: dict[str, Any] = {"chat": {}, "stream": {}}
+        result: dict[str, Any] = {"chat": {}, "stream": {}, "paced_stream": None}
         server = target.watched.get("server")
         if server is not None:
-            result["rss_after_warmup_kib"] = server.memory_kib()["VmRSS"]
-        for concurrency in self.options.concurrency:
+            result["rss_after_warmup_kib"] = _rss_total(server)
+        for concurrency in plan.chat:
             self.progress(f"  {target.label}: chat, {concurrency} connections")
             result["chat"][str(concurrency)] = self._measure_chat(
                 target, chat_script, concurrency
             )
-        for concurrency in self.options.stream_concurrency:
+        if plan.paced_stream:
+            rate = self.options.stream_rate
+            self.progress(f"  {target.label}: streaming, {rate:g} new streams/s")
+            result["paced_stream"] = self._measure_paced_stream(target, rate)
+        for concurrency in plan.streams:
             self.progress(f"  {target.label}: streaming, {concurrency} connections")
             result["stream"][str(concurrency)] = self._measure_stream(
                 target, stream_script, concurrency
@@ -217,9 +277,14 @@ class _Runner:
         if server is not None:
             server.check_alive()
             memory = server.memory_kib()
-            result["rss_end_kib"] = memory["VmRSS"]
-            result["peak_rss_kib"] = memory["VmHWM"]
+            result["rss_end_kib"] = sum(m["VmRSS"] for m in memory.values())
+            result["peak_rss_kib"] = max(m["VmHWM"] for m in memory.values())
+            result["processes"] = [
+                {"pid": pid, "rss_kib": m["VmRSS"], "peak_rss_kib": m["VmHWM"]}
+                for pid, m in memory.items()
+            ]
             result["pid"] = server.pid
+        result["requests"] = target.requests
         return result
 
     def _warm_up(self, target: _Target, chat_script: Path) -> None:
@@ -234,20 +299,37 @@ class _Runner:
             max(1.0, self.options.warmup),
             pin_prefix(target.load_cpus),
         )
-        finish_wrk(wrk)
-        measure_concurrently(
-            target.stream, 4, min(1.0, self.options.warmup), expect=STREAM_END
-        )
+        target.requests += finish_wrk(wrk).requests
+        if target.plan.paced_stream or target.plan.streams:
+            streams = measure_concurrently(
+                target.stream, 4, min(1.0, self.options.warmup), expect=STREAM_END
+            )
+            target.requests += streams.count
 
     def _measure_chat(
         self, target: _Target, script: Path, concurrency: int
     ) -> dict[str, Any]:
         duration = self.options.duration
         cpus = target.load_cpus
-        if concurrency == 1:
+        probe = Samples()
+        if not target.plan.probe:
+            with _cpu_usage(target.watched) as cpu:
+                wrk = finish_wrk(
+                    start_wrk(
+                        self.wrk,
+                        target.chat,
+                        script,
+                        concurrency,
+                        duration,
+                        pin_prefix(cpus),
+                    )
+                )
+            rate = wrk.requests_per_s
+            source = f"none: wrk alone holds the {concurrency} connections"
+        elif concurrency == 1:
             # Throughput and latency from separate runs: a second connection
             # would double the concurrency being measured.
-            with _cpu_usage(target.watched, duration) as cpu:
+            with _cpu_usage(target.watched) as cpu:
                 wrk = finish_wrk(
                     start_wrk(
                         self.wrk, target.chat, script, 1, duration, pin_prefix(cpus)
@@ -263,7 +345,7 @@ class _Runner:
             # probe sees the same queue as every other client, and enough of
             # its replies to give a p99.
             probes = max(1, concurrency // PROBE_SHARE)
-            with _cpu_usage(target.watched, duration) as cpu:
+            with _cpu_usage(target.watched) as cpu:
                 process = start_wrk(
                     self.wrk,
                     target.chat,
@@ -285,6 +367,7 @@ class _Runner:
                     wrk = finish_wrk(process)
             rate = wrk.requests_per_s + probe.count / max(probe.elapsed_s, 1e-9)
             source = f"{probes} probe connections beside {concurrency - probes} of wrk"
+        target.requests += wrk.requests + probe.count
         _check_alive(target)
         return {
             "connections": concurrency,
@@ -296,16 +379,39 @@ class _Runner:
             # Little's law cross-check: with closed-loop clients the mean
             # latency is connections / throughput.
             "implied_mean_ms": round(concurrency / rate * 1000, 3) if rate else None,
-            "cpu_percent": cpu,
-            "cpu_ms_per_request": _cpu_cost(cpu, rate),
+            "cpu_percent": cpu.percent,
+            "server_cpu_percent_by_process": cpu.server_by_process,
+            "cpu_ms_per_request": _cpu_cost(cpu.percent, rate),
+        }
+
+    def _measure_paced_stream(self, target: _Target, rate: float) -> dict[str, Any]:
+        with _cpu_usage(target.watched) as cpu:
+            streams = measure_paced(
+                target.stream,
+                rate,
+                self.options.duration,
+                target.load_cpus,
+                expect=STREAM_END,
+            )
+        target.requests += streams.count
+        _check_alive(target)
+        achieved = streams.count / max(streams.elapsed_s, 1e-9)
+        return {
+            "offered_per_s": rate,
+            "streams_per_s": round(achieved, 1),
+            "errors": streams.errors,
+            "max_lag_ms": round(streams.max_lag_ns / 1e6, 3),
+            "ttfb_ms": summarize_ns(streams.first_bytes_ns),
+            "stream_ms": summarize_ns(streams.latencies_ns),
+            "cpu_percent": cpu.percent,
+            "cpu_ms_per_request": _cpu_cost(cpu.percent, achieved),
         }
 
     def _measure_stream(
         self, target: _Target, script: Path, concurrency: int
     ) -> dict[str, Any]:
         duration = self.options.duration
-        cpus = target.load_cpus
-        with _cpu_usage(target.watched, duration) as cpu:
+        with _cpu_usage(target.watched) as cpu:
             wrk = finish_wrk(
                 start_wrk(
                     self.wrk,
@@ -313,34 +419,22 @@ class _Runner:
                     script,
                     concurrency,
                     duration,
-                    pin_prefix(cpus),
+                    pin_prefix(target.load_cpus),
                 )
             )
-        streams = measure_concurrently(
-            target.stream, concurrency, duration, cpus, expect=STREAM_END
-        )
+        target.requests += wrk.requests
         _check_alive(target)
         return {
             "connections": concurrency,
             "streams_per_s": round(wrk.requests_per_s, 1),
-            "client_streams_per_s": round(
-                streams.count / max(streams.elapsed_s, 1e-9), 1
-            ),
-            "errors": wrk.errors + streams.errors,
-            "ttfb_ms": summarize_ns(streams.first_bytes_ns),
-            "stream_ms": summarize_ns(streams.latencies_ns),
-            "cpu_percent": cpu,
-            "cpu_ms_per_request": _cpu_cost(cpu, wrk.requests_per_s),
+            "errors": wrk.errors,
+            "cpu_percent": cpu.percent,
+            "cpu_ms_per_request": _cpu_cost(cpu.percent, wrk.requests_per_s),
         }
 
-    def profile(self, target: _Target, server: Child) -> dict[str, Any]:
-        """Sample the serving process with py-spy under the c=16 chat load."""
+    def profile(self, target: _Target, server: ProcessGroup) -> dict[str, Any]:
+        """Profile every process of the target under the c=16 chat load."""
         assert self.options.profile_dir is not None
-        # Installed into the virtualenv, whose bin/ need not be on PATH.
-        py_spy = shutil.which("py-spy", path=str(Path(sys.executable).parent))
-        py_spy = py_spy or shutil.which("py-spy")
-        if py_spy is None:
-            return {"error": "py-spy is not installed (pip install py-spy)"}
         self.options.profile_dir.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         output = self.options.profile_dir / f"profile-{target.label}-{stamp}.txt"
@@ -350,31 +444,15 @@ class _Runner:
         wrk = start_wrk(
             self.wrk, target.chat, script, 16, duration, pin_prefix(target.load_cpus)
         )
-        record = subprocess.run(
-            [
-                *pin_prefix(target.load_cpus),
-                py_spy,
-                "record",
-                "--pid",
-                str(server.pid),
-                "--duration",
-                str(max(1, duration - 1)),
-                "--rate",
-                "250",
-                "--nonblocking",
-                "--format",
-                "raw",
-                "--output",
-                str(output),
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        finish_wrk(wrk)
-        if record.returncode != 0:
-            return {"error": (record.stderr or record.stdout).strip()[-500:]}
-        return {"flamegraph": str(output)}
+        try:
+            return record_profile(
+                [root.pid for root in server.roots],
+                max(1, duration - 1),
+                output,
+                pin_prefix(target.load_cpus),
+            )
+        finally:
+            target.requests += finish_wrk(wrk).requests
 
 
 def _endpoints(base_url: str, headers: dict[str, str]) -> tuple[Endpoint, Endpoint]:
@@ -390,15 +468,18 @@ def _endpoints(base_url: str, headers: dict[str, str]) -> tuple[Endpoint, Endpoi
 
 
 def _check_replies(target: _Target) -> None:
-    """Fail early, with the reply, unless both requests are answered properly."""
-    for endpoint, marker in ((target.chat, CHAT_REPLY), (target.stream, STREAM_END)):
+    """Fail early, with the reply, unless the requests measured are answered."""
+    checks = [(target.chat, CHAT_REPLY)]
+    if target.plan.paced_stream or target.plan.streams:
+        checks.append((target.stream, STREAM_END))
+    for endpoint, marker in checks:
         response = fetch_once(endpoint)
         if response.status != 200 or marker not in response.body:
             raise BenchError(
                 f"{target.label}: {endpoint.url} answered HTTP {response.status}: "
                 f"{response.body[:500].decode(errors='replace')}"
             )
-        if "server" in target.watched:
+        if target.spec is not None and target.spec.role == "nexus":
             served_by = response.headers.get(b"x-nexus-backend", b"").decode()
             if served_by != BACKEND_NAME:
                 raise BenchError(
@@ -407,26 +488,39 @@ def _check_replies(target: _Target) -> None:
 
 
 def _check_alive(target: _Target) -> None:
-    for child in target.watched.values():
-        child.check_alive()
+    for group in target.watched.values():
+        group.check_alive()
+
+
+@dataclass
+class _CpuUsage:
+    percent: dict[str, float] = field(default_factory=dict)  # of one CPU
+    server_by_process: dict[str, float] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
-def _cpu_usage(
-    watched: dict[str, Child], duration: float
-) -> Iterator[dict[str, float]]:
-    """Fill a dict with each watched process's CPU use (percent of one CPU)."""
-    usage: dict[str, float] = {}
-    before = {name: child.cpu_seconds() for name, child in watched.items()}
+def _cpu_usage(watched: dict[str, ProcessGroup]) -> Iterator[_CpuUsage]:
+    """Measure each watched group's CPU use, summed over its process tree."""
+    usage = _CpuUsage()
+    before = {name: group.cpu_seconds_by_process() for name, group in watched.items()}
     began = time.monotonic()
     yield usage
     wall = max(time.monotonic() - began, 1e-9)
-    for name, child in watched.items():
-        usage[name] = round((child.cpu_seconds() - before[name]) / wall * 100, 1)
+    for name, group in watched.items():
+        after = group.cpu_seconds_by_process()
+        shares = {
+            pid: (seconds - before[name].get(pid, 0.0)) / wall * 100
+            for pid, seconds in after.items()
+        }
+        usage.percent[name] = round(sum(shares.values()), 1)
+        if name == "server":
+            usage.server_by_process = {
+                str(pid): round(share, 1) for pid, share in shares.items()
+            }
 
 
 def _cpu_cost(cpu: dict[str, float], rate: float) -> dict[str, float | None]:
-    """Return each process's CPU time per request, in ms.
+    """Return each process group's CPU time per request, in ms.
 
     Unlike rates and latencies, this hardly changes when other processes compete
     for the CPUs, so it still compares runs on a busy machine.
@@ -437,10 +531,37 @@ def _cpu_cost(cpu: dict[str, float], rate: float) -> dict[str, float | None]:
     }
 
 
+def _rss_total(group: ProcessGroup) -> int:
+    return sum(m["VmRSS"] for m in group.memory_kib().values())
+
+
+def _short_argv(argv: Any) -> list[str]:
+    """The command line as run, with the interpreter's path shortened."""
+    words = [str(word) for word in argv]
+    return [Path(word).name if word.startswith("/") else word for word in words]
+
+
 def _python_version() -> str:
     import platform
 
     return platform.python_version()
+
+
+def _litellm_version(executable: str | None) -> str | None:
+    if executable is None:
+        return None
+    python = Path(executable).with_name("python")
+    result = subprocess.run(
+        [
+            str(python),
+            "-c",
+            "import importlib.metadata as m; print(m.version('litellm'))",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return result.stdout.strip() or "unknown"
 
 
 def _wrk_version(wrk: str) -> str:
