@@ -191,7 +191,8 @@ def format_report(report: dict[str, Any]) -> str:
         "  Little ms: mean latency implied by req/s (c / rate), to cross-check.",
         (
             "  CPU: busy share of one CPU, summed over the target's processes; "
-            "CPU ms/req: the target's CPU time per request (direct: the mock's)."
+            "CPU ms/req: the target's CPU time per request (direct: the mock's); "
+            "host busy: share of all CPUs in use (anyone's)."
         ),
         "",
         "Streaming chat completions, new streams at a fixed rate (open loop)",
@@ -234,7 +235,7 @@ def format_report(report: dict[str, Any]) -> str:
 def _chat_table(report: dict[str, Any]) -> list[str]:
     rows: list[list[str]] = [
         ["c", "target", "req/s", "ratio", "p50 ms", "+p50", "p99 ms", "+p99"]
-        + ["Little ms", "errors", "server CPU", "mock CPU", "CPU ms/req"]
+        + ["Little ms", "errors", "server CPU", "mock CPU", "CPU ms/req", "host busy"]
     ]
     targets = {"direct": report["direct"], **report["servers"]}
     concurrencies = sorted({int(c) for data in targets.values() for c in data["chat"]})
@@ -265,6 +266,7 @@ def _chat_table(report: dict[str, Any]) -> list[str]:
                     _percent(cell["cpu_percent"].get("server")),
                     _percent(cell["cpu_percent"].get("mock")),
                     _cost(cell),
+                    _percent(cell.get("machine_busy_percent")),
                 ]
             )
             first = False

@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from tests.bench.clients import (
     start_wrk,
     write_wrk_script,
 )
+from tests.bench.cpu import cpu_cost, measure_cpu
 from tests.bench.database import (
     BACKEND_NAME,
     MODEL,
@@ -313,7 +314,7 @@ class _Runner:
         cpus = target.load_cpus
         probe = Samples()
         if not target.plan.probe:
-            with _cpu_usage(target.watched) as cpu:
+            with measure_cpu(target.watched) as cpu:
                 wrk = finish_wrk(
                     start_wrk(
                         self.wrk,
@@ -329,7 +330,7 @@ class _Runner:
         elif concurrency == 1:
             # Throughput and latency from separate runs: a second connection
             # would double the concurrency being measured.
-            with _cpu_usage(target.watched) as cpu:
+            with measure_cpu(target.watched) as cpu:
                 wrk = finish_wrk(
                     start_wrk(
                         self.wrk, target.chat, script, 1, duration, pin_prefix(cpus)
@@ -345,7 +346,7 @@ class _Runner:
             # probe sees the same queue as every other client, and enough of
             # its replies to give a p99.
             probes = max(1, concurrency // PROBE_SHARE)
-            with _cpu_usage(target.watched) as cpu:
+            with measure_cpu(target.watched) as cpu:
                 process = start_wrk(
                     self.wrk,
                     target.chat,
@@ -381,11 +382,12 @@ class _Runner:
             "implied_mean_ms": round(concurrency / rate * 1000, 3) if rate else None,
             "cpu_percent": cpu.percent,
             "server_cpu_percent_by_process": cpu.server_by_process,
-            "cpu_ms_per_request": _cpu_cost(cpu.percent, rate),
+            "machine_busy_percent": cpu.machine_busy,
+            "cpu_ms_per_request": cpu_cost(cpu.percent, rate),
         }
 
     def _measure_paced_stream(self, target: _Target, rate: float) -> dict[str, Any]:
-        with _cpu_usage(target.watched) as cpu:
+        with measure_cpu(target.watched) as cpu:
             streams = measure_paced(
                 target.stream,
                 rate,
@@ -404,14 +406,14 @@ class _Runner:
             "ttfb_ms": summarize_ns(streams.first_bytes_ns),
             "stream_ms": summarize_ns(streams.latencies_ns),
             "cpu_percent": cpu.percent,
-            "cpu_ms_per_request": _cpu_cost(cpu.percent, achieved),
+            "cpu_ms_per_request": cpu_cost(cpu.percent, achieved),
         }
 
     def _measure_stream(
         self, target: _Target, script: Path, concurrency: int
     ) -> dict[str, Any]:
         duration = self.options.duration
-        with _cpu_usage(target.watched) as cpu:
+        with measure_cpu(target.watched) as cpu:
             wrk = finish_wrk(
                 start_wrk(
                     self.wrk,
@@ -429,7 +431,7 @@ class _Runner:
             "streams_per_s": round(wrk.requests_per_s, 1),
             "errors": wrk.errors,
             "cpu_percent": cpu.percent,
-            "cpu_ms_per_request": _cpu_cost(cpu.percent, wrk.requests_per_s),
+            "cpu_ms_per_request": cpu_cost(cpu.percent, wrk.requests_per_s),
         }
 
     def profile(self, target: _Target, server: ProcessGroup) -> dict[str, Any]:
@@ -490,45 +492,6 @@ def _check_replies(target: _Target) -> None:
 def _check_alive(target: _Target) -> None:
     for group in target.watched.values():
         group.check_alive()
-
-
-@dataclass
-class _CpuUsage:
-    percent: dict[str, float] = field(default_factory=dict)  # of one CPU
-    server_by_process: dict[str, float] = field(default_factory=dict)
-
-
-@contextlib.contextmanager
-def _cpu_usage(watched: dict[str, ProcessGroup]) -> Iterator[_CpuUsage]:
-    """Measure each watched group's CPU use, summed over its process tree."""
-    usage = _CpuUsage()
-    before = {name: group.cpu_seconds_by_process() for name, group in watched.items()}
-    began = time.monotonic()
-    yield usage
-    wall = max(time.monotonic() - began, 1e-9)
-    for name, group in watched.items():
-        after = group.cpu_seconds_by_process()
-        shares = {
-            pid: (seconds - before[name].get(pid, 0.0)) / wall * 100
-            for pid, seconds in after.items()
-        }
-        usage.percent[name] = round(sum(shares.values()), 1)
-        if name == "server":
-            usage.server_by_process = {
-                str(pid): round(share, 1) for pid, share in shares.items()
-            }
-
-
-def _cpu_cost(cpu: dict[str, float], rate: float) -> dict[str, float | None]:
-    """Return each process group's CPU time per request, in ms.
-
-    Unlike rates and latencies, this hardly changes when other processes compete
-    for the CPUs, so it still compares runs on a busy machine.
-    """
-    return {
-        name: round(percent / 100 / rate * 1000, 3) if rate else None
-        for name, percent in cpu.items()
-    }
 
 
 def _rss_total(group: ProcessGroup) -> int:

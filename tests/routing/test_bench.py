@@ -256,3 +256,11 @@ def test_profile_summary_ranks_frames_by_self_and_inclusive_samples(
     assert inclusive["run_forever (loop.py:5)"] == 100.0
     assert inclusive["handle (proxy.py:10)"] == 80.0
     assert "main (cli.py:1)" not in inclusive
+
+
+@pytest.mark.django_db
+def test_litellm_must_be_an_executable(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--litellm", "/nonexistent/bin/litellm"])
+    assert exited.value.code == 2
+    assert "make bench-peers installs LiteLLM" in capsys.readouterr().err
