@@ -29,8 +29,10 @@ def record_profile(
     """Record py-spy on ``pids`` (and their children) and summarise it.
 
     One py-spy per process, all at once; their collapsed stacks go into
-    ``output``. py-spy pauses a process for each sample (its default), which
-    costs the process a little time but keeps every stack whole. ``prefix``
+    ``output``. Only threads holding the GIL are sampled (``--gil``): the
+    profile is where Python's CPU time goes, not threads waiting on a queue or
+    inside a server's native code. py-spy pauses a process for each sample (its
+    default), which costs the process a little time but keeps every stack whole. ``prefix``
     goes before py-spy (e.g. ``taskset`` words). Returns the summary, or
     ``{"error": ...}`` when py-spy is missing or fails.
     """
@@ -50,6 +52,7 @@ def record_profile(
                 str(pid),
                 "--subprocesses",
                 "--function",
+                "--gil",
                 "--duration",
                 str(seconds),
                 "--rate",

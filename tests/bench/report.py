@@ -374,7 +374,7 @@ def _profile_lines(name: str, profile: dict[str, Any]) -> list[str]:
             f"Profile of {name} under c=16: {profile['samples']:,} samples, "
             f"{profile['file']}"
         ),
-        "  top frames by self time (% of samples):",
+        "  top frames by self time (% of samples, taken while holding the GIL):",
     ]
     lines += [f"    {f['percent']:5.1f}  {f['frame']}" for f in profile["top_self"]]
     lines.append(
