@@ -144,19 +144,14 @@ def server_commands(
         uvicorn = [
             python,
             "-m",
-            "uvicorn",
+            "nexus_site.uvicorn_main",
             "--fd",
             str(fd),
-            "--lifespan",
-            "on",
-            "--no-access-log",
             "--timeout-graceful-shutdown",
             str(max(1, round(drain_seconds))),
         ]
         if proxy_headers:
-            uvicorn += ["--proxy-headers", "--forwarded-allow-ips", "*"]
-        else:
-            uvicorn.append("--no-proxy-headers")
+            uvicorn.append("--proxy-headers")
         return [[*uvicorn, ASGI_APP] for _ in range(workers)]
     if server == "granian":
         return [
