@@ -9,13 +9,25 @@ PRODUCTION := env NEXUS_TEST_MODE=production DATABASE_URL=$(TEST_DATABASE_URL) \
 	REDIS_URL=$(TEST_REDIS_URL) SECRET_KEY=tests-only-not-secret \
 	ALLOWED_HOSTS=127.0.0.1,localhost,testserver
 
+# Each mode runs on TEST_WORKERS pytest-xdist workers, a whole test file to a
+# worker (module-scoped servers start once). tests/worker_isolation.py gives each
+# worker Redis databases of its own: two each, counting up from TEST_REDIS_URL's
+# (databases 1 to 4 by default). PostgreSQL test databases get pytest-django's
+# per-worker suffix (test_test_gw0...).
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -p tests.worker_isolation \
+	-n $(TEST_WORKERS) --dist loadfile
+
 .PHONY: run test lint test-embedded test-production test-tools setup-tools \
 	smoke-pythons bench bench-peers
 
 run: $(VENV)/.installed
 	$(BIN)/python manage.py nexus_run
 
-test: lint test-embedded test-production
+# Lint, then both modes at once; each mode's output is printed when it is done.
+test: lint
+	@$(MAKE) --no-print-directory -j2 --output-sync=target \
+		test-embedded test-production
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
@@ -25,10 +37,10 @@ lint: $(VENV)/.installed-dev
 	$(EMBEDDED) NEXUS_STATE_DIR=.nexus-test $(BIN)/python manage.py makemigrations --check --dry-run
 
 test-embedded: $(VENV)/.installed-dev test-tools
-	$(EMBEDDED) $(BIN)/pytest $(PYTEST_ARGS)
+	$(EMBEDDED) $(PYTEST) $(PYTEST_ARGS)
 
 test-production: $(VENV)/.installed-dev test-tools
-	$(PRODUCTION) $(BIN)/pytest $(PYTEST_ARGS)
+	$(PRODUCTION) $(PYTEST) $(PYTEST_ARGS)
 
 # Not a test: the proxy's latency, throughput and memory under Daphne, uvicorn
 # and granian, in one and N processes, against issue 11's goals, with

@@ -1,4 +1,4 @@
-"""Shared fixtures: the mode guard and real mock-backend processes."""
+"""Shared fixtures: the mode guard, fast test passwords and real processes."""
 
 from __future__ import annotations
 
@@ -10,10 +10,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from django.contrib.auth.hashers import PBKDF2PasswordHasher
+from django.test import override_settings
 
 from nexus_site.mock_backend import MockBackendProcess, spawn_mock_backend
+from tests.worker_isolation import SPARE_REDIS_URL, redis_urls_for_worker
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse xdist workers that would share Redis databases (see worker_isolation)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and not config.pluginmanager.has_plugin(
+        "tests.worker_isolation"
+    ):
+        raise pytest.UsageError(
+            "pytest -n needs -p tests.worker_isolation (make test-embedded and "
+            "make test-production pass it): each worker needs Redis of its own."
+        )
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -36,6 +50,24 @@ def _assert_test_mode(django_db_setup: None) -> None:
         assert connection.vendor == "sqlite", connection.vendor
         assert layer == "channels.layers.InMemoryChannelLayer", layer
         assert settings.CELERY_BROKER_URL.startswith("filesystem://")
+
+
+class FastPasswordHasher(PBKDF2PasswordHasher):
+    """PBKDF2 with one iteration: the tests' users cost nothing to create.
+
+    Django's default (a million iterations, about 0.4 s of CPU) is paid for
+    every admin_user, and a hundred tests use one. The hashes keep the
+    ``pbkdf2_sha256`` name and their iteration count, so the Nexus servers the
+    tests start (running with the default hashers) still verify them.
+    """
+
+    iterations = 1
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fast_password_hashing() -> Iterator[None]:
+    with override_settings(PASSWORD_HASHERS=["tests.conftest.FastPasswordHasher"]):
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -83,6 +115,21 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def spare_redis_url() -> str:
+    """A Redis database that neither the tests nor other xdist workers use.
+
+    For a server that must hear no broadcast from the tests, or a Nexus of its
+    own (production mode only).
+    """
+    from django.conf import settings
+
+    assert settings.REDIS_URL, "the embedded default has no Redis"
+    return (
+        os.environ.get(SPARE_REDIS_URL)
+        or redis_urls_for_worker(settings.REDIS_URL, 0)[1]
+    )
 
 
 def server_env() -> dict[str, str]:

@@ -22,6 +22,8 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import spare_redis_url
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT = 90.0
 
@@ -101,7 +103,7 @@ def run_env(tmp_path: Path) -> Iterator[dict[str, str]]:
     with psycopg.connect(admin_dsn, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{dbname}"')
     env["DATABASE_URL"] = urlunsplit(url._replace(path=f"/{dbname}"))
-    env["REDIS_URL"] = "redis://127.0.0.1:6379/2"
+    env["REDIS_URL"] = spare_redis_url()
     try:
         yield env
     finally:

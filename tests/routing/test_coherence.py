@@ -18,11 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from rest_framework.authtoken.models import Token
 
 from routing.models import Alias
-from tests.conftest import REPO_ROOT, NexusServer, server_env
+from tests.conftest import REPO_ROOT, NexusServer, server_env, spare_redis_url
 from tests.factories import BackendFactory, BackendModelFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -173,7 +174,8 @@ def test_the_periodic_check_alone_converges_without_broadcasts(
     BackendModelFactory(backend=backend, name="llama3:8b")
     # A channel layer of its own (another Redis database in production mode; the
     # in-memory layer is per process anyway): no broadcast from here reaches it.
-    server = nexus_server_factory(REDIS_URL="redis://127.0.0.1:6379/6")
+    own_layer = {"REDIS_URL": spare_redis_url()} if settings.REDIS_URL else {}
+    server = nexus_server_factory(**own_layer)
     assert _explain(server, token, "gpt-4")["error"]["status"] == 404
 
     Alias.objects.create(name="gpt-4", target="llama3:8b")

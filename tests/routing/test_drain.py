@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import openai
@@ -142,7 +143,7 @@ def test_sigterm_to_daphne_finishes_every_stream_and_bills_it(
 
 
 def test_sigterm_to_nexus_run_drains_every_serving_process(
-    mock_backend_factory: Callable[..., MockBackendProcess],
+    mock_backend_factory: Callable[..., MockBackendProcess], tmp_path: Path
 ) -> None:
     mock = mock_backend_factory(
         "--models", MODEL, "--name", "mock-drain", "--chunks", str(CHUNKS),
@@ -151,7 +152,9 @@ def test_sigterm_to_nexus_run_drains_every_serving_process(
     key = _setup(mock)
     with httpx.Client() as probe:
         port = _free_port()
-        env = server_env() | {"NEXUS_STATE_DIR": str(REPO_ROOT / ".nexus-test")}
+        # A state directory of its own: its Celery worker and beat use the
+        # broker queue and schedule kept there.
+        env = server_env() | {"NEXUS_STATE_DIR": str(tmp_path / "state")}
         launcher = subprocess.Popen(
             [
                 sys.executable,
