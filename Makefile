@@ -4,8 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/1
-EMBEDDED := env -u DATABASE_URL -u REDIS_URL NEXUS_TEST_MODE=embedded
-PRODUCTION := env NEXUS_TEST_MODE=production DATABASE_URL=$(TEST_DATABASE_URL) \
+# The tests start a few hundred Python processes: they share compiled bytecode
+# (__pycache__, git-ignored) even where the environment turns writing it off.
+EMBEDDED := env -u DATABASE_URL -u REDIS_URL -u PYTHONDONTWRITEBYTECODE \
+	NEXUS_TEST_MODE=embedded
+PRODUCTION := env -u PYTHONDONTWRITEBYTECODE NEXUS_TEST_MODE=production \
+	DATABASE_URL=$(TEST_DATABASE_URL) \
 	REDIS_URL=$(TEST_REDIS_URL) SECRET_KEY=tests-only-not-secret \
 	ALLOWED_HOSTS=127.0.0.1,localhost,testserver
 
