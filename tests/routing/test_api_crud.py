@@ -460,6 +460,9 @@ def api_schema(fuzz_headers: dict[str, str]) -> Any:
 fuzzed = schemathesis.pytest.from_fixture("api_schema")
 
 
+# One test walks every operation of the schema: with both modes running at
+# once on xdist workers of a 2-core machine it can outlast the default 120 s.
+@pytest.mark.timeout(480)
 @fuzzed.parametrize()
 @settings(
     max_examples=4,
