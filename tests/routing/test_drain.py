@@ -30,7 +30,9 @@ from usage.stream import clear_usage_stream, drain_usage_stream
 pytestmark = pytest.mark.django_db(transaction=True)
 
 STREAMS = 20
-CHUNKS = 15
+# Long enough (4 s) that every stream is still running when SIGTERM arrives,
+# even when starting 20 of them takes a loaded machine a few seconds.
+CHUNKS = 40
 MODEL = "llama3:8b"
 
 
