@@ -1,0 +1,45 @@
+"""What every translator shares: its error and the shape of a stream translator."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class TranslationError(Exception):
+    """A request the target protocol cannot express, or a malformed one.
+
+    ``status`` is the HTTP status the client gets (400 for bad input, 422 or 501
+    for something valid that the target cannot do); the surface renders
+    ``message``, ``param`` and ``code`` in its own error shape.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class StreamTranslator(Protocol):
+    """An incremental translator of one stream: never buffers a whole answer.
+
+    ``feed`` takes one parsed event of the source protocol and returns the bytes
+    to send for it (zero or more wire events, each complete: SSE events with
+    their blank line, or NDJSON lines with their newline). ``finish`` is called
+    once when the source ended normally, ``fail`` once when it broke off; both
+    return the closing events (usage, stop reason, the protocol's error event).
+    """
+
+    def feed(self, event: dict[str, Any]) -> list[bytes]: ...
+
+    def finish(self) -> list[bytes]: ...
+
+    def fail(self, message: str) -> list[bytes]: ...
