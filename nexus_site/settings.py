@@ -174,6 +174,8 @@ MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
+    # Before CommonMiddleware: /api/x and /api/x/ are both served in place.
+    "nexus_site.api.ApiSlashMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
@@ -292,10 +294,13 @@ else:
 # --- DRF (the management API under /api/) ---------------------------------------
 
 REST_FRAMEWORK = {
+    # Token first: a request without credentials gets 401 with
+    # `WWW-Authenticate: Token` (DRF answers 403 when the first class has no
+    # such header, as SessionAuthentication has not).
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.SessionAuthentication",
         # Admin tokens for scripts: `manage.py drf_create_token <staff user>`.
         "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
     "DEFAULT_PAGINATION_CLASS": "backends.api.pagination.BoundedLimitOffsetPagination",
