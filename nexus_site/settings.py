@@ -148,6 +148,33 @@ else:
     ALLOWED_HOSTS = ["127.0.0.1", "localhost", "[::1]"]
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
 
+# Behind a TLS-terminating reverse proxy (nginx, Caddy, a load balancer): trust
+# its header naming the client's scheme, redirect plain HTTP to HTTPS, send
+# HSTS, and keep the session and CSRF cookies to HTTPS. Only switch it on when
+# the proxy sets (and overwrites) that header: anyone could send it otherwise.
+NEXUS_BEHIND_TLS = env.bool("NEXUS_BEHIND_TLS", default=False)
+if NEXUS_BEHIND_TLS:
+    _tls_header = env.str("NEXUS_TLS_PROXY_HEADER", default="X-Forwarded-Proto")
+    SECURE_PROXY_SSL_HEADER = (
+        "HTTP_" + _tls_header.strip().upper().replace("-", "_"),
+        "https",
+    )
+    SECURE_SSL_REDIRECT = True
+    # Load balancers probe /health over plain HTTP inside the network (/health/*
+    # and /metrics are answered before Django, so never redirected).
+    SECURE_REDIRECT_EXEMPT = [r"^health$"]
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_HSTS_SECONDS = _bounded_int("NEXUS_HSTS_SECONDS", 31_536_000, 0, 10**9)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool(
+        "NEXUS_HSTS_INCLUDE_SUBDOMAINS", default=True
+    )
+    SECURE_HSTS_PRELOAD = env.bool("NEXUS_HSTS_PRELOAD", default=False)
+    if not SECURE_HSTS_PRELOAD:
+        # Preloading is a commitment made by submitting the domain to the
+        # browsers' list, not a default; `check --deploy` would ask for it.
+        SILENCED_SYSTEM_CHECKS = ["security.W021"]
+
 INSTALLED_APPS = [
     "daphne",
     "django.contrib.admin",
