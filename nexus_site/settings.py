@@ -23,6 +23,7 @@ import ipaddress
 import os
 import secrets
 import tempfile
+from datetime import timedelta
 from pathlib import Path
 from typing import TypeVar
 
@@ -185,6 +186,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "rest_framework.authtoken",
+    "axes",
     "channels",
     "routing",
     "backends",
@@ -208,6 +210,14 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last, as django-axes requires: answers 429 to a locked-out login.
+    "axes.middleware.AxesMiddleware",
+]
+
+AUTHENTICATION_BACKENDS = [
+    # First: refuses a locked-out user and address before any password check.
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
 ]
 
 ROOT_URLCONF = "nexus_site.urls"
@@ -254,6 +264,27 @@ WHITENOISE_USE_FINDERS = env.bool(
 )
 
 LOGIN_URL = "admin:login"
+
+# Admin login lockout (django-axes): after NEXUS_LOGIN_FAILURE_LIMIT wrong
+# passwords in a row for one user name from one address, that pair is refused
+# (429) for NEXUS_LOGIN_LOCKOUT_MINUTES, in every process (the count is kept in
+# the database). Failures are logged and listed in the admin ("Access
+# attempts", "Access failures"); deleting an attempt there, or `manage.py
+# axes_reset`, unlocks early. The address is the one the ASGI server reports:
+# behind a proxy, `nexus_run --proxy-headers` makes it the client's, and a
+# client cannot choose it with a header of its own.
+AXES_FAILURE_LIMIT = _bounded_int("NEXUS_LOGIN_FAILURE_LIMIT", 5, 1, 1000)
+AXES_COOLOFF_TIME = timedelta(
+    minutes=_bounded_float("NEXUS_LOGIN_LOCKOUT_MINUTES", 15.0, 0.01, 525_600)
+)
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_IPWARE_META_PRECEDENCE_ORDER = ["REMOTE_ADDR"]
+AXES_ENABLE_ACCESS_FAILURE_LOG = True
+AXES_LOCKOUT_TEMPLATE = "admin/locked_out.html"
+AXES_VERBOSE = False  # no banner from every process at start-up
+# Log the user name and address tried (an operator needs them); never a password.
+AXES_SENSITIVE_PARAMETERS: list[str] = []
 
 LOGGING = {
     "version": 1,
