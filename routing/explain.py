@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
-from routing.core import DecisionDict
+from collections.abc import Mapping
+
+from routing.core import DecisionDict, ScoringWeights
+
+WEIGHT_NAMES = ("priority", "load", "latency")
 
 
-def render_decision(decision: DecisionDict, *, explain: bool) -> str:
-    """Return the choice (or the error) and, when explaining, how it was reached."""
+def describe_weights(weights: ScoringWeights) -> dict[str, int]:
+    """The smart strategy's weights, as the explain record shows them."""
+    return {name: getattr(weights, name) for name in WEIGHT_NAMES}
+
+
+def render_decision(
+    decision: DecisionDict,
+    *,
+    explain: bool,
+    weights: Mapping[str, int] | None = None,
+) -> str:
+    """Return the choice (or the error) and, when explaining, how it was reached.
+
+    With ``weights``, each part of a score (0..100) is shown with the weight it
+    counts with, so an operator sees why one backend outscored another.
+    """
     lines: list[str] = []
     error = decision["error"]
     chosen = decision["chosen"]
@@ -26,10 +44,17 @@ def render_decision(decision: DecisionDict, *, explain: bool) -> str:
 
     req = decision["requirements"]
     needs = [name for name in ("vision", "tools", "json_mode") if req[f"needs_{name}"]]  # type: ignore[literal-required]
+    weighted = ""
+    if weights is not None:
+        weighted = (
+            " (weights: "
+            + ", ".join(f"{name} {weights[name]}" for name in WEIGHT_NAMES)
+            + ")"
+        )
     lines += [
         "",
         (
-            f"strategy {decision['strategy']}, config version "
+            f"strategy {decision['strategy']}{weighted}, config version "
             f"{decision['snapshot_version']}"
         ),
         f"needs: ~{req['estimated_tokens']} tokens"
@@ -42,17 +67,21 @@ def render_decision(decision: DecisionDict, *, explain: bool) -> str:
             f"{attempt['outcome'].replace('_', ' ')}"
         )
         if attempt["candidates"]:
+            of = {
+                name: f"×{weights[name]}%" if weights else "" for name in WEIGHT_NAMES
+            }
             lines.append(
                 f"  {'candidate':<24} {'prio':>4} {'load':>4} "
-                f"{'latency':>9}  score (prio+load+latency)"
+                f"{'latency':>9}  score = prio{of['priority']} + load{of['load']} "
+                f"+ latency{of['latency']}"
             )
             for c in attempt["candidates"]:
                 latency = "-" if c["latency_ms"] is None else f"{c['latency_ms']:g}ms"
                 s = c["score"]
                 lines.append(
                     f"  {c['backend']:<24} {c['priority']:>4} {c['in_flight']:>4} "
-                    f"{latency:>9}  {s['total']:g} = {s['priority']:g} + "
-                    f"{s['load']:g} + {s['latency']:g}"
+                    f"{latency:>9}  {s['total']:g} = "
+                    + " + ".join(f"{s[name]:g}{of[name]}" for name in WEIGHT_NAMES)  # type: ignore[literal-required]
                 )
         for excluded in attempt["excluded"]:
             lines.append(f"  excluded {excluded['backend']}: {excluded['detail']}")
