@@ -339,9 +339,19 @@ NEXUS_ADMIN_PASSWORD = env.str("NEXUS_ADMIN_PASSWORD", default="")
 # Require a Nexus client key (Authorization: Bearer nx-...) on /v1/*. Turn off
 # only on a trusted network.
 NEXUS_AUTH_REQUIRED = env.bool("NEXUS_AUTH_REQUIRED", default=True)
-# Request bodies larger than this get a 413.
+# Request bodies larger than this get a 413 (under Daphne at the headers, before
+# the body is read); 16 MiB leaves room for base64 images.
 NEXUS_MAX_BODY_BYTES = _bounded_int(
-    "NEXUS_MAX_BODY_BYTES", 10 * 1024 * 1024, 1024, 1024**3
+    "NEXUS_MAX_BODY_BYTES", 16 * 1024 * 1024, 1024, 1024**3
+)
+# Seconds a client may take to send a request's head (from connecting, or from
+# the previous response on a kept-alive connection, which is then closed) and
+# then its body; a slower client gets a 408 and is disconnected (Daphne).
+NEXUS_CLIENT_HEADER_TIMEOUT = _bounded_float(
+    "NEXUS_CLIENT_HEADER_TIMEOUT", 15.0, 0.1, 3600
+)
+NEXUS_CLIENT_BODY_TIMEOUT = _bounded_float(
+    "NEXUS_CLIENT_BODY_TIMEOUT", 120.0, 0.1, 86_400
 )
 # The shared upstream HTTP client of each serving process.
 NEXUS_UPSTREAM_CONNECT_TIMEOUT = _bounded_float(

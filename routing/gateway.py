@@ -58,7 +58,7 @@ class GatewayConfig:
     """The settings a gateway runs with (read once, passed in)."""
 
     auth_required: bool = True
-    max_body_bytes: int = 10 * 1024 * 1024
+    max_body_bytes: int = 16 * 1024 * 1024
     connect_timeout: float = 5.0
     max_connections: int = 1000
     config_poll_interval: float = 1.0
