@@ -360,6 +360,20 @@ NEXUS_UPSTREAM_CONNECT_TIMEOUT = _bounded_float(
 NEXUS_UPSTREAM_MAX_CONNECTIONS = _bounded_int(
     "NEXUS_UPSTREAM_MAX_CONNECTIONS", 1000, 1, 100_000
 )
+# What a backend may send: a whole (non-stream) reply of at most this many bytes
+# (over it: 502 upstream_reply_too_large), stream events of at most this many
+# (over it: the stream ends with an error event).
+NEXUS_UPSTREAM_MAX_REPLY_BYTES = _bounded_int(
+    "NEXUS_UPSTREAM_MAX_REPLY_BYTES", 32 * 1024 * 1024, 1024, 1024**3
+)
+NEXUS_UPSTREAM_MAX_EVENT_BYTES = _bounded_int(
+    "NEXUS_UPSTREAM_MAX_EVENT_BYTES", 1024 * 1024, 1024, 64 * 1024 * 1024
+)
+# A stream whose client has not read this many bytes of it is cut (the backend's
+# connection closed, usage recorded); measured where the server tells (Daphne).
+NEXUS_STREAM_MAX_UNSENT_BYTES = _bounded_int(
+    "NEXUS_STREAM_MAX_UNSENT_BYTES", 8 * 1024 * 1024, 64 * 1024, 1024**3
+)
 # Seconds between each serving process's check of the routing config version
 # (repairs lost change broadcasts; the only path between processes when the
 # channel layer is in-memory).
