@@ -14,7 +14,8 @@ Modes (``--size`` is the number of bytes the big ones send, default 40 MiB):
 ``non-json-200``    200 ``application/json`` whose body is an HTML page
 ``html-500``        500 ``text/html`` page holding an internal path and a token
 ``json-error``      400 in OpenAI's error shape (a real error a client should see)
-``huge-body``       200 ``application/json``: a valid reply of ``--size`` bytes
+``huge-body``       200 ``application/json``: a valid reply of ``--size`` bytes,
+                    without a ``Content-Length`` (it ends when the connection does)
 ``endless-event``   a stream whose first event never ends (no blank line), forever
 ``die-mid-reply``   the head and part of the body, then the connection closes
 ``hang``            reads the request and never answers
@@ -200,7 +201,14 @@ class HostileBackend:
                 await writer.drain()
         elif mode == "die-mid-reply":
             if stream:
-                writer.write(_head(200, sse) + _chunk(model, "first "))
+                # Chunked, as real servers stream: the abort is then visibly
+                # an incomplete body, not the end of one delimited by close.
+                event = _chunk(model, "first ")
+                writer.write(
+                    _head(200, sse)[:-2]
+                    + b"Transfer-Encoding: chunked\r\n\r\n"
+                    + b"%x\r\n%s\r\n" % (len(event), event)
+                )
                 await writer.drain()
             else:
                 body = json.dumps(_completion(model)).encode()
@@ -287,7 +295,8 @@ class HostileBackend:
         start = json.dumps(_completion(model))[:-1].encode() + b', "padding": "'
         end = b'"}'
         padding = max(0, self.size - len(start) - len(end))
-        writer.write(_head(200, "application/json", len(start) + padding + len(end)))
+        # No Content-Length: the reader must count (the body ends at close).
+        writer.write(_head(200, "application/json"))
         writer.write(start)
         block = b"p" * _CHUNK
         while padding > 0:

@@ -223,14 +223,17 @@ async def forward(
                 headers["authorization"] = f"Bearer {backend.api_key}"
             asked = time.perf_counter()
             try:
-                response = await session.request(
-                    "POST",
-                    upstream_url(target, exchange.path),
-                    data=upstream_body(payload, raw, target, wants_usage_chunk),
-                    headers=headers,
-                    timeout=client.timeout(backend.request_timeout),
-                    allow_redirects=False,
-                )
+                # The head too within the timeout, not just each read of it: a
+                # backend dripping its head a byte at a time would reset those.
+                async with asyncio.timeout(backend.request_timeout):
+                    response = await session.request(
+                        "POST",
+                        upstream_url(target, exchange.path),
+                        data=upstream_body(payload, raw, target, wants_usage_chunk),
+                        headers=headers,
+                        timeout=client.timeout(backend.request_timeout),
+                        allow_redirects=False,
+                    )
             except _TRANSPORT_ERRORS as error:
                 breaker.record_failure(backend.name)
                 gateway.metrics.retries.labels(backend.name).inc()
