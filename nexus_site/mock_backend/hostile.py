@@ -27,6 +27,8 @@ Modes (``--size`` is the number of bytes the big ones send, default 40 MiB):
                     completion tokens
 ``huge-headers``    10 MB of response headers before any body
 ``lying-length``    ``Content-Length`` of 100000 and 40 bytes, then close
+``flood``           a valid stream of 1 kB events that never ends (for a client
+                    that stops reading)
 ==================  =============================================================
 
 Standalone: it imports nothing from Django or the rest of Nexus.
@@ -64,6 +66,7 @@ MODES = (
     "huge-usage",
     "huge-headers",
     "lying-length",
+    "flood",
 )
 _CHUNK = 64 * 1024
 _MAX_REQUEST = 64 * 1024 * 1024
@@ -273,6 +276,12 @@ class HostileBackend:
                 writer.write(line)
                 await writer.drain()
             writer.write(b"Content-Length: 2\r\n\r\n{}")
+        elif mode == "flood":
+            writer.write(_head(200, sse))
+            event = _chunk(model, "f" * 1000)
+            while True:  # until the proxy hangs up
+                writer.write(event * 64)
+                await writer.drain()
         elif mode == "lying-length":
             body = json.dumps(_completion(model)).encode()[:40]
             writer.write(_head(200, "application/json", 100_000) + body)

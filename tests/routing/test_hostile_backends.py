@@ -11,6 +11,7 @@ event), nothing of the upstream page, the backend's in-flight count back to
 from __future__ import annotations
 
 import json
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ from usage.stream import drain_usage_stream
 
 MAX_REPLY = 1024 * 1024
 MAX_EVENT = 64 * 1024
+MAX_UNSENT = 256 * 1024
 HUGE = 64 * 1024 * 1024  # what the hostile backend sends as a huge body
 BACKEND = "hostile"
 
@@ -101,6 +103,7 @@ def setup(django_db_setup: None, django_db_blocker) -> Iterator[Setup]:
     nexus = start_nexus_server(
         NEXUS_UPSTREAM_MAX_REPLY_BYTES=str(MAX_REPLY),
         NEXUS_UPSTREAM_MAX_EVENT_BYTES=str(MAX_EVENT),
+        NEXUS_STREAM_MAX_UNSENT_BYTES=str(MAX_UNSENT),
         # Every case fails the same backend on purpose: keep it in service.
         NEXUS_BREAKER_FAILURES="1000000",
         NEXUS_BREAKER_PERSIST="0",
@@ -269,6 +272,35 @@ def test_the_backend_answers_normally_between_faults(setup: Setup) -> None:
     streamed, _ = setup.ask("ok", True)
     assert _stream_events(streamed.text)[-1] == "[DONE]"
     assert _usage_of(request_id).total_tokens == 7
+
+
+def test_a_client_that_stops_reading_a_stream_is_cut_off(setup: Setup) -> None:
+    # The backend streams valid events for ever; the client reads the head and
+    # then nothing. Without the cut this request would never end.
+    request_id = f"stall-{uuid.uuid4().hex[:12]}"
+    body = json.dumps(
+        {
+            "model": "hostile-flood",
+            "messages": [{"role": "user", "content": "x"}],
+            "stream": True,
+        }
+    ).encode()
+    host, port = setup.nexus.base_url.removeprefix("http://").split(":")
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((host, int(port)))
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\n"
+            + f"Authorization: Bearer {setup.key}\r\nX-Request-ID: {request_id}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        assert sock.recv(12).startswith(b"HTTP/1.1 200")
+        record = _usage_of(request_id)  # and read nothing more meanwhile
+        assert record.error == "client_stalled"
+        assert record.status == 200
+        _wait_idle(setup)
 
 
 def _peak_rss(pid: int) -> int:
