@@ -356,7 +356,7 @@ def _parse_body(raw: bytes, endpoint: str) -> dict[str, Any]:
     """Decode and check the shape of a request body (400 on anything wrong)."""
     try:
         payload = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep
         raise bad_request(
             "We could not parse the JSON body of your request. The body must be "
             "valid JSON (and set 'Content-Type: application/json')."
