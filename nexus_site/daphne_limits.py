@@ -8,8 +8,9 @@ byte resets. So under Daphne:
 * **At the headers** (Twisted's ``gotLength()``, called once all headers are
   in and before any body byte is read), ``routing.proxy.head.refuse_head()``
   decides: an upload to the gateway without a valid client key gets its 401,
-  and a ``Content-Length`` over ``NEXUS_MAX_BODY_BYTES`` its 413, in OpenAI's
-  error shape, and the connection is closed without reading the body.
+  and a ``Content-Length`` over ``NEXUS_MAX_BODY_BYTES`` its 413, in the
+  error shape of the path's surface (OpenAI's, Anthropic's on /v1/messages),
+  and the connection is closed without reading the body.
 * **While the body arrives**, a body sent without a length (chunked) is
   counted and refused with a 413 once it passes the limit.
 * **Deadlines**: a request's head must arrive within
@@ -39,6 +40,7 @@ from django.conf import settings
 from routing.gateway import Gateway
 from routing.proxy.errors import ProxyError
 from routing.proxy.head import refuse_head, too_large
+from routing.proxy.surfaces import OPENAI, Surface
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +145,7 @@ def install_daphne_limits(gateway: Gateway, limits: ClientLimits) -> None:
 
     HTTPFactory.buildProtocol = build_protocol_with_deadline
 
-    def refuse(request: Any, error: ProxyError) -> None:
+    def refuse(request: Any, error: ProxyError, surface: Surface = OPENAI) -> None:
         setattr(request, _REFUSED, True)
         request.content = _Discard()
         # Twisted would answer "100 Continue" after our refusal otherwise.
@@ -152,7 +154,7 @@ def install_daphne_limits(gateway: Gateway, limits: ClientLimits) -> None:
         disarm(channel)
         transport = channel.transport
         if transport is not None:
-            transport.write(_raw_response(error))
+            transport.write(_raw_response(error, surface))
             transport.loseConnection()
 
     got_length = WebRequest.gotLength
@@ -161,18 +163,20 @@ def install_daphne_limits(gateway: Gateway, limits: ClientLimits) -> None:
         channel = self.channel
         headers = self.requestHeaders
         authorization = headers.getRawHeaders(b"authorization")
+        api_key = headers.getRawHeaders(b"x-api-key")
         state = gateway.snapshots.peek()
-        error = refuse_head(
+        refusal = refuse_head(
             method=getattr(channel, "_command", b""),
             path=getattr(channel, "_path", b""),
             content_length=length,
             authorization=authorization[0] if authorization else None,
+            api_key=api_key[0] if api_key else None,
             keys=None if state is None else state.keys,
             auth_required=gateway.config.auth_required,
             max_body=limits.max_body,
         )
-        if error is not None:
-            refuse(self, error)
+        if refusal is not None:
+            refuse(self, *refusal)
             return
         setattr(self, _RECEIVED, 0)
         got_length(self, length)
@@ -236,8 +240,8 @@ def unsent_bytes(request: Any) -> int:
 _REASONS = {401: b"Unauthorized", 408: b"Request Timeout", 413: b"Content Too Large"}
 
 
-def _raw_response(error: ProxyError) -> bytes:
-    body = error.body()
+def _raw_response(error: ProxyError, surface: Surface = OPENAI) -> bytes:
+    body = surface.error_body(error)
     head = b"HTTP/1.1 %d %s\r\n" % (error.status, _REASONS.get(error.status, b"Error"))
     head += b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body)
     if error.status == 401:

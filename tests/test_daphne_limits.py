@@ -107,6 +107,34 @@ def test_a_gigabyte_upload_without_a_key_is_refused_at_the_headers(
     assert json.loads(body)["error"]["code"] == "invalid_api_key"
 
 
+def test_an_anthropic_upload_is_refused_in_anthropic_shape(server: Server) -> None:
+    with server.connect() as sock:
+        sock.sendall(
+            _head(str(1024**3), extra="x-api-key: nx-wrong\r\n").replace(
+                PATH.encode(), b"/v1/messages"
+            )
+        )
+        status, _, body = _read_response(sock)
+    assert status == 401
+    payload = json.loads(body)
+    assert payload["type"] == "error"
+    assert payload["error"]["type"] == "authentication_error"
+
+
+def test_an_anthropic_key_in_x_api_key_passes_the_head(server: Server) -> None:
+    response = httpx.post(
+        f"{server.nexus.base_url}/v1/messages",
+        headers={"x-api-key": server.key, "anthropic-version": "2023-06-01"},
+        json={
+            "model": "no-such-model",
+            "max_tokens": 5,
+            "messages": [{"role": "user", "content": "x"}],
+        },
+        timeout=10,
+    )
+    assert response.status_code == 404  # past the head: the proxy answers
+
+
 def test_a_wrong_key_is_refused_at_the_headers(server: Server) -> None:
     with server.connect() as sock:
         sock.sendall(_head("50000", key="nx-not-a-key"))

@@ -127,12 +127,18 @@ def error_reply(
     return error_body(message, kind, None, "upstream_error"), f"upstream_{status}"
 
 
-def _openai_error(body: bytes) -> dict[str, Any] | None:
+def json_object_of(body: bytes) -> dict[str, Any] | None:
+    """The JSON object `body` holds, or None (not JSON, not UTF-8, not an object)."""
     try:
         payload = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
-    error = payload.get("error") if isinstance(payload, dict) else None
+    return payload if isinstance(payload, dict) else None
+
+
+def _openai_error(body: bytes) -> dict[str, Any] | None:
+    payload = json_object_of(body)
+    error = payload.get("error") if payload is not None else None
     if isinstance(error, dict) and isinstance(error.get("message"), str):
         return error
     return None

@@ -14,12 +14,14 @@ import hashlib
 from collections.abc import Mapping
 
 from routing.proxy.errors import ProxyError, unauthorized
+from routing.proxy.surfaces import COUNT_TOKENS_PATH, ENDPOINTS, OPENAI, Surface
 
-# POST paths of the gateway that need a client key (the proxy's inference
-# endpoints; each surface added to the proxy adds its paths here).
-KEYED_UPLOAD_PATHS = frozenset(
-    ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
-)
+# POST paths of the gateway that need a client key, with the surface whose
+# error shape they answer in: every surface's inference endpoints.
+KEYED_UPLOAD_PATHS: dict[str, Surface] = {
+    **{path: surface for path, (_, surface) in ENDPOINTS.items()},
+    COUNT_TOKENS_PATH: ENDPOINTS["/v1/messages"][1],
+}
 
 
 def find_key_prefix(keys: Mapping[str, str], authorization: bytes | None) -> str | None:
@@ -50,7 +52,7 @@ def missing_key() -> ProxyError:
     """The 401 for an upload with no valid key, decided at the headers."""
     return unauthorized(
         "You didn't provide a valid API key. Send your Nexus key as "
-        "'Authorization: Bearer <key>'."
+        "'Authorization: Bearer <key>' (or 'x-api-key: <key>' on /v1/messages)."
     )
 
 
@@ -60,24 +62,25 @@ def refuse_head(
     path: bytes,
     content_length: int | None,
     authorization: bytes | None,
+    api_key: bytes | None,
     keys: Mapping[str, str] | None,
     auth_required: bool,
     max_body: int,
-) -> ProxyError | None:
+) -> tuple[ProxyError, Surface] | None:
     """Return the error a request must get from its head alone, or None.
 
-    `keys` is None while the serving process has no configuration yet (the
-    proxy decides then). A key is checked only on the gateway's keyed upload
-    paths; the size on every path.
+    With the error comes the surface whose shape it is answered in. `keys` is
+    None while the serving process has no configuration yet (the proxy decides
+    then). A key (``Authorization: Bearer``, or ``x-api-key`` where the
+    surface takes it) is checked only on the gateway's keyed upload paths; the
+    size on every path.
     """
-    if (
-        auth_required
-        and keys is not None
-        and method == b"POST"
-        and path.partition(b"?")[0].decode("latin-1") in KEYED_UPLOAD_PATHS
-        and find_key_prefix(keys, authorization) is None
-    ):
-        return missing_key()
+    surface = KEYED_UPLOAD_PATHS.get(path.partition(b"?")[0].decode("latin-1"))
+    if surface is not None and auth_required and keys is not None and method == b"POST":
+        if api_key is not None and surface.accepts_x_api_key:
+            authorization = b"Bearer " + api_key
+        if find_key_prefix(keys, authorization) is None:
+            return missing_key(), surface
     if content_length is not None and content_length > max_body:
-        return too_large(max_body)
+        return too_large(max_body), surface or OPENAI
     return None

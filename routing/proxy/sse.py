@@ -19,27 +19,52 @@ _EVENT_END = re.compile(rb"\r?\n\r?\n")
 
 
 class EventSplitter:
-    """Cut a byte stream into complete SSE events (each with its blank line)."""
+    """Cut a byte stream into complete SSE events (each with its blank line).
 
-    __slots__ = ("_pending",)
+    Linear in the bytes fed: an incomplete event is kept as a list of chunks,
+    and only each new chunk (with the three bytes before it) is searched for
+    the end of an event.
+    """
+
+    __slots__ = ("_parts", "pending_size")
 
     def __init__(self) -> None:
-        self._pending = b""
+        self._parts: list[bytes] = []
+        self.pending_size = 0  # bytes of the event not yet complete
 
     def feed(self, data: bytes) -> list[bytes]:
-        buffer = self._pending + data if self._pending else data
+        parts = self._parts
+        if parts:
+            probe = parts[-1][-3:] + data
+            if b"\n\n" not in probe and b"\n\r\n" not in probe:
+                parts.append(data)
+                self.pending_size += len(data)
+                return []
+            parts.append(data)
+            buffer = b"".join(parts)
+            parts.clear()
+        else:
+            buffer = data
         events: list[bytes] = []
         start = 0
         for match in _EVENT_END.finditer(buffer):
             events.append(buffer[start : match.end()])
             start = match.end()
-        self._pending = buffer[start:]
+        if start < len(buffer):
+            parts.append(buffer[start:])
+        self.pending_size = len(buffer) - start
         return events
 
     def rest(self) -> bytes:
         """Bytes after the last complete event (a stream cut short)."""
-        rest, self._pending = self._pending, b""
+        rest = b"".join(self._parts)
+        self._parts.clear()
+        self.pending_size = 0
         return rest
+
+    def peek(self) -> bytes:
+        """Bytes of the event not yet complete."""
+        return b"".join(self._parts)
 
 
 class EventTooLarge(Exception):

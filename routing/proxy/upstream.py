@@ -20,6 +20,9 @@ import aiohttp
 from routing.core import LiveStats, Route, Target
 from routing.proxy import checks, sse
 from routing.proxy.errors import ProxyError
+from routing.proxy.legs import Call, Leg, LegStream, Unservable, openai_call
+from routing.proxy.outbound import OPENAI_ADAPTER, adapter_for
+from routing.translate.base import StreamFailed
 
 if TYPE_CHECKING:
     from routing.gateway import Gateway
@@ -172,6 +175,7 @@ async def forward(
     raw: bytes,
     send: Send,
     response_headers: list[tuple[bytes, bytes]],
+    call: Call | None = None,
 ) -> None:
     """Send the request to the chosen backend, retrying others before any byte.
 
@@ -181,6 +185,10 @@ async def forward(
     first event is not JSON), up to the policy's max_retries. A 4xx is the
     client's to see. Once the first byte went to the client, a failure ends
     the stream with an error event.
+
+    ``call`` is None for an OpenAI client's request: relayed as it is to
+    OpenAI-speaking backends. Any other pairing of the client's surface and a
+    backend's adapter goes through a Leg (routing/proxy/legs.py).
     """
     options = payload.get("stream_options")
     wants_usage_chunk = (
@@ -198,11 +206,16 @@ async def forward(
     for position, target in enumerate(targets):
         backend = target.backend
         model = target.model.name
-        if backend.kind == "anthropic":
-            failures.append(
-                f"{backend.name}: Anthropic backends take no OpenAI requests yet"
-            )
-            continue
+        adapter = adapter_for(backend.kind)
+        leg: Leg | None = None
+        if call is not None or adapter is not OPENAI_ADAPTER:
+            try:
+                if call is None:
+                    call = openai_call(exchange.endpoint, payload, raw)
+                leg = Leg(call, adapter, target, exchange.request_id)
+            except Unservable as error:
+                failures.append(f"{backend.name}: {error}")
+                continue
         if position and breaker.is_open(backend.name):
             failures.append(f"{backend.name}: circuit open")
             continue
@@ -214,13 +227,18 @@ async def forward(
             exchange.retries += 1
         response: aiohttp.ClientResponse | None = None
         try:
-            headers = {
-                "content-type": "application/json",
-                "accept-encoding": "identity",
-                "x-request-id": exchange.request_id,
-            }
-            if backend.api_key:
-                headers["authorization"] = f"Bearer {backend.api_key}"
+            if leg is None:
+                url = upstream_url(target, exchange.path)
+                data = upstream_body(payload, raw, target, wants_usage_chunk)
+                headers = {
+                    "content-type": "application/json",
+                    "accept-encoding": "identity",
+                    "x-request-id": exchange.request_id,
+                }
+                if backend.api_key:
+                    headers["authorization"] = f"Bearer {backend.api_key}"
+            else:
+                url, data, headers = leg.url, leg.body, leg.headers
             asked = time.perf_counter()
             try:
                 # The head too within the timeout, not just each read of it: a
@@ -228,8 +246,8 @@ async def forward(
                 async with asyncio.timeout(backend.request_timeout):
                     response = await session.request(
                         "POST",
-                        upstream_url(target, exchange.path),
-                        data=upstream_body(payload, raw, target, wants_usage_chunk),
+                        url,
+                        data=data,
                         headers=headers,
                         timeout=client.timeout(backend.request_timeout),
                         allow_redirects=False,
@@ -259,13 +277,22 @@ async def forward(
             try:
                 async with asyncio.timeout(backend.request_timeout):
                     if streams:
-                        relay = sse.StreamRelay(
-                            wants_usage_chunk, _KEEP_FOR_ESTIMATE, limits.max_event
-                        )
-                        first = await _first_events(response, relay, limits.max_event)
+                        if leg is None:
+                            relay = sse.StreamRelay(
+                                wants_usage_chunk, _KEEP_FOR_ESTIMATE, limits.max_event
+                            )
+                            first = await _first_events(
+                                response, relay, limits.max_event
+                            )
+                        else:
+                            leg_stream = leg.stream(limits.max_event)
+                            first = await _first_leg_events(response, leg_stream)
                     else:
                         body = await checks.read_capped(response, limits.max_reply)
-                        reply = _checked_reply(exchange, status, body)
+                        if leg is None:
+                            reply = _checked_reply(exchange, status, body)
+                        else:
+                            body = _leg_answer(exchange, leg, status, response, body)
             except _TRANSPORT_ERRORS as error:
                 breaker.record_failure(backend.name)
                 gateway.metrics.retries.labels(backend.name).inc()
@@ -292,7 +319,24 @@ async def forward(
                 (b"x-nexus-backend", backend.name.encode()),
                 (b"x-nexus-model", model.encode()),
             )
-            if streams:
+            if leg is not None:
+                if streams:
+                    await _relay_leg_stream(
+                        exchange,
+                        leg,
+                        response,
+                        send,
+                        response_headers,
+                        leg_stream,
+                        first,
+                        backend.request_timeout,
+                        limits.max_unsent,
+                    )
+                else:
+                    await _send_leg_body(
+                        exchange, leg, status, body, send, response_headers
+                    )
+            elif streams:
                 await _relay_stream(
                     exchange,
                     response,
@@ -329,11 +373,11 @@ def _raise_exhausted(
             error_type="server_error",
             code="backends_busy",
         )
-    if failures and all("Anthropic" in f for f in failures):
+    if failures and all(" serves " in f for f in failures):
         raise ProxyError(
             501,
-            f"Model '{exchange.requested_model}' is only served by Anthropic "
-            f"backends, which do not take OpenAI-format requests yet ({detail}).",
+            f"Model '{exchange.requested_model}' is only served by backends that "
+            f"cannot take this kind of request ({detail}).",
             error_type="server_error",
             code="not_implemented",
         )
@@ -502,6 +546,149 @@ async def _relay_stream(
     exchange.usage = relay.usage
     if relay.usage is None:
         exchange.completion_chars = relay.text_length()
+    await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+async def _send_leg_body(
+    exchange: Exchange,
+    leg: Leg,
+    status: int,
+    body: bytes,
+    send: Send,
+    headers: list[tuple[bytes, bytes]],
+) -> None:
+    exchange.status = status
+    if status >= 300 and not exchange.error:
+        exchange.error = f"upstream_{status}"
+    exchange.first_byte = time.perf_counter()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def _leg_answer(
+    exchange: Exchange,
+    leg: Leg,
+    status: int,
+    response: aiohttp.ClientResponse,
+    body: bytes,
+) -> bytes:
+    """The client's body for a leg's whole answer, checked; or UpstreamFault.
+
+    A backend that speaks the client's protocol has its answer passed through:
+    a success must still be a JSON object, and an error that is not JSON is
+    replaced (and logged) like on the OpenAI path.
+    """
+    if leg.native:
+        if status < 300:
+            if checks.json_object_of(body) is None:
+                raise checks.invalid("answered a success that is not a JSON object")
+        elif checks.json_object_of(body) is None:
+            _, exchange.error = checks.error_reply(
+                status,
+                response.headers.get("Content-Type", ""),
+                body,
+                leg.target.backend.name,
+                exchange.request_id,
+            )
+            return leg.call.surface.error_body(
+                ProxyError(
+                    status,
+                    f"The backend '{leg.target.backend.name}' answered HTTP {status} "
+                    "with an error the gateway does not pass on; the gateway's log "
+                    f"has it (request id {exchange.request_id}).",
+                    error_type="server_error" if status >= 500 else "upstream_error",
+                    code="upstream_error",
+                )
+            )
+    try:
+        return leg.answer(exchange, status, body)
+    except (ValueError, UnicodeDecodeError):
+        raise checks.invalid("answered a success its protocol does not allow") from None
+
+
+async def _first_leg_events(
+    response: aiohttp.ClientResponse, stream: LegStream
+) -> bytes:
+    """A leg's first bytes for the client, once they exist; or UpstreamFault."""
+    sent: list[bytes] = []
+    try:
+        async for data in response.content.iter_any():
+            out = stream.feed(data)
+            if out:
+                sent.append(out)
+                if checks.check_first_event(out):
+                    return b"".join(sent)
+    except StreamFailed as error:
+        raise checks.invalid(error.message) from None
+    raise checks.invalid("ended its stream before the first event")
+
+
+async def _relay_leg_stream(
+    exchange: Exchange,
+    leg: Leg,
+    response: aiohttp.ClientResponse,
+    send: Send,
+    headers: list[tuple[bytes, bytes]],
+    stream: LegStream,
+    first: bytes,
+    event_timeout: float,
+    max_unsent: int,
+) -> None:
+    """Relay (or translate) the rest of a leg's stream; bounded as _relay_stream."""
+    exchange.status = response.status
+    await send(
+        {
+            "type": "http.response.start",
+            "status": response.status,
+            "headers": [
+                (b"content-type", leg.call.surface.stream_content_type),
+                *_STREAM_HEADERS[1:],
+                *headers,
+            ],
+        }
+    )
+    exchange.first_byte = time.perf_counter()
+    await send({"type": "http.response.body", "body": first, "more_body": True})
+    unsent = exchange.unsent_bytes
+    loop = asyncio.get_running_loop()
+    tail = b""
+    try:
+        async with asyncio.timeout_at(loop.time() + event_timeout) as deadline:
+            async for data in response.content.iter_any():
+                out = stream.feed(data)
+                if out:
+                    deadline.reschedule(loop.time() + event_timeout)
+                    await send(
+                        {"type": "http.response.body", "body": out, "more_body": True}
+                    )
+                    if unsent is not None and unsent() > max_unsent:
+                        exchange.error = "client_stalled"
+                        break
+            else:
+                tail = stream.finish()
+    except _TRANSPORT_ERRORS as error:
+        exchange.error = "upstream_stream_broken"
+        tail = stream.fail(
+            f"Backend '{exchange.backend}' failed mid-stream ({_describe(error)}); "
+            "the response is incomplete."
+        )
+    except StreamFailed as error:
+        exchange.error = "upstream_stream_error"
+        tail = stream.fail(
+            f"Backend '{exchange.backend}' failed mid-stream ({error.message}); "
+            "the response is incomplete."
+        )
+    exchange.usage = stream.usage
     await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
