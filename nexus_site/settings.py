@@ -339,9 +339,19 @@ NEXUS_ADMIN_PASSWORD = env.str("NEXUS_ADMIN_PASSWORD", default="")
 # Require a Nexus client key (Authorization: Bearer nx-...) on /v1/*. Turn off
 # only on a trusted network.
 NEXUS_AUTH_REQUIRED = env.bool("NEXUS_AUTH_REQUIRED", default=True)
-# Request bodies larger than this get a 413.
+# Request bodies larger than this get a 413 (under Daphne at the headers, before
+# the body is read); 16 MiB leaves room for base64 images.
 NEXUS_MAX_BODY_BYTES = _bounded_int(
-    "NEXUS_MAX_BODY_BYTES", 10 * 1024 * 1024, 1024, 1024**3
+    "NEXUS_MAX_BODY_BYTES", 16 * 1024 * 1024, 1024, 1024**3
+)
+# Seconds a client may take to send a request's head (from connecting, or from
+# the previous response on a kept-alive connection, which is then closed) and
+# then its body; a slower client gets a 408 and is disconnected (Daphne).
+NEXUS_CLIENT_HEADER_TIMEOUT = _bounded_float(
+    "NEXUS_CLIENT_HEADER_TIMEOUT", 15.0, 0.1, 3600
+)
+NEXUS_CLIENT_BODY_TIMEOUT = _bounded_float(
+    "NEXUS_CLIENT_BODY_TIMEOUT", 120.0, 0.1, 86_400
 )
 # The shared upstream HTTP client of each serving process.
 NEXUS_UPSTREAM_CONNECT_TIMEOUT = _bounded_float(
@@ -349,6 +359,20 @@ NEXUS_UPSTREAM_CONNECT_TIMEOUT = _bounded_float(
 )
 NEXUS_UPSTREAM_MAX_CONNECTIONS = _bounded_int(
     "NEXUS_UPSTREAM_MAX_CONNECTIONS", 1000, 1, 100_000
+)
+# What a backend may send: a whole (non-stream) reply of at most this many bytes
+# (over it: 502 upstream_reply_too_large), stream events of at most this many
+# (over it: the stream ends with an error event).
+NEXUS_UPSTREAM_MAX_REPLY_BYTES = _bounded_int(
+    "NEXUS_UPSTREAM_MAX_REPLY_BYTES", 32 * 1024 * 1024, 1024, 1024**3
+)
+NEXUS_UPSTREAM_MAX_EVENT_BYTES = _bounded_int(
+    "NEXUS_UPSTREAM_MAX_EVENT_BYTES", 1024 * 1024, 1024, 64 * 1024 * 1024
+)
+# A stream whose client has not read this many bytes of it is cut (the backend's
+# connection closed, usage recorded); measured where the server tells (Daphne).
+NEXUS_STREAM_MAX_UNSENT_BYTES = _bounded_int(
+    "NEXUS_STREAM_MAX_UNSENT_BYTES", 8 * 1024 * 1024, 64 * 1024, 1024**3
 )
 # Seconds between each serving process's check of the routing config version
 # (repairs lost change broadcasts; the only path between processes when the
