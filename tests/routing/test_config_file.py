@@ -239,12 +239,12 @@ def test_import_creates_everything_the_file_describes(write: Writer) -> None:
             "supports_json_mode": True,
             "enabled": True,
         },
-        # Keys left out take the model defaults.
+        # Keys left out take the model defaults: capabilities unknown.
         "llava:7b": {
             "context_length": None,
             "supports_vision": True,
-            "supports_tools": False,
-            "supports_json_mode": False,
+            "supports_tools": None,
+            "supports_json_mode": None,
             "enabled": False,
         },
     }
@@ -867,13 +867,14 @@ NAMES = (
     .map(str.strip)
     .filter(bool)
 )
+CAPABILITY = st.sampled_from([True, False, "auto"])
 MODELS = st.fixed_dictionaries(
     {"name": NAMES},
     optional={
         "context_length": st.integers(1, 2_000_000),
-        "vision": st.booleans(),
-        "tools": st.booleans(),
-        "json_mode": st.booleans(),
+        "vision": CAPABILITY,
+        "tools": CAPABILITY,
+        "json_mode": CAPABILITY,
         "enabled": st.booleans(),
     },
 )
@@ -934,6 +935,10 @@ def configurations(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
+def _capability(value: object) -> bool | None:
+    return None if value in (None, "auto") else bool(value)
+
+
 def _expected_state(config: dict[str, Any]) -> dict[str, Any]:
     routing = config["routing"]
     return {
@@ -957,9 +962,9 @@ def _expected_state(config: dict[str, Any]) -> dict[str, Any]:
                 "models": {
                     m["name"]: {
                         "context_length": m.get("context_length"),
-                        "supports_vision": m.get("vision", False),
-                        "supports_tools": m.get("tools", False),
-                        "supports_json_mode": m.get("json_mode", False),
+                        "supports_vision": _capability(m.get("vision")),
+                        "supports_tools": _capability(m.get("tools")),
+                        "supports_json_mode": _capability(m.get("json_mode")),
                         "enabled": m.get("enabled", True),
                     }
                     for m in b["models"]
@@ -1062,3 +1067,37 @@ def test_replace_leaves_exactly_the_file_whatever_was_there(
     _import_text(tomli_w.dumps(second))
 
     assert db_state(with_keys=False) == _expected_state(second)
+
+
+@pytest.mark.django_db
+def test_capabilities_are_true_false_or_auto_and_export_shows_auto(
+    write: Writer,
+) -> None:
+    path = write(
+        '[[backends]]\nname = "vllm"\nurl = "http://10.0.0.9:8000"\nkind = "vllm"\n'
+        '[[backends.models]]\nname = "qwen"\ntools = "auto"\nvision = false\n'
+    )
+    run_import(path)
+    model = BackendModel.objects.get(name="qwen")
+    assert (model.supports_tools, model.supports_vision, model.supports_json_mode) == (
+        None,
+        False,
+        None,
+    )
+    exported = run_export()
+    assert 'tools = "auto"' in exported
+    assert "vision = false" in exported
+    assert 'json_mode = "auto"' in exported
+
+
+@pytest.mark.django_db
+def test_a_capability_other_than_true_false_or_auto_is_reported(write: Writer) -> None:
+    path = write(
+        '[[backends]]\nname = "vllm"\nurl = "http://10.0.0.9:8000"\n'
+        '[[backends.models]]\nname = "qwen"\ntools = "maybe"\n'
+    )
+    error = import_error(path)
+    assert (
+        'backends[0] ("vllm").models[0] ("qwen").tools: expected true, false or '
+        '"auto" (unknown: the backend decides), got "maybe"'
+    ) in error

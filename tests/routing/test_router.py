@@ -694,3 +694,124 @@ def test_empty_model_name_is_a_400_before_routing() -> None:
     with pytest.raises(InvalidModel) as caught:
         select(snapshot(backend("a", "m")), "")
     assert caught.value.status == 400
+
+
+# Tri-state capabilities (issue 12, item 1): unknown does not filter, yes wins
+
+
+def test_unknown_tools_support_does_not_filter_a_tools_request() -> None:
+    snap = snapshot(backend("a", model("m", supports_tools=None)))
+    route = select(snap, "m", needs_tools=True)
+    assert route.target.backend.name == "a"
+    assert route.decision.excluded == ()
+
+
+def test_explicit_no_still_filters_while_unknown_serves() -> None:
+    snap = snapshot(
+        backend("a", model("m", supports_json_mode=False), priority=0),
+        backend("b", model("m", supports_json_mode=None), priority=50),
+    )
+    route = select(snap, "m", needs_json_mode=True)
+    assert route.target.backend.name == "b"
+    assert [t.backend.name for t in route.retry_targets] == []
+    assert route.decision.excluded[0].reasons == (Reason.NO_JSON_MODE,)
+
+
+def test_a_confirmed_capability_is_preferred_and_unknown_is_tried_after() -> None:
+    snap = snapshot(
+        backend("a", model("m", supports_tools=None), priority=0),
+        backend("b", model("m", supports_tools=True), priority=50),
+        backend("c", model("m", supports_tools=True), priority=60),
+    )
+    route = select(snap, "m", needs_tools=True)
+    assert route.target.backend.name == "b"
+    assert [t.backend.name for t in route.decision.retry_order] == ["c", "a"]
+    [deferred] = route.decision.excluded
+    assert deferred.reasons == (Reason.CAPABILITY_UNCONFIRMED,)
+    # Without the need, priority decides as usual.
+    assert select(snap, "m").target.backend.name == "a"
+
+
+def test_only_unknown_support_everywhere_routes_by_score() -> None:
+    snap = snapshot(
+        backend("a", model("m", supports_vision=None), priority=0),
+        backend("b", model("m", supports_vision=None), priority=50),
+    )
+    route = select(snap, "m", needs_vision=True)
+    assert route.target.backend.name == "a"
+    assert [t.backend.name for t in route.retry_targets] == ["b"]
+
+
+def test_explain_shows_each_capability_as_yes_no_or_unknown() -> None:
+    snap = snapshot(
+        backend(
+            "a",
+            model("m", supports_vision=True, supports_tools=None),
+        )
+    )
+    record = select(snap, "m").decision.as_dict()
+    assert record["candidates"][0]["capabilities"] == {
+        "vision": "yes",
+        "tools": "unknown",
+        "json_mode": "no",
+    }
+
+
+# Fallbacks on failure (issue 12, item 2): the retry order continues into the chain
+
+
+def test_retry_order_continues_into_the_fallback_chain() -> None:
+    snap = snapshot(
+        backend("a", "m"),
+        backend("b", "f1"),
+        backend("c", "f2"),
+        fallbacks={"m": ["f1", "f2"]},
+    )
+    route = select(snap, "m")
+    assert route.target.backend.name == "a"
+    assert [(t.backend.name, t.model.name) for t in route.retry_targets] == [
+        ("b", "f1"),
+        ("c", "f2"),
+    ]
+    record = route.decision.as_dict()
+    assert [a["model"] for a in record["onward"]] == ["f1", "f2"]
+    assert record["retry_order"] == [
+        {"backend": "b", "model": "f1"},
+        {"backend": "c", "model": "f2"},
+    ]
+
+
+def test_max_retries_bounds_each_model_of_the_retry_order() -> None:
+    snap = snapshot(
+        *(backend(f"a{i}", "m", priority=i) for i in range(3)),
+        *(backend(f"b{i}", "f", priority=i) for i in range(3)),
+        fallbacks={"m": ["f"]},
+        max_retries=1,
+    )
+    route = select(snap, "m")
+    assert [t.backend.name for t in route.retry_targets] == ["a1", "b0", "b1"]
+    assert len(route.decision.retry_order) == 5
+
+
+def test_a_served_fallback_continues_with_the_rest_of_the_chain() -> None:
+    snap = snapshot(
+        backend("a", "m", status="unhealthy"),
+        backend("b", "f1"),
+        backend("c", "f2"),
+        fallbacks={"m": ["f1", "f2"]},
+    )
+    route = select(snap, "m")
+    assert (route.target.backend.name, route.decision.via) == ("b", "fallback")
+    assert [t.backend.name for t in route.retry_targets] == ["c"]
+
+
+def test_an_alias_continues_with_its_chain() -> None:
+    snap = snapshot(
+        backend("a", "target"),
+        backend("b", "f"),
+        aliases={"public": "target"},
+        fallbacks={"target": ["f"]},
+    )
+    route = select(snap, "public")
+    assert route.target.backend.name == "a"
+    assert [t.backend.name for t in route.retry_targets] == ["b"]
