@@ -160,7 +160,8 @@ class Attempt:
     @cached_property
     def outcome(self) -> Outcome:
         """What trying this model came to."""
-        if self.routes is None:
+        if self.routes is None or not self.routes.is_served:
+            # Only disabled or vanished rows list it: nobody serves it.
             return Outcome.NOT_FOUND
         if self.survivors:
             return Outcome.ROUTED

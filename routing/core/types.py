@@ -204,6 +204,9 @@ class ModelRoutes:
     common_mask: int
     min_context: int
     has_capacity_limits: bool
+    # Some enabled backend lists the model enabled (healthy or not): without
+    # one, the model is not served at all (404), not merely down (503).
+    is_served: bool = True
 
 
 @dataclass(frozen=True, eq=False)
@@ -309,11 +312,7 @@ class RouterSnapshot:
     def served_models(self) -> tuple[str, ...]:
         """Model names with at least one enabled entry on an enabled backend."""
         return tuple(
-            sorted(
-                name
-                for name, routes in self.routes.items()
-                if any(t.backend.enabled and t.model.enabled for t in routes.targets)
-            )
+            sorted(name for name, routes in self.routes.items() if routes.is_served)
         )
 
     def fallbacks_for(self, *models: str) -> tuple[str, ...]:
@@ -362,6 +361,7 @@ def _index_model(
         common_mask=common_mask,
         min_context=min_context,
         has_capacity_limits=any(p.capacity != UNLIMITED for p in routable),
+        is_served=any(t.backend.enabled and t.model.enabled for t in targets),
     )
 
 

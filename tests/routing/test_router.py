@@ -815,3 +815,35 @@ def test_an_alias_continues_with_its_chain() -> None:
     route = select(snap, "public")
     assert route.target.backend.name == "a"
     assert [t.backend.name for t in route.retry_targets] == ["b"]
+
+
+# Item 4: a model only disabled or vanished rows list is not served at all
+
+
+@pytest.mark.parametrize(
+    "listing",
+    [
+        {"enabled": False},  # the backend is switched off
+        {"model": {"enabled": False}},  # discovery disabled the vanished model
+    ],
+)
+def test_a_model_listed_only_by_disabled_rows_is_404_not_503(
+    listing: dict[str, Any],
+) -> None:
+    fields = {k: v for k, v in listing.items() if k != "model"}
+    snap = snapshot(
+        backend("a", model("gone", **listing.get("model", {})), **fields),
+        backend("b", "other"),
+    )
+    error = fail(snap, "gone")
+    assert isinstance(error, ModelNotFound)
+    assert error.status == 404
+    assert "gone" not in snap.served_models()
+
+
+def test_a_disabled_row_beside_an_unhealthy_one_is_still_503() -> None:
+    snap = snapshot(
+        backend("a", model("m", enabled=False)),
+        backend("b", "m", status="unhealthy"),
+    )
+    assert isinstance(fail(snap, "m"), NoHealthyBackend)

@@ -22,7 +22,7 @@ from django.utils import timezone
 from rest_framework.authtoken.models import Token
 
 from backends.models import Backend, BackendModel, HealthStatus
-from routing.models import ChainStep, FallbackChain
+from routing.models import Alias, ChainStep, FallbackChain
 from tests.conftest import (
     MockBackendProcess,
     NexusServer,
@@ -101,6 +101,14 @@ def fleet(django_db_setup: None, django_db_blocker) -> Iterator[Fleet]:
         BackendModel.objects.create(backend=stale, name="shared")
         fresh = _backend("fresh", b, priority=9)
         BackendModel.objects.create(backend=fresh, name="shared")
+        # Item 4: a switched-off backend, a model discovery saw vanish, and an
+        # alias pointing at what nobody serves any more.
+        retired = _backend("retired", a, enabled=False)
+        BackendModel.objects.create(backend=retired, name="old-model")
+        BackendModel.objects.create(
+            backend=generic, name="vanished", discovered=True, enabled=False
+        )
+        Alias.objects.create(name="legacy", target="old-model")
         _, key = ApiKey.objects.create_key("routing-e2e")
         staff = get_user_model().objects.create_user("routing-ops", is_staff=True)
         token = Token.objects.create(user=staff).key
@@ -252,3 +260,22 @@ def test_a_backend_stops_getting_traffic_once_its_health_result_ages(
     assert served[-1:] == ["aging-2"]
     # Only once it really was stale.
     assert timezone.now() >= checked + dt.timedelta(seconds=3 * HEALTH_INTERVAL)
+
+
+# Item 4: models nobody serves
+
+
+@pytest.mark.parametrize("model", ["old-model", "vanished", "legacy"])
+def test_a_model_only_disabled_rows_list_is_404_model_not_found(
+    fleet: Fleet, model: str
+) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        fleet.sdk().chat.completions.create(model=model, messages=chat("x"))
+    assert caught.value.status_code == 404
+    assert caught.value.code == "model_not_found"
+
+
+def test_an_alias_whose_target_nobody_serves_is_not_listed(fleet: Fleet) -> None:
+    listed = {m.id for m in fleet.sdk().models.list().data}
+    assert "qwen" in listed
+    assert not listed & {"legacy", "old-model", "vanished"}
