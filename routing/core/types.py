@@ -247,7 +247,9 @@ class RouterSnapshot:
         are dropped and aliases that point at other aliases are kept but
         reported in ``alias_problems`` (the router never follows a second
         level). Empty fallback chains are dropped, as are duplicate steps and
-        steps naming the chain's own model. Raises ValueError on duplicate
+        steps naming the chain's own model. A step naming an alias is resolved
+        as a requested model would be, one level: to the alias's target (after
+        the alias name itself, when some backend also serves that name). Raises ValueError on duplicate
         backend names or a model listed twice on one backend.
         """
         policy = policy or Policy()
@@ -292,7 +294,9 @@ class RouterSnapshot:
             version=version,
             backends=ordered,
             aliases=MappingProxyType(clean_aliases),
-            fallbacks=MappingProxyType(_clean_fallbacks(fallbacks or {})),
+            fallbacks=MappingProxyType(
+                _resolve_steps(_clean_fallbacks(fallbacks or {}), clean_aliases, routes)
+            ),
             policy=policy,
             routes=MappingProxyType(routes),
             backends_by_name=MappingProxyType(by_name),
@@ -363,6 +367,24 @@ def _index_model(
         has_capacity_limits=any(p.capacity != UNLIMITED for p in routable),
         is_served=any(t.backend.enabled and t.model.enabled for t in targets),
     )
+
+
+def _resolve_steps(
+    fallbacks: Mapping[str, tuple[str, ...]],
+    aliases: Mapping[str, str],
+    routes: Mapping[str, ModelRoutes],
+) -> dict[str, tuple[str, ...]]:
+    resolved: dict[str, tuple[str, ...]] = {}
+    for model, steps in fallbacks.items():
+        chain: list[str] = []
+        for step in steps:
+            names = [step] if step not in aliases or step in routes else []
+            if step in aliases:
+                names.append(aliases[step])
+            chain.extend(n for n in names if n != model and n not in chain)
+        if chain:
+            resolved[model] = tuple(chain)
+    return resolved
 
 
 def _clean_fallbacks(

@@ -1101,3 +1101,77 @@ def test_a_capability_other_than_true_false_or_auto_is_reported(write: Writer) -
         'backends[0] ("vllm").models[0] ("qwen").tools: expected true, false or '
         '"auto" (unknown: the backend decides), got "maybe"'
     ) in error
+
+
+def _readme_toml() -> str:
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Configuration file (TOML)", 1)[1]
+    return section.split("```toml\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.django_db
+def test_the_readme_example_imports_as_written(
+    write: Writer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fresh shell: none of the variables an example might name is set.
+    for name in [n for n in os.environ if n.endswith("_KEY")]:
+        monkeypatch.delenv(name)
+    output = run_import(write(_readme_toml()))
+    assert "Imported" in output
+    state = db_state()
+    assert state["aliases"] == {"gpt-4": "llama3:70b"}
+    assert state["fallbacks"] == {"llama3:70b": ["llama3:8b", "mistral:7b"]}
+    assert set(state["backends"]) == {"gpu-1"}
+
+
+@pytest.mark.django_db
+def test_json_reports_problems_as_json_on_stdout(write: Writer) -> None:
+    out, err = StringIO(), StringIO()
+    with pytest.raises(SystemExit) as exited:
+        call_command(
+            "nexus_import_config",
+            write("[routing]\nmax_retries = 11\n[routing.aliases]\n'a' = 'a'\n"),
+            "--json",
+            stdout=out,
+            stderr=err,
+        )
+    assert exited.value.code == 1
+    report = json.loads(out.getvalue())
+    assert report["ok"] is False
+    assert len(report["problems"]) == 2
+    assert any("cannot target itself" in p for p in report["problems"])
+    assert err.getvalue() == ""
+
+
+@pytest.mark.django_db
+def test_alias_problems_come_in_the_same_pass_as_every_other(write: Writer) -> None:
+    text = (
+        "[routing]\nstrategy = 'fastest'\n"
+        "[routing.aliases]\n'a' = 'b'\n'b' = 'c'\n'self' = 'self'\n"
+        "[routing.fallbacks]\n'c' = ['loop']\n"
+        "[[backends]]\nname = 'gpu-1'\nurl = 'ftp://10.0.0.1'\n"
+    )
+    message = import_error(write(text))
+    for expected in (
+        "routing.strategy: Value 'fastest' is not a valid choice",
+        "routing.aliases.\"a\": 'b' is itself an alias",
+        "routing.aliases.\"self\": Alias 'self' cannot target itself.",
+        'backends[0] ("gpu-1").url: Use an http:// or https:// URL',
+    ):
+        assert expected in message, message
+    assert "4 problems" in message
+
+
+@pytest.mark.django_db
+def test_a_fallback_through_an_alias_back_to_its_model_is_rejected(
+    write: Writer,
+) -> None:
+    message = import_error(
+        write(
+            "[routing.aliases]\n'loop' = 'llama3:70b'\n"
+            "[routing.fallbacks]\n'llama3:70b' = ['mistral:7b', 'loop']\n"
+        )
+    )
+    assert (
+        "routing.fallbacks.\"llama3:70b\"[1]: 'loop' is an alias for 'llama3:70b'"
+    ) in message

@@ -625,16 +625,26 @@ def test_chain_failing_only_on_capabilities_is_a_400_not_a_503() -> None:
     assert error.message.endswith("also tried 'mistral:7b'")
 
 
-def test_a_fallback_naming_an_alias_is_taken_literally() -> None:
+def test_a_fallback_naming_an_alias_is_resolved_one_level() -> None:
     snap = snapshot(
         backend("a", "llama3:70b", status="unhealthy"),
         backend("b", "llama3:8b"),
         aliases={"small": "llama3:8b"},
         fallbacks={"llama3:70b": ["small"]},
     )
-    error = fail(snap, "llama3:70b")
-    assert isinstance(error, FallbackChainExhausted)
-    assert error.chain == ("llama3:70b", "small")
+    route = select(snap, "llama3:70b")
+    assert (route.target.backend.name, route.decision.via) == ("b", "fallback")
+    assert snap.fallbacks["llama3:70b"] == ("llama3:8b",)
+
+
+def test_a_fallback_alias_back_to_the_chains_own_model_is_dropped() -> None:
+    snap = snapshot(
+        backend("a", "m", status="unhealthy"),
+        aliases={"loop": "m"},
+        fallbacks={"m": ["loop"]},
+    )
+    assert "m" not in snap.fallbacks
+    assert isinstance(fail(snap, "m"), NoHealthyBackend)
 
 
 # AC-10: every failure is descriptive and OpenAI-shaped
