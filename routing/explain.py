@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from routing.core import ScoringWeights
 from routing.core.shapes import AttemptDict, CapabilitiesDict, DecisionDict
 
+WEIGHT_NAMES = ("priority", "load", "latency")
 
-def render_decision(decision: DecisionDict, *, explain: bool) -> str:
-    """Return the choice (or the error) and, when explaining, how it was reached."""
+
+def describe_weights(weights: ScoringWeights) -> dict[str, int]:
+    """The smart strategy's weights, as the explain record shows them."""
+    return {name: getattr(weights, name) for name in WEIGHT_NAMES}
+
+
+def render_decision(
+    decision: DecisionDict,
+    *,
+    explain: bool,
+    weights: Mapping[str, int] | None = None,
+) -> str:
+    """Return the choice (or the error) and, when explaining, how it was reached.
+
+    With ``weights``, each part of a score (0..100) is shown with the weight it
+    counts with, so an operator sees why one backend outscored another.
+    """
     lines: list[str] = []
     error = decision["error"]
     chosen = decision["chosen"]
@@ -36,9 +55,9 @@ def render_decision(decision: DecisionDict, *, explain: bool) -> str:
         + (", " + ", ".join(needs) if needs else ""),
     ]
     for attempt in decision["attempts"]:
-        lines += _render_attempt(attempt, attempt["outcome"].replace("_", " "))
+        lines += _render_attempt(attempt, attempt["outcome"].replace("_", " "), weights)
     for attempt in decision["onward"]:
-        lines += _render_attempt(attempt, "next if every backend above fails")
+        lines += _render_attempt(attempt, "next if every backend above fails", weights)
     if chosen is not None:
         lines.append("")
         retry = (
@@ -54,20 +73,25 @@ def render_decision(decision: DecisionDict, *, explain: bool) -> str:
     return "\n".join(lines)
 
 
-def _render_attempt(attempt: AttemptDict, outcome: str) -> list[str]:
+def _render_attempt(
+    attempt: AttemptDict, outcome: str, weights: Mapping[str, int] | None
+) -> list[str]:
     lines = ["", f"{attempt['model']} ({attempt['role']}): {outcome}"]
     if attempt["candidates"]:
+        of = {name: f"×{weights[name]}%" if weights else "" for name in WEIGHT_NAMES}
         lines.append(
             f"  {'candidate':<24} {'prio':>4} {'load':>4} "
-            f"{'latency':>9}  score (prio+load+latency)  capabilities"
+            f"{'latency':>9}  score = prio{of['priority']} + load{of['load']} "
+            f"+ latency{of['latency']}  capabilities"
         )
         for c in attempt["candidates"]:
             latency = "-" if c["latency_ms"] is None else f"{c['latency_ms']:g}ms"
             s = c["score"]
             lines.append(
                 f"  {c['backend']:<24} {c['priority']:>4} {c['in_flight']:>4} "
-                f"{latency:>9}  {s['total']:g} = {s['priority']:g} + "
-                f"{s['load']:g} + {s['latency']:g}  "
+                f"{latency:>9}  {s['total']:g} = "
+                + " + ".join(f"{s[name]:g}{of[name]}" for name in WEIGHT_NAMES)  # type: ignore[literal-required]
+                + "  "
                 + _render_capabilities(c["capabilities"])
             )
     for excluded in attempt["excluded"]:
