@@ -45,10 +45,17 @@ def render_decision(
 
     req = decision["requirements"]
     needs = [name for name in ("vision", "tools", "json_mode") if req[f"needs_{name}"]]  # type: ignore[literal-required]
+    weighted = ""
+    if weights is not None:
+        weighted = (
+            " (weights: "
+            + ", ".join(f"{name} {weights[name]}" for name in WEIGHT_NAMES)
+            + ")"
+        )
     lines += [
         "",
         (
-            f"strategy {decision['strategy']}, config version "
+            f"strategy {decision['strategy']}{weighted}, config version "
             f"{decision['snapshot_version']}"
         ),
         f"needs: ~{req['estimated_tokens']} tokens"
