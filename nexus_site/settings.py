@@ -171,6 +171,8 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # A 503 page instead of a 500 while the database is unreachable.
+    "nexus_site.middleware.DatabaseOutageMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",

@@ -41,8 +41,15 @@ class HealthSummaryDict(TypedDict):
 
 class HealthDict(TypedDict):
     status: str  # "ok", "degraded" or "unavailable"
+    database: str  # "ok" or "unreachable"
     summary: HealthSummaryDict
     backends: list[PublicBackendDict]
+
+
+DATABASE_DOWN = (
+    "the configuration database is unreachable; the gateway keeps serving from "
+    "its last configuration"
+)
 
 
 @never_cache
@@ -56,10 +63,7 @@ def health(request: HttpRequest) -> JsonResponse:
     try:
         backends = list(Backend.objects.with_model_count().order_by("priority", "name"))
     except DatabaseError:
-        return JsonResponse(
-            {"status": "unavailable", "error": "the database is unreachable"},
-            status=503,
-        )
+        return _health_without_database()
     summary: HealthSummaryDict = {
         "total": len(backends),
         "healthy": 0,
@@ -105,8 +109,45 @@ def health(request: HttpRequest) -> JsonResponse:
         status = "degraded"
     else:
         status = "ok"
-    body: HealthDict = {"status": status, "summary": summary, "backends": rows}
+    body: HealthDict = {
+        "status": status,
+        "database": "ok",
+        "summary": summary,
+        "backends": rows,
+    }
     return JsonResponse(body, status=200 if serving else 503)
+
+
+def _health_without_database() -> JsonResponse:
+    """What this serving process still routes with while the database is down.
+
+    The gateway serves from its last snapshot, so a load balancer should keep
+    sending traffic: 200 while the snapshot has a healthy backend, and the
+    outage said in ``database`` and ``error``.
+    """
+    state = current_gateway().snapshots.peek()
+    breaker = current_gateway().breaker
+    serving = 0
+    names: list[str] = []
+    if state is not None:
+        for backend in state.routes.backends:
+            names.append(backend.name)
+            if (
+                backend.enabled
+                and backend.status == HealthStatus.HEALTHY
+                and not breaker.is_open(backend.name)
+            ):
+                serving += 1
+    return JsonResponse(
+        {
+            "status": "degraded" if serving else "unavailable",
+            "database": "unreachable",
+            "error": DATABASE_DOWN,
+            "serving_backends": serving,
+            "known_backends": names,
+        },
+        status=200 if serving else 503,
+    )
 
 
 def _public_url(url: str) -> str:
