@@ -438,8 +438,7 @@ NEXUS_USAGE_BUFFER_MAX = _bounded_int(
 # wait in an append-only file per serving process here, replayed (once each, by
 # event id) when it works again; files of stopped processes are adopted.
 NEXUS_USAGE_SPILL_DIR = Path(
-    env.str("NEXUS_USAGE_SPILL_DIR", default="")
-    or NEXUS_STATE_DIR / "usage-spill"
+    env.str("NEXUS_USAGE_SPILL_DIR", default="") or NEXUS_STATE_DIR / "usage-spill"
 )
 # How serving processes hand usage events on: through Redis, or straight to the
 # database.
