@@ -200,6 +200,8 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # A 503 page instead of a 500 while the database is unreachable.
+    "nexus_site.middleware.DatabaseOutageMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -488,12 +490,18 @@ NEXUS_BREAKER_PERSIST = env.bool("NEXUS_BREAKER_PERSIST", default=True)
 # --- Usage accounting -----------------------------------------------------------
 
 # Seconds between writes of each serving process's usage buffer, and how many
-# events a serving process holds while the database is unreachable.
+# events a serving process holds in memory at most while it cannot hand them on.
 NEXUS_USAGE_FLUSH_INTERVAL = _bounded_float(
     "NEXUS_USAGE_FLUSH_INTERVAL", 1.0, 0.01, 3600
 )
 NEXUS_USAGE_BUFFER_MAX = _bounded_int(
     "NEXUS_USAGE_BUFFER_MAX", 100_000, 1000, 10_000_000
+)
+# While usage cannot be handed on, events over a tenth of NEXUS_USAGE_BUFFER_MAX
+# wait in an append-only file per serving process here, replayed (once each, by
+# event id) when it works again; files of stopped processes are adopted.
+NEXUS_USAGE_SPILL_DIR = Path(
+    env.str("NEXUS_USAGE_SPILL_DIR", default="") or NEXUS_STATE_DIR / "usage-spill"
 )
 # How serving processes hand usage events on: through Redis, or straight to the
 # database.

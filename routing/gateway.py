@@ -36,6 +36,7 @@ from usage.buffer import UsageBuffer
 from usage.flush import DatabaseFlusher
 from usage.live import LiveUsage
 from usage.publisher import USAGE_GROUP, UsagePublisher
+from usage.spill import UsageSpill
 
 logger = logging.getLogger(__name__)
 
@@ -95,11 +96,16 @@ class GatewayConfig:
 
 
 def _make_sink(config: GatewayConfig, buffer: UsageBuffer) -> UsageSink:
+    # During an outage, what is over a tenth of the buffer's bound waits on disk.
+    spill = UsageSpill(
+        settings.NEXUS_USAGE_SPILL_DIR,
+        keep_in_memory=max(100, config.usage_buffer_max // 10),
+    )
     if config.usage_transport == "redis":
         from usage.stream import RedisShipper  # needs the redis package only here
 
-        return RedisShipper(buffer)
-    return DatabaseFlusher(buffer)
+        return RedisShipper(buffer, spill=spill)
+    return DatabaseFlusher(buffer, spill=spill)
 
 
 class Gateway:

@@ -29,7 +29,7 @@ from typing import Any
 
 from routing.core import BackendSpec
 from routing.translate import anthropic
-from routing.translate.base import ChunkReader
+from routing.translate.base import ChunkReader, encode_json
 from routing.translate.openai import ChatChunkReader, error_message
 
 
@@ -64,12 +64,12 @@ class BackendAdapter:
             options = dict(options) if isinstance(options, dict) else {}
             options["include_usage"] = True
             body["stream_options"] = options
-        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        return encode_json(body)
 
     def request_body_native(self, payload: dict[str, Any], model: str) -> bytes:
         """The client's own body (passed through) for ``model``."""
         body = {**payload, "model": model}
-        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        return encode_json(body)
 
     def read_reply(self, body: bytes, created: int) -> dict[str, Any]:
         """A whole reply as a canonical ``chat.completion``; ValueError if not one."""
@@ -148,7 +148,7 @@ class AnthropicAdapter(BackendAdapter):
 
     def request_body(self, canonical: dict[str, Any], model: str) -> bytes:
         body = anthropic.canonical_to_messages({**canonical, "model": model})
-        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        return encode_json(body)
 
     def read_reply(self, body: bytes, created: int) -> dict[str, Any]:
         message = json.loads(body)

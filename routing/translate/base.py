@@ -2,7 +2,25 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Protocol
+
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+_COMPACT_ASCII = json.JSONEncoder(separators=(",", ":"))
+
+
+def encode_json(value: Any) -> bytes:
+    """Compact UTF-8 JSON of `value`, whatever its strings hold.
+
+    A client may send a lone surrogate (``"\\ud800"`` is valid JSON), which
+    has no UTF-8 form: such a document is written with ASCII escapes instead,
+    which keeps it as sent.
+    """
+    text = _COMPACT.encode(value)
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return _COMPACT_ASCII.encode(value).encode()
 
 
 class TranslationError(Exception):
