@@ -113,7 +113,9 @@ if not NEXUS_STATE_DIR.is_absolute():
     NEXUS_STATE_DIR = BASE_DIR / NEXUS_STATE_DIR
 NEXUS_STATE_DIR.mkdir(parents=True, exist_ok=True)
 
-NEXUS_PRODUCTION = "DATABASE_URL" in env
+# Empty means unset, as for every variable: a copied .env.example with
+# DATABASE_URL= stays in the embedded default.
+NEXUS_PRODUCTION = bool(env.str("DATABASE_URL", default="").strip())
 REDIS_URL = env.str("REDIS_URL", default="")
 
 
@@ -134,14 +136,14 @@ def _embedded_secret_key() -> str:
 
 DEBUG = env.bool("DEBUG", default=False)
 
-if "SECRET_KEY" in env:
+if env.str("SECRET_KEY", default=""):
     SECRET_KEY = env.str("SECRET_KEY")
 elif NEXUS_PRODUCTION:
     raise ImproperlyConfigured("SECRET_KEY must be set when DATABASE_URL is set.")
 else:
     SECRET_KEY = _embedded_secret_key()
 
-if "ALLOWED_HOSTS" in env:
+if env.str("ALLOWED_HOSTS", default=""):
     ALLOWED_HOSTS = env.list("ALLOWED_HOSTS")
 elif NEXUS_PRODUCTION:
     raise ImproperlyConfigured("ALLOWED_HOSTS must be set when DATABASE_URL is set.")

@@ -40,6 +40,7 @@ from routing.config_file.schema import (
 SYNTAX_POSITION = " (at line "
 END_OF_DOCUMENT = " (at end of document)"
 MAX_SHOWN_VALUE = 60
+NUL_MESSAGE = "contains a NUL character (\\u0000), which cannot be stored; remove it"
 
 
 def read_config(text: str, source: str, environ: Mapping[str, str]) -> ConfigFile:
@@ -79,6 +80,7 @@ class _Reader:
         self.problems.append(f"{path}: {message}")
 
     def read_document(self, data: dict[str, Any]) -> ConfigFile:
+        self._reject_nul_characters(data, "")
         self._reject_unknown_keys(data, "", ("routing", "backends"))
         policy: dict[str, Any] = {}
         policy_invalid: set[str] = set()
@@ -111,6 +113,23 @@ class _Reader:
             policy_invalid=frozenset(policy_invalid),
             problems=tuple(self.problems),
         )
+
+    def _reject_nul_characters(self, value: object, path: str) -> None:
+        """Report every key or string holding NUL (TOML's \\u0000).
+
+        The database cannot store it (PostgreSQL text refuses it outright).
+        """
+        if isinstance(value, dict):
+            for key, item in value.items():
+                item_path = _join(path, key.replace("\x00", "\\u0000"))
+                if "\x00" in key:
+                    self.add(item_path, NUL_MESSAGE)
+                self._reject_nul_characters(item, item_path)
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                self._reject_nul_characters(item, f"{path}[{index}]")
+        elif isinstance(value, str) and "\x00" in value:
+            self.add(path, NUL_MESSAGE)
 
     def _read_table(self, value: object, path: str) -> dict[str, Any] | None:
         if value is None:

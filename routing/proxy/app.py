@@ -83,6 +83,8 @@ class ProxyApp:
 
     async def _serve(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         authorization = request_id = content_length = api_key = None
+        state: GatewayState | None = None
+        key_prefix = ""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value
@@ -155,9 +157,37 @@ class ProxyApp:
                     )
                 await _send_json(send, 200, entry, headers)
         except ProxyError as error:
+            if (
+                endpoint is not None
+                and endpoint != "count_tokens"
+                and not error.recorded
+            ):
+                # Refused before any backend (401, 413, a body that does not
+                # parse, draining): a request and an error all the same.
+                self._record_refusal(error, endpoint, path, rid, key_prefix, state)
             await _send_json(send, error.status, surface.error_body(error), headers)
         except ClientGone:
             pass
+
+    def _record_refusal(
+        self,
+        error: ProxyError,
+        endpoint: str,
+        path: str,
+        request_id: str,
+        key_prefix: str,
+        state: GatewayState | None,
+    ) -> None:
+        exchange = Exchange(
+            request_id=request_id,
+            endpoint=endpoint,
+            path=path,
+            requested_model="",
+            stream=False,
+            status=error.status,
+            error=error.code or error.error_type,
+        )
+        self._record(exchange, state, key_prefix, 0)
 
     async def _gateway_state(self) -> GatewayState:
         state = self.gateway.snapshots.peek()
@@ -179,7 +209,7 @@ class ProxyApp:
     def _record(
         self,
         exchange: Exchange,
-        state: GatewayState,
+        state: GatewayState | None,
         key_prefix: str,
         estimated_prompt: int,
     ) -> None:
@@ -188,7 +218,11 @@ class ProxyApp:
         prompt = _token_count(usage.get("prompt_tokens"))
         completion = _token_count(usage.get("completion_tokens", 0))
         reported = prompt is not None and completion is not None
-        if prompt is None or completion is None:
+        if not exchange.backend:
+            # Refused before any backend: no tokens were spent.
+            prompt = completion = 0
+            reported = True
+        elif prompt is None or completion is None:
             prompt = estimated_prompt
             completion = -(-exchange.completion_chars // 4)  # ceil(chars / 4)
         total = _token_count(usage.get("total_tokens")) if reported else None
@@ -212,7 +246,9 @@ class ProxyApp:
         gateway = self.gateway
         gateway.buffer.append(event)
         gateway.live_usage.record(event)
-        model = exchange.served_model or _known_model(state, exchange.requested_model)
+        model = exchange.served_model or (
+            UNKNOWN if state is None else _known_model(state, exchange.requested_model)
+        )
         first_byte = exchange.first_byte
         gateway.metrics.observe_request(
             exchange.endpoint,
@@ -412,6 +448,7 @@ class ProxyApp:
         except ProxyError as error:
             exchange.status = error.status
             exchange.error = error.code or error.error_type
+            error.recorded = True
             raise
         finally:
             self._record(exchange, state, key_prefix, requirements.estimated_tokens)

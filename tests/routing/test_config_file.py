@@ -1175,3 +1175,20 @@ def test_a_fallback_through_an_alias_back_to_its_model_is_rejected(
     assert (
         "routing.fallbacks.\"llama3:70b\"[1]: 'loop' is an alias for 'llama3:70b'"
     ) in message
+
+
+@pytest.mark.django_db
+def test_a_nul_character_is_rejected_with_its_place(write: Writer) -> None:
+    message = import_error(
+        write(
+            '[routing.aliases]\n"gpt-4" = "llama\\u0000"\n'
+            '[[backends]]\nname = "gpu-1"\nurl = "http://10.0.0.1"\n'
+            '[[backends.models]]\nname = "bad\\u0000name"\n'
+        )
+    )
+    assert (
+        "routing.aliases.gpt-4: contains a NUL character (\\u0000), which cannot "
+        "be stored; remove it"
+    ) in message
+    assert "backends[0].models[0].name: contains a NUL character" in message
+    assert not Alias.objects.exists()
