@@ -180,7 +180,7 @@ if NEXUS_BEHIND_TLS:
 
 INSTALLED_APPS = [
     "daphne",
-    "django.contrib.admin",
+    "nexus_site.apps.NexusAdminConfig",  # django.contrib.admin, Nexus's site
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",

@@ -37,7 +37,7 @@ def form_errors(response: Any) -> list[str]:
 def chain_form(
     model: str, steps: list[tuple[str, str]], **extra: str
 ) -> dict[str, str]:
-    """Return the POST body of a new fallback chain with (position, model) rows."""
+    """Return the POST body of a new fallback chain with (step, model) rows."""
     data = {
         "model": model,
         "steps-TOTAL_FORMS": str(len(steps)),
@@ -46,8 +46,8 @@ def chain_form(
         "steps-MAX_NUM_FORMS": "1000",
         **extra,
     }
-    for index, (position, step_model) in enumerate(steps):
-        data[f"steps-{index}-position"] = position
+    for index, (step, step_model) in enumerate(steps):
+        data[f"steps-{index}-step"] = step
         data[f"steps-{index}-model"] = step_model
     return data
 
@@ -163,7 +163,7 @@ def test_chain_steps_are_saved_and_listed_in_position_order(
         CHAIN_ADD,
         chain_form(
             "llama3:70b",
-            [("2", "phi3"), ("0", "llama3:8b"), ("1", "mistral:7b")],
+            [("3", "phi3"), ("1", "llama3:8b"), ("2", "mistral:7b")],
         ),
     )
 
@@ -181,7 +181,7 @@ def test_chain_steps_are_saved_and_listed_in_position_order(
     assert inline_models[:3] == ["llama3:8b", "mistral:7b", "phi3"]
 
 
-def test_steps_are_reordered_by_editing_positions(admin_client: Client) -> None:
+def test_steps_are_reordered_by_editing_step_numbers(admin_client: Client) -> None:
     chain = FallbackChainFactory(model="llama3:70b")
     first = ChainStepFactory(chain=chain, position=0, model="llama3:8b")
     second = ChainStepFactory(chain=chain, position=1, model="mistral:7b")
@@ -196,11 +196,11 @@ def test_steps_are_reordered_by_editing_positions(admin_client: Client) -> None:
             "steps-MAX_NUM_FORMS": "1000",
             "steps-0-id": str(first.pk),
             "steps-0-chain": str(chain.pk),
-            "steps-0-position": "5",
+            "steps-0-step": "5",
             "steps-0-model": "llama3:8b",
             "steps-1-id": str(second.pk),
             "steps-1-chain": str(chain.pk),
-            "steps-1-position": "1",
+            "steps-1-step": "1",
             "steps-1-model": "mistral:7b",
         },
     )
@@ -208,6 +208,30 @@ def test_steps_are_reordered_by_editing_positions(admin_client: Client) -> None:
     assert response.status_code == 302
     chain.refresh_from_db()
     assert chain.fallback_models == ["mistral:7b", "llama3:8b"]
+    second.refresh_from_db()
+    first.refresh_from_db()
+    assert (second.position, first.position) == (0, 1)  # gaps closed
+
+
+def test_steps_left_unnumbered_are_numbered_in_row_order(admin_client: Client) -> None:
+    response = admin_client.post(
+        CHAIN_ADD,
+        chain_form(
+            "gpt-4",
+            [("", "llama3:70b"), ("", "llama3:8b"), ("1", "mixtral"), ("", "")],
+        ),
+    )
+
+    assert response.status_code == 302
+    chain = FallbackChain.objects.get(model="gpt-4")
+    assert chain.fallback_models == ["mixtral", "llama3:70b", "llama3:8b"]
+    assert list(chain.steps.values_list("position", flat=True)) == [0, 1, 2]
+    change = admin_client.get(
+        reverse("admin:routing_fallbackchain_change", args=(chain.pk,))
+    )
+    forms = change.context["inline_admin_formsets"][0].formset.forms
+    # The saved rows show 1, 2, 3; the empty rows for new steps show nothing.
+    assert [form["step"].value() for form in forms] == [1, 2, 3, None, None, None]
 
 
 def test_chain_step_rules_from_the_model_show_on_the_form(
@@ -239,7 +263,7 @@ def test_a_model_listed_twice_in_a_chain_is_a_form_error(
     admin_client: Client,
 ) -> None:
     response = admin_client.post(
-        CHAIN_ADD, chain_form("llama3:70b", [("0", "phi3"), ("1", "phi3")])
+        CHAIN_ADD, chain_form("llama3:70b", [("1", "phi3"), ("2", "phi3")])
     )
 
     assert response.status_code == 200
