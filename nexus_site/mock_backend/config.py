@@ -30,7 +30,9 @@ class MockConfig:
     ``drop_after_chunks`` None means streams are never cut. ``kind`` picks the
     server imitated (see ``nexus_site.mock_backend.kinds``); ``context_length``,
     ``loaded_models`` (None: all), ``vision_models``, ``tool_models`` and
-    ``loading`` shape what its probe endpoints report.
+    ``loading`` shape what its probe endpoints report. ``slots`` > 0 serves at
+    most that many inference requests at once, the others waiting in arrival
+    order inside the mock, like a model server's own queue (0: no limit).
     """
 
     models: tuple[str, ...] = ()
@@ -51,6 +53,7 @@ class MockConfig:
     vision_models: tuple[str, ...] = ()
     tool_models: tuple[str, ...] = ()
     loading: bool = False
+    slots: int = 0
 
     @classmethod
     def from_knobs(cls, knobs: Mapping[str, Any]) -> MockConfig:
@@ -185,4 +188,5 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "vision_models": _validate_model_subset,
     "tool_models": _validate_model_subset,
     "loading": _validate_bool,
+    "slots": _int_knob(0, 100_000),
 }

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 
 from routing.admission.vocabulary import FlowKey, Sizing
@@ -75,6 +75,16 @@ class AdmissionSettings:
             raise ValueError(
                 "; ".join(f"{name}: {message}" for name, message in problems.items())
             )
+
+    @classmethod
+    def check(cls, **values: object) -> dict[str, str]:
+        """The problems() of settings with `values`, without raising."""
+        unchecked = object.__new__(cls)
+        defaults = cls()
+        for item in fields(cls):
+            value = values.get(item.name, getattr(defaults, item.name))
+            object.__setattr__(unchecked, item.name, value)
+        return unchecked.problems()
 
     @property
     def lower_per_backend(self) -> float:
