@@ -24,8 +24,17 @@ from nexus_site.mock_backend.jobs import (
     parse_embedding_request,
     parse_json_object,
 )
-from nexus_site.mock_backend.kinds import answer_kind_request, describe_model
+from nexus_site.mock_backend.kinds import (
+    answer_kind_request,
+    check_anthropic_headers,
+    describe_model,
+)
 from nexus_site.mock_backend.listener import Listener
+from nexus_site.mock_backend.messages import (
+    answer_messages,
+    anthropic_error,
+    count_tokens,
+)
 from nexus_site.mock_backend.protocol import Header, HttpConnection
 from nexus_site.mock_backend.replies import (
     encode_json,
@@ -34,6 +43,7 @@ from nexus_site.mock_backend.replies import (
     render_stream,
 )
 from nexus_site.mock_backend.stats import MockStats, RecordedRequest
+from nexus_site.mock_backend.tools import openai_tool_call, render_openai_tool_call
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +198,8 @@ class MockBackend:
     # Answers
 
     def _answer(self, request: Request, config: MockConfig) -> bytes | _Stream:
+        if config.kind == "anthropic" and request.path.startswith("/v1/messages"):
+            return self._answer_messages(request, config)
         if config.kind != "openai":
             kind_reply = answer_kind_request(request, config, self._started)
             if kind_reply is not None:
@@ -226,9 +238,44 @@ class MockBackend:
         prefix = "chatcmpl" if job.kind == "chat" else "cmpl"
         completion_id = f"{prefix}-mock-{next(self._ids)}"
         created = int(time.time())
+        call = None
+        if job.kind == "chat" and "tools" in payload:
+            call = openai_tool_call(payload, config.tool_arguments)
+        if call is not None:
+            reply = render_openai_tool_call(
+                call,
+                job.model,
+                completion_id,
+                created,
+                job.prompt_tokens,
+                job.stream,
+                job.include_usage,
+                config.chunks,
+            )
+            return reply if isinstance(reply, bytes) else _Stream(*reply)
         if job.stream:
             return _Stream(*render_stream(job, completion_id, created, config.chunks))
         return render_generation(job, completion_id, created)
+
+    def _answer_messages(self, request: Request, config: MockConfig) -> bytes | _Stream:
+        check_anthropic_headers(request, config)
+        _require_method(request, "POST")
+        if request.path == "/v1/messages/count_tokens":
+            return count_tokens(request.body, config.models)
+        if request.path != "/v1/messages":
+            raise anthropic_error(404, "Not found")
+        try:
+            self._inject_failure(config)
+        except ApiError as error:
+            raise anthropic_error(error.status, error.message) from None
+        reply = answer_messages(
+            request.body,
+            config.name,
+            config.models,
+            config.chunks,
+            config.tool_arguments,
+        )
+        return reply if isinstance(reply, bytes) else _Stream(*reply)
 
     def _check_api_key(self, request: Request, api_key: str) -> None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
