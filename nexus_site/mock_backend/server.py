@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 CONTROL_PREFIX = "/_mock/"
 _INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# Also held to --slots (what a model server runs).
+_SLOTTED_PATHS = (*_INFERENCE_PATHS, "/v1/messages")
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +183,7 @@ class MockBackend:
         stats.responses[status] += 1
         if record is not None:
             record.status = status
-        slotted = config.slots > 0 and request.path in _INFERENCE_PATHS
+        slotted = config.slots > 0 and request.path in _SLOTTED_PATHS
         if slotted:
             return self._deliver_in_slot(conn, reply, headers, config)
         # Answer without a task when nothing has to wait: benchmarks live here.

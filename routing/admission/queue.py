@@ -55,7 +55,9 @@ class Ticket:
     outcome: Outcome | None = None
     decided_at: float | None = None
     released: bool = False
-    pool: Any = field(default=None, repr=False)
+    pool: Any = field(default=None, repr=False)  # the controller's Pool
+    pool_key: str = ""  # which pool, and its ready backends, to admit into
+    ready: int = 0
     seq: int = 0
     vfinish: float = 0.0
     queued: bool = False

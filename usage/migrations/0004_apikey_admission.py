@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('usage', '0002_usage_records'),
+        ('usage', '0003_usage_endpoint_messages'),
     ]
 
     operations = [
