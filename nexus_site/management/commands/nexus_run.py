@@ -232,9 +232,7 @@ class Command(BaseCommand):
             supervisor.start(
                 label, command, pass_fds=fds, env={**env, INDEX_ENV: str(index)}
             )
-            for index, (label, command) in enumerate(
-                zip(labels, commands, strict=True)
-            )
+            for index, (label, command) in enumerate(zip(labels, commands, strict=True))
         ]
 
     def _ensure_admin_user(self) -> str:
