@@ -154,9 +154,7 @@ def test_a_client_that_leaves_while_queued_never_reaches_the_backend(
     assert _stats(slotted)["requests"]["/v1/chat/completions"] == 1
     # Recorded (usage and the access log share the same figures) as 499,
     # with no backend and no tokens.
-    line = _wait_until(
-        lambda: next((x for x in server.log if "status=499" in x), None)
-    )
+    line = _wait_until(lambda: next((x for x in server.log if "status=499" in x), None))
     assert "backend=- " in line
     assert "tokens_in=0 tokens_out=0" in line
     assert "error=client_closed" in line
