@@ -150,6 +150,31 @@ class RoutingPolicyAdmin(RoutingPolicyAdminBase):
                 "description": "Used by the smart strategy; they must sum to 100.",
             },
         ),
+        (
+            "Admission control",
+            {
+                "fields": (
+                    "admission_enabled",
+                    "admission_flow_key",
+                    "admission_sizing",
+                    "admission_default_output_tokens",
+                    "admission_watermark_per_backend",
+                    "admission_percentage_deviation_for_bounds",
+                    "admission_lower_bound_per_backend",
+                    "admission_upper_bound_per_backend",
+                    "admission_total_capacity",
+                    "admission_flow_capacity",
+                    "admission_critical_reserved",
+                    "admission_queue_ttl",
+                    "admission_model_weights",
+                ),
+                "description": "When a pool of backends (the ready backends "
+                "serving a model) has more requests in flight than the band "
+                "allows, new requests wait in Nexus's fair queue instead of "
+                "piling up in the model servers. The band is the watermark per "
+                "ready backend ± the deviation, or the explicit bounds.",
+            },
+        ),
         ("Record", {"fields": ("updated_at",)}),
     )
     readonly_fields = ("updated_at",)

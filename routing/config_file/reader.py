@@ -20,11 +20,15 @@ from backends.models import Backend, BackendModel
 from routing.config_file.literals import format_key, format_scalar, format_string
 from routing.config_file.problems import ConfigError
 from routing.config_file.schema import (
+    ADMISSION_KEYS,
+    ADMISSION_SETTINGS,
     AUTO,
     BACKEND_KEYS,
     BACKEND_SETTINGS,
     MODEL_KEYS,
     MODEL_SETTINGS,
+    MODEL_WEIGHTS_FIELD,
+    MODEL_WEIGHTS_KEY,
     POLICY_SETTINGS,
     ROUTING_KEYS,
     WEIGHT_SETTINGS,
@@ -102,6 +106,11 @@ class _Reader:
                 )
                 policy |= weight_values
                 policy_invalid |= weights_invalid
+            admission_values, admission_invalid = self._read_admission(
+                routing.get("admission")
+            )
+            policy |= admission_values
+            policy_invalid |= admission_invalid
             aliases = self._read_aliases(routing.get("aliases"))
             fallbacks = self._read_fallbacks(routing.get("fallbacks"))
         backends = self._read_backends(data.get("backends"))
@@ -195,6 +204,33 @@ class _Reader:
                 invalid.add(setting.field)
             else:
                 values[setting.field] = value
+        return values, invalid
+
+    def _read_admission(self, value: object) -> tuple[dict[str, Any], set[str]]:
+        path = "routing.admission"
+        table = self._read_table(value, path)
+        if table is None:
+            return {}, set()
+        self._reject_unknown_keys(table, path, ADMISSION_KEYS)
+        values, invalid = self._read_settings(table, path, ADMISSION_SETTINGS)
+        weights_path = f"{path}.{MODEL_WEIGHTS_KEY}"
+        weights = self._read_table(table.get(MODEL_WEIGHTS_KEY), weights_path)
+        if MODEL_WEIGHTS_KEY in table and weights is None:
+            invalid.add(MODEL_WEIGHTS_FIELD)
+        elif weights is not None:
+            clean: dict[str, float] = {}
+            for model, weight in weights.items():
+                number = _coerce(weight, float)
+                if number is None:
+                    self.add(
+                        f"{weights_path}.{format_key(model)}",
+                        f"expected a positive number, got {_describe(weight)}",
+                    )
+                    invalid.add(MODEL_WEIGHTS_FIELD)
+                else:
+                    clean[model.strip()] = number  # type: ignore[assignment]
+            if MODEL_WEIGHTS_FIELD not in invalid:
+                values[MODEL_WEIGHTS_FIELD] = clean
         return values, invalid
 
     def _read_aliases(self, value: object) -> tuple[AliasEntry, ...]:

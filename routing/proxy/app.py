@@ -16,6 +16,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from routing.admission import AdmissionError
+from routing.admission.gate import BadAdmissionHeader
 from routing.core import RequestRequirements, RoutingError
 from routing.metrics import UNKNOWN
 from routing.proxy.errors import (
@@ -54,6 +56,8 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _NO_ENDPOINT: tuple[str | None, Surface] = (None, OPENAI)
 # Status recorded when the client went away before the answer was complete.
 CLIENT_CLOSED = 499
+# Usage of a request no backend saw (refused or left while queued): nothing.
+_NOTHING_BILLED = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
 
 
 class ClientGone(Exception):
@@ -351,6 +355,7 @@ class ProxyApp:
             raw,
             None,
             headers,
+            scope["headers"],
             receive,
             send,
         )
@@ -398,6 +403,7 @@ class ProxyApp:
             raw,
             call,
             headers,
+            scope["headers"],
             receive,
             send,
         )
@@ -433,17 +439,23 @@ class ProxyApp:
         raw: bytes,
         call: Call | None,
         headers: Headers,
+        request_headers: Headers,
         receive: Receive,
         send: Send,
     ) -> None:
-        gateway = self.gateway
         try:
-            try:
-                route = gateway.router.select(requirements, state.routes, gateway.stats)
-            except RoutingError as error:
-                raise _routing_error(error) from error
             await self._forward_watching_client(
-                exchange, route, payload, raw, call, headers, receive, send
+                state,
+                exchange,
+                requirements,
+                key_prefix,
+                payload,
+                raw,
+                call,
+                headers,
+                request_headers,
+                receive,
+                send,
             )
         except ProxyError as error:
             exchange.status = error.status
@@ -455,33 +467,70 @@ class ProxyApp:
 
     async def _forward_watching_client(
         self,
+        state: GatewayState,
         exchange: Exchange,
-        route: Any,
+        requirements: RequestRequirements,
+        key_prefix: str,
         payload: dict[str, Any],
         raw: bytes,
         call: Call | None,
         headers: Headers,
+        request_headers: Headers,
         receive: Receive,
         send: Send,
     ) -> None:
-        """Forward, and cancel the upstream request if the client hangs up."""
+        """Wait for admission, route and forward; a client that hangs up cancels.
+
+        The admission ticket is released in every outcome (answer, error,
+        retries, a stream cut short, the client gone while waiting or while
+        served), which is what brings the stock back to 0.
+        """
+        gateway = self.gateway
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.get_running_loop().create_task(
             _cancel_on_disconnect(receive, task, exchange)
         )
+        ticket = None
         try:
-            await forward(
-                self.gateway, exchange, route, payload, raw, send, headers, call
-            )
+            try:
+                ticket = gateway.admission.prepare(
+                    state, requirements, payload, key_prefix, request_headers
+                )
+                if ticket is not None:
+                    await gateway.admission.admit(ticket)
+            except BadAdmissionHeader as error:
+                raise bad_request(str(error), param=error.header) from None
+            except AdmissionError as error:
+                raise _admission_error(error, exchange, headers) from None
+            try:
+                route = gateway.router.select(requirements, state.routes, gateway.stats)
+            except RoutingError as error:
+                raise _routing_error(error) from error
+            await forward(gateway, exchange, route, payload, raw, send, headers, call)
         except asyncio.CancelledError:
             if not exchange.client_gone:
                 raise
             task.uncancel()
             exchange.status = CLIENT_CLOSED
             exchange.error = "client_closed"
+            if ticket is not None and ticket.outcome is None:
+                exchange.usage = _NOTHING_BILLED  # left while queued
         finally:
             watcher.cancel()
+            gateway.admission.release(ticket)
+
+
+def _admission_error(
+    error: AdmissionError, exchange: Exchange, headers: Headers
+) -> ProxyError:
+    """The client's answer to a request admission control did not let through."""
+    exchange.usage = _NOTHING_BILLED
+    if error.retry_after is not None:
+        headers.append((b"retry-after", str(error.retry_after).encode()))
+    return ProxyError(
+        error.status, error.message, error_type=error.error_type, code=error.code
+    )
 
 
 async def _cancel_on_disconnect(
