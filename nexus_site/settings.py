@@ -111,7 +111,8 @@ def _networks(
 NEXUS_STATE_DIR = Path(env.str("NEXUS_STATE_DIR", default=str(BASE_DIR / ".nexus")))
 if not NEXUS_STATE_DIR.is_absolute():
     NEXUS_STATE_DIR = BASE_DIR / NEXUS_STATE_DIR
-NEXUS_STATE_DIR.mkdir(parents=True, exist_ok=True)
+# Private: it holds the secret key and the database (an existing one is kept).
+NEXUS_STATE_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 # Empty means unset, as for every variable: a copied .env.example with
 # DATABASE_URL= stays in the embedded default.
