@@ -111,9 +111,12 @@ def _networks(
 NEXUS_STATE_DIR = Path(env.str("NEXUS_STATE_DIR", default=str(BASE_DIR / ".nexus")))
 if not NEXUS_STATE_DIR.is_absolute():
     NEXUS_STATE_DIR = BASE_DIR / NEXUS_STATE_DIR
-NEXUS_STATE_DIR.mkdir(parents=True, exist_ok=True)
+# Private: it holds the secret key and the database (an existing one is kept).
+NEXUS_STATE_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
 
-NEXUS_PRODUCTION = "DATABASE_URL" in env
+# Empty means unset, as for every variable: a copied .env.example with
+# DATABASE_URL= stays in the embedded default.
+NEXUS_PRODUCTION = bool(env.str("DATABASE_URL", default="").strip())
 REDIS_URL = env.str("REDIS_URL", default="")
 
 
@@ -134,14 +137,14 @@ def _embedded_secret_key() -> str:
 
 DEBUG = env.bool("DEBUG", default=False)
 
-if "SECRET_KEY" in env:
+if env.str("SECRET_KEY", default=""):
     SECRET_KEY = env.str("SECRET_KEY")
 elif NEXUS_PRODUCTION:
     raise ImproperlyConfigured("SECRET_KEY must be set when DATABASE_URL is set.")
 else:
     SECRET_KEY = _embedded_secret_key()
 
-if "ALLOWED_HOSTS" in env:
+if env.str("ALLOWED_HOSTS", default=""):
     ALLOWED_HOSTS = env.list("ALLOWED_HOSTS")
 elif NEXUS_PRODUCTION:
     raise ImproperlyConfigured("ALLOWED_HOSTS must be set when DATABASE_URL is set.")
@@ -200,6 +203,8 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # A 503 page instead of a 500 while the database is unreachable.
+    "nexus_site.middleware.DatabaseOutageMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -408,9 +413,19 @@ NEXUS_ADMIN_PASSWORD = env.str("NEXUS_ADMIN_PASSWORD", default="")
 # Require a Nexus client key (Authorization: Bearer nx-...) on /v1/*. Turn off
 # only on a trusted network.
 NEXUS_AUTH_REQUIRED = env.bool("NEXUS_AUTH_REQUIRED", default=True)
-# Request bodies larger than this get a 413.
+# Request bodies larger than this get a 413 (under Daphne at the headers, before
+# the body is read); 16 MiB leaves room for base64 images.
 NEXUS_MAX_BODY_BYTES = _bounded_int(
-    "NEXUS_MAX_BODY_BYTES", 10 * 1024 * 1024, 1024, 1024**3
+    "NEXUS_MAX_BODY_BYTES", 16 * 1024 * 1024, 1024, 1024**3
+)
+# Seconds a client may take to send a request's head (from connecting, or from
+# the previous response on a kept-alive connection, which is then closed) and
+# then its body; a slower client gets a 408 and is disconnected (Daphne).
+NEXUS_CLIENT_HEADER_TIMEOUT = _bounded_float(
+    "NEXUS_CLIENT_HEADER_TIMEOUT", 15.0, 0.1, 3600
+)
+NEXUS_CLIENT_BODY_TIMEOUT = _bounded_float(
+    "NEXUS_CLIENT_BODY_TIMEOUT", 120.0, 0.1, 86_400
 )
 # The shared upstream HTTP client of each serving process.
 NEXUS_UPSTREAM_CONNECT_TIMEOUT = _bounded_float(
@@ -418,6 +433,20 @@ NEXUS_UPSTREAM_CONNECT_TIMEOUT = _bounded_float(
 )
 NEXUS_UPSTREAM_MAX_CONNECTIONS = _bounded_int(
     "NEXUS_UPSTREAM_MAX_CONNECTIONS", 1000, 1, 100_000
+)
+# What a backend may send: a whole (non-stream) reply of at most this many bytes
+# (over it: 502 upstream_reply_too_large), stream events of at most this many
+# (over it: the stream ends with an error event).
+NEXUS_UPSTREAM_MAX_REPLY_BYTES = _bounded_int(
+    "NEXUS_UPSTREAM_MAX_REPLY_BYTES", 32 * 1024 * 1024, 1024, 1024**3
+)
+NEXUS_UPSTREAM_MAX_EVENT_BYTES = _bounded_int(
+    "NEXUS_UPSTREAM_MAX_EVENT_BYTES", 1024 * 1024, 1024, 64 * 1024 * 1024
+)
+# A stream whose client has not read this many bytes of it is cut (the backend's
+# connection closed, usage recorded); measured where the server tells (Daphne).
+NEXUS_STREAM_MAX_UNSENT_BYTES = _bounded_int(
+    "NEXUS_STREAM_MAX_UNSENT_BYTES", 8 * 1024 * 1024, 64 * 1024, 1024**3
 )
 # Seconds between each serving process's check of the routing config version
 # (repairs lost change broadcasts; the only path between processes when the
@@ -470,12 +499,18 @@ NEXUS_BREAKER_PERSIST = env.bool("NEXUS_BREAKER_PERSIST", default=True)
 # --- Usage accounting -----------------------------------------------------------
 
 # Seconds between writes of each serving process's usage buffer, and how many
-# events a serving process holds while the database is unreachable.
+# events a serving process holds in memory at most while it cannot hand them on.
 NEXUS_USAGE_FLUSH_INTERVAL = _bounded_float(
     "NEXUS_USAGE_FLUSH_INTERVAL", 1.0, 0.01, 3600
 )
 NEXUS_USAGE_BUFFER_MAX = _bounded_int(
     "NEXUS_USAGE_BUFFER_MAX", 100_000, 1000, 10_000_000
+)
+# While usage cannot be handed on, events over a tenth of NEXUS_USAGE_BUFFER_MAX
+# wait in an append-only file per serving process here, replayed (once each, by
+# event id) when it works again; files of stopped processes are adopted.
+NEXUS_USAGE_SPILL_DIR = Path(
+    env.str("NEXUS_USAGE_SPILL_DIR", default="") or NEXUS_STATE_DIR / "usage-spill"
 )
 # How serving processes hand usage events on: through Redis, or straight to the
 # database.

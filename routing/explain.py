@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from routing.core import DecisionDict, ScoringWeights
+from routing.core import ScoringWeights
+from routing.core.shapes import AttemptDict, CapabilitiesDict, DecisionDict
 
 WEIGHT_NAMES = ("priority", "load", "latency")
 
@@ -61,32 +62,53 @@ def render_decision(
         + (", " + ", ".join(needs) if needs else ""),
     ]
     for attempt in decision["attempts"]:
-        lines.append("")
-        lines.append(
-            f"{attempt['model']} ({attempt['role']}): "
-            f"{attempt['outcome'].replace('_', ' ')}"
-        )
-        if attempt["candidates"]:
-            of = {
-                name: f"×{weights[name]}%" if weights else "" for name in WEIGHT_NAMES
-            }
-            lines.append(
-                f"  {'candidate':<24} {'prio':>4} {'load':>4} "
-                f"{'latency':>9}  score = prio{of['priority']} + load{of['load']} "
-                f"+ latency{of['latency']}"
-            )
-            for c in attempt["candidates"]:
-                latency = "-" if c["latency_ms"] is None else f"{c['latency_ms']:g}ms"
-                s = c["score"]
-                lines.append(
-                    f"  {c['backend']:<24} {c['priority']:>4} {c['in_flight']:>4} "
-                    f"{latency:>9}  {s['total']:g} = "
-                    + " + ".join(f"{s[name]:g}{of[name]}" for name in WEIGHT_NAMES)  # type: ignore[literal-required]
-                )
-        for excluded in attempt["excluded"]:
-            lines.append(f"  excluded {excluded['backend']}: {excluded['detail']}")
+        lines += _render_attempt(attempt, attempt["outcome"].replace("_", " "), weights)
+    for attempt in decision["onward"]:
+        lines += _render_attempt(attempt, "next if every backend above fails", weights)
     if chosen is not None:
         lines.append("")
-        retry = ", ".join(t["backend"] for t in decision["retry_order"]) or "none"
+        retry = (
+            ", ".join(
+                t["backend"]
+                if t["model"] == chosen["model"]
+                else f"{t['backend']} ({t['model']})"
+                for t in decision["retry_order"]
+            )
+            or "none"
+        )
         lines.append(f"chosen: {chosen['backend']}; retry order: {retry}")
     return "\n".join(lines)
+
+
+def _render_attempt(
+    attempt: AttemptDict, outcome: str, weights: Mapping[str, int] | None
+) -> list[str]:
+    lines = ["", f"{attempt['model']} ({attempt['role']}): {outcome}"]
+    if attempt["candidates"]:
+        of = {name: f"×{weights[name]}%" if weights else "" for name in WEIGHT_NAMES}
+        lines.append(
+            f"  {'candidate':<24} {'prio':>4} {'load':>4} "
+            f"{'latency':>9}  score = prio{of['priority']} + load{of['load']} "
+            f"+ latency{of['latency']}  capabilities"
+        )
+        for c in attempt["candidates"]:
+            latency = "-" if c["latency_ms"] is None else f"{c['latency_ms']:g}ms"
+            s = c["score"]
+            lines.append(
+                f"  {c['backend']:<24} {c['priority']:>4} {c['in_flight']:>4} "
+                f"{latency:>9}  {s['total']:g} = "
+                + " + ".join(f"{s[name]:g}{of[name]}" for name in WEIGHT_NAMES)  # type: ignore[literal-required]
+                + "  "
+                + _render_capabilities(c["capabilities"])
+            )
+    for excluded in attempt["excluded"]:
+        lines.append(
+            f"  excluded {excluded['backend']}: {excluded['detail']} "
+            f"({_render_capabilities(excluded['capabilities'])})"
+        )
+    return lines
+
+
+def _render_capabilities(capabilities: CapabilitiesDict) -> str:
+    """'vision yes, tools unknown, json_mode no'."""
+    return ", ".join(f"{name} {value}" for name, value in capabilities.items())

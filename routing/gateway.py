@@ -24,18 +24,20 @@ from typing import Any, Protocol
 
 from django.conf import settings
 
+from routing.admission.gate import AdmissionGate
 from routing.breaker import BREAKER_GROUP, BreakerSettings, CircuitBreaker
 from routing.core import Health, LiveStats, Router
 from routing.groups import listen_to_group
 from routing.holder import SnapshotHolder
 from routing.metrics import GatewayMetrics, MetricsEndpoint, Network, parse_networks
-from routing.proxy.upstream import UpstreamClient
+from routing.proxy.upstream import ReplyLimits, UpstreamClient
 from routing.state import GatewayState, build_state
 from routing.versioning import read_config_version
 from usage.buffer import UsageBuffer
 from usage.flush import DatabaseFlusher
 from usage.live import LiveUsage
 from usage.publisher import USAGE_GROUP, UsagePublisher
+from usage.spill import UsageSpill
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +60,12 @@ class GatewayConfig:
     """The settings a gateway runs with (read once, passed in)."""
 
     auth_required: bool = True
-    max_body_bytes: int = 10 * 1024 * 1024
+    max_body_bytes: int = 16 * 1024 * 1024
     connect_timeout: float = 5.0
     max_connections: int = 1000
+    max_reply_bytes: int = 32 * 1024 * 1024
+    max_event_bytes: int = 1024 * 1024
+    max_unsent_bytes: int = 8 * 1024 * 1024
     config_poll_interval: float = 1.0
     usage_buffer_max: int = 100_000
     usage_transport: str = "database"  # or "redis"
@@ -69,6 +74,9 @@ class GatewayConfig:
     metrics_allow: tuple[str | Network, ...] = ("127.0.0.0/8", "::1/128")
     metrics_token: str = ""
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
+    # How admission control learns its share of the band: "single" (the only
+    # process), "env" (the launcher's NEXUS_SERVING_*), "redis" (live registry).
+    admission_share: str = "single"
 
     @classmethod
     def from_settings(cls) -> GatewayConfig:
@@ -77,6 +85,9 @@ class GatewayConfig:
             max_body_bytes=settings.NEXUS_MAX_BODY_BYTES,
             connect_timeout=settings.NEXUS_UPSTREAM_CONNECT_TIMEOUT,
             max_connections=settings.NEXUS_UPSTREAM_MAX_CONNECTIONS,
+            max_reply_bytes=settings.NEXUS_UPSTREAM_MAX_REPLY_BYTES,
+            max_event_bytes=settings.NEXUS_UPSTREAM_MAX_EVENT_BYTES,
+            max_unsent_bytes=settings.NEXUS_STREAM_MAX_UNSENT_BYTES,
             config_poll_interval=settings.NEXUS_CONFIG_POLL_INTERVAL,
             usage_buffer_max=settings.NEXUS_USAGE_BUFFER_MAX,
             usage_transport=settings.NEXUS_USAGE_TRANSPORT,
@@ -85,15 +96,21 @@ class GatewayConfig:
             metrics_allow=tuple(settings.NEXUS_METRICS_ALLOW),
             metrics_token=settings.NEXUS_METRICS_TOKEN,
             breaker=BreakerSettings.from_settings(),
+            admission_share="redis" if settings.REDIS_URL else "env",
         )
 
 
 def _make_sink(config: GatewayConfig, buffer: UsageBuffer) -> UsageSink:
+    # During an outage, what is over a tenth of the buffer's bound waits on disk.
+    spill = UsageSpill(
+        settings.NEXUS_USAGE_SPILL_DIR,
+        keep_in_memory=max(100, config.usage_buffer_max // 10),
+    )
     if config.usage_transport == "redis":
         from usage.stream import RedisShipper  # needs the redis package only here
 
-        return RedisShipper(buffer)
-    return DatabaseFlusher(buffer)
+        return RedisShipper(buffer, spill=spill)
+    return DatabaseFlusher(buffer, spill=spill)
 
 
 class Gateway:
@@ -123,8 +140,14 @@ class Gateway:
         self.upstream = UpstreamClient(
             max_connections=config.max_connections,
             connect_timeout=config.connect_timeout,
+            limits=ReplyLimits(
+                max_reply=config.max_reply_bytes,
+                max_event=config.max_event_bytes,
+                max_unsent=config.max_unsent_bytes,
+            ),
         )
         self.metrics = GatewayMetrics()
+        self.admission = AdmissionGate(self.metrics, share=config.admission_share)
         self.metrics_endpoint = MetricsEndpoint(
             self.metrics,
             self.refresh_gauges,
@@ -162,6 +185,7 @@ class Gateway:
         self.usage_sink.start()
         self.publisher.start()
         self.upstream.open()
+        self.admission.start()
         self._tasks = [
             loop.create_task(
                 listen_to_group(BREAKER_GROUP, self.breaker.on_message),
@@ -180,6 +204,7 @@ class Gateway:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.admission.stop()
         await self.snapshots.stop()
         await self.publisher.stop()
         await self.breaker.stop()
@@ -232,6 +257,7 @@ class Gateway:
                 names.append((backend.name, is_up))
         self.metrics.set_backends(in_flight, names)
         self.metrics.set_usage_buffer(len(self.buffer), self.buffer.dropped_total)
+        self.admission.refresh_metrics()
 
     async def _refresh_gauges_periodically(self) -> None:
         while True:

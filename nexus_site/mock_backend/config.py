@@ -30,7 +30,12 @@ class MockConfig:
     ``drop_after_chunks`` None means streams are never cut. ``kind`` picks the
     server imitated (see ``nexus_site.mock_backend.kinds``); ``context_length``,
     ``loaded_models`` (None: all), ``vision_models``, ``tool_models`` and
-    ``loading`` shape what its probe endpoints report.
+    ``loading`` shape what its probe endpoints report. ``tool_arguments`` (a
+    JSON object, None: made from the tool's schema) are the arguments of the
+    tool calls the mock makes (see ``nexus_site.mock_backend.tools``).
+    ``slots`` > 0 serves at most that many inference requests at once, the
+    others waiting in arrival order inside the mock, like a model server's own
+    queue (0: no limit).
     """
 
     models: tuple[str, ...] = ()
@@ -51,6 +56,8 @@ class MockConfig:
     vision_models: tuple[str, ...] = ()
     tool_models: tuple[str, ...] = ()
     loading: bool = False
+    tool_arguments: dict[str, Any] | None = None
+    slots: int = 0
 
     @classmethod
     def from_knobs(cls, knobs: Mapping[str, Any]) -> MockConfig:
@@ -145,6 +152,12 @@ def _validate_bool(key: str, value: Any) -> bool:
     return value
 
 
+def _validate_json_object(key: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(key, f"{key} must be a JSON object, not {value!r}.")
+    return value
+
+
 def _validate_model_subset(key: str, value: Any) -> tuple[str, ...]:
     """A list of model names that may be empty (unlike ``models``)."""
     if value == "" or value == []:
@@ -185,4 +198,6 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "vision_models": _validate_model_subset,
     "tool_models": _validate_model_subset,
     "loading": _validate_bool,
+    "tool_arguments": _optional(_validate_json_object),
+    "slots": _int_knob(0, 100_000),
 }

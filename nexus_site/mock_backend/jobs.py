@@ -137,6 +137,8 @@ def parse_chat_request(
         prompt_words += len(text.split())
         if message["role"] == "user":
             last_user_text = text
+        elif message["role"] == "tool":
+            last_user_text = f"tool result: {text}"
     reply = f"[{backend}/{model}] echo: {last_user_text}"
     return _build_generation("chat", payload, model, [reply], prompt_words)
 

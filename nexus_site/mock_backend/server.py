@@ -24,8 +24,17 @@ from nexus_site.mock_backend.jobs import (
     parse_embedding_request,
     parse_json_object,
 )
-from nexus_site.mock_backend.kinds import answer_kind_request, describe_model
+from nexus_site.mock_backend.kinds import (
+    answer_kind_request,
+    check_anthropic_headers,
+    describe_model,
+)
 from nexus_site.mock_backend.listener import Listener
+from nexus_site.mock_backend.messages import (
+    answer_messages,
+    anthropic_error,
+    count_tokens,
+)
 from nexus_site.mock_backend.protocol import Header, HttpConnection
 from nexus_site.mock_backend.replies import (
     encode_json,
@@ -34,12 +43,15 @@ from nexus_site.mock_backend.replies import (
     render_stream,
 )
 from nexus_site.mock_backend.stats import MockStats, RecordedRequest
+from nexus_site.mock_backend.tools import openai_tool_call, render_openai_tool_call
 
 logger = logging.getLogger(__name__)
 
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 CONTROL_PREFIX = "/_mock/"
 _INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# Also held to --slots (what a model server runs).
+_SLOTTED_PATHS = (*_INFERENCE_PATHS, "/v1/messages")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +72,8 @@ class MockBackend:
         self._listener: Listener | None = None
         self._relisten: asyncio.TimerHandle | None = None
         self._background: set[asyncio.Task[None]] = set()
+        # Requests waiting for one of the --slots, in arrival order.
+        self._slot_waiters: deque[asyncio.Future[None]] = deque()
         self._apply_config(config)
 
     # Lifecycle
@@ -169,6 +183,9 @@ class MockBackend:
         stats.responses[status] += 1
         if record is not None:
             record.status = status
+        slotted = config.slots > 0 and request.path in _SLOTTED_PATHS
+        if slotted:
+            return self._deliver_in_slot(conn, reply, headers, config)
         # Answer without a task when nothing has to wait: benchmarks live here.
         if config.latency_ms <= 0:
             if not isinstance(reply, _Stream):
@@ -183,6 +200,8 @@ class MockBackend:
     # Answers
 
     def _answer(self, request: Request, config: MockConfig) -> bytes | _Stream:
+        if config.kind == "anthropic" and request.path.startswith("/v1/messages"):
+            return self._answer_messages(request, config)
         if config.kind != "openai":
             kind_reply = answer_kind_request(request, config, self._started)
             if kind_reply is not None:
@@ -221,9 +240,44 @@ class MockBackend:
         prefix = "chatcmpl" if job.kind == "chat" else "cmpl"
         completion_id = f"{prefix}-mock-{next(self._ids)}"
         created = int(time.time())
+        call = None
+        if job.kind == "chat" and "tools" in payload:
+            call = openai_tool_call(payload, config.tool_arguments)
+        if call is not None:
+            reply = render_openai_tool_call(
+                call,
+                job.model,
+                completion_id,
+                created,
+                job.prompt_tokens,
+                job.stream,
+                job.include_usage,
+                config.chunks,
+            )
+            return reply if isinstance(reply, bytes) else _Stream(*reply)
         if job.stream:
             return _Stream(*render_stream(job, completion_id, created, config.chunks))
         return render_generation(job, completion_id, created)
+
+    def _answer_messages(self, request: Request, config: MockConfig) -> bytes | _Stream:
+        check_anthropic_headers(request, config)
+        _require_method(request, "POST")
+        if request.path == "/v1/messages/count_tokens":
+            return count_tokens(request.body, config.models)
+        if request.path != "/v1/messages":
+            raise anthropic_error(404, "Not found")
+        try:
+            self._inject_failure(config)
+        except ApiError as error:
+            raise anthropic_error(error.status, error.message) from None
+        reply = answer_messages(
+            request.body,
+            config.name,
+            config.models,
+            config.chunks,
+            config.tool_arguments,
+        )
+        return reply if isinstance(reply, bytes) else _Stream(*reply)
 
     def _check_api_key(self, request: Request, api_key: str) -> None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -275,6 +329,48 @@ class MockBackend:
                 self._send(conn, reply, headers)
         finally:
             self.stats.in_flight -= 1
+
+    async def _deliver_in_slot(
+        self,
+        conn: HttpConnection,
+        reply: bytes | ApiError | _Stream,
+        headers: list[Header],
+        config: MockConfig,
+    ) -> None:
+        """Wait for a free slot (in arrival order), then answer as usual."""
+        stats = self.stats
+        if stats.busy_slots < config.slots and not self._slot_waiters:
+            stats.busy_slots += 1
+        else:
+            turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._slot_waiters.append(turn)
+            stats.waiting_for_slot += 1
+            stats.note_slots()
+            try:
+                got_slot = await conn.wait_for(turn)
+            finally:
+                stats.waiting_for_slot -= 1
+                if not turn.done():
+                    turn.cancel()
+                    self._slot_waiters.remove(turn)
+            if not got_slot:
+                stats.client_disconnects += 1
+                return
+        stats.note_slots()
+        try:
+            await self._deliver(conn, reply, headers, config)
+        finally:
+            self._free_slot()
+
+    def _free_slot(self) -> None:
+        # The slot passes straight to the oldest waiter, if there is one.
+        waiters = self._slot_waiters
+        while waiters:
+            turn = waiters.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self.stats.busy_slots -= 1
 
     async def _stream(
         self,

@@ -16,6 +16,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from routing.admission import AdmissionError
+from routing.admission.gate import BadAdmissionHeader
 from routing.core import RequestRequirements, RoutingError
 from routing.metrics import UNKNOWN
 from routing.proxy.errors import (
@@ -25,9 +27,18 @@ from routing.proxy.errors import (
     not_found,
     unauthorized,
 )
+from routing.proxy.legs import Call
 from routing.proxy.models_list import ModelsList
+from routing.proxy.surfaces import (
+    ANTHROPIC,
+    COUNT_TOKENS_PATH,
+    ENDPOINTS,
+    OPENAI,
+    Surface,
+)
 from routing.proxy.upstream import Exchange, forward
 from routing.state import GatewayState
+from routing.translate import anthropic as anthropic_translate
 from usage.buffer import UsageEvent, new_event_id
 
 if TYPE_CHECKING:
@@ -40,15 +51,13 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
 
-INFERENCE_ENDPOINTS = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/embeddings": "embeddings",
-}
 MODELS_PATH = "/v1/models"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+_NO_ENDPOINT: tuple[str | None, Surface] = (None, OPENAI)
 # Status recorded when the client went away before the answer was complete.
 CLIENT_CLOSED = 499
+# Usage of a request no backend saw (refused or left while queued): nothing.
+_NOTHING_BILLED = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
 
 
 class ClientGone(Exception):
@@ -77,7 +86,9 @@ class ProxyApp:
             gateway.request_finished()
 
     async def _serve(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        authorization = request_id = content_length = None
+        authorization = request_id = content_length = api_key = None
+        state: GatewayState | None = None
+        key_prefix = ""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value
@@ -85,12 +96,16 @@ class ProxyApp:
                 request_id = value
             elif name == b"content-length":
                 content_length = value
+            elif name == b"x-api-key":
+                api_key = value
         rid = _request_id(request_id)
         headers: Headers = [(b"x-request-id", rid.encode())]
         path, method = scope["path"], scope["method"]
+        endpoint, surface = ENDPOINTS.get(path, _NO_ENDPOINT)
         try:
-            endpoint = INFERENCE_ENDPOINTS.get(path)
-            if (
+            if path == COUNT_TOKENS_PATH:
+                endpoint, surface = "count_tokens", ANTHROPIC
+            elif (
                 endpoint is None
                 and path != MODELS_PATH
                 and not path.startswith(MODELS_PATH + "/")
@@ -108,11 +123,29 @@ class ProxyApp:
                     code="shutting_down",
                 )
             state = await self._gateway_state()
-            key_prefix = self._authenticate(state, authorization)
-            if endpoint is not None:
+            if api_key is not None and surface.accepts_x_api_key:
+                authorization = b"Bearer " + api_key
+            key_prefix = self._authenticate(state, authorization, surface)
+            if endpoint == "count_tokens":
+                self._check_length(content_length)
+                await self._count_tokens(state, headers, receive, send)
+            elif surface is not OPENAI and endpoint is not None:
+                self._check_length(content_length)
+                await self._translated(
+                    state,
+                    endpoint,
+                    surface,
+                    scope,
+                    key_prefix,
+                    rid,
+                    headers,
+                    receive,
+                    send,
+                )
+            elif endpoint is not None:
                 self._check_length(content_length)
                 await self._inference(
-                    state, endpoint, path, key_prefix, rid, headers, receive, send
+                    state, endpoint, scope, key_prefix, rid, headers, receive, send
                 )
             elif path == MODELS_PATH:
                 await _send_json(send, 200, self.models.body(state.routes), headers)
@@ -128,9 +161,37 @@ class ProxyApp:
                     )
                 await _send_json(send, 200, entry, headers)
         except ProxyError as error:
-            await _send_json(send, error.status, error.body(), headers)
+            if (
+                endpoint is not None
+                and endpoint != "count_tokens"
+                and not error.recorded
+            ):
+                # Refused before any backend (401, 413, a body that does not
+                # parse, draining): a request and an error all the same.
+                self._record_refusal(error, endpoint, path, rid, key_prefix, state)
+            await _send_json(send, error.status, surface.error_body(error), headers)
         except ClientGone:
             pass
+
+    def _record_refusal(
+        self,
+        error: ProxyError,
+        endpoint: str,
+        path: str,
+        request_id: str,
+        key_prefix: str,
+        state: GatewayState | None,
+    ) -> None:
+        exchange = Exchange(
+            request_id=request_id,
+            endpoint=endpoint,
+            path=path,
+            requested_model="",
+            stream=False,
+            status=error.status,
+            error=error.code or error.error_type,
+        )
+        self._record(exchange, state, key_prefix, 0)
 
     async def _gateway_state(self) -> GatewayState:
         state = self.gateway.snapshots.peek()
@@ -152,20 +213,23 @@ class ProxyApp:
     def _record(
         self,
         exchange: Exchange,
-        state: GatewayState,
+        state: GatewayState | None,
         key_prefix: str,
         estimated_prompt: int,
     ) -> None:
         """Hand the request's usage to the gateway (memory only, no I/O)."""
         usage = exchange.usage or {}
-        prompt = usage.get("prompt_tokens")
-        completion = usage.get("completion_tokens", 0)
-        reported = isinstance(prompt, int) and isinstance(completion, int)
-        if not reported:
+        prompt = _token_count(usage.get("prompt_tokens"))
+        completion = _token_count(usage.get("completion_tokens", 0))
+        reported = prompt is not None and completion is not None
+        if not exchange.backend:
+            # Refused before any backend: no tokens were spent.
+            prompt = completion = 0
+            reported = True
+        elif prompt is None or completion is None:
             prompt = estimated_prompt
             completion = -(-exchange.completion_chars // 4)  # ceil(chars / 4)
-        assert isinstance(prompt, int) and isinstance(completion, int)
-        total = usage.get("total_tokens") if reported else None
+        total = _token_count(usage.get("total_tokens")) if reported else None
         now = time.perf_counter()
         event = UsageEvent(
             request_id=exchange.request_id,
@@ -186,7 +250,9 @@ class ProxyApp:
         gateway = self.gateway
         gateway.buffer.append(event)
         gateway.live_usage.record(event)
-        model = exchange.served_model or _known_model(state, exchange.requested_model)
+        model = exchange.served_model or (
+            UNKNOWN if state is None else _known_model(state, exchange.requested_model)
+        )
         first_byte = exchange.first_byte
         gateway.metrics.observe_request(
             exchange.endpoint,
@@ -216,8 +282,14 @@ class ProxyApp:
                 f" error={exchange.error}" if exchange.error else "",
             )
 
-    def _authenticate(self, state: GatewayState, authorization: bytes | None) -> str:
-        """Return the client key's prefix ("" when auth is off and none is given)."""
+    def _authenticate(
+        self, state: GatewayState, authorization: bytes | None, surface: Surface
+    ) -> str:
+        """Return the client key's prefix ("" when auth is off and none is given).
+
+        Anthropic clients may send the key as ``x-api-key`` instead (the caller
+        passes it here as a bearer token).
+        """
         if authorization:
             scheme, _, token = authorization.partition(b" ")
             token = token.strip()
@@ -235,8 +307,8 @@ class ProxyApp:
                 )
         if self.auth_required:
             raise unauthorized(
-                "You didn't provide an API key. Send your Nexus key as "
-                "'Authorization: Bearer <key>'."
+                f"You didn't provide an API key. Send your Nexus key as "
+                f"{surface.key_hint}."
             )
         return ""
 
@@ -253,7 +325,7 @@ class ProxyApp:
         self,
         state: GatewayState,
         endpoint: str,
-        path: str,
+        scope: dict[str, Any],
         key_prefix: str,
         request_id: str,
         headers: Headers,
@@ -269,52 +341,196 @@ class ProxyApp:
         exchange = Exchange(
             request_id=request_id,
             endpoint=endpoint,
-            path=path,
+            path=scope["path"],
             requested_model=requirements.model,
             stream=payload.get("stream") is True,
+            unsent_bytes=_unsent_bytes_probe(scope),
         )
-        gateway = self.gateway
+        await self._route_and_forward(
+            state,
+            exchange,
+            requirements,
+            key_prefix,
+            payload,
+            raw,
+            None,
+            headers,
+            scope["headers"],
+            receive,
+            send,
+        )
+
+    async def _translated(
+        self,
+        state: GatewayState,
+        endpoint: str,
+        surface: Surface,
+        scope: dict[str, Any],
+        key_prefix: str,
+        request_id: str,
+        headers: Headers,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """A request on a surface other than OpenAI's: made canonical to route."""
+        raw = await _read_body(receive, self.max_body)
+        payload = _parse_object(raw)
+        inbound = surface.to_canonical(payload)
         try:
-            try:
-                route = gateway.router.select(requirements, state.routes, gateway.stats)
-            except RoutingError as error:
-                raise _routing_error(error) from error
+            requirements = RequestRequirements.from_request(inbound.canonical)
+        except RoutingError as error:
+            raise _routing_error(error) from error
+        exchange = Exchange(
+            request_id=request_id,
+            endpoint=endpoint,
+            path=scope["path"],
+            requested_model=requirements.model,
+            stream=inbound.stream,
+            unsent_bytes=_unsent_bytes_probe(scope),
+        )
+        client_headers = {
+            name.decode("latin-1"): value.decode("latin-1")
+            for name, value in scope["headers"]
+            if name.startswith(b"anthropic-")
+        }
+        call = Call(surface, inbound, payload, raw, client_headers)
+        await self._route_and_forward(
+            state,
+            exchange,
+            requirements,
+            key_prefix,
+            payload,
+            raw,
+            call,
+            headers,
+            scope["headers"],
+            receive,
+            send,
+        )
+
+    async def _count_tokens(
+        self, state: GatewayState, headers: Headers, receive: Receive, send: Send
+    ) -> None:
+        """Anthropic's count_tokens, estimated (characters / 4; see the README)."""
+        raw = await _read_body(receive, self.max_body)
+        payload = _parse_object(raw)
+        # count_tokens takes a Messages request without max_tokens.
+        payload.setdefault("max_tokens", 1)
+        inbound = ANTHROPIC.to_canonical(payload)
+        try:
+            requirements = RequestRequirements.from_request(inbound.canonical)
+        except RoutingError as error:
+            raise _routing_error(error) from error
+        gateway = self.gateway
+        decision = gateway.router.explain(requirements, state.routes, gateway.stats)
+        if decision.error is not None:
+            raise _routing_error(decision.error)
+        tokens = anthropic_translate.estimate_input_tokens(inbound.canonical)
+        body = json.dumps({"input_tokens": tokens}).encode()
+        await _send_json(send, 200, body, headers)
+
+    async def _route_and_forward(
+        self,
+        state: GatewayState,
+        exchange: Exchange,
+        requirements: RequestRequirements,
+        key_prefix: str,
+        payload: dict[str, Any],
+        raw: bytes,
+        call: Call | None,
+        headers: Headers,
+        request_headers: Headers,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        try:
             await self._forward_watching_client(
-                exchange, route, payload, raw, headers, receive, send
+                state,
+                exchange,
+                requirements,
+                key_prefix,
+                payload,
+                raw,
+                call,
+                headers,
+                request_headers,
+                receive,
+                send,
             )
         except ProxyError as error:
             exchange.status = error.status
             exchange.error = error.code or error.error_type
+            error.recorded = True
             raise
         finally:
             self._record(exchange, state, key_prefix, requirements.estimated_tokens)
 
     async def _forward_watching_client(
         self,
+        state: GatewayState,
         exchange: Exchange,
-        route: Any,
+        requirements: RequestRequirements,
+        key_prefix: str,
         payload: dict[str, Any],
         raw: bytes,
+        call: Call | None,
         headers: Headers,
+        request_headers: Headers,
         receive: Receive,
         send: Send,
     ) -> None:
-        """Forward, and cancel the upstream request if the client hangs up."""
+        """Wait for admission, route and forward; a client that hangs up cancels.
+
+        The admission ticket is released in every outcome (answer, error,
+        retries, a stream cut short, the client gone while waiting or while
+        served), which is what brings the stock back to 0.
+        """
+        gateway = self.gateway
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.get_running_loop().create_task(
             _cancel_on_disconnect(receive, task, exchange)
         )
+        ticket = None
         try:
-            await forward(self.gateway, exchange, route, payload, raw, send, headers)
+            try:
+                ticket = gateway.admission.prepare(
+                    state, requirements, payload, key_prefix, request_headers
+                )
+                if ticket is not None:
+                    await gateway.admission.admit(ticket)
+            except BadAdmissionHeader as error:
+                raise bad_request(str(error), param=error.header) from None
+            except AdmissionError as error:
+                raise _admission_error(error, exchange, headers) from None
+            try:
+                route = gateway.router.select(requirements, state.routes, gateway.stats)
+            except RoutingError as error:
+                raise _routing_error(error) from error
+            await forward(gateway, exchange, route, payload, raw, send, headers, call)
         except asyncio.CancelledError:
             if not exchange.client_gone:
                 raise
             task.uncancel()
             exchange.status = CLIENT_CLOSED
             exchange.error = "client_closed"
+            if ticket is not None and ticket.outcome is None:
+                exchange.usage = _NOTHING_BILLED  # left while queued
         finally:
             watcher.cancel()
+            gateway.admission.release(ticket)
+
+
+def _admission_error(
+    error: AdmissionError, exchange: Exchange, headers: Headers
+) -> ProxyError:
+    """The client's answer to a request admission control did not let through."""
+    exchange.usage = _NOTHING_BILLED
+    if error.retry_after is not None:
+        headers.append((b"retry-after", str(error.retry_after).encode()))
+    return ProxyError(
+        error.status, error.message, error_type=error.error_type, code=error.code
+    )
 
 
 async def _cancel_on_disconnect(
@@ -352,17 +568,23 @@ def _too_large(limit: int) -> ProxyError:
     )
 
 
-def _parse_body(raw: bytes, endpoint: str) -> dict[str, Any]:
-    """Decode and check the shape of a request body (400 on anything wrong)."""
+def _parse_object(raw: bytes) -> dict[str, Any]:
+    """Decode a request body that must be a JSON object (400 if it is not)."""
     try:
         payload = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep
         raise bad_request(
             "We could not parse the JSON body of your request. The body must be "
             "valid JSON (and set 'Content-Type: application/json')."
         ) from None
     if not isinstance(payload, dict):
         raise bad_request("The request body must be a JSON object.")
+    return payload
+
+
+def _parse_body(raw: bytes, endpoint: str) -> dict[str, Any]:
+    """Decode and check the shape of a request body (400 on anything wrong)."""
+    payload = _parse_object(raw)
     stream = payload.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean.", param="stream")
@@ -396,6 +618,22 @@ def _routing_error(error: RoutingError) -> ProxyError:
         param=body["param"],
         code=body["code"],
     )
+
+
+# A count a backend reports is believed up to this (far above any real request).
+MAX_REPORTED_TOKENS = 10**12
+
+
+def _token_count(value: Any) -> int | None:
+    """A token count a backend reported, if it is one (clamped into range)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return None
+    return min(max(value, 0), MAX_REPORTED_TOKENS)
+
+
+def _unsent_bytes_probe(scope: dict[str, Any]) -> Callable[[], int] | None:
+    transport = scope.get("extensions", {}).get("nexus.transport")
+    return transport.get("unsent_bytes") if isinstance(transport, dict) else None
 
 
 def _request_id(value: bytes | None) -> str:

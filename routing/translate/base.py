@@ -2,7 +2,25 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Protocol
+
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+_COMPACT_ASCII = json.JSONEncoder(separators=(",", ":"))
+
+
+def encode_json(value: Any) -> bytes:
+    """Compact UTF-8 JSON of `value`, whatever its strings hold.
+
+    A client may send a lone surrogate (``"\\ud800"`` is valid JSON), which
+    has no UTF-8 form: such a document is written with ASCII escapes instead,
+    which keeps it as sent.
+    """
+    text = _COMPACT.encode(value)
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return _COMPACT_ASCII.encode(value).encode()
 
 
 class TranslationError(Exception):
@@ -43,3 +61,31 @@ class StreamTranslator(Protocol):
     def finish(self) -> list[bytes]: ...
 
     def fail(self, message: str) -> list[bytes]: ...
+
+
+class StreamFailed(Exception):
+    """The source stream reported an error, or ended before its last event.
+
+    Raised by a ``ChunkReader``; the proxy ends the client's stream with the
+    client protocol's error event (``StreamTranslator.fail``) carrying
+    ``message``.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ChunkReader(Protocol):
+    """An incremental reader of a backend's stream into canonical chunks.
+
+    ``feed`` takes one parsed event of the backend's protocol and returns the
+    ``chat.completion.chunk`` dicts it stands for (zero or more); ``finish`` is
+    called once when the backend's stream ended and returns the last ones (the
+    finish reason, the usage-only chunk). Both raise ``StreamFailed`` when the
+    backend reported an error or stopped short of its protocol's last event.
+    """
+
+    def feed(self, event: dict[str, Any]) -> list[dict[str, Any]]: ...
+
+    def finish(self) -> list[dict[str, Any]]: ...

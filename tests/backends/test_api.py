@@ -357,7 +357,9 @@ def test_every_committed_backend_change_bumps_the_config_version(
 
 
 def test_capabilities_an_operator_edits_are_kept_from_discovery(api: APIClient) -> None:
-    found = BackendModelFactory(discovered=True, supports_tools=False)
+    found = BackendModelFactory(
+        discovered=True, supports_tools=False, supports_vision=False
+    )
 
     response = api.patch(
         f"/api/v1/backend-models/{found.pk}",

@@ -8,9 +8,11 @@ import pytest
 from django.test import Client
 from django.urls import reverse
 
+from routing.admin import AliasAdmin
 from routing.models import Alias, FallbackChain, RoutingPolicy
 from tests.factories import (
     AliasFactory,
+    BackendModelFactory,
     ChainStepFactory,
     FallbackChainFactory,
     RoutingPolicyFactory,
@@ -57,8 +59,27 @@ def policy_form(**fields: str) -> dict[str, str]:
         "weight_priority": "50",
         "weight_load": "30",
         "weight_latency": "20",
+        **ADMISSION_DEFAULTS,
         **fields,
     }
+
+
+# The admission control part of the policy form, as the admin renders it.
+ADMISSION_DEFAULTS = {
+    "admission_enabled": "on",
+    "admission_flow_key": "key",
+    "admission_sizing": "tokens",
+    "admission_default_output_tokens": "256",
+    "admission_total_capacity": "1000",
+    "admission_flow_capacity": "100",
+    "admission_critical_reserved": "100",
+    "admission_queue_ttl": "30",
+    "admission_watermark_per_backend": "2",
+    "admission_percentage_deviation_for_bounds": "0.1",
+    "admission_lower_bound_per_backend": "",
+    "admission_upper_bound_per_backend": "",
+    "admission_model_weights": "{}",
+}
 
 
 def test_routing_pages_render_for_a_superuser(admin_client: Client) -> None:
@@ -87,6 +108,24 @@ def test_alias_is_added_and_searchable(admin_client: Client) -> None:
     assert Alias.objects.get().target == "llama3:70b"
     found = admin_client.get(reverse("admin:routing_alias_changelist"), {"q": "llama"})
     assert [a.name for a in found.context["cl"].result_list] == ["gpt-4"]
+
+
+def test_an_alias_whose_target_nobody_serves_is_flagged(admin_client: Client) -> None:
+    BackendModelFactory(name="llama3:8b")
+    BackendModelFactory(name="retired", enabled=False)
+    saved = admin_client.post(
+        ALIAS_ADD, {"name": "gpt-4", "target": "retired"}, follow=True
+    )
+    assert "No enabled backend serves &#x27;retired&#x27; yet" in (
+        saved.content.decode()
+    )
+    admin_client.post(ALIAS_ADD, {"name": "fast", "target": "llama3:8b"})
+    listed = admin_client.get(reverse("admin:routing_alias_changelist"))
+    served = {
+        alias.name: AliasAdmin.target_served(None, alias)  # type: ignore[arg-type]
+        for alias in listed.context["cl"].result_list
+    }
+    assert served == {"fast": True, "gpt-4": False}
 
 
 def test_alias_to_another_alias_is_a_form_error(admin_client: Client) -> None:
@@ -362,3 +401,58 @@ def test_out_of_range_policy_values_are_form_errors(admin_client: Client) -> Non
 
     assert response.status_code == 200
     assert form_errors(response) == ["Ensure this value is less than or equal to 10."]
+
+
+def test_admission_settings_are_edited_on_the_policy_page(admin_client: Client) -> None:
+    RoutingPolicyFactory()
+    response = admin_client.post(
+        POLICY_CHANGE,
+        policy_form(
+            admission_flow_key="key+model",
+            admission_watermark_per_backend="4",
+            admission_upper_bound_per_backend="6",
+            admission_model_weights='{"llama3:70b": 2}',
+        ),
+    )
+    assert response.status_code == 302
+    policy = RoutingPolicy.load()
+    settings = policy.admission_settings()
+    assert (settings.flow_key, settings.upper_per_backend) == ("key+model", 6.0)
+    assert settings.lower_per_backend == pytest.approx(3.6)
+    assert settings.weight_of("llama3:70b") == 2.0
+
+
+def test_a_lower_bound_above_the_upper_is_refused_naming_both(
+    admin_client: Client,
+) -> None:
+    RoutingPolicyFactory()
+    response = admin_client.post(
+        POLICY_CHANGE,
+        policy_form(
+            admission_lower_bound_per_backend="5",
+            admission_upper_bound_per_backend="3",
+        ),
+    )
+    assert response.status_code == 200
+    assert form_errors(response) == [
+        "lower_bound_per_backend (5) cannot be above upper_bound_per_backend (3)"
+    ]
+    assert RoutingPolicy.load().admission_lower_bound_per_backend is None
+
+
+def test_bad_admission_numbers_are_form_errors(admin_client: Client) -> None:
+    RoutingPolicyFactory()
+    response = admin_client.post(
+        POLICY_CHANGE,
+        policy_form(
+            admission_queue_ttl="0",
+            admission_percentage_deviation_for_bounds="1.5",
+            admission_model_weights='{"m": -1}',
+        ),
+    )
+    errors = form_errors(response)
+    assert sorted(errors) == [
+        "must be between 0 and 1 (exclusive), got 1.5",
+        "must be more than 0 and at most 3600 seconds, got 0",
+        "the weight of 'm' must be more than 0 and at most 1000, got -1",
+    ]

@@ -113,7 +113,10 @@ def gateway(django_db_setup: None, django_db_blocker) -> Iterator[Gateway]:
             context_length=8192,
         )
         BackendModel.objects.create(
-            backend=backend_a, name="mistral:7b", context_length=32768
+            backend=backend_a,
+            name="mistral:7b",
+            context_length=32768,
+            supports_vision=False,
         )
         BackendModel.objects.create(
             backend=backend_b, name="llama3:8b", context_length=8192
@@ -147,6 +150,9 @@ def gateway(django_db_setup: None, django_db_blocker) -> Iterator[Gateway]:
         policy = RoutingPolicy.load()
         policy.strategy = "round_robin"
         policy.max_retries = 2
+        # 200 concurrent streams from one key wait in the admission queue (the
+        # default band lets 5 through to two backends): room for all of them.
+        policy.admission_flow_capacity = 1000
         policy.save()
         _, key = ApiKey.objects.create_key("proxy-tests")
         staff = get_user_model().objects.create_user("proxy-ops", is_staff=True)
@@ -590,13 +596,15 @@ def test_a_full_backend_is_not_sent_more_than_its_max_concurrency(
     assert gateway.in_flight("limited:1b") == {"mock-a-limited": 0}
 
 
-def test_anthropic_backends_get_a_clear_501_until_supported(gateway: Gateway) -> None:
+def test_embeddings_for_a_model_only_anthropic_serves_get_a_clear_501(
+    gateway: Gateway,
+) -> None:
+    # Chat requests to Anthropic backends are translated (tests/routing/
+    # test_messages.py); Anthropic has no embeddings or legacy completions.
     with pytest.raises(openai.APIStatusError) as raised:
-        gateway.sdk().chat.completions.create(
-            model="claude-3-haiku", messages=chat("x")
-        )
+        gateway.sdk().embeddings.create(model="claude-3-haiku", input="x")
     assert raised.value.status_code == 501
-    assert "Anthropic" in raised.value.message
+    assert "serves chat completions only" in raised.value.message
 
 
 def test_retried_5xx_replies_do_not_leak_upstream_connections(

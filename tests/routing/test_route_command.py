@@ -78,7 +78,8 @@ def test_explain_shows_the_policy_weights_beside_each_score(
     assert "score = prio×60% + load×30% + latency×10%" in out
     row = next(line for line in out.splitlines() if line.strip().startswith("gpu-text"))
     # Idle and never measured: full marks for load and latency.
-    total, parts = row.split("  ")[-1].split(" = ")
+    score = next(part for part in row.split("  ") if " = " in part)
+    total, parts = score.split(" = ")
     priority = float(parts.split("×")[0])
     assert parts == f"{priority:g}×60% + 100×30% + 100×10%"
     assert float(total) == pytest.approx(priority * 0.6 + 30 + 10, abs=0.01)
