@@ -136,6 +136,7 @@ class LegStream:
         "_seen",
         "_split",
         "_writer",
+        "chars",
         "usage",
     )
 
@@ -150,11 +151,13 @@ class LegStream:
         self._writer = call.surface.stream_writer(call.inbound, leg.target.model.name)
         self._seen: dict[str, Any] = {}  # a native stream's usage fields so far
         self.usage: dict[str, Any] | None = None
+        self.chars = 0  # text written, while no usage is known
 
     def feed(self, data: bytes) -> bytes:
         events = self._split.feed(data)
+        if len(self._split.peek()) > MAX_EVENT_BYTES:
+            raise StreamFailed("the backend sent a stream event over 1 MiB")
         if not events:
-            self._check_pending()
             return b""
         if self._native:
             for event in events:
@@ -195,6 +198,13 @@ class LegStream:
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
+        elif self.usage is None:
+            # Kept for an estimate, in case the backend never reports usage.
+            for choice in chunk.get("choices") or ():
+                delta = choice.get("delta") if isinstance(choice, dict) else None
+                text = delta.get("content") if isinstance(delta, dict) else None
+                if isinstance(text, str):
+                    self.chars += len(text)
         return self._writer.feed(chunk)
 
     def _parse(self, event: bytes) -> dict[str, Any] | None:
@@ -202,10 +212,6 @@ class LegStream:
             return self._adapter.parse_event(event)
         except (ValueError, UnicodeDecodeError):
             raise StreamFailed("the backend sent a malformed stream event") from None
-
-    def _check_pending(self) -> None:
-        if len(self._split.peek()) > MAX_EVENT_BYTES:
-            raise StreamFailed("the backend sent a stream event over 1 MiB")
 
 
 def _reply_chars(canonical: dict[str, Any]) -> int:

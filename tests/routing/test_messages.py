@@ -421,6 +421,30 @@ def test_a_backend_dying_mid_stream_ends_with_an_anthropic_error_event(
     assert len(texts) == 2
 
 
+@pytest.mark.parametrize("mock", ["o", "c"])
+def test_hanging_up_mid_stream_closes_the_upstream_request(
+    gateway: Gateway, mock: str
+) -> None:
+    process = getattr(gateway, mock)
+    _mock(process, chunks=100, chunk_delay_ms=100)
+    model = "llama3:8b" if mock == "o" else "claude-x"
+    with httpx.stream(
+        "POST",
+        f"{gateway.server.base_url}/v1/messages",
+        json={"model": model, "max_tokens": 500, "stream": True, "messages": user("x")},
+        headers={"x-api-key": gateway.key, "anthropic-version": "2023-06-01"},
+        timeout=10,
+    ) as response:
+        next(response.iter_lines())
+    deadline = time.monotonic() + 5
+    while True:
+        stats = httpx.get(f"{process.base_url}/_mock/stats", timeout=5).json()
+        if stats["client_disconnects"] >= 1 and stats["in_flight"] == 0:
+            break
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+
+
 # --- pass-through: Anthropic client, Anthropic backend ----------------------
 
 
