@@ -633,3 +633,7 @@ def test_usage_is_what_the_backends_reported_on_every_path(gateway: Gateway) -> 
     assert (
         sorted(rows.values_list("endpoint", flat=True)) == ["chat"] + ["messages"] * 4
     )
+    # Metrics count the surface like any other.
+    metrics = httpx.get(f"{gateway.server.base_url}/metrics", timeout=5).text
+    assert 'surface="messages"' in metrics
+    assert 'backend="mock-c"' in metrics
