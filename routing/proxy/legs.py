@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from routing.proxy.upstream import Exchange
 
 # Past this many bytes in one event (a hostile or broken backend), the stream
-# is ended with an error rather than buffered further.
+# is ended with an error rather than buffered further (the gateway passes
+# NEXUS_UPSTREAM_MAX_EVENT_BYTES).
 MAX_EVENT_BYTES = 1024 * 1024
 
 
@@ -116,8 +117,8 @@ class Leg:
             exchange.completion_chars = _reply_chars(canonical)
         return surface.reply(canonical, self.target.model.name)
 
-    def stream(self) -> LegStream:
-        return LegStream(self)
+    def stream(self, max_event: int = MAX_EVENT_BYTES) -> LegStream:
+        return LegStream(self, max_event)
 
 
 class LegStream:
@@ -131,6 +132,7 @@ class LegStream:
 
     __slots__ = (
         "_adapter",
+        "_max_event",
         "_native",
         "_reader",
         "_seen",
@@ -140,8 +142,9 @@ class LegStream:
         "usage",
     )
 
-    def __init__(self, leg: Leg) -> None:
+    def __init__(self, leg: Leg, max_event: int = MAX_EVENT_BYTES) -> None:
         call = leg.call
+        self._max_event = max_event
         self._adapter = leg.adapter
         self._native = leg.native
         self._split = EventSplitter()
@@ -155,8 +158,8 @@ class LegStream:
 
     def feed(self, data: bytes) -> bytes:
         events = self._split.feed(data)
-        if len(self._split.peek()) > MAX_EVENT_BYTES:
-            raise StreamFailed("the backend sent a stream event over 1 MiB")
+        # Checked on every feed: complete events may come with a growing one.
+        self._check_pending()
         if not events:
             return b""
         if self._native:
@@ -212,6 +215,12 @@ class LegStream:
             return self._adapter.parse_event(event)
         except (ValueError, UnicodeDecodeError):
             raise StreamFailed("the backend sent a malformed stream event") from None
+
+    def _check_pending(self) -> None:
+        if self._split.pending_size > self._max_event:
+            raise StreamFailed(
+                f"the backend sent a stream event over {self._max_event} bytes"
+            )
 
 
 def _reply_chars(canonical: dict[str, Any]) -> int:
