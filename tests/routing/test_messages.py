@@ -108,7 +108,10 @@ def gateway(django_db_setup: None, django_db_blocker) -> Iterator[Gateway]:
             name="mock-o", base_url=o.base_url, status=HealthStatus.HEALTHY
         )
         BackendModel.objects.create(
-            backend=backend_o, name="llama3:8b", supports_tools=True
+            backend=backend_o,
+            name="llama3:8b",
+            supports_tools=True,
+            supports_vision=False,
         )
         BackendModel.objects.create(
             backend=backend_o, name="llava:7b", supports_vision=True
@@ -148,6 +151,12 @@ def _reset_mocks(gateway: Gateway) -> Iterator[None]:
 
 def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
+
+
+@pytest.mark.django_db  # also makes pytest-django create the test database
+def test_the_backends_of_both_kinds_are_configured(gateway: Gateway) -> None:
+    kinds = dict(Backend.objects.values_list("name", "kind"))
+    assert kinds == {"mock-o": "openai", "mock-c": "anthropic"}
 
 
 # --- Anthropic clients, translated for an OpenAI backend ----------------------
@@ -599,8 +608,11 @@ def test_anthropic_backend_errors_reach_openai_clients_in_their_shape(
 # --- usage ---------------------------------------------------------------------
 
 
-@pytest.mark.django_db(transaction=True)
-def test_usage_is_what_the_backends_reported_on_every_path(gateway: Gateway) -> None:
+def test_usage_is_what_the_backends_reported_on_every_path(
+    gateway: Gateway, django_db_blocker
+) -> None:
+    # Read outside any test transaction (as the module fixture writes): a
+    # transactional test would flush the database the server reads after it.
     client = gateway.client(api_key=gateway.usage_key)
     expected = []
     for model in ("llama3:8b", "claude-x"):
@@ -617,22 +629,22 @@ def test_usage_is_what_the_backends_reported_on_every_path(gateway: Gateway) -> 
         model="claude-x", messages=user("one two")
     )
     expected.append((reply.usage.prompt_tokens, reply.usage.completion_tokens))
-    prefix = ApiKey.objects.get(name="messages-usage").prefix
-    deadline = time.monotonic() + 15
-    while True:
-        if settings.NEXUS_USAGE_TRANSPORT == "redis":
-            drain_usage_stream()
-        rows = UsageRecord.objects.filter(api_key_prefix=prefix)
-        if rows.count() >= len(expected) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    recorded = sorted(
-        (row.prompt_tokens, row.completion_tokens, row.estimated) for row in rows
-    )
+    with django_db_blocker.unblock():
+        prefix = ApiKey.objects.get(name="messages-usage").prefix
+        deadline = time.monotonic() + 15
+        while True:
+            if settings.NEXUS_USAGE_TRANSPORT == "redis":
+                drain_usage_stream()
+            rows = UsageRecord.objects.filter(api_key_prefix=prefix)
+            if rows.count() >= len(expected) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        recorded = sorted(
+            (row.prompt_tokens, row.completion_tokens, row.estimated) for row in rows
+        )
+        endpoints = sorted(rows.values_list("endpoint", flat=True))
     assert recorded == sorted((i, o, False) for i, o in expected)
-    assert (
-        sorted(rows.values_list("endpoint", flat=True)) == ["chat"] + ["messages"] * 4
-    )
+    assert endpoints == ["chat"] + ["messages"] * 4
     # Metrics count the surface like any other.
     metrics = httpx.get(f"{gateway.server.base_url}/metrics", timeout=5).text
     assert 'surface="messages"' in metrics
