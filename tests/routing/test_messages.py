@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -86,9 +87,16 @@ def _last_request(process: MockBackendProcess) -> dict:
 
 @pytest.fixture(scope="module")
 def gateway(django_db_setup: None, django_db_blocker) -> Iterator[Gateway]:
+    with contextlib.ExitStack() as cleanup:
+        yield _start_gateway(cleanup, django_db_blocker)
+
+
+def _start_gateway(cleanup: contextlib.ExitStack, django_db_blocker) -> Gateway:
+    """Start the mocks and Nexus on committed rows; ``cleanup`` undoes it all."""
     o = start_mock_backend(
         "--models", "llama3:8b,llava:7b", "--name", "mock-o", "--chunks", "4"
     )
+    cleanup.callback(o.stop)
     c = start_mock_backend(
         "--models",
         "claude-x",
@@ -101,6 +109,13 @@ def gateway(django_db_setup: None, django_db_blocker) -> Iterator[Gateway]:
         "--chunks",
         "4",
     )
+    cleanup.callback(c.stop)
+
+    def flush() -> None:
+        with django_db_blocker.unblock():
+            call_command("flush", interactive=False, verbosity=0)
+
+    cleanup.callback(flush)
     with django_db_blocker.unblock():
         if settings.NEXUS_USAGE_TRANSPORT == "redis":
             clear_usage_stream()
@@ -132,14 +147,8 @@ def gateway(django_db_setup: None, django_db_blocker) -> Iterator[Gateway]:
         _, key = ApiKey.objects.create_key("messages-tests")
         _, usage_key = ApiKey.objects.create_key("messages-usage")
     server = start_nexus_server(NEXUS_BREAKER_FAILURES="1000000")
-    try:
-        yield Gateway(server, o, c, key, usage_key)
-    finally:
-        server.stop()
-        o.stop()
-        c.stop()
-        with django_db_blocker.unblock():
-            call_command("flush", interactive=False, verbosity=0)
+    cleanup.callback(server.stop)
+    return Gateway(server, o, c, key, usage_key)
 
 
 @pytest.fixture(autouse=True)
