@@ -311,7 +311,7 @@ def test_a_round_over_100_backends_takes_about_one_probe_timeout(
         reports = check_all()
         elapsed = time.monotonic() - started
     # Probed one after another, the 20 silent backends alone would take 60 s.
-    assert elapsed < 3.0 + 5.0, elapsed
+    assert elapsed < 3.0 + 12.0, elapsed
     assert len(reports) == 100
     by_error: dict[str, int] = {}
     for report in reports:
