@@ -23,6 +23,7 @@ import ipaddress
 import os
 import secrets
 import tempfile
+from datetime import timedelta
 from pathlib import Path
 from typing import TypeVar
 
@@ -110,9 +111,12 @@ def _networks(
 NEXUS_STATE_DIR = Path(env.str("NEXUS_STATE_DIR", default=str(BASE_DIR / ".nexus")))
 if not NEXUS_STATE_DIR.is_absolute():
     NEXUS_STATE_DIR = BASE_DIR / NEXUS_STATE_DIR
-NEXUS_STATE_DIR.mkdir(parents=True, exist_ok=True)
+# Private: it holds the secret key and the database (an existing one is kept).
+NEXUS_STATE_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
 
-NEXUS_PRODUCTION = "DATABASE_URL" in env
+# Empty means unset, as for every variable: a copied .env.example with
+# DATABASE_URL= stays in the embedded default.
+NEXUS_PRODUCTION = bool(env.str("DATABASE_URL", default="").strip())
 REDIS_URL = env.str("REDIS_URL", default="")
 
 
@@ -133,14 +137,14 @@ def _embedded_secret_key() -> str:
 
 DEBUG = env.bool("DEBUG", default=False)
 
-if "SECRET_KEY" in env:
+if env.str("SECRET_KEY", default=""):
     SECRET_KEY = env.str("SECRET_KEY")
 elif NEXUS_PRODUCTION:
     raise ImproperlyConfigured("SECRET_KEY must be set when DATABASE_URL is set.")
 else:
     SECRET_KEY = _embedded_secret_key()
 
-if "ALLOWED_HOSTS" in env:
+if env.str("ALLOWED_HOSTS", default=""):
     ALLOWED_HOSTS = env.list("ALLOWED_HOSTS")
 elif NEXUS_PRODUCTION:
     raise ImproperlyConfigured("ALLOWED_HOSTS must be set when DATABASE_URL is set.")
@@ -148,9 +152,36 @@ else:
     ALLOWED_HOSTS = ["127.0.0.1", "localhost", "[::1]"]
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
 
+# Behind a TLS-terminating reverse proxy (nginx, Caddy, a load balancer): trust
+# its header naming the client's scheme, redirect plain HTTP to HTTPS, send
+# HSTS, and keep the session and CSRF cookies to HTTPS. Only switch it on when
+# the proxy sets (and overwrites) that header: anyone could send it otherwise.
+NEXUS_BEHIND_TLS = env.bool("NEXUS_BEHIND_TLS", default=False)
+if NEXUS_BEHIND_TLS:
+    _tls_header = env.str("NEXUS_TLS_PROXY_HEADER", default="X-Forwarded-Proto")
+    SECURE_PROXY_SSL_HEADER = (
+        "HTTP_" + _tls_header.strip().upper().replace("-", "_"),
+        "https",
+    )
+    SECURE_SSL_REDIRECT = True
+    # Load balancers probe /health over plain HTTP inside the network (/health/*
+    # and /metrics are answered before Django, so never redirected).
+    SECURE_REDIRECT_EXEMPT = [r"^health$"]
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_HSTS_SECONDS = _bounded_int("NEXUS_HSTS_SECONDS", 31_536_000, 0, 10**9)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool(
+        "NEXUS_HSTS_INCLUDE_SUBDOMAINS", default=True
+    )
+    SECURE_HSTS_PRELOAD = env.bool("NEXUS_HSTS_PRELOAD", default=False)
+    if not SECURE_HSTS_PRELOAD:
+        # Preloading is a commitment made by submitting the domain to the
+        # browsers' list, not a default; `check --deploy` would ask for it.
+        SILENCED_SYSTEM_CHECKS = ["security.W021"]
+
 INSTALLED_APPS = [
     "daphne",
-    "django.contrib.admin",
+    "nexus_site.apps.NexusAdminConfig",  # django.contrib.admin, Nexus's site
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
@@ -158,6 +189,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "rest_framework.authtoken",
+    "axes",
     "channels",
     "routing",
     "backends",
@@ -176,11 +208,21 @@ MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
+    # Before CommonMiddleware: /api/x and /api/x/ are both served in place.
+    "nexus_site.api.ApiSlashMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last, as django-axes requires: answers 429 to a locked-out login.
+    "axes.middleware.AxesMiddleware",
+]
+
+AUTHENTICATION_BACKENDS = [
+    # First: refuses a locked-out user and address before any password check.
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
 ]
 
 ROOT_URLCONF = "nexus_site.urls"
@@ -227,6 +269,27 @@ WHITENOISE_USE_FINDERS = env.bool(
 )
 
 LOGIN_URL = "admin:login"
+
+# Admin login lockout (django-axes): after NEXUS_LOGIN_FAILURE_LIMIT wrong
+# passwords in a row for one user name from one address, that pair is refused
+# (429) for NEXUS_LOGIN_LOCKOUT_MINUTES, in every process (the count is kept in
+# the database). Failures are logged and listed in the admin ("Access
+# attempts", "Access failures"); deleting an attempt there, or `manage.py
+# axes_reset`, unlocks early. The address is the one the ASGI server reports:
+# behind a proxy, `nexus_run --proxy-headers` makes it the client's, and a
+# client cannot choose it with a header of its own.
+AXES_FAILURE_LIMIT = _bounded_int("NEXUS_LOGIN_FAILURE_LIMIT", 5, 1, 1000)
+AXES_COOLOFF_TIME = timedelta(
+    minutes=_bounded_float("NEXUS_LOGIN_LOCKOUT_MINUTES", 15.0, 0.01, 525_600)
+)
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_IPWARE_META_PRECEDENCE_ORDER = ["REMOTE_ADDR"]
+AXES_ENABLE_ACCESS_FAILURE_LOG = True
+AXES_LOCKOUT_TEMPLATE = "admin/locked_out.html"
+AXES_VERBOSE = False  # no banner from every process at start-up
+# Log the user name and address tried (an operator needs them); never a password.
+AXES_SENSITIVE_PARAMETERS: list[str] = []
 
 LOGGING = {
     "version": 1,
@@ -294,10 +357,13 @@ else:
 # --- DRF (the management API under /api/) ---------------------------------------
 
 REST_FRAMEWORK = {
+    # Token first: a request without credentials gets 401 with
+    # `WWW-Authenticate: Token` (DRF answers 403 when the first class has no
+    # such header, as SessionAuthentication has not).
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.SessionAuthentication",
         # Admin tokens for scripts: `manage.py drf_create_token <staff user>`.
         "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
     "DEFAULT_PAGINATION_CLASS": "backends.api.pagination.BoundedLimitOffsetPagination",

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from django.conf import settings
 
+from routing.admission.gate import AdmissionGate
 from routing.breaker import BREAKER_GROUP, BreakerSettings, CircuitBreaker
 from routing.core import Health, LiveStats, Router
 from routing.groups import listen_to_group
@@ -73,6 +74,9 @@ class GatewayConfig:
     metrics_allow: tuple[str | Network, ...] = ("127.0.0.0/8", "::1/128")
     metrics_token: str = ""
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
+    # How admission control learns its share of the band: "single" (the only
+    # process), "env" (the launcher's NEXUS_SERVING_*), "redis" (live registry).
+    admission_share: str = "single"
 
     @classmethod
     def from_settings(cls) -> GatewayConfig:
@@ -92,6 +96,7 @@ class GatewayConfig:
             metrics_allow=tuple(settings.NEXUS_METRICS_ALLOW),
             metrics_token=settings.NEXUS_METRICS_TOKEN,
             breaker=BreakerSettings.from_settings(),
+            admission_share="redis" if settings.REDIS_URL else "env",
         )
 
 
@@ -142,6 +147,7 @@ class Gateway:
             ),
         )
         self.metrics = GatewayMetrics()
+        self.admission = AdmissionGate(self.metrics, share=config.admission_share)
         self.metrics_endpoint = MetricsEndpoint(
             self.metrics,
             self.refresh_gauges,
@@ -179,6 +185,7 @@ class Gateway:
         self.usage_sink.start()
         self.publisher.start()
         self.upstream.open()
+        self.admission.start()
         self._tasks = [
             loop.create_task(
                 listen_to_group(BREAKER_GROUP, self.breaker.on_message),
@@ -197,6 +204,7 @@ class Gateway:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.admission.stop()
         await self.snapshots.stop()
         await self.publisher.stop()
         await self.breaker.stop()
@@ -249,6 +257,7 @@ class Gateway:
                 names.append((backend.name, is_up))
         self.metrics.set_backends(in_flight, names)
         self.metrics.set_usage_buffer(len(self.buffer), self.buffer.dropped_total)
+        self.admission.refresh_metrics()
 
     async def _refresh_gauges_periodically(self) -> None:
         while True:

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 from collections.abc import Iterable
 from datetime import UTC, datetime
 
@@ -251,25 +252,19 @@ def _to_record(event: UsageEvent) -> UsageRecord:
 def _clip(field: str, value: str) -> str:
     # The database would reject (PostgreSQL) or keep (SQLite) a longer value;
     # cutting it keeps the request counted the same way everywhere.
-    value = value[: _MAX_LENGTHS[field]]
+    return storable_text(value[: _MAX_LENGTHS[field]])
+
+
+# PostgreSQL text cannot hold NUL, and no UTF-8 can encode a lone surrogate
+# (JSON's "\ud800" decodes to one): a client's model name may carry either.
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def storable_text(value: str) -> str:
+    """Replace what PostgreSQL refuses in text with U+FFFD (both modes alike)."""
     if value.isascii() and "\x00" not in value:
         return value
-    return _storable(value)
-
-
-def _storable(value: str) -> str:
-    """`value` without what no database stores: NUL bytes, lone surrogates.
-
-    Clients choose some of these strings (the model name, the request id); one
-    that PostgreSQL or SQLite cannot encode must not fail the batch it is in
-    (and, retried, every batch after it).
-    """
-    value = value.replace("\x00", "\ufffd")
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        value = value.encode(errors="replace").decode()
-    return value
+    return _UNSTORABLE.sub("\ufffd", value)
 
 
 def _count(value: int) -> int:
