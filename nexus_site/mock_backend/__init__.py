@@ -27,13 +27,16 @@ request), ``chunks``, ``chunk_delay_ms`` (between stream chunks), ``embedding_di
 ``api_key``, ``fail_status`` + ``error_rate`` (that fraction of valid inference
 requests fails, drawn from a ``seed``-ed RNG), ``drop_after_chunks`` (send K
 chunks of a stream then close the connection without ending the chunked body),
-``record_requests`` (how many recent requests the stats keep).
+``record_requests`` (how many recent requests the stats keep), ``tool_calls``
+(CLI ``--tool-calls`` JSON: the calls a chat that offers tools is answered with,
+see ``nexus_site.mock_backend.replies``).
 
 ``kind`` (CLI ``--kind openai|ollama|vllm|llamacpp|anthropic``) imitates that
 server's probe endpoints as well (Ollama's ``/api/tags``, ``/api/ps`` and
 ``/api/show``, vLLM's ``/health`` and ``max_model_len``, llama.cpp's
 ``/health``, ``/props`` and its 503 while ``loading``, Anthropic's
-``/v1/models``), shaped by ``context_length``, ``loaded_models``,
+``/v1/models``; Ollama's native ``/api/chat``, ``/api/generate`` with NDJSON
+streams, ``/api/embed`` and ``/api/embeddings``), shaped by ``context_length``, ``loaded_models``,
 ``vision_models`` and ``tool_models``; ``nexus_site.mock_backend.kinds`` has the
 details.
 

@@ -24,8 +24,22 @@ from nexus_site.mock_backend.jobs import (
     parse_embedding_request,
     parse_json_object,
 )
-from nexus_site.mock_backend.kinds import answer_kind_request, describe_model
+from nexus_site.mock_backend.kinds import (
+    answer_kind_request,
+    check_bearer,
+    describe_model,
+)
 from nexus_site.mock_backend.listener import Listener
+from nexus_site.mock_backend.ollama_api import (
+    INFERENCE_PATHS as OLLAMA_INFERENCE_PATHS,
+)
+from nexus_site.mock_backend.ollama_api import (
+    NDJSON_CONTENT_TYPE,
+    ollama_error,
+    parse_ollama_request,
+    render_ollama_reply,
+    render_ollama_stream,
+)
 from nexus_site.mock_backend.protocol import Header, HttpConnection
 from nexus_site.mock_backend.replies import (
     encode_json,
@@ -46,6 +60,7 @@ _INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 class _Stream:
     blocks: list[bytes]
     tail: bytes
+    content_type: str = SSE_CONTENT_TYPE
 
 
 class MockBackend:
@@ -176,13 +191,15 @@ class MockBackend:
                 return None
             if config.chunk_delay_ms <= 0 and config.drop_after_chunks is None:
                 chunks = [*reply.blocks, reply.tail]
-                conn.send_stream(200, SSE_CONTENT_TYPE, headers, chunks)
+                conn.send_stream(200, reply.content_type, headers, chunks)
                 return None
         return self._deliver(conn, reply, headers, config)
 
     # Answers
 
     def _answer(self, request: Request, config: MockConfig) -> bytes | _Stream:
+        if config.kind == "ollama" and request.path in OLLAMA_INFERENCE_PATHS:
+            return self._answer_ollama(request, config)
         if config.kind != "openai":
             kind_reply = answer_kind_request(request, config, self._started)
             if kind_reply is not None:
@@ -212,7 +229,7 @@ class MockBackend:
         if path == "/v1/embeddings":
             job = parse_embedding_request(payload, config.models, config.embedding_dim)
         elif path == "/v1/chat/completions":
-            job = parse_chat_request(payload, config.name, config.models)
+            job = parse_chat_request(payload, config.name, config.models, self._script)
         else:
             job = parse_completion_request(payload, config.name, config.models)
         self._inject_failure(config)
@@ -224,6 +241,29 @@ class MockBackend:
         if job.stream:
             return _Stream(*render_stream(job, completion_id, created, config.chunks))
         return render_generation(job, completion_id, created)
+
+    def _answer_ollama(self, request: Request, config: MockConfig) -> bytes | _Stream:
+        check_bearer(request, config, ollama=True)
+        if request.method != "POST":
+            raise ollama_error(405, "method not allowed")
+        job = parse_ollama_request(
+            request.path,
+            request.body,
+            config.name,
+            config.models,
+            self._script,
+            config.embedding_dim,
+        )
+        if isinstance(job, bytes):
+            return job
+        try:
+            self._inject_failure(config)
+        except ApiError as error:
+            raise ollama_error(error.status, error.message) from None
+        if isinstance(job, Generation) and job.stream:
+            blocks, tail = render_ollama_stream(job, config.chunks)
+            return _Stream(blocks, tail, NDJSON_CONTENT_TYPE)
+        return render_ollama_reply(job, request.path)
 
     def _check_api_key(self, request: Request, api_key: str) -> None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -285,7 +325,7 @@ class MockBackend:
     ) -> None:
         drop_after = config.drop_after_chunks
         delay = config.chunk_delay_ms / 1000
-        conn.start_stream(200, SSE_CONTENT_TYPE, headers)
+        conn.start_stream(200, reply.content_type, headers)
         for index, block in enumerate(reply.blocks):
             if drop_after is not None and index >= drop_after:
                 conn.cut()
@@ -360,6 +400,7 @@ class MockBackend:
                 self.stats.recorded, maxlen=config.record_requests
             )
         self._headers: list[Header] = [("X-Mock-Backend", config.name)]
+        self._script = tuple((c.name, c.arguments) for c in config.tool_calls)
         self._models_body = encode_json(
             {
                 "object": "list",
