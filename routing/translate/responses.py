@@ -832,12 +832,25 @@ def _response(
         "temperature": request.get("temperature"),
         "text": text if isinstance(text, Mapping) else {"format": {"type": "text"}},
         "tool_choice": request.get("tool_choice") or "auto",
-        "tools": tools if isinstance(tools, list) else [],
+        "tools": [_echo_tool(tool) for tool in tools if isinstance(tool, Mapping)]
+        if isinstance(tools, list)
+        else [],
         "top_p": request.get("top_p"),
         "truncation": "disabled",
         "usage": usage,
         "user": request.get("user"),
         "metadata": request.get("metadata") or {},
+    }
+
+
+def _echo_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """A function tool as a response lists it (every field present)."""
+    return {
+        "type": "function",
+        "name": tool.get("name"),
+        "description": tool.get("description"),
+        "parameters": tool.get("parameters"),
+        "strict": tool.get("strict"),
     }
 
 
