@@ -64,9 +64,6 @@ def spawn_demo_mock(spec: DemoBackend) -> MockBackendProcess:
         "20",
         "--chunk-delay-ms",
         "30",
-        # Chats that offer tools get a call to the first one, so tools show too.
-        "--tool-calls",
-        '[{"name": "*", "arguments": {}}]',
         # The launcher, not the terminal's Ctrl-C, stops it.
         new_session=True,
     )

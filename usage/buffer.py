@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-Endpoint = Literal["chat", "completions", "embeddings"]
+Endpoint = Literal["chat", "completions", "embeddings", "messages"]
 
 # Event ids: a random per-process prefix and a counter, unique across processes
 # and restarts, and far cheaper per request than uuid4().

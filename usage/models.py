@@ -314,6 +314,7 @@ class Endpoint(models.TextChoices):
     CHAT = "chat", "Chat completions"
     COMPLETIONS = "completions", "Completions"
     EMBEDDINGS = "embeddings", "Embeddings"
+    MESSAGES = "messages", "Anthropic messages"
 
 
 class UsageRecordQuerySet(models.QuerySet["UsageRecord"]):

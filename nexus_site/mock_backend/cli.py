@@ -35,7 +35,6 @@ _KNOB_OPTIONS = (
     "loaded_models",
     "vision_models",
     "tool_models",
-    "tool_calls",
 )
 
 
@@ -110,12 +109,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tool-models", help="Comma-separated models reported with tools."
-    )
-    parser.add_argument(
-        "--tool-calls",
-        help="JSON list of tool calls to answer chats that offer tools with, "
-        'e.g. \'[{"name": "get_weather", "arguments": {"city": "Paris"}}]\' '
-        '("*" calls the first tool offered).',
     )
     parser.add_argument(
         "--loading",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +11,6 @@ from nexus_site.mock_backend.jobs import MAX_EMBEDDING_DIM
 
 MAX_CHUNKS = 10_000
 MAX_RECORDED_REQUESTS = 10_000
-MAX_SCRIPTED_CALLS = 16
 MOCK_KINDS = ("openai", "ollama", "vllm", "llamacpp", "anthropic")
 
 
@@ -25,17 +23,6 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class ScriptedCall:
-    """A tool call the mock makes when offered the tool (``*``: the first offered).
-
-    ``arguments`` is the JSON text of an object, as OpenAI sends it.
-    """
-
-    name: str
-    arguments: str = "{}"
-
-
-@dataclass(frozen=True)
 class MockConfig:
     """Everything that shapes the mock's answers; swapped whole at runtime.
 
@@ -43,9 +30,9 @@ class MockConfig:
     ``drop_after_chunks`` None means streams are never cut. ``kind`` picks the
     server imitated (see ``nexus_site.mock_backend.kinds``); ``context_length``,
     ``loaded_models`` (None: all), ``vision_models``, ``tool_models`` and
-    ``loading`` shape what its probe endpoints report. ``tool_calls`` are the
-    calls a chat request that offers tools is answered with (see
-    ``nexus_site.mock_backend.replies``).
+    ``loading`` shape what its probe endpoints report. ``tool_arguments`` (a
+    JSON object, None: made from the tool's schema) are the arguments of the
+    tool calls the mock makes (see ``nexus_site.mock_backend.tools``).
     """
 
     models: tuple[str, ...] = ()
@@ -66,7 +53,7 @@ class MockConfig:
     vision_models: tuple[str, ...] = ()
     tool_models: tuple[str, ...] = ()
     loading: bool = False
-    tool_calls: tuple[ScriptedCall, ...] = ()
+    tool_arguments: dict[str, Any] | None = None
 
     @classmethod
     def from_knobs(cls, knobs: Mapping[str, Any]) -> MockConfig:
@@ -92,15 +79,10 @@ class MockConfig:
 
     def as_dict(self) -> dict[str, Any]:
         """Return the knobs as JSON-ready values."""
-        values = {
+        return {
             name: list(value) if isinstance(value, tuple) else value
             for name, value in dataclasses.asdict(self).items()
         }
-        values["tool_calls"] = [
-            {"name": call.name, "arguments": json.loads(call.arguments)}
-            for call in self.tool_calls
-        ]
-        return values
 
 
 def _check_number(key: str, value: Any) -> float:
@@ -166,6 +148,12 @@ def _validate_bool(key: str, value: Any) -> bool:
     return value
 
 
+def _validate_json_object(key: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(key, f"{key} must be a JSON object, not {value!r}.")
+    return value
+
+
 def _validate_model_subset(key: str, value: Any) -> tuple[str, ...]:
     """A list of model names that may be empty (unlike ``models``)."""
     if value == "" or value == []:
@@ -187,31 +175,6 @@ def _validate_models(key: str, value: Any) -> tuple[str, ...]:
     return models
 
 
-def _validate_tool_calls(key: str, value: Any) -> tuple[ScriptedCall, ...]:
-    """A list of ``{"name": ..., "arguments": {...}}`` (a JSON string on the CLI)."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value) if value.strip() else []
-        except ValueError:
-            raise ConfigError(key, f"{key} must be JSON: {value!r}.") from None
-    if not isinstance(value, list) or len(value) > MAX_SCRIPTED_CALLS:
-        raise ConfigError(
-            key, f"{key} must be a list of at most {MAX_SCRIPTED_CALLS} calls."
-        )
-    calls = []
-    for call in value:
-        name = call.get("name") if isinstance(call, dict) else None
-        arguments = call.get("arguments", {}) if isinstance(call, dict) else None
-        if not isinstance(name, str) or not name or not isinstance(arguments, dict):
-            raise ConfigError(
-                key,
-                f"Each of {key} must be an object with a 'name' and an 'arguments' "
-                f"object, not {call!r}.",
-            )
-        calls.append(ScriptedCall(name, json.dumps(arguments, ensure_ascii=False)))
-    return tuple(calls)
-
-
 _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "models": _validate_models,
     "name": _validate_header_text,
@@ -231,5 +194,5 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "vision_models": _validate_model_subset,
     "tool_models": _validate_model_subset,
     "loading": _validate_bool,
-    "tool_calls": _validate_tool_calls,
+    "tool_arguments": _optional(_validate_json_object),
 }

@@ -6,9 +6,8 @@ A job already holds the reply text and token counts; both rules are documented i
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -78,13 +77,9 @@ class Generation:
     prompt_tokens: int
     stream: bool
     include_usage: bool
-    # (name, JSON arguments) of the tool calls every choice makes, if any.
-    tool_calls: tuple[tuple[str, str], ...] = ()
 
     def usage(self) -> dict[str, int]:
         completion = sum(len(text.split()) for text in self.texts)
-        calls = sum(len(f"{n} {a}".split()) for n, a in self.tool_calls)
-        completion += calls * len(self.texts)
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
@@ -118,15 +113,9 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
 
 
 def parse_chat_request(
-    payload: dict[str, Any],
-    backend: str,
-    models: Collection[str],
-    script: Sequence[tuple[str, str]] = (),
+    payload: dict[str, Any], backend: str, models: Collection[str]
 ) -> Generation:
-    """Validate a chat completions request and decide the reply.
-
-    ``script`` is the ``tool_calls`` knob as (name, JSON arguments) pairs.
-    """
+    """Validate a chat completions request and decide the reply."""
     model = _require_model(payload, models)
     messages = payload.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -148,47 +137,10 @@ def parse_chat_request(
         prompt_words += len(text.split())
         if message["role"] == "user":
             last_user_text = text
-    last = messages[-1]
-    if last["role"] == "tool":
-        reply = (
-            f"[{backend}/{model}] tool said: {_message_text(last.get('content'), 0)}"
-        )
-    else:
-        reply = f"[{backend}/{model}] echo: {last_user_text}"
-    generation = _build_generation("chat", payload, model, [reply], prompt_words)
-    calls = (
-        _scripted_calls(payload.get("tools"), script) if last["role"] == "user" else ()
-    )
-    if not calls:
-        return generation
-    return dataclasses.replace(
-        generation,
-        texts=("",) * len(generation.texts),
-        finish_reasons=("tool_calls",) * len(generation.texts),
-        tool_calls=calls,
-    )
-
-
-def _scripted_calls(
-    tools: Any, script: Sequence[tuple[str, str]]
-) -> tuple[tuple[str, str], ...]:
-    """The scripted calls to tools the request offers ("*": the first offered)."""
-    if not script or not isinstance(tools, list):
-        return ()
-    offered = [
-        tool["function"]["name"]
-        for tool in tools
-        if isinstance(tool, dict)
-        and isinstance(tool.get("function"), dict)
-        and isinstance(tool["function"].get("name"), str)
-    ]
-    if not offered:
-        return ()
-    return tuple(
-        (offered[0] if name == "*" else name, arguments)
-        for name, arguments in script
-        if name == "*" or name in offered
-    )
+        elif message["role"] == "tool":
+            last_user_text = f"tool result: {text}"
+    reply = f"[{backend}/{model}] echo: {last_user_text}"
+    return _build_generation("chat", payload, model, [reply], prompt_words)
 
 
 def parse_completion_request(

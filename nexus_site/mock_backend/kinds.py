@@ -21,9 +21,10 @@ format:
   ``context_length``) on ``/v1/models`` entries. With ``loading`` on, every path
   answers 503 ``{"error": {"code": 503, "message": "Loading model", "type":
   "unavailable_error"}}``, as llama.cpp does while it loads.
-- ``anthropic``: only ``GET /v1/models`` in Anthropic's shape; ``api_key`` is
-  checked in ``x-api-key`` and ``anthropic-version`` is required. Anything else
-  is a 404 in Anthropic's error shape.
+- ``anthropic``: ``GET /v1/models`` in Anthropic's shape, and ``POST
+  /v1/messages`` (+ ``count_tokens``, see ``nexus_site.mock_backend.messages``);
+  ``api_key`` is checked in ``x-api-key`` and ``anthropic-version`` is
+  required. Anything else is a 404 in Anthropic's error shape.
 
 ``context_length`` is what each kind reports as the model's context window.
 """
@@ -261,7 +262,8 @@ def _ollama_error(status: int, message: str) -> ApiError:
 # Anthropic
 
 
-def _answer_anthropic(request: Request, config: MockConfig, started: int) -> bytes:
+def check_anthropic_headers(request: Request, config: MockConfig) -> None:
+    """Require ``x-api-key`` (when the mock has a key) and ``anthropic-version``."""
     if config.api_key is not None:
         given = request.headers.get("x-api-key", "")
         if not hmac.compare_digest(given.encode(), config.api_key.encode()):
@@ -270,6 +272,10 @@ def _answer_anthropic(request: Request, config: MockConfig, started: int) -> byt
         raise _anthropic_error(
             400, "invalid_request_error", "anthropic-version: header is required"
         )
+
+
+def _answer_anthropic(request: Request, config: MockConfig, started: int) -> bytes:
+    check_anthropic_headers(request, config)
     if request.path != "/v1/models":
         raise _anthropic_error(404, "not_found_error", "Not found")
     if request.method != "GET":

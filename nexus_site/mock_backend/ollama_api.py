@@ -3,9 +3,10 @@
 ``POST /api/chat`` and ``POST /api/generate`` (NDJSON streams unless
 ``"stream": false``, as Ollama does), ``POST /api/embed`` and the legacy
 ``POST /api/embeddings``. Replies follow the OpenAI side's rules
-(``nexus_site.mock_backend.replies``): the same text, the same scripted tool
-calls (whole, in one line, with object arguments, as Ollama sends them), the
-same token counts, reported as ``prompt_eval_count`` and ``eval_count``.
+(``nexus_site.mock_backend.replies`` and ``.tools``): the same text, the same
+scripted tool call (whole, in one line, with object arguments, as Ollama sends
+it), the same token counts, reported as ``prompt_eval_count`` and
+``eval_count``.
 ``options.num_predict`` limits the reply as ``max_tokens`` does. Durations are
 made up but consistent: a millisecond per prompt token, two per reply token.
 A stream has ``chunks`` content lines (``"done": false``) and a last line with
@@ -16,9 +17,10 @@ A stream has ``chunks`` content lines (``"done": false``) and a last line with
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from typing import Any
 
 from nexus_site.mock_backend.jobs import (
@@ -31,6 +33,10 @@ from nexus_site.mock_backend.jobs import (
     parse_json_object,
 )
 from nexus_site.mock_backend.replies import encode_json, render_embeddings, split_text
+from nexus_site.mock_backend.tools import ToolCall, openai_tool_call
+
+# A chat answered with a tool call: the call, and the words it counts.
+_ToolChat = tuple[Generation, ToolCall]
 
 NDJSON_CONTENT_TYPE = "application/x-ndjson"
 INFERENCE_PATHS = frozenset(
@@ -49,9 +55,9 @@ def parse_ollama_request(
     body: bytes,
     backend: str,
     models: Collection[str],
-    script: Sequence[tuple[str, str]],
+    tool_arguments: dict[str, Any] | None,
     embedding_dim: int,
-) -> Generation | EmbeddingJob | bytes:
+) -> Generation | _ToolChat | EmbeddingJob | bytes:
     """Validate a native request; return the job, or the whole reply of a load.
 
     Raises ApiError in Ollama's shape.
@@ -81,7 +87,9 @@ def parse_ollama_request(
             if not messages:
                 return encode_json(_load_reply(model, chat=True))
             openai_like.update(messages=messages, tools=payload.get("tools"))
-            return parse_chat_request(openai_like, backend, models, script)
+            job = parse_chat_request(openai_like, backend, models)
+            call = openai_tool_call(openai_like, tool_arguments)
+            return job if call is None else (job, call)
         if path == "/api/generate":
             prompt = payload.get("prompt") or ""
             if not prompt:
@@ -101,7 +109,7 @@ def parse_ollama_request(
         raise ollama_error(error.status, error.message) from None
 
 
-def render_ollama_reply(job: Generation | EmbeddingJob, path: str) -> bytes:
+def render_ollama_reply(job: Generation | _ToolChat | EmbeddingJob, path: str) -> bytes:
     """The whole (not streamed) reply to a native request."""
     if isinstance(job, EmbeddingJob):
         vectors = json.loads(render_embeddings(job))
@@ -118,22 +126,25 @@ def render_ollama_reply(job: Generation | EmbeddingJob, path: str) -> bytes:
                 "prompt_eval_count": tokens,
             }
         )
+    job, call = job if isinstance(job, tuple) else (job, None)
     line = _head(job.model)
-    text = job.texts[0]
     if job.kind == "chat":
-        line["message"] = _message(job, text)
+        line["message"] = _message(job.texts[0], call)
     else:
-        line["response"] = text
-    line.update(_done(job))
+        line["response"] = job.texts[0]
+    line.update(_done(job, call))
     return encode_json(line)
 
 
-def render_ollama_stream(job: Generation, chunks: int) -> tuple[list[bytes], bytes]:
+def render_ollama_stream(
+    job: Generation | _ToolChat, chunks: int
+) -> tuple[list[bytes], bytes]:
     """A streamed reply: one NDJSON line per chunk, and the last line."""
+    job, call = job if isinstance(job, tuple) else (job, None)
     blocks: list[bytes] = []
-    if job.kind == "chat" and job.tool_calls:
+    if call is not None:
         line = _head(job.model)
-        line["message"] = _message(job, "")
+        line["message"] = _message("", call)
         line["done"] = False
         blocks.append(encode_json(line) + b"\n")
     else:
@@ -150,30 +161,42 @@ def render_ollama_stream(job: Generation, chunks: int) -> tuple[list[bytes], byt
         last["message"] = {"role": "assistant", "content": ""}
     else:
         last["response"] = ""
-    last.update(_done(job))
+    last.update(_done(job, call))
     return blocks, encode_json(last) + b"\n"
 
 
-def _message(job: Generation, text: str) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    if job.tool_calls:
-        message["tool_calls"] = [
+def is_stream(job: Generation | _ToolChat | EmbeddingJob) -> bool:
+    """Whether the client asked for a stream."""
+    if isinstance(job, tuple):
+        return job[0].stream
+    return isinstance(job, Generation) and job.stream
+
+
+def _message(text: str, call: ToolCall | None) -> dict[str, Any]:
+    if call is None:
+        return {"role": "assistant", "content": text}
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
             {
-                "id": f"call_mock_{index}",
+                "id": "call_mock_0",
                 "function": {
-                    "index": index,
-                    "name": name,
-                    "arguments": json.loads(arguments),
+                    "index": 0,
+                    "name": call.name,
+                    "arguments": call.arguments,
                 },
             }
-            for index, (name, arguments) in enumerate(job.tool_calls)
-        ]
-    return message
+        ],
+    }
 
 
-def _done(job: Generation) -> dict[str, Any]:
+def _done(job: Generation, call: ToolCall | None) -> dict[str, Any]:
     usage = job.usage()
     prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
+    if call is not None:
+        job = dataclasses.replace(job, finish_reasons=("stop",))
+        completion = call.tokens
     reason = job.finish_reasons[0]
     return {
         "done": True,

@@ -5,14 +5,6 @@ each choice's text is ``"[<backend name>/<model>] echo: <text>"``, where text is
 last user message (string content, or the text parts of multipart content joined
 by a space) for chat, and the prompt for completions.
 
-A chat whose last message is a tool result is answered ``"[<backend name>/<model>]
-tool said: <result>"``. A chat that offers ``tools`` and ends with a user
-message, on a mock with scripted ``tool_calls``, is answered with those of the
-calls whose tool it offers (``*`` stands for the first tool offered): every
-choice calls them, with ids ``call_mock_<i>``, no content and
-``finish_reason`` ``"tool_calls"``; a stream sends each call's id and name in one
-chunk and its arguments in ``chunks`` pieces.
-
 Token counting is deterministic so tests can predict usage. A token is a
 whitespace-separated word (``str.split()``):
 
@@ -20,8 +12,7 @@ whitespace-separated word (``str.split()``):
 - completions ``prompt_tokens``: words over every prompt, at least 1;
 - embeddings ``prompt_tokens`` = ``total_tokens``: words over every input, at
   least 1;
-- ``completion_tokens``: words of each choice's text, summed over choices, plus
-  the words of each tool call's name and arguments text;
+- ``completion_tokens``: words of each choice's text, summed over choices;
 - ``total_tokens`` = ``prompt_tokens`` + ``completion_tokens``.
 
 ``max_tokens`` (or ``max_completion_tokens``), when given, keeps that many words
@@ -56,7 +47,7 @@ def render_generation(gen: Generation, completion_id: str, created: int) -> byte
         choices: list[dict[str, Any]] = [
             {
                 "index": index,
-                "message": _chat_message(gen, text),
+                "message": {"role": "assistant", "content": text, "refusal": None},
                 "logprobs": None,
                 "finish_reason": reason,
             }
@@ -86,24 +77,6 @@ def render_generation(gen: Generation, completion_id: str, created: int) -> byte
     )
 
 
-def _chat_message(gen: Generation, text: str) -> dict[str, Any]:
-    if not gen.tool_calls:
-        return {"role": "assistant", "content": text, "refusal": None}
-    return {
-        "role": "assistant",
-        "content": None,
-        "refusal": None,
-        "tool_calls": [
-            {
-                "id": f"call_mock_{index}",
-                "type": "function",
-                "function": {"name": name, "arguments": arguments},
-            }
-            for index, (name, arguments) in enumerate(gen.tool_calls)
-        ],
-    }
-
-
 def render_stream(
     gen: Generation, completion_id: str, created: int, chunks: int
 ) -> tuple[list[bytes], bytes]:
@@ -125,8 +98,6 @@ def render_stream(
     envelope = encode_json(head)[:-1]
     prefix = b"data: " + envelope + b',"choices":['
     suffix = b'],"usage":null}\n\n' if gen.include_usage else b"]}\n\n"
-    if gen.tool_calls:
-        return _tool_call_blocks(gen, chunks, prefix, suffix), _stream_tail(gen, prefix)
     pieces = [split_text(text, chunks) for text in gen.texts]
     blocks: list[bytes] = []
     for position in range(chunks):
@@ -155,47 +126,11 @@ def render_stream(
             # With include_usage, OpenAI sends "usage": null on all but the last.
             events.append(prefix + encode_json(choice) + suffix)
         blocks.append(b"".join(events))
-    return blocks, _stream_tail(gen, prefix)
-
-
-def _stream_tail(gen: Generation, prefix: bytes) -> bytes:
     tail = b""
     if gen.include_usage:
         usage = encode_json(gen.usage())
         tail = prefix + b'],"usage":' + usage + b"}\n\n"
-    return tail + b"data: [DONE]\n\n"
-
-
-def _tool_call_blocks(
-    gen: Generation, chunks: int, prefix: bytes, suffix: bytes
-) -> list[bytes]:
-    """Each choice's calls: id and name in one chunk, arguments in ``chunks``."""
-
-    def event(index: int, delta: dict[str, Any], reason: str | None = None) -> bytes:
-        choice = {
-            "index": index,
-            "delta": delta,
-            "logprobs": None,
-            "finish_reason": reason,
-        }
-        return prefix + encode_json(choice) + suffix
-
-    blocks: list[bytes] = []
-    for index in range(len(gen.texts)):
-        blocks.append(event(index, {"role": "assistant", "content": None}))
-        for position, (name, arguments) in enumerate(gen.tool_calls):
-            head = {
-                "index": position,
-                "id": f"call_mock_{position}",
-                "type": "function",
-                "function": {"name": name, "arguments": ""},
-            }
-            blocks.append(event(index, {"tool_calls": [head]}))
-            for piece in split_text(arguments, chunks):
-                call = {"index": position, "function": {"arguments": piece}}
-                blocks.append(event(index, {"tool_calls": [call]}))
-        blocks.append(event(index, {}, "tool_calls"))
-    return blocks
+    return blocks, tail + b"data: [DONE]\n\n"
 
 
 def render_embeddings(job: EmbeddingJob) -> bytes:

@@ -26,10 +26,16 @@ from nexus_site.mock_backend.jobs import (
 )
 from nexus_site.mock_backend.kinds import (
     answer_kind_request,
+    check_anthropic_headers,
     check_bearer,
     describe_model,
 )
 from nexus_site.mock_backend.listener import Listener
+from nexus_site.mock_backend.messages import (
+    answer_messages,
+    anthropic_error,
+    count_tokens,
+)
 from nexus_site.mock_backend.ollama_api import (
     INFERENCE_PATHS as OLLAMA_INFERENCE_PATHS,
 )
@@ -40,6 +46,9 @@ from nexus_site.mock_backend.ollama_api import (
     render_ollama_reply,
     render_ollama_stream,
 )
+from nexus_site.mock_backend.ollama_api import (
+    is_stream as is_ollama_stream,
+)
 from nexus_site.mock_backend.protocol import Header, HttpConnection
 from nexus_site.mock_backend.replies import (
     encode_json,
@@ -48,6 +57,7 @@ from nexus_site.mock_backend.replies import (
     render_stream,
 )
 from nexus_site.mock_backend.stats import MockStats, RecordedRequest
+from nexus_site.mock_backend.tools import openai_tool_call, render_openai_tool_call
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +210,8 @@ class MockBackend:
     def _answer(self, request: Request, config: MockConfig) -> bytes | _Stream:
         if config.kind == "ollama" and request.path in OLLAMA_INFERENCE_PATHS:
             return self._answer_ollama(request, config)
+        if config.kind == "anthropic" and request.path.startswith("/v1/messages"):
+            return self._answer_messages(request, config)
         if config.kind != "openai":
             kind_reply = answer_kind_request(request, config, self._started)
             if kind_reply is not None:
@@ -229,7 +241,7 @@ class MockBackend:
         if path == "/v1/embeddings":
             job = parse_embedding_request(payload, config.models, config.embedding_dim)
         elif path == "/v1/chat/completions":
-            job = parse_chat_request(payload, config.name, config.models, self._script)
+            job = parse_chat_request(payload, config.name, config.models)
         else:
             job = parse_completion_request(payload, config.name, config.models)
         self._inject_failure(config)
@@ -238,6 +250,21 @@ class MockBackend:
         prefix = "chatcmpl" if job.kind == "chat" else "cmpl"
         completion_id = f"{prefix}-mock-{next(self._ids)}"
         created = int(time.time())
+        call = None
+        if job.kind == "chat" and "tools" in payload:
+            call = openai_tool_call(payload, config.tool_arguments)
+        if call is not None:
+            reply = render_openai_tool_call(
+                call,
+                job.model,
+                completion_id,
+                created,
+                job.prompt_tokens,
+                job.stream,
+                job.include_usage,
+                config.chunks,
+            )
+            return reply if isinstance(reply, bytes) else _Stream(*reply)
         if job.stream:
             return _Stream(*render_stream(job, completion_id, created, config.chunks))
         return render_generation(job, completion_id, created)
@@ -251,7 +278,7 @@ class MockBackend:
             request.body,
             config.name,
             config.models,
-            self._script,
+            config.tool_arguments,
             config.embedding_dim,
         )
         if isinstance(job, bytes):
@@ -260,10 +287,30 @@ class MockBackend:
             self._inject_failure(config)
         except ApiError as error:
             raise ollama_error(error.status, error.message) from None
-        if isinstance(job, Generation) and job.stream:
+        if not isinstance(job, EmbeddingJob) and is_ollama_stream(job):
             blocks, tail = render_ollama_stream(job, config.chunks)
             return _Stream(blocks, tail, NDJSON_CONTENT_TYPE)
         return render_ollama_reply(job, request.path)
+
+    def _answer_messages(self, request: Request, config: MockConfig) -> bytes | _Stream:
+        check_anthropic_headers(request, config)
+        _require_method(request, "POST")
+        if request.path == "/v1/messages/count_tokens":
+            return count_tokens(request.body, config.models)
+        if request.path != "/v1/messages":
+            raise anthropic_error(404, "Not found")
+        try:
+            self._inject_failure(config)
+        except ApiError as error:
+            raise anthropic_error(error.status, error.message) from None
+        reply = answer_messages(
+            request.body,
+            config.name,
+            config.models,
+            config.chunks,
+            config.tool_arguments,
+        )
+        return reply if isinstance(reply, bytes) else _Stream(*reply)
 
     def _check_api_key(self, request: Request, api_key: str) -> None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -400,7 +447,6 @@ class MockBackend:
                 self.stats.recorded, maxlen=config.record_requests
             )
         self._headers: list[Header] = [("X-Mock-Backend", config.name)]
-        self._script = tuple((c.name, c.arguments) for c in config.tool_calls)
         self._models_body = encode_json(
             {
                 "object": "list",

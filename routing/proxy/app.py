@@ -25,9 +25,18 @@ from routing.proxy.errors import (
     not_found,
     unauthorized,
 )
+from routing.proxy.legs import Call
 from routing.proxy.models_list import ModelsList
+from routing.proxy.surfaces import (
+    ANTHROPIC,
+    COUNT_TOKENS_PATH,
+    ENDPOINTS,
+    OPENAI,
+    Surface,
+)
 from routing.proxy.upstream import Exchange, forward
 from routing.state import GatewayState
+from routing.translate import anthropic as anthropic_translate
 from usage.buffer import UsageEvent, new_event_id
 
 if TYPE_CHECKING:
@@ -40,13 +49,9 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
 
-INFERENCE_ENDPOINTS = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/embeddings": "embeddings",
-}
 MODELS_PATH = "/v1/models"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+_NO_ENDPOINT: tuple[str | None, Surface] = (None, OPENAI)
 # Status recorded when the client went away before the answer was complete.
 CLIENT_CLOSED = 499
 
@@ -77,7 +82,7 @@ class ProxyApp:
             gateway.request_finished()
 
     async def _serve(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        authorization = request_id = content_length = None
+        authorization = request_id = content_length = api_key = None
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value
@@ -85,12 +90,16 @@ class ProxyApp:
                 request_id = value
             elif name == b"content-length":
                 content_length = value
+            elif name == b"x-api-key":
+                api_key = value
         rid = _request_id(request_id)
         headers: Headers = [(b"x-request-id", rid.encode())]
         path, method = scope["path"], scope["method"]
+        endpoint, surface = ENDPOINTS.get(path, _NO_ENDPOINT)
         try:
-            endpoint = INFERENCE_ENDPOINTS.get(path)
-            if (
+            if path == COUNT_TOKENS_PATH:
+                endpoint, surface = "count_tokens", ANTHROPIC
+            elif (
                 endpoint is None
                 and path != MODELS_PATH
                 and not path.startswith(MODELS_PATH + "/")
@@ -108,8 +117,26 @@ class ProxyApp:
                     code="shutting_down",
                 )
             state = await self._gateway_state()
-            key_prefix = self._authenticate(state, authorization)
-            if endpoint is not None:
+            if api_key is not None and surface.accepts_x_api_key:
+                authorization = b"Bearer " + api_key
+            key_prefix = self._authenticate(state, authorization, surface)
+            if endpoint == "count_tokens":
+                self._check_length(content_length)
+                await self._count_tokens(state, headers, receive, send)
+            elif surface is not OPENAI and endpoint is not None:
+                self._check_length(content_length)
+                await self._translated(
+                    state,
+                    endpoint,
+                    surface,
+                    scope,
+                    key_prefix,
+                    rid,
+                    headers,
+                    receive,
+                    send,
+                )
+            elif endpoint is not None:
                 self._check_length(content_length)
                 await self._inference(
                     state, endpoint, path, key_prefix, rid, headers, receive, send
@@ -128,7 +155,7 @@ class ProxyApp:
                     )
                 await _send_json(send, 200, entry, headers)
         except ProxyError as error:
-            await _send_json(send, error.status, error.body(), headers)
+            await _send_json(send, error.status, surface.error_body(error), headers)
         except ClientGone:
             pass
 
@@ -216,8 +243,14 @@ class ProxyApp:
                 f" error={exchange.error}" if exchange.error else "",
             )
 
-    def _authenticate(self, state: GatewayState, authorization: bytes | None) -> str:
-        """Return the client key's prefix ("" when auth is off and none is given)."""
+    def _authenticate(
+        self, state: GatewayState, authorization: bytes | None, surface: Surface
+    ) -> str:
+        """Return the client key's prefix ("" when auth is off and none is given).
+
+        Anthropic clients may send the key as ``x-api-key`` instead (the caller
+        passes it here as a bearer token).
+        """
         if authorization:
             scheme, _, token = authorization.partition(b" ")
             token = token.strip()
@@ -235,8 +268,8 @@ class ProxyApp:
                 )
         if self.auth_required:
             raise unauthorized(
-                "You didn't provide an API key. Send your Nexus key as "
-                "'Authorization: Bearer <key>'."
+                f"You didn't provide an API key. Send your Nexus key as "
+                f"{surface.key_hint}."
             )
         return ""
 
@@ -273,6 +306,99 @@ class ProxyApp:
             requested_model=requirements.model,
             stream=payload.get("stream") is True,
         )
+        await self._route_and_forward(
+            state,
+            exchange,
+            requirements,
+            key_prefix,
+            payload,
+            raw,
+            None,
+            headers,
+            receive,
+            send,
+        )
+
+    async def _translated(
+        self,
+        state: GatewayState,
+        endpoint: str,
+        surface: Surface,
+        scope: dict[str, Any],
+        key_prefix: str,
+        request_id: str,
+        headers: Headers,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """A request on a surface other than OpenAI's: made canonical to route."""
+        raw = await _read_body(receive, self.max_body)
+        payload = _parse_object(raw)
+        inbound = surface.to_canonical(payload)
+        try:
+            requirements = RequestRequirements.from_request(inbound.canonical)
+        except RoutingError as error:
+            raise _routing_error(error) from error
+        exchange = Exchange(
+            request_id=request_id,
+            endpoint=endpoint,
+            path=scope["path"],
+            requested_model=requirements.model,
+            stream=inbound.stream,
+        )
+        client_headers = {
+            name.decode("latin-1"): value.decode("latin-1")
+            for name, value in scope["headers"]
+            if name.startswith(b"anthropic-")
+        }
+        call = Call(surface, inbound, payload, raw, client_headers)
+        await self._route_and_forward(
+            state,
+            exchange,
+            requirements,
+            key_prefix,
+            payload,
+            raw,
+            call,
+            headers,
+            receive,
+            send,
+        )
+
+    async def _count_tokens(
+        self, state: GatewayState, headers: Headers, receive: Receive, send: Send
+    ) -> None:
+        """Anthropic's count_tokens, estimated (characters / 4; see the README)."""
+        raw = await _read_body(receive, self.max_body)
+        payload = _parse_object(raw)
+        # count_tokens takes a Messages request without max_tokens.
+        payload.setdefault("max_tokens", 1)
+        inbound = ANTHROPIC.to_canonical(payload)
+        try:
+            requirements = RequestRequirements.from_request(inbound.canonical)
+        except RoutingError as error:
+            raise _routing_error(error) from error
+        gateway = self.gateway
+        decision = gateway.router.explain(requirements, state.routes, gateway.stats)
+        if decision.error is not None:
+            raise _routing_error(decision.error)
+        tokens = anthropic_translate.estimate_input_tokens(inbound.canonical)
+        body = json.dumps({"input_tokens": tokens}).encode()
+        await _send_json(send, 200, body, headers)
+
+    async def _route_and_forward(
+        self,
+        state: GatewayState,
+        exchange: Exchange,
+        requirements: RequestRequirements,
+        key_prefix: str,
+        payload: dict[str, Any],
+        raw: bytes,
+        call: Call | None,
+        headers: Headers,
+        receive: Receive,
+        send: Send,
+    ) -> None:
         gateway = self.gateway
         try:
             try:
@@ -280,7 +406,7 @@ class ProxyApp:
             except RoutingError as error:
                 raise _routing_error(error) from error
             await self._forward_watching_client(
-                exchange, route, payload, raw, headers, receive, send
+                exchange, route, payload, raw, call, headers, receive, send
             )
         except ProxyError as error:
             exchange.status = error.status
@@ -295,6 +421,7 @@ class ProxyApp:
         route: Any,
         payload: dict[str, Any],
         raw: bytes,
+        call: Call | None,
         headers: Headers,
         receive: Receive,
         send: Send,
@@ -306,7 +433,9 @@ class ProxyApp:
             _cancel_on_disconnect(receive, task, exchange)
         )
         try:
-            await forward(self.gateway, exchange, route, payload, raw, send, headers)
+            await forward(
+                self.gateway, exchange, route, payload, raw, send, headers, call
+            )
         except asyncio.CancelledError:
             if not exchange.client_gone:
                 raise
@@ -352,8 +481,8 @@ def _too_large(limit: int) -> ProxyError:
     )
 
 
-def _parse_body(raw: bytes, endpoint: str) -> dict[str, Any]:
-    """Decode and check the shape of a request body (400 on anything wrong)."""
+def _parse_object(raw: bytes) -> dict[str, Any]:
+    """Decode a request body that must be a JSON object (400 if it is not)."""
     try:
         payload = json.loads(raw)
     except ValueError:
@@ -363,6 +492,12 @@ def _parse_body(raw: bytes, endpoint: str) -> dict[str, Any]:
         ) from None
     if not isinstance(payload, dict):
         raise bad_request("The request body must be a JSON object.")
+    return payload
+
+
+def _parse_body(raw: bytes, endpoint: str) -> dict[str, Any]:
+    """Decode and check the shape of a request body (400 on anything wrong)."""
+    payload = _parse_object(raw)
     stream = payload.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean.", param="stream")

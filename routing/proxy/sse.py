@@ -41,6 +41,10 @@ class EventSplitter:
         rest, self._pending = self._pending, b""
         return rest
 
+    def peek(self) -> bytes:
+        """Bytes of the event not yet complete."""
+        return self._pending
+
 
 class StreamRelay:
     """Relay an SSE byte stream event-aligned; note its usage; strip the extra

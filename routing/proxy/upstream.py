@@ -20,6 +20,9 @@ import aiohttp
 from routing.core import LiveStats, Route, Target
 from routing.proxy import sse
 from routing.proxy.errors import ProxyError
+from routing.proxy.legs import Call, Leg, Unservable, openai_call
+from routing.proxy.outbound import OPENAI_ADAPTER, adapter_for
+from routing.translate.base import StreamFailed
 
 if TYPE_CHECKING:
     from routing.gateway import Gateway
@@ -155,6 +158,7 @@ async def forward(
     raw: bytes,
     send: Send,
     response_headers: list[tuple[bytes, bytes]],
+    call: Call | None = None,
 ) -> None:
     """Send the request to the chosen backend, retrying others before any byte.
 
@@ -162,6 +166,10 @@ async def forward(
     the response head, and 5xx answers, up to the policy's max_retries. A 4xx is
     the client's to see. Once the first byte went to the client, a failure ends
     the stream with an error event.
+
+    ``call`` is None for an OpenAI client's request: relayed as it is to
+    OpenAI-speaking backends. Any other pairing of the client's surface and a
+    backend's adapter goes through a Leg (routing/proxy/legs.py).
     """
     options = payload.get("stream_options")
     wants_usage_chunk = (
@@ -177,11 +185,16 @@ async def forward(
     for position, target in enumerate(targets):
         backend = target.backend
         model = target.model.name
-        if backend.kind == "anthropic":
-            failures.append(
-                f"{backend.name}: Anthropic backends take no OpenAI requests yet"
-            )
-            continue
+        adapter = adapter_for(backend.kind)
+        leg: Leg | None = None
+        if call is not None or adapter is not OPENAI_ADAPTER:
+            try:
+                if call is None:
+                    call = openai_call(exchange.endpoint, payload, raw)
+                leg = Leg(call, adapter, target, exchange.request_id)
+            except Unservable as error:
+                failures.append(f"{backend.name}: {error}")
+                continue
         if position and breaker.is_open(backend.name):
             failures.append(f"{backend.name}: circuit open")
             continue
@@ -193,19 +206,24 @@ async def forward(
             exchange.retries += 1
         response: aiohttp.ClientResponse | None = None
         try:
-            headers = {
-                "content-type": "application/json",
-                "accept-encoding": "identity",
-                "x-request-id": exchange.request_id,
-            }
-            if backend.api_key:
-                headers["authorization"] = f"Bearer {backend.api_key}"
+            if leg is None:
+                url = upstream_url(target, exchange.path)
+                data = upstream_body(payload, raw, target, wants_usage_chunk)
+                headers = {
+                    "content-type": "application/json",
+                    "accept-encoding": "identity",
+                    "x-request-id": exchange.request_id,
+                }
+                if backend.api_key:
+                    headers["authorization"] = f"Bearer {backend.api_key}"
+            else:
+                url, data, headers = leg.url, leg.body, leg.headers
             asked = time.perf_counter()
             try:
                 response = await session.request(
                     "POST",
-                    upstream_url(target, exchange.path),
-                    data=upstream_body(payload, raw, target, wants_usage_chunk),
+                    url,
+                    data=data,
                     headers=headers,
                     timeout=client.timeout(backend.request_timeout),
                     allow_redirects=False,
@@ -235,11 +253,22 @@ async def forward(
                 # backend that fails half-way through it can still be retried.
                 try:
                     body = await response.read()
+                    if leg is not None:
+                        body = leg.answer(exchange, status, body)
                 except _TRANSPORT_ERRORS as error:
                     breaker.record_failure(backend.name)
                     gateway.metrics.retries.labels(backend.name).inc()
                     failures.append(f"{backend.name}: {_describe(error)} mid-reply")
                     last_timeout = isinstance(error, TimeoutError)
+                    response.close()
+                    response = None
+                    continue
+                except ValueError:
+                    # A success that is not what the protocol says: the
+                    # backend's fault, so another one may answer.
+                    breaker.record_failure(backend.name)
+                    gateway.metrics.retries.labels(backend.name).inc()
+                    failures.append(f"{backend.name}: malformed reply")
                     response.close()
                     response = None
                     continue
@@ -249,7 +278,16 @@ async def forward(
                 (b"x-nexus-backend", backend.name.encode()),
                 (b"x-nexus-model", model.encode()),
             )
-            if streams:
+            if leg is not None:
+                if streams:
+                    await _relay_leg_stream(
+                        exchange, leg, response, send, response_headers
+                    )
+                else:
+                    await _send_leg_body(
+                        exchange, leg, status, body, send, response_headers
+                    )
+            elif streams:
                 await _relay_stream(
                     exchange, response, send, response_headers, wants_usage_chunk
                 )
@@ -275,11 +313,11 @@ def _raise_exhausted(exchange: Exchange, failures: list[str], timeout: bool) -> 
             error_type="server_error",
             code="backends_busy",
         )
-    if failures and all("Anthropic" in f for f in failures):
+    if failures and all(" serves " in f for f in failures):
         raise ProxyError(
             501,
-            f"Model '{exchange.requested_model}' is only served by Anthropic "
-            f"backends, which do not take OpenAI-format requests yet ({detail}).",
+            f"Model '{exchange.requested_model}' is only served by backends that "
+            f"cannot take this kind of request ({detail}).",
             error_type="server_error",
             code="not_implemented",
         )
@@ -373,6 +411,78 @@ async def _relay_stream(
     exchange.usage = relay.usage
     if relay.usage is None:
         exchange.completion_chars = relay.text_length()
+    await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+async def _send_leg_body(
+    exchange: Exchange,
+    leg: Leg,
+    status: int,
+    body: bytes,
+    send: Send,
+    headers: list[tuple[bytes, bytes]],
+) -> None:
+    exchange.status = status
+    if status >= 300:
+        exchange.error = f"upstream_{status}"
+    exchange.first_byte = time.perf_counter()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _relay_leg_stream(
+    exchange: Exchange,
+    leg: Leg,
+    response: aiohttp.ClientResponse,
+    send: Send,
+    headers: list[tuple[bytes, bytes]],
+) -> None:
+    exchange.status = response.status
+    await send(
+        {
+            "type": "http.response.start",
+            "status": response.status,
+            "headers": [
+                (b"content-type", leg.call.surface.stream_content_type),
+                *_STREAM_HEADERS[1:],
+                *headers,
+            ],
+        }
+    )
+    stream = leg.stream()
+    try:
+        async for data in response.content.iter_any():
+            out = stream.feed(data)
+            if out:
+                if exchange.first_byte is None:
+                    exchange.first_byte = time.perf_counter()
+                await send(
+                    {"type": "http.response.body", "body": out, "more_body": True}
+                )
+        tail = stream.finish()
+    except _TRANSPORT_ERRORS as error:
+        exchange.error = "upstream_stream_broken"
+        tail = stream.fail(
+            f"Backend '{exchange.backend}' failed mid-stream ({_describe(error)}); "
+            "the response is incomplete."
+        )
+    except StreamFailed as error:
+        exchange.error = "upstream_stream_error"
+        tail = stream.fail(
+            f"Backend '{exchange.backend}' failed mid-stream ({error.message}); "
+            "the response is incomplete."
+        )
+    exchange.usage = stream.usage
     await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 

@@ -43,3 +43,31 @@ class StreamTranslator(Protocol):
     def finish(self) -> list[bytes]: ...
 
     def fail(self, message: str) -> list[bytes]: ...
+
+
+class StreamFailed(Exception):
+    """The source stream reported an error, or ended before its last event.
+
+    Raised by a ``ChunkReader``; the proxy ends the client's stream with the
+    client protocol's error event (``StreamTranslator.fail``) carrying
+    ``message``.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ChunkReader(Protocol):
+    """An incremental reader of a backend's stream into canonical chunks.
+
+    ``feed`` takes one parsed event of the backend's protocol and returns the
+    ``chat.completion.chunk`` dicts it stands for (zero or more); ``finish`` is
+    called once when the backend's stream ended and returns the last ones (the
+    finish reason, the usage-only chunk). Both raise ``StreamFailed`` when the
+    backend reported an error or stopped short of its protocol's last event.
+    """
+
+    def feed(self, event: dict[str, Any]) -> list[dict[str, Any]]: ...
+
+    def finish(self) -> list[dict[str, Any]]: ...

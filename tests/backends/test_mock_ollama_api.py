@@ -7,7 +7,6 @@ from typing import Any
 
 import httpx
 import ollama
-import openai
 import pytest
 
 from nexus_site.mock_backend import MockBackendProcess, spawn_mock_backend
@@ -17,12 +16,14 @@ TOOLS = [
         "type": "function",
         "function": {
             "name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {}}},
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+            },
         },
     },
     {"type": "function", "function": {"name": "get_time", "parameters": {}}},
 ]
-SCRIPT = [{"name": "get_weather", "arguments": {"city": "Paris"}}]
 
 
 @pytest.fixture(scope="module")
@@ -175,20 +176,20 @@ def test_key_is_required_when_set(
     )
 
 
-def test_scripted_tool_calls_in_ollamas_shape(
-    client: ollama.Client, http: httpx.Client
-) -> None:
-    configure(http, tool_calls=SCRIPT)
-    ask = [{"role": "user", "content": "weather in Paris?"}]
+def test_scripted_tool_calls_in_ollamas_shape(client: ollama.Client) -> None:
+    ask = [{"role": "user", "content": "Paris"}]
     reply = client.chat(model="llama3:8b", messages=ask, tools=TOOLS, stream=False)
     assert reply.message.tool_calls is not None
     call = reply.message.tool_calls[0].function
+    # Arguments made from the schema: a string property gets the user's words.
     assert (call.name, dict(call.arguments)) == ("get_weather", {"city": "Paris"})
+    assert reply.eval_count == 1  # the words of the arguments' JSON
     streamed = list(
         client.chat(model="llama3:8b", messages=ask, tools=TOOLS, stream=True)
     )
     calls = [c for p in streamed for c in (p.message.tool_calls or [])]
     assert [c.function.name for c in calls] == ["get_weather"]
+    assert streamed[-1].done and streamed[-1].eval_count == 1
     # Without tools offered, or after the tool answered, the mock talks.
     plain = client.chat(model="llama3:8b", messages=ask, stream=False)
     assert plain.message.tool_calls is None
@@ -206,59 +207,21 @@ def test_scripted_tool_calls_in_ollamas_shape(
         tools=TOOLS,
         stream=False,
     )
-    assert answered.message.content == "[olla/llama3:8b] tool said: sunny"
+    assert answered.message.content == "[olla/llama3:8b] echo: tool result: sunny"
 
 
-def test_scripted_tool_calls_over_openai_chat(
-    process: MockBackendProcess, http: httpx.Client
+def test_the_tool_arguments_knob_scripts_the_call(
+    client: ollama.Client, http: httpx.Client
 ) -> None:
-    configure(http, tool_calls=[{"name": "*", "arguments": {}}, *SCRIPT])
-    client = openai.OpenAI(
-        base_url=f"{process.base_url}/v1", api_key="x", max_retries=0
-    )
-    ask: Any = [{"role": "user", "content": "what now"}]
-    reply = client.chat.completions.create(model="llama3:8b", messages=ask, tools=TOOLS)
-    choice = reply.choices[0]
-    assert choice.finish_reason == "tool_calls"
-    assert choice.message.content is None
-    calls = choice.message.tool_calls or []
-    assert [(c.id, c.function.name, c.function.arguments) for c in calls] == [  # type: ignore[union-attr]
-        ("call_mock_0", "get_weather", "{}"),
-        ("call_mock_1", "get_weather", '{"city": "Paris"}'),
-    ]
-    assert reply.usage is not None
-    # Words of "get_weather {}" and "get_weather {"city": "Paris"}".
-    assert reply.usage.completion_tokens == 5
-    stream = client.chat.completions.create(
+    configure(http, tool_arguments={"city": "Oslo", "days": 3})
+    reply = client.chat(
         model="llama3:8b",
-        messages=ask,
+        messages=[{"role": "user", "content": "x"}],
         tools=TOOLS,
-        stream=True,
-        stream_options={"include_usage": True},
+        stream=False,
     )
-    arguments: dict[int, str] = {}
-    names: dict[int, str] = {}
-    finish = usage = None
-    for chunk in stream:
-        if chunk.usage is not None:
-            usage = chunk.usage
-        for ch in chunk.choices:
-            finish = ch.finish_reason or finish
-            for delta in ch.delta.tool_calls or []:
-                if delta.function and delta.function.name:
-                    names[delta.index] = delta.function.name
-                arguments[delta.index] = arguments.get(delta.index, "") + (
-                    delta.function.arguments or "" if delta.function else ""
-                )
-    assert names == {0: "get_weather", 1: "get_weather"}
-    assert arguments == {0: "{}", 1: '{"city": "Paris"}'}
-    assert finish == "tool_calls"
-    assert usage is not None and usage.completion_tokens == 5
-
-
-def test_tool_calls_knob_is_checked(http: httpx.Client) -> None:
-    bad = http.post("/_mock/config", json={"tool_calls": [{"arguments": {}}]})
-    assert bad.status_code == 400
-    assert bad.json()["error"]["param"] == "tool_calls"
-    configure(http, tool_calls=SCRIPT)
-    assert http.get("/_mock/config").json()["tool_calls"] == SCRIPT
+    assert reply.message.tool_calls is not None
+    assert dict(reply.message.tool_calls[0].function.arguments) == {
+        "city": "Oslo",
+        "days": 3,
+    }

@@ -590,13 +590,15 @@ def test_a_full_backend_is_not_sent_more_than_its_max_concurrency(
     assert gateway.in_flight("limited:1b") == {"mock-a-limited": 0}
 
 
-def test_anthropic_backends_get_a_clear_501_until_supported(gateway: Gateway) -> None:
+def test_embeddings_for_a_model_only_anthropic_serves_get_a_clear_501(
+    gateway: Gateway,
+) -> None:
+    # Chat requests to Anthropic backends are translated (tests/routing/
+    # test_messages.py); Anthropic has no embeddings or legacy completions.
     with pytest.raises(openai.APIStatusError) as raised:
-        gateway.sdk().chat.completions.create(
-            model="claude-3-haiku", messages=chat("x")
-        )
+        gateway.sdk().embeddings.create(model="claude-3-haiku", input="x")
     assert raised.value.status_code == 501
-    assert "Anthropic" in raised.value.message
+    assert "serves chat completions only" in raised.value.message
 
 
 def test_retried_5xx_replies_do_not_leak_upstream_connections(
