@@ -28,7 +28,8 @@ import json
 from typing import Any
 
 from routing.core import BackendSpec
-from routing.translate import anthropic
+from routing.proxy.sse import EventSplitter, LineSplitter
+from routing.translate import anthropic, ollama
 from routing.translate.base import ChunkReader
 from routing.translate.openai import ChatChunkReader, error_message
 
@@ -41,7 +42,13 @@ class BackendAdapter:
     """OpenAI-compatible backends (OpenAI, vLLM, llama.cpp, Ollama's /v1)."""
 
     protocol = "openai"
+    # The client protocols whose bodies this backend takes as they are.
+    native_protocols: tuple[str, ...] = ("openai",)
     chat_path = "/v1/chat/completions"
+    # Where canonical embeddings requests go (None: this protocol has none).
+    embeddings_path: str | None = "/v1/embeddings"
+    # Bytes that a passed-through stream event carrying usage contains.
+    usage_marker = b'"usage"'
 
     def headers(
         self, backend: BackendSpec, request_id: str, client: dict[str, str]
@@ -89,10 +96,14 @@ class BackendAdapter:
         except ValueError:
             return None
 
-    def is_stream(self, content_type: str) -> bool:
+    def is_stream(self, content_type: str, native: bool = False) -> bool:
         return "event-stream" in content_type
 
-    def parse_event(self, event: bytes) -> dict[str, Any] | None:
+    def splitter(self, native: bool = False) -> EventSplitter | LineSplitter:
+        """Cuts this backend's stream (``native``: passed through) into events."""
+        return EventSplitter()
+
+    def parse_event(self, event: bytes, native: bool = False) -> dict[str, Any] | None:
         """One raw SSE event's JSON data (None for comments, [DONE], no data)."""
         data = _data_of(event)
         if data is None or data == b"[DONE]":
@@ -124,7 +135,9 @@ class AnthropicAdapter(BackendAdapter):
     """Anthropic's Messages API (``POST /v1/messages``)."""
 
     protocol = "anthropic"
+    native_protocols = ("anthropic",)
     chat_path = "/v1/messages"
+    embeddings_path = None
     # What an Anthropic client sends that the backend should see when its body
     # is passed through (the version it was written for, beta features).
     forwarded_headers = ("anthropic-version", "anthropic-beta")
@@ -191,15 +204,58 @@ class AnthropicAdapter(BackendAdapter):
         return anthropic.usage_to_canonical(usage)
 
 
+class OllamaAdapter(BackendAdapter):
+    """Ollama: OpenAI's API under /v1 for translated requests, and its own
+    native API (``/api/chat``, ...) for Ollama clients' bodies, passed through.
+
+    OpenAI clients' requests to it are relayed as for any OpenAI backend (the
+    proxy's plain path, no Leg), so the native readers below only ever see
+    Ollama's NDJSON and replies.
+    """
+
+    native_protocols = ("openai", "ollama")
+    usage_marker = b'"eval_count"'
+
+    def is_stream(self, content_type: str, native: bool = False) -> bool:
+        if native:
+            return "ndjson" in content_type
+        return super().is_stream(content_type)
+
+    def splitter(self, native: bool = False) -> EventSplitter | LineSplitter:
+        return LineSplitter() if native else EventSplitter()
+
+    def parse_event(self, event: bytes, native: bool = False) -> dict[str, Any] | None:
+        if not native:
+            return super().parse_event(event)
+        if not event.strip():
+            return None
+        value = json.loads(event)
+        if not isinstance(value, dict):
+            raise MalformedReply("a line that is not a JSON object")
+        return value
+
+    def usage_of_reply(self, body: bytes) -> dict[str, Any] | None:
+        try:
+            return ollama.usage_of_native(json.loads(body))
+        except ValueError:
+            return None
+
+    def usage_of_event(
+        self, event: dict[str, Any], usage: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        return ollama.usage_of_native(event)
+
+
 OPENAI_ADAPTER = BackendAdapter()
 ANTHROPIC_ADAPTER = AnthropicAdapter()
+OLLAMA_ADAPTER = OllamaAdapter()
 
 # Backend kind -> adapter; a kind not listed speaks OpenAI's API.
 ADAPTERS: dict[str, BackendAdapter] = {
     "openai": OPENAI_ADAPTER,
     "vllm": OPENAI_ADAPTER,
     "llamacpp": OPENAI_ADAPTER,
-    "ollama": OPENAI_ADAPTER,
+    "ollama": OLLAMA_ADAPTER,
     "anthropic": ANTHROPIC_ADAPTER,
 }
 

@@ -46,6 +46,30 @@ class EventSplitter:
         return self._pending
 
 
+class LineSplitter:
+    """Cut a byte stream into complete NDJSON lines (each with its newline)."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buffer = self._pending + data if self._pending else data
+        end = buffer.rfind(b"\n") + 1
+        self._pending = buffer[end:]
+        return buffer[:end].splitlines(keepends=True) if end else []
+
+    def rest(self) -> bytes:
+        """Bytes after the last complete line (a stream cut short)."""
+        rest, self._pending = self._pending, b""
+        return rest
+
+    def peek(self) -> bytes:
+        """Bytes of the line not yet complete."""
+        return self._pending
+
+
 class StreamRelay:
     """Relay an SSE byte stream event-aligned; note its usage; strip the extra
     usage-only event the client did not ask for."""

@@ -187,7 +187,7 @@ async def forward(
         model = target.model.name
         adapter = adapter_for(backend.kind)
         leg: Leg | None = None
-        if call is not None or adapter is not OPENAI_ADAPTER:
+        if call is not None or adapter.protocol != OPENAI_ADAPTER.protocol:
             try:
                 if call is None:
                     call = openai_call(exchange.endpoint, payload, raw)
@@ -247,7 +247,11 @@ async def forward(
                 response.close()  # or its pooled connection leaks
                 response = None
                 continue
-            streams = _is_event_stream(exchange, response)
+            streams = (
+                _is_event_stream(exchange, response)
+                if leg is None
+                else _is_leg_stream(exchange, response, leg)
+            )
             if not streams:
                 # A whole reply is read before anything goes to the client, so a
                 # backend that fails half-way through it can still be retried.
@@ -334,6 +338,17 @@ def _is_event_stream(exchange: Exchange, response: aiohttp.ClientResponse) -> bo
         exchange.stream
         and response.status < 300
         and "event-stream" in response.headers.get("Content-Type", "")
+    )
+
+
+def _is_leg_stream(
+    exchange: Exchange, response: aiohttp.ClientResponse, leg: Leg
+) -> bool:
+    content_type = response.headers.get("Content-Type", "")
+    return (
+        exchange.stream
+        and response.status < 300
+        and leg.adapter.is_stream(content_type, leg.native)
     )
 
 
