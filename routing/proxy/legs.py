@@ -87,7 +87,7 @@ class Leg:
             raise translation_error(inbound.untranslatable)
         if inbound.canonical_endpoint == "embeddings":
             if adapter.embeddings_path is None:
-                raise Unservable(f"{adapter.protocol} backends serve no embeddings")
+                raise Unservable("serves chat only, not embeddings")
             self.path = adapter.embeddings_path
             self.body = _JSON.encode({**inbound.canonical, "model": model}).encode()
             return

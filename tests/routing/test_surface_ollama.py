@@ -18,6 +18,7 @@ import httpx
 import ollama
 import pytest
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from rest_framework.authtoken.models import Token
 
@@ -111,8 +112,6 @@ def gateway(django_db_setup: None, django_db_blocker: Any) -> Iterator[Gateway]:
         )
         BackendModel.objects.create(backend=translated, name="text-embed")
         _, key = ApiKey.objects.create_key("ollama-tests")
-        from django.contrib.auth import get_user_model
-
         staff = get_user_model().objects.create_user("ollama-ops", is_staff=True)
         token = Token.objects.create(user=staff).key
     server = start_nexus_server(NEXUS_BREAKER_FAILURES="1000000")
