@@ -3,8 +3,9 @@
 An adapter knows one backend protocol: the headers its key goes in, the path
 and body of a canonical chat request, how to read its replies, streams and
 errors back as canonical, and where its usage is. The proxy picks one per
-target by backend kind (``adapter_for``). When the adapter's ``protocol`` is
-the client's (``Surface.protocol``), the request is passed through: the
+target by backend kind (``adapter_for``). When the client's protocol
+(``Surface.protocol``) is one of the adapter's ``native_protocols``, the
+request is passed through: the
 client's body goes upstream (only the model renamed) and the answer comes back
 byte for byte, with usage read on the way.
 
@@ -13,12 +14,17 @@ Adding a backend protocol (for example Ollama's native API):
 1. Write its pure translator in ``routing/translate/`` (canonical request ->
    its request, its reply -> canonical, a ``ChunkReader`` from its stream
    events to canonical chunks).
-2. Subclass ``BackendAdapter`` here: ``protocol`` (equal to the inbound
-   surface's ``protocol`` that it serves natively), ``chat_path``, ``headers``,
-   ``request_body``, ``read_reply``, ``chunk_reader``, ``read_error``, and for
-   pass-through ``usage_of_reply`` and ``usage_of_event``. ``parse_event``
-   turns one raw stream event (an SSE event with its blank line, or an NDJSON
-   line) into a dict; ``is_stream`` says whether a response is a stream.
+2. Subclass ``BackendAdapter`` here: ``protocol`` (the one canonical requests
+   are written in), ``native_protocols`` (the inbound surfaces' ``protocol``
+   values whose bodies it takes as they are: Ollama backends take OpenAI's
+   and Ollama's), ``chat_path``, ``embeddings_path`` (None: no embeddings),
+   ``headers``, ``request_body``, ``read_reply``, ``chunk_reader``, ``read_error``, and for
+   pass-through ``usage_of_reply``, ``usage_of_event`` and ``usage_marker``
+   (bytes every usage-carrying native event contains). ``splitter`` cuts a
+   stream into events and ``parse_event`` turns one raw event (an SSE event
+   with its blank line, or an NDJSON line) into a dict; ``is_stream`` says
+   whether a response is a stream. The three take ``native`` (a passed-through
+   stream, in the client's protocol, or a translated one).
 3. Map the backend kind(s) to it in ``ADAPTERS``.
 """
 
