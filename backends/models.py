@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from datetime import datetime, timedelta
 from urllib.parse import urlsplit
 
+from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models, transaction
 from django.db.models import Count, Q
+from django.utils import timezone
 
 from backends.kinds import Endpoint
 from backends.signals import backends_changed
@@ -32,12 +35,26 @@ HEALTH_FIELDS = (
     "consecutive_successes",
     "avg_latency_ms",
 )
+# A health result older than this many health intervals no longer counts: the
+# backend is treated as unknown (not routed to) until the next check.
+STALE_AFTER_INTERVALS = 3
+
+
+def health_stale_after() -> timedelta:
+    """How old a backend's last health result may be before it stops counting."""
+    return timedelta(seconds=STALE_AFTER_INTERVALS * settings.NEXUS_HEALTH_INTERVAL)
+
+
 # What a backend reports about each model it serves, and discovery records.
 CAPABILITY_FIELDS = (
     "context_length",
     "supports_vision",
     "supports_tools",
     "supports_json_mode",
+)
+CAPABILITY_HELP = (
+    "Unknown: requests needing it are sent and the backend decides. "
+    "No: such requests go elsewhere. Yes: preferred for them."
 )
 # Fields discovery may set and an operator may claim (BackendModel.manual_fields).
 OPERATOR_FIELDS = (*CAPABILITY_FIELDS, "enabled")
@@ -231,7 +248,29 @@ class Backend(models.Model):
     @property
     def is_routable(self) -> bool:
         """Whether the router may send new requests here."""
-        return self.enabled and self.status == HealthStatus.HEALTHY
+        return (
+            self.enabled
+            and self.status == HealthStatus.HEALTHY
+            and not self.is_health_stale()
+        )
+
+    def health_expires_at(self) -> datetime | None:
+        """When the last health result stops counting (None: it never does).
+
+        Only a probe's verdict (healthy or unhealthy with a check time) ages;
+        unknown and draining are not results of a check.
+        """
+        if self.last_check_at is None or self.status not in (
+            HealthStatus.HEALTHY,
+            HealthStatus.UNHEALTHY,
+        ):
+            return None
+        return self.last_check_at + health_stale_after()
+
+    def is_health_stale(self, now: datetime | None = None) -> bool:
+        """Whether the last health result is older than 3 health intervals."""
+        expires = self.health_expires_at()
+        return expires is not None and expires <= (now or timezone.now())
 
 
 class BackendModelQuerySet(models.QuerySet["BackendModel"]):
@@ -268,9 +307,17 @@ class BackendModel(models.Model):
         validators=[MinValueValidator(1)],
         help_text="Tokens the model accepts; empty when unknown (no limit applied).",
     )
-    supports_vision = models.BooleanField("vision", default=False)
-    supports_tools = models.BooleanField("tools", default=False)
-    supports_json_mode = models.BooleanField("JSON mode", default=False)
+    # Tri-state: yes, no, or unknown (None). Unknown never filters a request
+    # out (the backend decides); "no" does; "yes" is preferred.
+    supports_vision = models.BooleanField(
+        "vision", null=True, blank=True, default=None, help_text=CAPABILITY_HELP
+    )
+    supports_tools = models.BooleanField(
+        "tools", null=True, blank=True, default=None, help_text=CAPABILITY_HELP
+    )
+    supports_json_mode = models.BooleanField(
+        "JSON mode", null=True, blank=True, default=None, help_text=CAPABILITY_HELP
+    )
     loaded = models.BooleanField(
         default=False, help_text="Currently loaded in the backend's memory."
     )

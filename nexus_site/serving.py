@@ -6,6 +6,9 @@ is loaded, as under ``nexus_run`` and in the Docker image):
 * Twisted parses the body of every POST as a form submission before the
   application sees it; Nexus never reads forms that way (Django parses its own),
   so that costly step is turned off.
+* Clients are refused and timed out before the application runs where
+  Daphne would otherwise read their whole body first
+  (``nexus_site.daphne_limits``).
 * Daphne's access log writes a line per request to stdout; gateway paths log
   their own structured line instead (logger ``nexus.access``), so Daphne's is
   kept for Django's pages only.
@@ -25,6 +28,7 @@ import signal
 import sys
 from typing import Any
 
+from nexus_site.daphne_limits import ClientLimits, install_daphne_limits
 from routing.gateway import Gateway, tune_garbage_collector
 
 logger = logging.getLogger(__name__)
@@ -64,6 +68,7 @@ def prepare_daphne(gateway: Gateway) -> None:
         init(self, *args, **kwargs)
 
     WebRequest.__init__ = init_without_form_parsing
+    install_daphne_limits(gateway, ClientLimits.from_settings())
 
     log_action = Server.log_action
 

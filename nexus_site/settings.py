@@ -23,6 +23,7 @@ import ipaddress
 import os
 import secrets
 import tempfile
+from datetime import timedelta
 from pathlib import Path
 from typing import TypeVar
 
@@ -148,6 +149,33 @@ else:
     ALLOWED_HOSTS = ["127.0.0.1", "localhost", "[::1]"]
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
 
+# Behind a TLS-terminating reverse proxy (nginx, Caddy, a load balancer): trust
+# its header naming the client's scheme, redirect plain HTTP to HTTPS, send
+# HSTS, and keep the session and CSRF cookies to HTTPS. Only switch it on when
+# the proxy sets (and overwrites) that header: anyone could send it otherwise.
+NEXUS_BEHIND_TLS = env.bool("NEXUS_BEHIND_TLS", default=False)
+if NEXUS_BEHIND_TLS:
+    _tls_header = env.str("NEXUS_TLS_PROXY_HEADER", default="X-Forwarded-Proto")
+    SECURE_PROXY_SSL_HEADER = (
+        "HTTP_" + _tls_header.strip().upper().replace("-", "_"),
+        "https",
+    )
+    SECURE_SSL_REDIRECT = True
+    # Load balancers probe /health over plain HTTP inside the network (/health/*
+    # and /metrics are answered before Django, so never redirected).
+    SECURE_REDIRECT_EXEMPT = [r"^health$"]
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_HSTS_SECONDS = _bounded_int("NEXUS_HSTS_SECONDS", 31_536_000, 0, 10**9)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool(
+        "NEXUS_HSTS_INCLUDE_SUBDOMAINS", default=True
+    )
+    SECURE_HSTS_PRELOAD = env.bool("NEXUS_HSTS_PRELOAD", default=False)
+    if not SECURE_HSTS_PRELOAD:
+        # Preloading is a commitment made by submitting the domain to the
+        # browsers' list, not a default; `check --deploy` would ask for it.
+        SILENCED_SYSTEM_CHECKS = ["security.W021"]
+
 INSTALLED_APPS = [
     "daphne",
     "django.contrib.admin",
@@ -158,6 +186,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "rest_framework.authtoken",
+    "axes",
     "channels",
     "routing",
     "backends",
@@ -174,11 +203,21 @@ MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
+    # Before CommonMiddleware: /api/x and /api/x/ are both served in place.
+    "nexus_site.api.ApiSlashMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last, as django-axes requires: answers 429 to a locked-out login.
+    "axes.middleware.AxesMiddleware",
+]
+
+AUTHENTICATION_BACKENDS = [
+    # First: refuses a locked-out user and address before any password check.
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
 ]
 
 ROOT_URLCONF = "nexus_site.urls"
@@ -225,6 +264,27 @@ WHITENOISE_USE_FINDERS = env.bool(
 )
 
 LOGIN_URL = "admin:login"
+
+# Admin login lockout (django-axes): after NEXUS_LOGIN_FAILURE_LIMIT wrong
+# passwords in a row for one user name from one address, that pair is refused
+# (429) for NEXUS_LOGIN_LOCKOUT_MINUTES, in every process (the count is kept in
+# the database). Failures are logged and listed in the admin ("Access
+# attempts", "Access failures"); deleting an attempt there, or `manage.py
+# axes_reset`, unlocks early. The address is the one the ASGI server reports:
+# behind a proxy, `nexus_run --proxy-headers` makes it the client's, and a
+# client cannot choose it with a header of its own.
+AXES_FAILURE_LIMIT = _bounded_int("NEXUS_LOGIN_FAILURE_LIMIT", 5, 1, 1000)
+AXES_COOLOFF_TIME = timedelta(
+    minutes=_bounded_float("NEXUS_LOGIN_LOCKOUT_MINUTES", 15.0, 0.01, 525_600)
+)
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_IPWARE_META_PRECEDENCE_ORDER = ["REMOTE_ADDR"]
+AXES_ENABLE_ACCESS_FAILURE_LOG = True
+AXES_LOCKOUT_TEMPLATE = "admin/locked_out.html"
+AXES_VERBOSE = False  # no banner from every process at start-up
+# Log the user name and address tried (an operator needs them); never a password.
+AXES_SENSITIVE_PARAMETERS: list[str] = []
 
 LOGGING = {
     "version": 1,
@@ -292,10 +352,13 @@ else:
 # --- DRF (the management API under /api/) ---------------------------------------
 
 REST_FRAMEWORK = {
+    # Token first: a request without credentials gets 401 with
+    # `WWW-Authenticate: Token` (DRF answers 403 when the first class has no
+    # such header, as SessionAuthentication has not).
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.SessionAuthentication",
         # Admin tokens for scripts: `manage.py drf_create_token <staff user>`.
         "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
     "DEFAULT_PAGINATION_CLASS": "backends.api.pagination.BoundedLimitOffsetPagination",
@@ -339,9 +402,19 @@ NEXUS_ADMIN_PASSWORD = env.str("NEXUS_ADMIN_PASSWORD", default="")
 # Require a Nexus client key (Authorization: Bearer nx-...) on /v1/*. Turn off
 # only on a trusted network.
 NEXUS_AUTH_REQUIRED = env.bool("NEXUS_AUTH_REQUIRED", default=True)
-# Request bodies larger than this get a 413.
+# Request bodies larger than this get a 413 (under Daphne at the headers, before
+# the body is read); 16 MiB leaves room for base64 images.
 NEXUS_MAX_BODY_BYTES = _bounded_int(
-    "NEXUS_MAX_BODY_BYTES", 10 * 1024 * 1024, 1024, 1024**3
+    "NEXUS_MAX_BODY_BYTES", 16 * 1024 * 1024, 1024, 1024**3
+)
+# Seconds a client may take to send a request's head (from connecting, or from
+# the previous response on a kept-alive connection, which is then closed) and
+# then its body; a slower client gets a 408 and is disconnected (Daphne).
+NEXUS_CLIENT_HEADER_TIMEOUT = _bounded_float(
+    "NEXUS_CLIENT_HEADER_TIMEOUT", 15.0, 0.1, 3600
+)
+NEXUS_CLIENT_BODY_TIMEOUT = _bounded_float(
+    "NEXUS_CLIENT_BODY_TIMEOUT", 120.0, 0.1, 86_400
 )
 # The shared upstream HTTP client of each serving process.
 NEXUS_UPSTREAM_CONNECT_TIMEOUT = _bounded_float(
@@ -349,6 +422,20 @@ NEXUS_UPSTREAM_CONNECT_TIMEOUT = _bounded_float(
 )
 NEXUS_UPSTREAM_MAX_CONNECTIONS = _bounded_int(
     "NEXUS_UPSTREAM_MAX_CONNECTIONS", 1000, 1, 100_000
+)
+# What a backend may send: a whole (non-stream) reply of at most this many bytes
+# (over it: 502 upstream_reply_too_large), stream events of at most this many
+# (over it: the stream ends with an error event).
+NEXUS_UPSTREAM_MAX_REPLY_BYTES = _bounded_int(
+    "NEXUS_UPSTREAM_MAX_REPLY_BYTES", 32 * 1024 * 1024, 1024, 1024**3
+)
+NEXUS_UPSTREAM_MAX_EVENT_BYTES = _bounded_int(
+    "NEXUS_UPSTREAM_MAX_EVENT_BYTES", 1024 * 1024, 1024, 64 * 1024 * 1024
+)
+# A stream whose client has not read this many bytes of it is cut (the backend's
+# connection closed, usage recorded); measured where the server tells (Daphne).
+NEXUS_STREAM_MAX_UNSENT_BYTES = _bounded_int(
+    "NEXUS_STREAM_MAX_UNSENT_BYTES", 8 * 1024 * 1024, 64 * 1024, 1024**3
 )
 # Seconds between each serving process's check of the routing config version
 # (repairs lost change broadcasts; the only path between processes when the

@@ -5,6 +5,7 @@ from django.contrib.admin.views.decorators import staff_member_required
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from nexus_site import api
 from routing import views as routing_views
 from usage import views as usage_views
 
@@ -18,6 +19,7 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("dashboard/", usage_views.dashboard, name="dashboard"),
     path("dashboard/history", usage_views.history, name="dashboard-history"),
+    path("api/v1/", api.ApiIndexView.as_view(), name="api-index"),
     path("api/v1/", include("routing.api.urls")),
     path("api/v1/", include("backends.api.urls")),
     path("api/v1/", include("usage.api.urls")),
@@ -29,3 +31,9 @@ urlpatterns = [
         name="api-docs",
     ),
 ]
+
+# JSON under /api/, Django's pages elsewhere (nexus_site/api.py).
+handler400 = api.bad_request
+handler403 = api.permission_denied
+handler404 = api.page_not_found
+handler500 = api.server_error

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
-from django.db.models import QuerySet
+from django.db.models import Exists, OuterRef, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import reverse
 
+from backends.models import BackendModel
 from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
 
 if TYPE_CHECKING:
@@ -25,10 +26,37 @@ else:
 
 @admin.register(Alias)
 class AliasAdmin(AliasAdminBase):
-    list_display = ("name", "target", "updated_at")
+    list_display = ("name", "target", "target_served", "updated_at")
     search_fields = ("name", "target")
     readonly_fields = ("created_at", "updated_at")
     fields = ("name", "target", "created_at", "updated_at")
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Alias]:
+        served = BackendModel.objects.filter(
+            name=OuterRef("target"), enabled=True, backend__enabled=True
+        )
+        return super().get_queryset(request).annotate(is_served=Exists(served))
+
+    @admin.display(description="target served", boolean=True)
+    def target_served(self, obj: Alias) -> bool:
+        """Whether an enabled backend lists the target: if not, the alias 404s."""
+        return bool(getattr(obj, "is_served", False))
+
+    def save_model(
+        self, request: HttpRequest, obj: Alias, form: Any, change: bool
+    ) -> None:
+        super().save_model(request, obj, form, change)
+        served = BackendModel.objects.filter(
+            name=obj.target, enabled=True, backend__enabled=True
+        ).exists()
+        if not served:
+            self.message_user(
+                request,
+                f"No enabled backend serves '{obj.target}' yet: requests for "
+                f"'{obj.name}' get 404 model_not_found and /v1/models does not "
+                "list it until one does.",
+                messages.WARNING,
+            )
 
 
 class ChainStepInline(ChainStepInlineBase):

@@ -29,7 +29,7 @@ from routing.core import Health, LiveStats, Router
 from routing.groups import listen_to_group
 from routing.holder import SnapshotHolder
 from routing.metrics import GatewayMetrics, MetricsEndpoint, Network, parse_networks
-from routing.proxy.upstream import UpstreamClient
+from routing.proxy.upstream import ReplyLimits, UpstreamClient
 from routing.state import GatewayState, build_state
 from routing.versioning import read_config_version
 from usage.buffer import UsageBuffer
@@ -58,9 +58,12 @@ class GatewayConfig:
     """The settings a gateway runs with (read once, passed in)."""
 
     auth_required: bool = True
-    max_body_bytes: int = 10 * 1024 * 1024
+    max_body_bytes: int = 16 * 1024 * 1024
     connect_timeout: float = 5.0
     max_connections: int = 1000
+    max_reply_bytes: int = 32 * 1024 * 1024
+    max_event_bytes: int = 1024 * 1024
+    max_unsent_bytes: int = 8 * 1024 * 1024
     config_poll_interval: float = 1.0
     usage_buffer_max: int = 100_000
     usage_transport: str = "database"  # or "redis"
@@ -77,6 +80,9 @@ class GatewayConfig:
             max_body_bytes=settings.NEXUS_MAX_BODY_BYTES,
             connect_timeout=settings.NEXUS_UPSTREAM_CONNECT_TIMEOUT,
             max_connections=settings.NEXUS_UPSTREAM_MAX_CONNECTIONS,
+            max_reply_bytes=settings.NEXUS_UPSTREAM_MAX_REPLY_BYTES,
+            max_event_bytes=settings.NEXUS_UPSTREAM_MAX_EVENT_BYTES,
+            max_unsent_bytes=settings.NEXUS_STREAM_MAX_UNSENT_BYTES,
             config_poll_interval=settings.NEXUS_CONFIG_POLL_INTERVAL,
             usage_buffer_max=settings.NEXUS_USAGE_BUFFER_MAX,
             usage_transport=settings.NEXUS_USAGE_TRANSPORT,
@@ -123,6 +129,11 @@ class Gateway:
         self.upstream = UpstreamClient(
             max_connections=config.max_connections,
             connect_timeout=config.connect_timeout,
+            limits=ReplyLimits(
+                max_reply=config.max_reply_bytes,
+                max_event=config.max_event_bytes,
+                max_unsent=config.max_unsent_bytes,
+            ),
         )
         self.metrics = GatewayMetrics()
         self.metrics_endpoint = MetricsEndpoint(

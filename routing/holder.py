@@ -4,7 +4,10 @@ Each serving process holds one immutable snapshot. Two background tasks watch
 for changes: a listener on the Channels group where committed changes are
 announced, and a periodic check of the persisted version that repairs lost
 announcements (and is the only channel between processes in the embedded
-default, whose channel layer is in-memory). A rebuild runs in a worker thread;
+default, whose channel layer is in-memory). The same check rebuilds a
+snapshot past its ``expires_at`` (a backend's health result went stale, so
+the data changed meaning without a new version) and takes a *lower* version
+as it is: the database was restored from a backup or reset. A rebuild runs in a worker thread;
 bursts of announcements coalesce into as few rebuilds as possible, and the new
 snapshot replaces the old one with a single reference assignment, so requests in
 flight keep the snapshot they started with.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -42,7 +46,9 @@ class SnapshotHolder(Generic[S]):
         *,
         poll_interval: float = 1.0,
         read_version: Callable[[], int] = read_config_version,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        self._clock = clock
         self._build = build
         self._read_version = read_version
         self.poll_interval = poll_interval
@@ -136,9 +142,41 @@ class SnapshotHolder(Generic[S]):
         while True:
             await asyncio.sleep(self.poll_interval)
             try:
-                self.request_version(await read())
+                await self.check(await read())
             except Exception:
                 logger.warning("Checking the config version failed", exc_info=True)
+
+    async def check(self, version: int) -> None:
+        """Act on the persisted version: rebuild if it moved, or if due anyway."""
+        current = self._snapshot
+        if current is None or version > current.version:
+            self.request_version(version)
+            return
+        expires_at: float | None = getattr(current, "expires_at", None)
+        lower = version < current.version
+        if lower or (expires_at is not None and self._clock() >= expires_at):
+            if lower:
+                logger.warning(
+                    "The configuration version went down (%d -> %d): the database "
+                    "was restored or reset; reloading the configuration",
+                    current.version,
+                    version,
+                )
+            if self._rebuilding is not None and not self._rebuilding.done():
+                return  # the next check sees what it built
+            self._rebuilding = asyncio.get_running_loop().create_task(self._reload())
+
+    async def _reload(self) -> None:
+        """Build and install a snapshot whatever its version (see check())."""
+        try:
+            snapshot = await database_sync_to_async(self._build)()
+        except Exception:
+            logger.exception("Reloading the router snapshot failed; will retry")
+            return
+        self._snapshot = snapshot
+        self._wanted = snapshot.version
+        self.rebuilds += 1
+        self.on_install(snapshot)
 
     async def _listen(self) -> None:
         await listen_to_group(CONFIG_GROUP, self._on_announcement)

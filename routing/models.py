@@ -64,6 +64,14 @@ class Alias(models.Model):
                     "cannot become an alias too."
                 }
             )
+        if ChainStep.objects.filter(model=self.name, chain__model=self.target).exists():
+            raise ValidationError(
+                {
+                    "target": f"The fallback chain of '{self.target}' lists "
+                    f"'{self.name}'; an alias from it back to '{self.target}' "
+                    "would make the chain a cycle."
+                }
+            )
 
 
 class FallbackChain(models.Model):
@@ -131,6 +139,18 @@ class ChainStep(models.Model):
         if self.model == chain.model:
             raise ValidationError(
                 {"model": f"'{self.model}' cannot be a fallback for itself."}
+            )
+        # An alias step is resolved one level, like a requested model: one that
+        # leads back to the chain's own model would be a cycle.
+        target = (
+            Alias.objects.filter(name=self.model).values_list("target", flat=True)
+        ).first()
+        if target is not None and target == chain.model:
+            raise ValidationError(
+                {
+                    "model": f"'{self.model}' is an alias for '{target}', the model "
+                    "this chain is for; a fallback must lead elsewhere."
+                }
             )
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from django.conf import settings
 from django.db import transaction
+from django.utils import timezone
 
-from backends.models import Backend
+from backends.models import Backend, HealthStatus
 from routing.core import (
     MAX_RETRIES_ENV,
     STRATEGY_ENV,
@@ -27,12 +30,11 @@ def build_snapshot() -> RouterSnapshot:
     version it claims: a change committed in between makes the data newer, and
     the announced version triggers one more (harmless) rebuild.
     """
+    now = timezone.now()
     with transaction.atomic():
         version = read_config_version()
-        backends = [
-            _backend_spec(backend)
-            for backend in Backend.objects.prefetch_related("models")
-        ]
+        rows = list(Backend.objects.prefetch_related("models"))
+        backends = [_backend_spec(backend, now) for backend in rows]
         aliases = dict(Alias.objects.values_list("name", "target"))
         fallbacks = {
             chain.model: [step.model for step in chain.steps.all()]
@@ -46,7 +48,21 @@ def build_snapshot() -> RouterSnapshot:
         aliases=aliases,
         fallbacks=fallbacks,
         policy=apply_overrides(policy, read_policy_overrides()),
+        expires_at=_first_expiry(rows, now),
     )
+
+
+def _first_expiry(backends: list[Backend], now: datetime) -> float | None:
+    """When the first routable backend's health result goes stale."""
+    expiries = [
+        expires.timestamp()
+        for backend in backends
+        if backend.enabled
+        and backend.status == HealthStatus.HEALTHY
+        and (expires := backend.health_expires_at()) is not None
+        and expires > now
+    ]
+    return min(expiries, default=None)
 
 
 def read_policy_overrides() -> dict[str, str]:
@@ -63,7 +79,7 @@ def read_policy_overrides() -> dict[str, str]:
     return overrides
 
 
-def _backend_spec(backend: Backend) -> BackendSpec:
+def _backend_spec(backend: Backend, now: datetime) -> BackendSpec:
     return BackendSpec(
         id=backend.pk,
         name=backend.name,
@@ -76,6 +92,7 @@ def _backend_spec(backend: Backend) -> BackendSpec:
         request_timeout=backend.request_timeout,
         status=backend.status,
         avg_latency_ms=backend.avg_latency_ms,
+        health_stale=backend.is_health_stale(now),
         models=tuple(
             ModelSpec(
                 name=model.name,

@@ -26,6 +26,11 @@ class GatewayState:
     # SHA-256 hex of every active client key -> its visible prefix.
     keys: Mapping[str, str]
 
+    @property
+    def expires_at(self) -> float | None:
+        """When a backend's health result goes stale (rebuild then); see routes."""
+        return self.routes.expires_at
+
 
 def build_state() -> GatewayState:
     """Read the routing tables and the active client keys (sync code only)."""

@@ -7,16 +7,19 @@ from urllib.parse import urlsplit, urlunsplit
 
 from django.db import DatabaseError
 from django.http import HttpRequest, JsonResponse
+from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_safe
+from rest_framework.authentication import TokenAuthentication
+from rest_framework.exceptions import AuthenticationFailed
 
 from backends.health import redact_error
 from backends.models import Backend, HealthStatus
 from routing.gateway import current_gateway
 
 
-class PublicBackendDict(TypedDict):
-    """One backend as GET /health shows it to anyone."""
+class BackendHealthRowDict(TypedDict):
+    """One backend as GET /health shows it to staff."""
 
     name: str
     kind: str
@@ -26,6 +29,8 @@ class PublicBackendDict(TypedDict):
     circuit_open: bool
     latency_ms: float | None
     last_check_at: str | None
+    # The last result is older than 3 health intervals: treated as unknown.
+    stale: bool
     last_error: str
     models: int
 
@@ -37,12 +42,13 @@ class HealthSummaryDict(TypedDict):
     draining: int
     unknown: int
     disabled: int
+    stale: int
 
 
-class HealthDict(TypedDict):
+class HealthDict(TypedDict, total=False):
     status: str  # "ok", "degraded" or "unavailable"
     summary: HealthSummaryDict
-    backends: list[PublicBackendDict]
+    backends: list[BackendHealthRowDict]  # staff only
 
 
 @never_cache
@@ -50,8 +56,11 @@ class HealthDict(TypedDict):
 def health(request: HttpRequest) -> JsonResponse:
     """Answer 200 while some enabled backend is healthy, else 503.
 
-    Open to anyone, like any load balancer check: it shows names, kinds,
-    statuses and the server part of each URL, never keys or URL credentials.
+    Open to anyone, like any load balancer check, with the overall status and
+    the counts by health. Staff (a session or an admin token) also get each
+    backend: name, kind, status and the server part of its URL, never keys or
+    URL credentials. A healthy backend whose last check is stale counts as
+    unknown, as the router treats it.
     """
     try:
         backends = list(Backend.objects.with_model_count().order_by("priority", "name"))
@@ -67,14 +76,20 @@ def health(request: HttpRequest) -> JsonResponse:
         "draining": 0,
         "unknown": 0,
         "disabled": 0,
+        "stale": 0,
     }
-    rows: list[PublicBackendDict] = []
+    rows: list[BackendHealthRowDict] = []
     serving = 0
     breaker = current_gateway().breaker
+    now = timezone.now()
     for backend in backends:
         circuit_open = breaker.is_open(backend.name)
+        stale = backend.is_health_stale(now)
         if not backend.enabled:
             summary["disabled"] += 1
+        elif stale:
+            summary["unknown"] += 1
+            summary["stale"] += 1
         else:
             summary[HealthStatus(backend.status).value] += 1
             if backend.status == HealthStatus.HEALTHY and not circuit_open:
@@ -95,6 +110,7 @@ def health(request: HttpRequest) -> JsonResponse:
                 "last_check_at": (
                     backend.last_check_at.isoformat() if backend.last_check_at else None
                 ),
+                "stale": stale,
                 "last_error": redact_error(backend.last_error, backend.api_key),
                 "models": backend.model_count,  # type: ignore[attr-defined]
             }
@@ -105,8 +121,21 @@ def health(request: HttpRequest) -> JsonResponse:
         status = "degraded"
     else:
         status = "ok"
-    body: HealthDict = {"status": status, "summary": summary, "backends": rows}
+    body: HealthDict = {"status": status, "summary": summary}
+    if _is_staff(request):
+        body["backends"] = rows
     return JsonResponse(body, status=200 if serving else 503)
+
+
+def _is_staff(request: HttpRequest) -> bool:
+    """A staff session, or a staff user's management API token."""
+    if request.user.is_authenticated and request.user.is_staff:
+        return True
+    try:
+        found = TokenAuthentication().authenticate(request)  # type: ignore[arg-type]
+    except AuthenticationFailed:
+        return False
+    return found is not None and bool(found[0].is_staff)
 
 
 def _public_url(url: str) -> str:

@@ -286,3 +286,64 @@ def test_env_example_lists_every_variable_the_settings_read() -> None:
 
     assert len(read) > 40
     assert read - listed == set()
+
+
+# --- behind a TLS-terminating proxy ----------------------------------------------
+
+
+def _check_deploy(tmp_path: Path, **extra: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("NEXUS_", "SECURE_")) and k not in {"DEBUG", "REDIS_URL"}
+    }
+    env |= {
+        "NEXUS_STATE_DIR": str(tmp_path),
+        "DATABASE_URL": "postgres://nexus@127.0.0.1:5432/nexus",
+        "SECRET_KEY": "k7$Vq!x2Lr9#pZ4mW8tY6nB1cE3gH5jK0sD-aF_uI+oP=zXcV-tests-only-Qe",
+        "ALLOWED_HOSTS": "nexus.example.com",
+        **extra,
+    }
+    return subprocess.run(
+        [sys.executable, "manage.py", "check", "--deploy"],
+        cwd=REPO_ROOT,
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_check_deploy_is_clean_behind_tls(tmp_path: Path) -> None:
+    result = _check_deploy(tmp_path, NEXUS_BEHIND_TLS="true")
+
+    assert result.returncode == 0, result.stderr
+    assert "System check identified no issues" in result.stdout + result.stderr
+
+
+def test_check_deploy_names_what_is_missing_without_the_switch(tmp_path: Path) -> None:
+    result = _check_deploy(tmp_path)
+
+    found = set(re.findall(r"security\.W\d+", result.stdout + result.stderr))
+    # HSTS, HTTPS redirect, secure session and CSRF cookies.
+    assert found == {"security.W004", "security.W008", "security.W012", "security.W016"}
+
+
+def test_the_proxy_header_and_hsts_are_read_from_the_environment(
+    tmp_path: Path,
+) -> None:
+    result = _run_settings(
+        {
+            "NEXUS_STATE_DIR": str(tmp_path),
+            "NEXUS_BEHIND_TLS": "true",
+            "NEXUS_TLS_PROXY_HEADER": "X-Forwarded-Scheme",
+            "NEXUS_HSTS_SECONDS": "600",
+            "NEXUS_HSTS_PRELOAD": "true",
+        },
+        "from django.conf import settings as s; print(s.SECURE_PROXY_SSL_HEADER, "
+        "s.SECURE_HSTS_SECONDS, s.SECURE_HSTS_PRELOAD, s.SILENCED_SYSTEM_CHECKS)",
+    )
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "('HTTP_X_FORWARDED_SCHEME', 'https') 600 True []"

@@ -54,9 +54,12 @@ class UsageStreamEventDict(TypedDict):
     backends: list[BackendLoadDict]
 
 
-def _is_staff_token(raw: str) -> bool:
+def _token_refusal(raw: str) -> int:
+    """0 for an admin token; 401 for an unknown one, 403 for a non-staff user's."""
     token = Token.objects.select_related("user").filter(key=raw).first()
-    return token is not None and token.user.is_active and token.user.is_staff
+    if token is None or not token.user.is_active:
+        return 401
+    return 0 if token.user.is_staff else 403
 
 
 def build_stream_event(
@@ -106,9 +109,14 @@ class UsageStreamConsumer(AsyncHttpConsumer):
     async def handle(self, body: bytes) -> None:
         if self.scope.get("method") != "GET":
             await self._refuse(405, "Use GET.", ((b"allow", b"GET"),))
-        if not await self._is_authorized():
+        refusal = await self._refusal()
+        if refusal:
+            # As the management API answers: 401 (and the scheme to use)
+            # without valid credentials, 403 for a user who is not staff.
             await self._refuse(
-                403, "Log in as staff, or send 'Authorization: Token <admin token>'."
+                refusal,
+                "Log in as staff, or send 'Authorization: Token <admin token>'.",
+                ((b"www-authenticate", b"Token"),) if refusal == 401 else (),
             )
         await self.send_headers(
             headers=[
@@ -150,18 +158,17 @@ class UsageStreamConsumer(AsyncHttpConsumer):
         await self.disconnect()
         raise StopConsumer()
 
-    async def _is_authorized(self) -> bool:
+    async def _refusal(self) -> int:
+        """0 for a staff session or admin token, else the status to refuse with."""
         user = self.scope.get("user")
-        if user is not None and user.is_active and user.is_staff:
-            return True
+        if user is not None and user.is_authenticated:
+            return 0 if user.is_active and user.is_staff else 403
         for name, value in self.scope.get("headers", []):
             if name == b"authorization":
                 scheme, _, raw = value.decode("latin-1").partition(" ")
                 if scheme.lower() == "token" and raw.strip():
-                    return bool(
-                        await database_sync_to_async(_is_staff_token)(raw.strip())
-                    )
-        return False
+                    return await database_sync_to_async(_token_refusal)(raw.strip())
+        return 401
 
     async def _write(self, subscription: Subscription) -> None:
         try:

@@ -208,7 +208,25 @@ def _to_record(event: UsageEvent) -> UsageRecord:
 def _clip(field: str, value: str) -> str:
     # The database would reject (PostgreSQL) or keep (SQLite) a longer value;
     # cutting it keeps the request counted the same way everywhere.
-    return value[: _MAX_LENGTHS[field]]
+    value = value[: _MAX_LENGTHS[field]]
+    if value.isascii() and "\x00" not in value:
+        return value
+    return _storable(value)
+
+
+def _storable(value: str) -> str:
+    """`value` without what no database stores: NUL bytes, lone surrogates.
+
+    Clients choose some of these strings (the model name, the request id); one
+    that PostgreSQL or SQLite cannot encode must not fail the batch it is in
+    (and, retried, every batch after it).
+    """
+    value = value.replace("\x00", "\ufffd")
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        value = value.encode(errors="replace").decode()
+    return value
 
 
 def _count(value: int) -> int:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
-from typing import Any, Generic, TypeVar, cast
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 from django.core.exceptions import NON_FIELD_ERRORS
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import IntegrityError, models, transaction
+from django.http import QueryDict
 from rest_framework import serializers
 from rest_framework.settings import api_settings
 from rest_framework.validators import UniqueValidator
@@ -38,7 +39,38 @@ class ModelCleanSerializer(serializers.ModelSerializer[M], Generic[M]):
     accept and refuse the same data with the same messages. DRF's own copies of
     the uniqueness rules are left out for that reason. Writes run in one
     transaction, so one change bumps the routing config version once.
+
+    A JSON body that names a field the serializer does not have, or tries to
+    change a read-only one, is refused with 400 rather than silently ignored
+    (a PATCH of a backend's ``status`` would otherwise answer 200 and do
+    nothing). A read-only field sent with its current value passes, so a
+    script may send back what it read. ``read_only_hints`` adds, per field,
+    what to do instead.
     """
+
+    read_only_hints: ClassVar[Mapping[str, str]] = {}
+
+    def to_internal_value(self, data: Any) -> Any:
+        if isinstance(data, Mapping) and not isinstance(data, QueryDict):
+            errors = self._fields_it_cannot_write(data)
+            if errors:
+                raise serializers.ValidationError(errors)
+        return super().to_internal_value(data)
+
+    def _fields_it_cannot_write(self, data: Mapping[str, Any]) -> dict[str, list[str]]:
+        fields = self.fields
+        current: Mapping[str, Any] = {}
+        if self.instance is not None and not isinstance(self.instance, list):
+            current = self.to_representation(self.instance)
+        errors: dict[str, list[str]] = {}
+        for name, value in data.items():
+            field = fields.get(name)
+            if field is None:
+                errors[str(name)] = ["Unknown field."]
+            elif field.read_only and (name not in current or current[name] != value):
+                hint = self.read_only_hints.get(name, "")
+                errors[name] = [f"This field is read-only.{' ' if hint else ''}{hint}"]
+        return errors
 
     def build_standard_field(
         self, field_name: str, model_field: models.Field[Any, Any]
@@ -124,6 +156,12 @@ class BackendSerializer(ModelCleanSerializer[Backend]):
     )
     has_api_key = serializers.BooleanField(read_only=True)
     model_count = serializers.IntegerField(read_only=True, default=0)
+
+    read_only_hints: ClassVar[Mapping[str, str]] = {
+        "status": "Health checks set it; to stop or restart traffic, POST to "
+        "/api/v1/backends/{id}/drain or /undrain.",
+        "is_demo": "Demo backends are managed by nexus_run.",
+    }
 
     class Meta:
         model = Backend

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import django_filters
+from drf_spectacular.utils import extend_schema
 from rest_framework import viewsets
+from rest_framework.decorators import action
 from rest_framework.permissions import IsAdminUser
+from rest_framework.request import Request
+from rest_framework.response import Response
 
 from backends.api.serializers import BackendModelSerializer, BackendSerializer
-from backends.models import Backend, BackendModel
+from backends.health import check_all
+from backends.models import Backend, BackendModel, BackendQuerySet
 
 
 class BackendViewSet(viewsets.ModelViewSet[Backend]):
@@ -19,6 +24,36 @@ class BackendViewSet(viewsets.ModelViewSet[Backend]):
     filterset_fields = ("name", "kind", "enabled", "status", "is_demo")
     ordering_fields = ("name", "priority", "status", "created_at")
     ordering = ("priority", "name")
+
+    @extend_schema(request=None, responses=BackendSerializer)
+    @action(detail=True, methods=["post"])
+    def drain(self, request: Request, pk: str | None = None) -> Response:
+        """Send the backend no new requests; requests in flight finish.
+
+        Idempotent: draining a draining backend changes nothing.
+        """
+        backend = self.get_object()
+        self._this(backend).drain()
+        return self._answer(backend)
+
+    @extend_schema(request=None, responses=BackendSerializer)
+    @action(detail=True, methods=["post"])
+    def undrain(self, request: Request, pk: str | None = None) -> Response:
+        """Check a draining backend's health now, and let it take requests if good.
+
+        As the admin's "Undrain" does: the status becomes what the probe finds.
+        A backend that is not draining is left as it is.
+        """
+        backend = self.get_object()
+        check_all(self._this(backend).undrain(), include_disabled=True)
+        return self._answer(backend)
+
+    def _this(self, backend: Backend) -> BackendQuerySet:
+        return Backend.objects.filter(pk=backend.pk)
+
+    def _answer(self, backend: Backend) -> Response:
+        fresh = self.get_queryset().get(pk=backend.pk)
+        return Response(self.get_serializer(fresh).data)
 
 
 class BackendModelFilter(django_filters.FilterSet):

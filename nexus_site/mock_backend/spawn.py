@@ -49,6 +49,7 @@ def spawn_mock_backend(
     cwd: Path | None = None,
     command_prefix: Sequence[str] = (),
     new_session: bool = False,
+    module: str = "nexus_site.mock_backend",
 ) -> MockBackendProcess:
     """Start ``python -m nexus_site.mock_backend`` with ``args`` on a free port.
 
@@ -57,6 +58,8 @@ def spawn_mock_backend(
     a full pipe). With ``output`` the child writes to that file instead.
     ``command_prefix`` goes before the interpreter (e.g. ``taskset -c 0``), and
     ``new_session`` keeps the terminal's Ctrl-C away from the child.
+    ``module`` runs another server that prints the same kind of start-up line
+    (``nexus_site.mock_backend.hostile``).
 
     Raises MockStartError, with the child's output, if it exits or does not
     print its address within ``timeout`` seconds.
@@ -65,7 +68,7 @@ def spawn_mock_backend(
         *command_prefix,
         sys.executable,
         "-m",
-        "nexus_site.mock_backend",
+        module,
         "--host",
         host,
         "--port",

@@ -103,9 +103,9 @@ class RoutingPolicySerializer(ModelCleanSerializer[RoutingPolicy]):
 class ModelSpecSerializer(serializers.Serializer[Any]):
     name = serializers.CharField()
     context_length = serializers.IntegerField(allow_null=True)
-    supports_vision = serializers.BooleanField()
-    supports_tools = serializers.BooleanField()
-    supports_json_mode = serializers.BooleanField()
+    supports_vision = serializers.BooleanField(allow_null=True)
+    supports_tools = serializers.BooleanField(allow_null=True)
+    supports_json_mode = serializers.BooleanField(allow_null=True)
     loaded = serializers.BooleanField()
     enabled = serializers.BooleanField()
 

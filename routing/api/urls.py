@@ -3,6 +3,7 @@ from __future__ import annotations
 from django.urls import path
 from rest_framework.routers import SimpleRouter
 
+from routing.api.config_file import ConfigExportView, ConfigImportView
 from routing.api.views import (
     AliasViewSet,
     EffectiveConfigView,
@@ -20,6 +21,8 @@ urlpatterns = [
     path("route/explain", RouteExplainView.as_view(), name="route-explain"),
     path("policy", RoutingPolicyView.as_view(), name="routing-policy"),
     path("config", EffectiveConfigView.as_view(), name="effective-config"),
+    path("config/import", ConfigImportView.as_view(), name="config-import"),
+    path("config/export", ConfigExportView.as_view(), name="config-export"),
     # Listed with the usage endpoints, but it reads this process's gateway.
     path("usage/live", LiveUsageView.as_view(), name="usage-live"),
     *router.urls,

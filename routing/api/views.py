@@ -19,6 +19,7 @@ from routing.api.serializers import (
     RoutingPolicySerializer,
 )
 from routing.core import InvalidRequest, RequestRequirements
+from routing.explain import describe_weights
 from routing.gateway import current_gateway
 from routing.models import Alias, FallbackChain, RoutingPolicy
 from routing.snapshot import build_snapshot, read_policy_overrides
@@ -43,10 +44,12 @@ class RouteExplainView(APIView):
         except InvalidRequest as error:
             return Response(error.to_openai(), status=error.status)
         gateway = current_gateway()
-        decision = gateway.router.explain(
-            requirements, gateway.snapshots.snapshot.routes, gateway.stats
-        )
-        return Response(decision.as_dict())
+        routes = gateway.snapshots.snapshot.routes
+        decision = gateway.router.explain(requirements, routes, gateway.stats)
+        # The smart strategy's weights: each score part (0..100) counts with
+        # its weight in percent.
+        weights = describe_weights(routes.policy.weights)
+        return Response({**decision.as_dict(), "weights": weights})
 
 
 class LiveUsageView(APIView):

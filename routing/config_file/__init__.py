@@ -25,7 +25,7 @@ The format::
     [[backends.models]]
     name = "llama3:8b"                  # required
     context_length = 8192               # leave out when unknown
-    vision = false
+    vision = false                      # true | false | "auto" (unknown)
     tools = true
     json_mode = true
     enabled = true
@@ -33,7 +33,8 @@ The format::
 Rows are matched by name (backends by name, models by backend and name,
 aliases by name, chains by model). A key a backend or model entry leaves out
 means the field's default, so the file is the truth for every row it mentions;
-a backend entry without api_key or api_key_env keeps its stored key. Routing
+a backend entry without api_key or api_key_env keeps its stored key. A
+capability left out or given as "auto" is unknown (the backend decides). Routing
 policy keys the file leaves out are kept, or reset to defaults with --replace.
 """
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from backends.models import Backend
 from routing.config_file.literals import format_key, format_scalar, format_string
 from routing.config_file.schema import (
+    AUTO,
     BACKEND_SETTINGS,
     MODEL_SETTINGS,
     POLICY_SETTINGS,
@@ -78,9 +79,13 @@ def export_config() -> str:
 
 def _settings(instance: object, settings: tuple[Setting, ...]) -> list[str]:
     # Keys whose value is empty (no concurrency limit, unknown context length)
-    # are left out, which is how the file says "none".
-    return [
-        f"{format_key(setting.key)} = {format_scalar(value)}"
-        for setting in settings
-        if (value := getattr(instance, setting.field)) is not None
-    ]
+    # are left out, which is how the file says "none"; an unknown capability
+    # is written as "auto", so that the file shows it.
+    lines = []
+    for setting in settings:
+        value = getattr(instance, setting.field)
+        if value is None and setting.allows_auto:
+            value = AUTO
+        if value is not None:
+            lines.append(f"{format_key(setting.key)} = {format_scalar(value)}")
+    return lines

@@ -108,9 +108,11 @@ def import_config(
 def check_config(config: ConfigFile, *, replace: bool) -> list[str]:
     """Return the problems the models' validation finds, writing nothing.
 
-    Rows are checked on their own here; checks that depend on other rows
-    (uniqueness, single-level aliases, fallbacks) run inside the transaction.
-    Fields whose key already has a reported problem are not checked again.
+    Rows are checked on their own here, and aliases and fallback chains
+    against the set of aliases the import would leave (single level, no
+    cycles), so that their problems come in the same report as every other;
+    uniqueness and the rest run again inside the transaction. Fields whose key
+    already has a reported problem are not checked again.
     """
     problems: list[str] = []
     policy = RoutingPolicy.objects.filter(pk=RoutingPolicy.SINGLETON_PK).first()
@@ -145,6 +147,49 @@ def check_config(config: ConfigFile, *, replace: bool) -> list[str]:
                 exclude=model_entry.invalid | {"backend"},
                 in_context=False,
             )
+    problems += _check_aliases_and_chains(config, replace=replace)
+    return problems
+
+
+def _check_aliases_and_chains(config: ConfigFile, *, replace: bool) -> list[str]:
+    """Alias and chain rules over the aliases the import would leave."""
+    stored = {} if replace else dict(Alias.objects.values_list("name", "target"))
+    in_file = {entry.name: entry.target.strip() for entry in config.aliases}
+    final = stored | in_file
+    problems: list[str] = []
+    for entry in config.aliases:
+        target = in_file[entry.name]
+        if not target:
+            continue  # the field's own validation reports it
+        if target == entry.name:
+            problems.append(f"{entry.path}: Alias '{entry.name}' cannot target itself.")
+        elif target in final:
+            problems.append(
+                f"{entry.path}: '{target}' is itself an alias; aliases are "
+                "single-level, so target a model name instead."
+            )
+        else:
+            pointing = sorted(
+                name
+                for name, other in stored.items()
+                if other == entry.name and name not in in_file
+            )
+            if pointing:
+                problems.append(
+                    f"{entry.path}: Alias '{pointing[0]}' already targets "
+                    f"'{entry.name}'; aliases are single-level, so "
+                    f"'{entry.name}' cannot become an alias too."
+                )
+    for chain in config.fallbacks:
+        for position, step in enumerate(chain.fallbacks):
+            path = f"{chain.path}[{position}]"
+            if step == chain.model:
+                problems.append(f"{path}: '{step}' cannot be a fallback for itself.")
+            elif final.get(step) == chain.model:
+                problems.append(
+                    f"{path}: '{step}' is an alias for '{chain.model}', the model "
+                    "this chain is for; a fallback must lead elsewhere."
+                )
     return problems
 
 

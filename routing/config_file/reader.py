@@ -20,6 +20,7 @@ from backends.models import Backend, BackendModel
 from routing.config_file.literals import format_key, format_scalar, format_string
 from routing.config_file.problems import ConfigError
 from routing.config_file.schema import (
+    AUTO,
     BACKEND_KEYS,
     BACKEND_SETTINGS,
     MODEL_KEYS,
@@ -163,6 +164,9 @@ class _Reader:
                     invalid.add(setting.field)
                 continue
             raw = table[setting.key]
+            if setting.allows_auto and raw == AUTO:
+                values[setting.field] = None
+                continue
             value = _coerce(raw, setting.value_type)
             if value is None:
                 self.add(

@@ -18,8 +18,12 @@ class Setting:
     value_type: type[str | bool | int | float]
     expected: str
     required: bool = False
+    # Also accepts the string "auto", meaning None (a capability left unknown).
+    allows_auto: bool = False
 
 
+AUTO = "auto"
+AUTO_EXPECTED = 'true, false or "auto" (unknown: the backend decides)'
 POLICY_SETTINGS = (
     Setting("strategy", "strategy", str, 'a strategy name such as "smart"'),
     Setting("max_retries", "max_retries", int, "a non-negative integer"),
@@ -41,9 +45,9 @@ BACKEND_SETTINGS = (
 MODEL_SETTINGS = (
     Setting("name", "name", str, "a string", required=True),
     Setting("context_length", "context_length", int, "a positive integer"),
-    Setting("vision", "supports_vision", bool, "true or false"),
-    Setting("tools", "supports_tools", bool, "true or false"),
-    Setting("json_mode", "supports_json_mode", bool, "true or false"),
+    Setting("vision", "supports_vision", bool, AUTO_EXPECTED, allows_auto=True),
+    Setting("tools", "supports_tools", bool, AUTO_EXPECTED, allows_auto=True),
+    Setting("json_mode", "supports_json_mode", bool, AUTO_EXPECTED, allows_auto=True),
     Setting("enabled", "enabled", bool, "true or false"),
 )
 

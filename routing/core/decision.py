@@ -20,12 +20,13 @@ from routing.core.scoring import ScoreComponents, ScoringWeights, score_backend
 from routing.core.shapes import (
     AttemptDict,
     CandidateDict,
+    CapabilitiesDict,
     DecisionDict,
     ErrorDict,
     ExclusionDict,
     TargetDict,
 )
-from routing.core.strategies import order_retries
+from routing.core.strategies import order_retries, pick_smart
 from routing.core.types import ModelRoutes, PreparedTarget, Target
 from routing.core.vocabulary import Reason, Strategy
 
@@ -69,12 +70,14 @@ _SUMMARY_PHRASES: dict[Reason, str] = {
     Reason.UNHEALTHY: "unhealthy",
     Reason.DRAINING: "draining",
     Reason.HEALTH_UNKNOWN: "not yet health-checked",
+    Reason.HEALTH_STALE: "with a stale health check",
     Reason.AT_CAPACITY: "at max concurrency",
     Reason.CIRCUIT_OPEN: "with an open circuit breaker",
     Reason.NO_VISION: "without vision",
     Reason.NO_TOOLS: "without tools",
     Reason.NO_JSON_MODE: "without JSON mode",
     Reason.CONTEXT_TOO_SHORT: "with too short a context",
+    Reason.CAPABILITY_UNCONFIRMED: "with capability support unknown",
 }
 
 
@@ -97,6 +100,7 @@ class Candidate:
             "in_flight": self.in_flight,
             "max_concurrency": backend.max_concurrency,
             "latency_ms": _round(self.latency_ms),
+            "capabilities": capabilities_dict(self.target),
             "score": {
                 "priority": round(self.score.priority, 2),
                 "load": round(self.score.load, 2),
@@ -121,6 +125,7 @@ class Exclusion:
             "model": self.target.model.name,
             "reasons": [str(r) for r in self.reasons],
             "detail": self.detail,
+            "capabilities": capabilities_dict(self.target),
         }
 
 
@@ -148,11 +153,15 @@ class Attempt:
     rejected: Sequence[tuple[PreparedTarget, int]] = ()
     # Names of routable backends skipped because their circuit breaker was open.
     circuit_open: frozenset[str] = frozenset()
+    # Candidates whose support for a needed capability is unknown, set aside
+    # because others confirm it: tried after the survivors.
+    unconfirmed: Sequence[PreparedTarget] = ()
 
     @cached_property
     def outcome(self) -> Outcome:
         """What trying this model came to."""
-        if self.routes is None:
+        if self.routes is None or not self.routes.is_served:
+            # Only disabled or vanished rows list it: nobody serves it.
             return Outcome.NOT_FOUND
         if self.survivors:
             return Outcome.ROUTED
@@ -212,6 +221,7 @@ class Attempt:
             return ()
         in_flight = {p.position: n for p, n in self.rejected}
         passed = {prepared.position for prepared in self.survivors}
+        deferred = {prepared.position for prepared in self.unconfirmed}
         exclusions = []
         for position, target in enumerate(self.routes.targets):
             if position in passed:
@@ -224,6 +234,8 @@ class Attempt:
                 reasons += (Reason.AT_CAPACITY,)
             if target.backend.name in self.circuit_open:
                 reasons += (Reason.CIRCUIT_OPEN,)
+            if position in deferred:
+                reasons += (Reason.CAPABILITY_UNCONFIRMED,)
             exclusions.append(
                 Exclusion(
                     target=target,
@@ -232,6 +244,29 @@ class Attempt:
                 )
             )
         return tuple(exclusions)
+
+    def ordered_targets(self, strategy: Strategy, chosen: int | None) -> list[Target]:
+        """Every candidate in the order to try it, then the unconfirmed ones.
+
+        ``chosen`` is the index the strategy picked; None picks as the strategy
+        would without taking a turn (smart: the best score; otherwise the
+        first in stable order, by priority for priority_only).
+        """
+        survivors = self.survivors
+        targets: list[Target] = []
+        if survivors:
+            priorities = [prepared.priority for prepared in survivors]
+            if chosen is None:
+                if strategy is Strategy.SMART and self.totals:
+                    chosen = pick_smart(self.totals)
+                else:
+                    chosen = priorities.index(min(priorities))
+            order = order_retries(
+                strategy, chosen, totals=self.totals, priorities=priorities
+            )
+            targets = [survivors[i].target for i in (chosen, *order)]
+        targets.extend(prepared.target for prepared in self.unconfirmed)
+        return targets
 
     def summarize_exclusions(self) -> str:
         """Count excluded backends by their first reason: '2 unhealthy, 1 draining'."""
@@ -257,9 +292,11 @@ class Decision:
     """Where a request goes (or why it cannot go anywhere), and how that was decided.
 
     ``attempts`` lists every model tried in order: the requested one, then its
-    alias target, then fallbacks. On success ``chosen`` is set and
-    ``retry_order`` holds the other candidates of the served model in the order
-    to retry them; on failure ``error`` is set.
+    alias target, then fallbacks. On success ``chosen`` is set, ``onward``
+    holds the fallback chain's models after the served one (tried when every
+    backend of the served model fails before answering), and ``retry_order``
+    holds the other candidates of the served model, then those of the onward
+    models, in the order to retry them; on failure ``error`` is set.
     """
 
     requirements: RequestRequirements
@@ -270,6 +307,7 @@ class Decision:
     chosen_index: int | None = None
     via: Via | None = None
     error: RoutingError | None = None
+    onward: tuple[Attempt, ...] = ()
 
     @property
     def requested_model(self) -> str:
@@ -310,17 +348,35 @@ class Decision:
 
     @cached_property
     def retry_order(self) -> tuple[Target, ...]:
-        """The served model's other candidates, in the order to retry them."""
+        """Every other candidate in the order to retry it, across fallbacks.
+
+        The served model's other candidates come first, then each onward
+        fallback model's, without a limit; ``retry_targets`` applies it.
+        """
+        return tuple(t for part in self._retry_parts() for t in part)
+
+    @cached_property
+    def retry_targets(self) -> tuple[Target, ...]:
+        """What the proxy tries after the chosen backend fails before answering.
+
+        At most ``max_retries`` other backends of the served model, then each
+        onward fallback model's best backend and up to ``max_retries`` more.
+        """
+        parts = self._retry_parts()
+        if not parts:
+            return ()
+        bounded = list(parts[0][: self.max_retries])
+        for part in parts[1:]:
+            bounded.extend(part[: self.max_retries + 1])
+        return tuple(bounded)
+
+    def _retry_parts(self) -> list[list[Target]]:
         served = self.served
         if served is None or self.chosen_index is None:
-            return ()
-        order = order_retries(
-            self.strategy,
-            self.chosen_index,
-            totals=served.totals,
-            priorities=[prepared.priority for prepared in served.survivors],
-        )
-        return tuple(served.survivors[i].target for i in order)
+            return []
+        parts = [served.ordered_targets(self.strategy, self.chosen_index)[1:]]
+        parts.extend(a.ordered_targets(self.strategy, None) for a in self.onward)
+        return parts
 
     def as_dict(self) -> DecisionDict:
         """Return a JSON-serialisable description of the decision."""
@@ -348,8 +404,23 @@ class Decision:
             "candidates": [c.as_dict() for c in self.candidates],
             "excluded": [e.as_dict() for e in self.excluded],
             "attempts": [a.as_dict() for a in self.attempts],
+            "onward": [a.as_dict() for a in self.onward],
             "error": error,
         }
+
+
+def capabilities_dict(target: Target) -> CapabilitiesDict:
+    """The model's capabilities as "yes", "no" or "unknown"."""
+    model = target.model
+    return {
+        "vision": _tri_state(model.supports_vision),
+        "tools": _tri_state(model.supports_tools),
+        "json_mode": _tri_state(model.supports_json_mode),
+    }
+
+
+def _tri_state(value: bool | None) -> str:
+    return "unknown" if value is None else ("yes" if value else "no")
 
 
 def _target_dict(target: Target) -> TargetDict:
@@ -389,9 +460,16 @@ _DETAILS: dict[Reason, str] = {
     Reason.UNHEALTHY: "backend unhealthy",
     Reason.DRAINING: "backend draining",
     Reason.HEALTH_UNKNOWN: "backend not yet health-checked (health unknown)",
+    Reason.HEALTH_STALE: (
+        "last health check too old (over 3 health intervals): health unknown "
+        "until the next check; is Celery beat running?"
+    ),
     Reason.NO_VISION: "model does not support vision",
     Reason.NO_TOOLS: "model does not support tools",
     Reason.NO_JSON_MODE: "model does not support JSON mode",
+    Reason.CAPABILITY_UNCONFIRMED: (
+        "capability support unknown; tried after backends that confirm it"
+    ),
     Reason.CIRCUIT_OPEN: (
         "circuit breaker open: the gateway saw repeated failures and pauses "
         "traffic for a cool-down"

@@ -10,14 +10,18 @@ The pipeline is the spec's:
    ("at_capacity"), as is one whose circuit breaker is open in the live
    stats ("circuit_open", see backends.breaker);
 3. capabilities: context length (when known) >= estimated tokens, and vision,
-   tools and JSON mode when the request needs them;
+   tools and JSON mode when the request needs them. A capability is yes, no
+   or unknown: only "no" excludes; when some candidates confirm every needed
+   capability, those whose support is unknown are tried after them;
 4. if no candidate is left: the model's alias target, through the same
    filters (one level: an alias of an alias is never followed);
 5. then the fallback chain, each fallback through the same filters, one level
    (a fallback's own alias or chain is not consulted). The chain of the
    requested name is tried first, then the chain of its alias target;
 6. the policy's strategy picks among the candidates of the first model that
-   has any.
+   has any. The chain's models after that one are kept in the decision
+   (``onward``): when every backend the proxy tries for the served model
+   fails before answering, it continues with theirs (``retry_targets``).
 
 When nothing is left, the error is the one that tells the client what would
 make the request work, in this order of precedence:
@@ -80,8 +84,8 @@ class Route(NamedTuple):
 
     @property
     def retry_targets(self) -> tuple[Target, ...]:
-        """Backends to try next if the chosen one fails, at most max_retries."""
-        return self.decision.retry_order[: self.decision.max_retries]
+        """Backends to try next if the chosen one fails (see Decision)."""
+        return self.decision.retry_targets
 
 
 class Router:
@@ -143,10 +147,14 @@ class Router:
             requested, Role.REQUESTED, requirements, snapshot, stats
         )
         attempts.append(attempt)
-        if attempt.survivors:
-            return self._choose(attempts, Via.DIRECT, requirements, snapshot, take_turn)
-
         alias_target = snapshot.aliases.get(requested)
+        tried = (requested,) if alias_target is None else (requested, alias_target)
+        chain = snapshot.fallbacks_for(*tried)
+        if attempt.survivors:
+            return self._choose(
+                attempts, Via.DIRECT, requirements, snapshot, stats, chain, take_turn
+            )
+
         if alias_target is not None:
             attempt = self._try_model(
                 alias_target, Role.ALIAS, requirements, snapshot, stats
@@ -154,18 +162,23 @@ class Router:
             attempts.append(attempt)
             if attempt.survivors:
                 return self._choose(
-                    attempts, Via.ALIAS, requirements, snapshot, take_turn
+                    attempts, Via.ALIAS, requirements, snapshot, stats, chain, take_turn
                 )
 
-        tried = (requested,) if alias_target is None else (requested, alias_target)
-        for fallback in snapshot.fallbacks_for(*tried):
+        for position, fallback in enumerate(chain):
             attempt = self._try_model(
                 fallback, Role.FALLBACK, requirements, snapshot, stats
             )
             attempts.append(attempt)
             if attempt.survivors:
                 return self._choose(
-                    attempts, Via.FALLBACK, requirements, snapshot, take_turn
+                    attempts,
+                    Via.FALLBACK,
+                    requirements,
+                    snapshot,
+                    stats,
+                    chain[position + 1 :],
+                    take_turn,
                 )
 
         error = _explain_failure(attempts, alias_target, snapshot)
@@ -227,8 +240,7 @@ class Router:
                 and not (
                     check_capabilities
                     and (
-                        need & ~prepared.capability_mask
-                        or tokens > prepared.context_limit
+                        need & prepared.refused_mask or tokens > prepared.context_limit
                     )
                 )
                 for prepared, pending in zip(survivors, pendings, strict=True)
@@ -243,6 +255,20 @@ class Router:
                 ]
                 survivors = [p for p, ok in zip(survivors, passed, strict=True) if ok]
                 pendings = [n for n, ok in zip(pendings, passed, strict=True) if ok]
+                names = [p.backend_name for p in survivors]
+        unconfirmed: Sequence[PreparedTarget] = ()
+        if need & ~routes.common_mask and len(survivors) > 1:
+            # Unknown support does not exclude (the backend decides), but a
+            # backend that confirms every needed capability goes first.
+            confirmed = [not need & ~p.capability_mask for p in survivors]
+            if any(confirmed) and not all(confirmed):
+                unconfirmed = [
+                    p for p, ok in zip(survivors, confirmed, strict=True) if not ok
+                ]
+                survivors = [
+                    p for p, ok in zip(survivors, confirmed, strict=True) if ok
+                ]
+                pendings = [n for n, ok in zip(pendings, confirmed, strict=True) if ok]
                 names = [p.backend_name for p in survivors]
         fresh_after = stats.clock() - stats.stale_after
         latencies = [
@@ -283,6 +309,7 @@ class Router:
             totals=totals,
             rejected=rejected,
             circuit_open=circuit_open,
+            unconfirmed=unconfirmed,
         )
 
     def _choose(
@@ -291,6 +318,8 @@ class Router:
         via: Via,
         requirements: RequestRequirements,
         snapshot: RouterSnapshot,
+        stats: LiveStats,
+        onward_models: Sequence[str],
         take_turn: bool,
     ) -> Decision:
         served = attempts[-1]
@@ -319,6 +348,12 @@ class Router:
             attempts=tuple(attempts),
             chosen_index=index,
             via=via,
+            # The rest of the chain, for when every backend of the served model
+            # fails before answering (the proxy retries into it).
+            onward=tuple(
+                self._try_model(model, Role.FALLBACK, requirements, snapshot, stats)
+                for model in onward_models
+            ),
         )
 
     def _turn(self, model: str, take_turn: bool) -> int:

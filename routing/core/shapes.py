@@ -21,6 +21,14 @@ class ScoreDict(TypedDict):
     total: float
 
 
+class CapabilitiesDict(TypedDict):
+    """A model's capabilities: "yes", "no" or "unknown" (the backend decides)."""
+
+    vision: str
+    tools: str
+    json_mode: str
+
+
 class CandidateDict(TypedDict):
     """A backend that passed every filter."""
 
@@ -30,6 +38,7 @@ class CandidateDict(TypedDict):
     in_flight: int
     max_concurrency: int | None
     latency_ms: float | None
+    capabilities: CapabilitiesDict
     score: ScoreDict
 
 
@@ -40,6 +49,7 @@ class ExclusionDict(TypedDict):
     model: str
     reasons: list[str]
     detail: str
+    capabilities: CapabilitiesDict
 
 
 class AttemptDict(TypedDict):
@@ -86,4 +96,6 @@ class DecisionDict(TypedDict):
     candidates: list[CandidateDict]
     excluded: list[ExclusionDict]
     attempts: list[AttemptDict]
+    # Fallback models after the served one, tried when all its backends fail.
+    onward: list[AttemptDict]
     error: ErrorDict | None

@@ -36,24 +36,36 @@ _HEALTH_REASONS: dict[str, Reason] = {
 class ModelSpec:
     """A model one backend serves, with the capabilities the router filters on.
 
-    ``context_length`` of None means unknown, and no limit is applied.
+    ``context_length`` of None means unknown, and no limit is applied. Each
+    capability is tri-state: True (yes), False (no: requests needing it are
+    not sent here) or None (unknown: the backend decides; a backend saying
+    yes is preferred).
     """
 
     name: str
     context_length: int | None = None
-    supports_vision: bool = False
-    supports_tools: bool = False
-    supports_json_mode: bool = False
+    supports_vision: bool | None = None
+    supports_tools: bool | None = None
+    supports_json_mode: bool | None = None
     loaded: bool = False
     enabled: bool = True
 
     @property
     def capability_mask(self) -> int:
-        """The capabilities offered, as VISION | TOOLS | JSON_MODE bits."""
+        """The capabilities confirmed, as VISION | TOOLS | JSON_MODE bits."""
         return (
             (VISION if self.supports_vision else 0)
             | (TOOLS if self.supports_tools else 0)
             | (JSON_MODE if self.supports_json_mode else 0)
+        )
+
+    @property
+    def refused_mask(self) -> int:
+        """The capabilities explicitly not offered (False, not unknown)."""
+        return (
+            (VISION if self.supports_vision is False else 0)
+            | (TOOLS if self.supports_tools is False else 0)
+            | (JSON_MODE if self.supports_json_mode is False else 0)
         )
 
     @property
@@ -67,8 +79,9 @@ class BackendSpec:
     """A backend and the connection details the proxy needs to reach it.
 
     ``status`` takes the stored strings and becomes a Health; anything
-    unrecognised counts as unknown (and so is not routed to). ``api_key`` is
-    kept out of repr.
+    unrecognised counts as unknown (and so is not routed to). ``health_stale``
+    marks a backend whose last health result was too old: its status is then
+    unknown. ``api_key`` is kept out of repr.
     """
 
     name: str
@@ -83,11 +96,14 @@ class BackendSpec:
     avg_latency_ms: float | None = None
     models: tuple[ModelSpec, ...] = ()
     id: int | None = None
+    health_stale: bool = False
 
     def __post_init__(self) -> None:
         try:
             status = Health(self.status)
         except ValueError:
+            status = Health.UNKNOWN
+        if self.health_stale:
             status = Health.UNKNOWN
         object.__setattr__(self, "status", status)
         object.__setattr__(self, "models", tuple(self.models))
@@ -128,21 +144,26 @@ class Target:
         if not self.model.enabled:
             reasons.append(Reason.MODEL_DISABLED)
         health_reason = _HEALTH_REASONS.get(self.backend.status)
-        if health_reason is not None:
+        if self.backend.health_stale:
+            reasons.append(Reason.HEALTH_STALE)
+        elif health_reason is not None:
             reasons.append(health_reason)
         return tuple(reasons)
 
     def capability_reasons(
         self, requirements: RequestRequirements
     ) -> tuple[Reason, ...]:
-        """Return what this model lacks for `requirements` (empty if nothing)."""
+        """Return what this model lacks for `requirements` (empty if nothing).
+
+        Only an explicit "no" counts as lacking; an unknown capability does not.
+        """
         model = self.model
         reasons: list[Reason] = []
-        if requirements.needs_vision and not model.supports_vision:
+        if requirements.needs_vision and model.supports_vision is False:
             reasons.append(Reason.NO_VISION)
-        if requirements.needs_tools and not model.supports_tools:
+        if requirements.needs_tools and model.supports_tools is False:
             reasons.append(Reason.NO_TOOLS)
-        if requirements.needs_json_mode and not model.supports_json_mode:
+        if requirements.needs_json_mode and model.supports_json_mode is False:
             reasons.append(Reason.NO_JSON_MODE)
         if model.context_limit < requirements.estimated_tokens:
             reasons.append(Reason.CONTEXT_TOO_SHORT)
@@ -154,7 +175,8 @@ class PreparedTarget(NamedTuple):
 
     target: Target
     backend_name: str
-    capability_mask: int
+    capability_mask: int  # confirmed capabilities
+    refused_mask: int  # capabilities explicitly not offered
     context_limit: int
     capacity: int
     priority: int
@@ -169,8 +191,9 @@ class ModelRoutes:
 
     ``targets`` is in stable order (backend priority, then name); ``routable``
     holds the enabled, healthy ones, and ``backend_names`` their names.
-    ``common_mask`` and ``min_context`` cover all routable targets, so a
-    request needing no more than that skips the per-target capability checks;
+    ``common_mask`` (capabilities every routable target confirms) and
+    ``min_context`` cover all routable targets, so a request needing no more
+    than that skips the per-target capability checks;
     without ``has_capacity_limits`` the concurrency check is skipped too.
     """
 
@@ -181,6 +204,9 @@ class ModelRoutes:
     common_mask: int
     min_context: int
     has_capacity_limits: bool
+    # Some enabled backend lists the model enabled (healthy or not): without
+    # one, the model is not served at all (404), not merely down (503).
+    is_served: bool = True
 
 
 @dataclass(frozen=True, eq=False)
@@ -199,6 +225,9 @@ class RouterSnapshot:
     routes: Mapping[str, ModelRoutes] = field(repr=False)
     backends_by_name: Mapping[str, BackendSpec] = field(repr=False)
     alias_problems: tuple[str, ...] = ()
+    # Wall-clock time (epoch seconds) when some backend's health result goes
+    # stale and the snapshot must be rebuilt to stop routing there; None: never.
+    expires_at: float | None = None
 
     @classmethod
     def build(
@@ -209,6 +238,7 @@ class RouterSnapshot:
         aliases: Mapping[str, str] | None = None,
         fallbacks: Mapping[str, Sequence[str]] | None = None,
         policy: Policy | None = None,
+        expires_at: float | None = None,
     ) -> RouterSnapshot:
         """Index plain routing data into a snapshot.
 
@@ -217,7 +247,9 @@ class RouterSnapshot:
         are dropped and aliases that point at other aliases are kept but
         reported in ``alias_problems`` (the router never follows a second
         level). Empty fallback chains are dropped, as are duplicate steps and
-        steps naming the chain's own model. Raises ValueError on duplicate
+        steps naming the chain's own model. A step naming an alias is resolved
+        as a requested model would be, one level: to the alias's target (after
+        the alias name itself, when some backend also serves that name). Raises ValueError on duplicate
         backend names or a model listed twice on one backend.
         """
         policy = policy or Policy()
@@ -262,11 +294,14 @@ class RouterSnapshot:
             version=version,
             backends=ordered,
             aliases=MappingProxyType(clean_aliases),
-            fallbacks=MappingProxyType(_clean_fallbacks(fallbacks or {})),
+            fallbacks=MappingProxyType(
+                _resolve_steps(_clean_fallbacks(fallbacks or {}), clean_aliases, routes)
+            ),
             policy=policy,
             routes=MappingProxyType(routes),
             backends_by_name=MappingProxyType(by_name),
             alias_problems=problems,
+            expires_at=expires_at,
         )
 
     def backend(self, name: str) -> BackendSpec | None:
@@ -281,11 +316,7 @@ class RouterSnapshot:
     def served_models(self) -> tuple[str, ...]:
         """Model names with at least one enabled entry on an enabled backend."""
         return tuple(
-            sorted(
-                name
-                for name, routes in self.routes.items()
-                if any(t.backend.enabled and t.model.enabled for t in routes.targets)
-            )
+            sorted(name for name, routes in self.routes.items() if routes.is_served)
         )
 
     def fallbacks_for(self, *models: str) -> tuple[str, ...]:
@@ -310,6 +341,7 @@ def _index_model(
             target=target,
             backend_name=target.backend.name,
             capability_mask=target.model.capability_mask,
+            refused_mask=target.model.refused_mask,
             context_limit=target.model.context_limit,
             capacity=target.backend.capacity,
             priority=target.backend.priority,
@@ -333,7 +365,26 @@ def _index_model(
         common_mask=common_mask,
         min_context=min_context,
         has_capacity_limits=any(p.capacity != UNLIMITED for p in routable),
+        is_served=any(t.backend.enabled and t.model.enabled for t in targets),
     )
+
+
+def _resolve_steps(
+    fallbacks: Mapping[str, tuple[str, ...]],
+    aliases: Mapping[str, str],
+    routes: Mapping[str, ModelRoutes],
+) -> dict[str, tuple[str, ...]]:
+    resolved: dict[str, tuple[str, ...]] = {}
+    for model, steps in fallbacks.items():
+        chain: list[str] = []
+        for step in steps:
+            names = [step] if step not in aliases or step in routes else []
+            if step in aliases:
+                names.append(aliases[step])
+            chain.extend(n for n in names if n != model and n not in chain)
+        if chain:
+            resolved[model] = tuple(chain)
+    return resolved
 
 
 def _clean_fallbacks(

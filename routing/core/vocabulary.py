@@ -39,6 +39,8 @@ class Reason(enum.StrEnum):
     UNHEALTHY = "unhealthy"
     DRAINING = "draining"
     HEALTH_UNKNOWN = "health_unknown"
+    # The last health result is too old to trust (health checks stopped).
+    HEALTH_STALE = "health_stale"
     AT_CAPACITY = "at_capacity"
     # The proxy saw repeated failures: its circuit breaker opened this backend's
     # circuit for a cool-down (LiveStats.open_circuits), before any health probe.
@@ -47,3 +49,7 @@ class Reason(enum.StrEnum):
     NO_TOOLS = "no_tools"
     NO_JSON_MODE = "no_json_mode"
     CONTEXT_TOO_SHORT = "context_too_short"
+    # Not excluded but deferred: the model's support for a capability the
+    # request needs is unknown while another backend confirms it; tried after
+    # the confirmed ones.
+    CAPABILITY_UNCONFIRMED = "capability_unconfirmed"

@@ -156,7 +156,7 @@ class ProxyApp:
             elif endpoint is not None:
                 self._check_length(content_length)
                 await self._inference(
-                    state, endpoint, path, key_prefix, rid, headers, receive, send
+                    state, endpoint, scope, key_prefix, rid, headers, receive, send
                 )
             elif path == MODELS_PATH:
                 await _send_json(send, 200, self.models.body(state.routes), headers)
@@ -202,14 +202,13 @@ class ProxyApp:
     ) -> None:
         """Hand the request's usage to the gateway (memory only, no I/O)."""
         usage = exchange.usage or {}
-        prompt = usage.get("prompt_tokens")
-        completion = usage.get("completion_tokens", 0)
-        reported = isinstance(prompt, int) and isinstance(completion, int)
-        if not reported:
+        prompt = _token_count(usage.get("prompt_tokens"))
+        completion = _token_count(usage.get("completion_tokens", 0))
+        reported = prompt is not None and completion is not None
+        if prompt is None or completion is None:
             prompt = estimated_prompt
             completion = -(-exchange.completion_chars // 4)  # ceil(chars / 4)
-        assert isinstance(prompt, int) and isinstance(completion, int)
-        total = usage.get("total_tokens") if reported else None
+        total = _token_count(usage.get("total_tokens")) if reported else None
         now = time.perf_counter()
         event = UsageEvent(
             request_id=exchange.request_id,
@@ -303,7 +302,7 @@ class ProxyApp:
         self,
         state: GatewayState,
         endpoint: str,
-        path: str,
+        scope: dict[str, Any],
         key_prefix: str,
         request_id: str,
         headers: Headers,
@@ -319,9 +318,10 @@ class ProxyApp:
         exchange = Exchange(
             request_id=request_id,
             endpoint=endpoint,
-            path=path,
+            path=scope["path"],
             requested_model=requirements.model,
             stream=payload.get("stream") is True,
+            unsent_bytes=_unsent_bytes_probe(scope),
         )
         await self._route_and_forward(
             state,
@@ -371,6 +371,7 @@ class ProxyApp:
             path=scope["path"],
             requested_model=requirements.model,
             stream=inbound.stream,
+            unsent_bytes=_unsent_bytes_probe(scope),
         )
         client_headers = {
             name.decode("latin-1"): value.decode("latin-1")
@@ -570,7 +571,7 @@ def _parse_object(raw: bytes) -> dict[str, Any]:
     """Decode a request body that must be a JSON object (400 if it is not)."""
     try:
         payload = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep
         raise bad_request(
             "We could not parse the JSON body of your request. The body must be "
             "valid JSON (and set 'Content-Type: application/json')."
@@ -616,6 +617,22 @@ def _routing_error(error: RoutingError) -> ProxyError:
         param=body["param"],
         code=body["code"],
     )
+
+
+# A count a backend reports is believed up to this (far above any real request).
+MAX_REPORTED_TOKENS = 10**12
+
+
+def _token_count(value: Any) -> int | None:
+    """A token count a backend reported, if it is one (clamped into range)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return None
+    return min(max(value, 0), MAX_REPORTED_TOKENS)
+
+
+def _unsent_bytes_probe(scope: dict[str, Any]) -> Callable[[], int] | None:
+    transport = scope.get("extensions", {}).get("nexus.transport")
+    return transport.get("unsent_bytes") if isinstance(transport, dict) else None
 
 
 def _request_id(value: bytes | None) -> str:

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 # Past this many bytes in one event (a hostile or broken backend), the stream
-# is ended with an error rather than buffered further.
+# is ended with an error rather than buffered further (the gateway passes
+# NEXUS_UPSTREAM_MAX_EVENT_BYTES).
 MAX_EVENT_BYTES = 1024 * 1024
 
 
@@ -131,8 +132,8 @@ class Leg:
             exchange.completion_chars = _reply_chars(canonical)
         return surface.reply(canonical, self.target.model.name, inbound)
 
-    def stream(self) -> LegStream:
-        return LegStream(self)
+    def stream(self, max_event: int = MAX_EVENT_BYTES) -> LegStream:
+        return LegStream(self, max_event)
 
 
 class LegStream:
@@ -147,6 +148,7 @@ class LegStream:
     __slots__ = (
         "_adapter",
         "_marker",
+        "_max_event",
         "_native",
         "_reader",
         "_seen",
@@ -155,8 +157,9 @@ class LegStream:
         "usage",
     )
 
-    def __init__(self, leg: Leg) -> None:
+    def __init__(self, leg: Leg, max_event: int = MAX_EVENT_BYTES) -> None:
         call = leg.call
+        self._max_event = max_event
         self._adapter = leg.adapter
         self._native = leg.native
         self._marker = leg.adapter.usage_marker
@@ -221,8 +224,10 @@ class LegStream:
             raise StreamFailed("the backend sent a malformed stream event") from None
 
     def _check_pending(self) -> None:
-        if len(self._split.peek()) > MAX_EVENT_BYTES:
-            raise StreamFailed("the backend sent a stream event over 1 MiB")
+        if self._split.pending_size > self._max_event:
+            raise StreamFailed(
+                f"the backend sent a stream event over {self._max_event} bytes"
+            )
 
 
 def _reply_chars(canonical: dict[str, Any]) -> int:

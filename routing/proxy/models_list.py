@@ -40,9 +40,10 @@ class ModelsList:
                     "created": created,
                     "owned_by": ",".join(routes.backend_names),
                 }
-        # Every alias, whatever the state of its target; owned_by says what it is.
+        # Aliases whose target is listed (one nobody serves would only 404 or
+        # 503); owned_by says what it is.
         for alias, target in sorted(snapshot.aliases.items()):
-            if alias not in entries:
+            if alias not in entries and target in entries:
                 entries[alias] = {
                     "id": alias,
                     "object": "model",

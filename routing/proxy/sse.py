@@ -19,74 +19,129 @@ _EVENT_END = re.compile(rb"\r?\n\r?\n")
 
 
 class EventSplitter:
-    """Cut a byte stream into complete SSE events (each with its blank line)."""
+    """Cut a byte stream into complete SSE events (each with its blank line).
 
-    __slots__ = ("_pending",)
+    Linear in the bytes fed: an incomplete event is kept as a list of chunks,
+    and only each new chunk (with the three bytes before it) is searched for
+    the end of an event.
+    """
+
+    __slots__ = ("_parts", "pending_size")
 
     def __init__(self) -> None:
-        self._pending = b""
+        self._parts: list[bytes] = []
+        self.pending_size = 0  # bytes of the event not yet complete
 
     def feed(self, data: bytes) -> list[bytes]:
-        buffer = self._pending + data if self._pending else data
+        parts = self._parts
+        if parts:
+            probe = parts[-1][-3:] + data
+            if b"\n\n" not in probe and b"\n\r\n" not in probe:
+                parts.append(data)
+                self.pending_size += len(data)
+                return []
+            parts.append(data)
+            buffer = b"".join(parts)
+            parts.clear()
+        else:
+            buffer = data
         events: list[bytes] = []
         start = 0
         for match in _EVENT_END.finditer(buffer):
             events.append(buffer[start : match.end()])
             start = match.end()
-        self._pending = buffer[start:]
+        if start < len(buffer):
+            parts.append(buffer[start:])
+        self.pending_size = len(buffer) - start
         return events
 
     def rest(self) -> bytes:
         """Bytes after the last complete event (a stream cut short)."""
-        rest, self._pending = self._pending, b""
+        rest = b"".join(self._parts)
+        self._parts.clear()
+        self.pending_size = 0
         return rest
 
     def peek(self) -> bytes:
         """Bytes of the event not yet complete."""
-        return self._pending
+        return b"".join(self._parts)
+
+
+class EventTooLarge(Exception):
+    """An event grew past the relay's limit without ending (no blank line)."""
 
 
 class LineSplitter:
-    """Cut a byte stream into complete NDJSON lines (each with its newline)."""
+    """Cut a byte stream into complete NDJSON lines (each with its newline).
 
-    __slots__ = ("_pending",)
+    Linear in the bytes fed, like EventSplitter: a line not yet complete is
+    kept as a list of chunks until one brings its newline.
+    """
+
+    __slots__ = ("_parts", "pending_size")
 
     def __init__(self) -> None:
-        self._pending = b""
+        self._parts: list[bytes] = []
+        self.pending_size = 0  # bytes of the line not yet complete
 
     def feed(self, data: bytes) -> list[bytes]:
-        buffer = self._pending + data if self._pending else data
-        end = buffer.rfind(b"\n") + 1
-        self._pending = buffer[end:]
-        return buffer[:end].splitlines(keepends=True) if end else []
+        end = data.rfind(b"\n") + 1
+        if not end:
+            if data:
+                self._parts.append(data)
+                self.pending_size += len(data)
+            return []
+        head = data[:end]
+        if self._parts:
+            head = b"".join(self._parts) + head
+            self._parts.clear()
+        rest = data[end:]
+        if rest:
+            self._parts.append(rest)
+        self.pending_size = len(rest)
+        return [line + b"\n" for line in head[:-1].split(b"\n")]
 
     def rest(self) -> bytes:
         """Bytes after the last complete line (a stream cut short)."""
-        rest, self._pending = self._pending, b""
+        rest = b"".join(self._parts)
+        self._parts.clear()
+        self.pending_size = 0
         return rest
 
     def peek(self) -> bytes:
         """Bytes of the line not yet complete."""
-        return self._pending
+        return b"".join(self._parts)
 
 
 class StreamRelay:
     """Relay an SSE byte stream event-aligned; note its usage; strip the extra
-    usage-only event the client did not ask for."""
+    usage-only event the client did not ask for.
+
+    Work is linear in the bytes received: an event still incomplete is kept as
+    a list of chunks, and only each new chunk (with the three bytes before it,
+    where a split separator could start) is searched for the end of an event.
+    An event over `max_event` bytes raises EventTooLarge.
+    """
 
     __slots__ = (
         "_keep",
         "_kept",
         "_kept_size",
-        "_pending",
+        "_max_event",
+        "_parts",
+        "_parts_size",
         "_text",
         "_wants_usage",
         "usage",
     )
 
-    def __init__(self, wants_usage_chunk: bool, keep_bytes: int) -> None:
+    def __init__(
+        self, wants_usage_chunk: bool, keep_bytes: int, max_event: int = 1 << 20
+    ) -> None:
         self._wants_usage = wants_usage_chunk
-        self._pending = b""
+        self._parts: list[bytes] = []  # the incomplete event so far
+        self._parts_size = 0
+        self._max_event = max_event
         self._keep = keep_bytes
         self._kept: list[bytes] = []  # to estimate tokens if no usage arrives
         self._kept_size = 0
@@ -95,16 +150,26 @@ class StreamRelay:
 
     def feed(self, data: bytes) -> bytes:
         """Return the complete events of `data` (with what came before) to send."""
-        if self._pending:
-            data = self._pending + data
+        parts = self._parts
+        if parts:
+            probe = parts[-1][-3:] + data
+            if b"\n\n" not in probe and b"\n\r\n" not in probe:
+                self._hold(data)
+                return b""
+            parts.append(data)
+            data = b"".join(parts)
+            parts.clear()
+            self._parts_size = 0
         if b"\r" in data:
             return self._feed_events(data)
         cut = data.rfind(b"\n\n")
         if cut < 0:
-            self._pending = data
+            self._hold(data)
             return b""
         cut += 2
-        complete, self._pending = data[:cut], data[cut:]
+        complete = data[:cut]
+        if cut < len(data):
+            self._hold(data[cut:])
         if b'"usage"' in complete and _USAGE.search(complete):
             events = complete.split(b"\n\n")
             events.pop()  # the empty string after the last separator
@@ -112,13 +177,22 @@ class StreamRelay:
         self._keep_text(complete)
         return complete
 
+    def _hold(self, data: bytes) -> None:
+        self._parts.append(data)
+        self._parts_size += len(data)
+        if self._parts_size > self._max_event:
+            self._parts.clear()
+            self._parts_size = 0
+            raise EventTooLarge(self._max_event)
+
     def _feed_events(self, data: bytes) -> bytes:
         events: list[bytes] = []
         start = 0
         for match in _EVENT_END.finditer(data):
             events.append(data[start : match.end()])
             start = match.end()
-        self._pending = data[start:]
+        if start < len(data):
+            self._hold(data[start:])
         return self._pass_events(events)
 
     def _pass_events(self, events: list[bytes]) -> bytes:
@@ -145,7 +219,9 @@ class StreamRelay:
 
     def rest(self) -> bytes:
         """Bytes after the last complete event (a stream cut short)."""
-        rest, self._pending = self._pending, b""
+        rest = b"".join(self._parts)
+        self._parts.clear()
+        self._parts_size = 0
         return rest
 
     def text_length(self) -> int:

@@ -67,6 +67,8 @@ class Surface:
     protocol = "openai"
     native_path = "/v1/chat/completions"
     stream_content_type = b"text/event-stream; charset=utf-8"
+    # Its streams are JSON lines (Ollama's) rather than server-sent events.
+    is_ndjson = False
     accepts_x_api_key = False
     key_hint = "'Authorization: Bearer <key>'"
 
@@ -184,6 +186,7 @@ class OllamaSurface(Surface):
 
     protocol = "ollama"
     stream_content_type = b"application/x-ndjson"
+    is_ndjson = True
 
     def __init__(self, path: str) -> None:
         self.native_path = path

@@ -8,8 +8,8 @@ hot path; its request layer measured a third of the gateway's throughput here.
 
 from __future__ import annotations
 
+import asyncio
 import json
-import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from routing.core import LiveStats, Route, Target
-from routing.proxy import sse
+from routing.proxy import checks, sse
 from routing.proxy.errors import ProxyError
-from routing.proxy.legs import Call, Leg, Unservable, openai_call
+from routing.proxy.legs import Call, Leg, LegStream, Unservable, openai_call
 from routing.proxy.outbound import OPENAI_ADAPTER, adapter_for
 from routing.translate.base import StreamFailed
 
@@ -29,8 +29,6 @@ if TYPE_CHECKING:
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
-_USAGE_KEY = re.compile(rb'"usage"\s*:\s*\{')
-_DECODER = json.JSONDecoder()
 _STREAM_OPTIONS = b',"stream_options":{"include_usage":true}}'
 # Stream events kept to estimate tokens when a backend reports no usage; past
 # this many bytes the text is counted as it passes instead.
@@ -56,14 +54,24 @@ class Exchange:
     error: str = ""
     client_gone: bool = False
     retries: int = 0
+    # Bytes sent that the client has not read yet, where the server tells
+    # (Daphne, through nexus_site.daphne_limits); None elsewhere.
+    unsent_bytes: Callable[[], int] | None = None
 
 
 class UpstreamClient:
     """The serving process's pooled HTTP client, bound to one event loop."""
 
-    def __init__(self, *, max_connections: int, connect_timeout: float) -> None:
+    def __init__(
+        self,
+        *,
+        max_connections: int,
+        connect_timeout: float,
+        limits: ReplyLimits | None = None,
+    ) -> None:
         self.max_connections = max_connections
         self.connect_timeout = connect_timeout
+        self.limits = limits or ReplyLimits()
         self._session: aiohttp.ClientSession | None = None
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
 
@@ -150,6 +158,15 @@ def _describe(error: BaseException) -> str:
 _TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError)
 
 
+@dataclass(frozen=True, slots=True)
+class ReplyLimits:
+    """How much of an upstream reply, and of a slow reader, the proxy accepts."""
+
+    max_reply: int = 32 * 1024 * 1024  # non-stream body
+    max_event: int = 1024 * 1024  # one SSE event
+    max_unsent: int = 8 * 1024 * 1024  # stream bytes the client has not read
+
+
 async def forward(
     gateway: Gateway,
     exchange: Exchange,
@@ -163,8 +180,10 @@ async def forward(
     """Send the request to the chosen backend, retrying others before any byte.
 
     Retries (never the same backend twice) on connection errors, timeouts before
-    the response head, and 5xx answers, up to the policy's max_retries. A 4xx is
-    the client's to see. Once the first byte went to the client, a failure ends
+    the response head, 5xx answers and invalid replies (a success that is not
+    the JSON the endpoint answers, a body over the size limit, a stream whose
+    first event is not JSON), up to the policy's max_retries. A 4xx is the
+    client's to see. Once the first byte went to the client, a failure ends
     the stream with an error event.
 
     ``call`` is None for an OpenAI client's request: relayed as it is to
@@ -178,10 +197,12 @@ async def forward(
     stats: LiveStats = gateway.stats
     breaker = gateway.breaker
     client = gateway.upstream
+    limits = client.limits
     session = client.session
     targets = (route.target, *route.retry_targets)
     failures: list[str] = []
     last_timeout = False
+    last_fault = ""
     for position, target in enumerate(targets):
         backend = target.backend
         model = target.model.name
@@ -220,62 +241,84 @@ async def forward(
                 url, data, headers = leg.url, leg.body, leg.headers
             asked = time.perf_counter()
             try:
-                response = await session.request(
-                    "POST",
-                    url,
-                    data=data,
-                    headers=headers,
-                    timeout=client.timeout(backend.request_timeout),
-                    allow_redirects=False,
-                )
+                # The head too within the timeout, not just each read of it: a
+                # backend dripping its head a byte at a time would reset those.
+                async with asyncio.timeout(backend.request_timeout):
+                    response = await session.request(
+                        "POST",
+                        url,
+                        data=data,
+                        headers=headers,
+                        timeout=client.timeout(backend.request_timeout),
+                        allow_redirects=False,
+                    )
             except _TRANSPORT_ERRORS as error:
                 breaker.record_failure(backend.name)
                 gateway.metrics.retries.labels(backend.name).inc()
                 failures.append(f"{backend.name}: {_describe(error)}")
                 last_timeout = isinstance(error, TimeoutError)
+                last_fault = ""
                 continue
             stats.observe_latency(backend.name, (time.perf_counter() - asked) * 1000)
             status = response.status
+            is_last = position == len(targets) - 1
             if status >= 500:
                 breaker.record_failure(backend.name)
-            else:
-                breaker.record_success(backend.name)
-            is_last = position == len(targets) - 1
-            if status >= 500 and not is_last:
-                failures.append(f"{backend.name}: HTTP {status}")
-                gateway.metrics.retries.labels(backend.name).inc()
-                response.close()  # or its pooled connection leaks
-                response = None
-                continue
+                if not is_last:
+                    failures.append(f"{backend.name}: HTTP {status}")
+                    gateway.metrics.retries.labels(backend.name).inc()
+                    response.close()  # or its pooled connection leaks
+                    response = None
+                    continue
             streams = (
                 _is_event_stream(exchange, response)
                 if leg is None
                 else _is_leg_stream(exchange, response, leg)
             )
-            if not streams:
-                # A whole reply is read before anything goes to the client, so a
-                # backend that fails half-way through it can still be retried.
-                try:
-                    body = await response.read()
-                    if leg is not None:
-                        body = leg.answer(exchange, status, body)
-                except _TRANSPORT_ERRORS as error:
-                    breaker.record_failure(backend.name)
-                    gateway.metrics.retries.labels(backend.name).inc()
-                    failures.append(f"{backend.name}: {_describe(error)} mid-reply")
-                    last_timeout = isinstance(error, TimeoutError)
-                    response.close()
-                    response = None
-                    continue
-                except ValueError:
-                    # A success that is not what the protocol says: the
-                    # backend's fault, so another one may answer.
-                    breaker.record_failure(backend.name)
-                    gateway.metrics.retries.labels(backend.name).inc()
-                    failures.append(f"{backend.name}: malformed reply")
-                    response.close()
-                    response = None
-                    continue
+            # A whole reply (or a stream's first event) is read and checked
+            # before anything goes to the client, so a backend that fails or
+            # answers nonsense can still be retried.
+            try:
+                async with asyncio.timeout(backend.request_timeout):
+                    if streams:
+                        if leg is None:
+                            relay = sse.StreamRelay(
+                                wants_usage_chunk, _KEEP_FOR_ESTIMATE, limits.max_event
+                            )
+                            first = await _first_events(
+                                response, relay, limits.max_event
+                            )
+                        else:
+                            leg_stream = leg.stream(limits.max_event)
+                            first = await _first_leg_events(
+                                response, leg_stream, leg.call.surface.is_ndjson
+                            )
+                    else:
+                        body = await checks.read_capped(response, limits.max_reply)
+                        if leg is None:
+                            reply = _checked_reply(exchange, status, body)
+                        else:
+                            body = _leg_answer(exchange, leg, status, response, body)
+            except _TRANSPORT_ERRORS as error:
+                breaker.record_failure(backend.name)
+                gateway.metrics.retries.labels(backend.name).inc()
+                failures.append(f"{backend.name}: {_describe(error)} mid-reply")
+                last_timeout = isinstance(error, TimeoutError)
+                last_fault = ""
+                response.close()
+                response = None
+                continue
+            except checks.UpstreamFault as fault:
+                breaker.record_failure(backend.name)
+                gateway.metrics.retries.labels(backend.name).inc()
+                failures.append(f"{backend.name}: {fault.detail}")
+                last_timeout = False
+                last_fault = fault.code
+                response.close()  # the rest of the reply is never read
+                response = None
+                continue
+            if status < 500:
+                breaker.record_success(backend.name)
             exchange.backend = backend.name
             exchange.served_model = model
             response_headers += (
@@ -285,7 +328,15 @@ async def forward(
             if leg is not None:
                 if streams:
                     await _relay_leg_stream(
-                        exchange, leg, response, send, response_headers
+                        exchange,
+                        leg,
+                        response,
+                        send,
+                        response_headers,
+                        leg_stream,
+                        first,
+                        backend.request_timeout,
+                        limits.max_unsent,
                     )
                 else:
                     await _send_leg_body(
@@ -293,10 +344,19 @@ async def forward(
                     )
             elif streams:
                 await _relay_stream(
-                    exchange, response, send, response_headers, wants_usage_chunk
+                    exchange,
+                    response,
+                    send,
+                    response_headers,
+                    relay,
+                    first,
+                    backend.request_timeout,
+                    limits.max_unsent,
                 )
             else:
-                await _relay_body(exchange, response, body, send, response_headers)
+                await _relay_body(
+                    exchange, response, body, reply, send, response_headers
+                )
             return
         finally:
             if response is not None:
@@ -304,10 +364,12 @@ async def forward(
                 # short (client gone, error) must not go back to the pool.
                 response.close()
             stats.end(backend.name, model)
-    _raise_exhausted(exchange, failures, last_timeout)
+    _raise_exhausted(exchange, failures, last_timeout, last_fault)
 
 
-def _raise_exhausted(exchange: Exchange, failures: list[str], timeout: bool) -> None:
+def _raise_exhausted(
+    exchange: Exchange, failures: list[str], timeout: bool, fault: str = ""
+) -> None:
     detail = "; ".join(failures) or "no backend could be tried"
     if failures and all("max concurrency" in f for f in failures):
         raise ProxyError(
@@ -324,6 +386,14 @@ def _raise_exhausted(exchange: Exchange, failures: list[str], timeout: bool) -> 
             f"cannot take this kind of request ({detail}).",
             error_type="server_error",
             code="not_implemented",
+        )
+    if fault:
+        raise ProxyError(
+            502,
+            f"No backend gave a valid answer for model "
+            f"'{exchange.requested_model}': {detail}.",
+            error_type="server_error",
+            code=fault,
         )
     raise ProxyError(
         504 if timeout else 502,
@@ -352,28 +422,70 @@ def _is_leg_stream(
     )
 
 
+def _checked_reply(
+    exchange: Exchange, status: int, body: bytes
+) -> dict[str, Any] | None:
+    """The parsed body of a success (None for an error reply), or UpstreamFault."""
+    if status >= 300:
+        return None
+    if exchange.stream:
+        # Asked for a stream, answered something else with a success status.
+        raise checks.invalid("answered a stream request without an event stream")
+    return checks.check_reply_body(exchange.endpoint, body)
+
+
+async def _first_events(
+    response: aiohttp.ClientResponse, relay: sse.StreamRelay, max_event: int
+) -> bytes:
+    """Read up to the stream's first data event and check it; return what to send.
+
+    Raises UpstreamFault when the first event is not JSON, is over the limit,
+    or the stream ends before it.
+    """
+    sent: list[bytes] = []
+    try:
+        async for data in response.content.iter_any():
+            out = relay.feed(data)
+            if out:
+                sent.append(out)
+                if checks.check_first_event(out):
+                    return b"".join(sent)
+    except sse.EventTooLarge:
+        raise checks.event_too_large(max_event) from None
+    raise checks.invalid("ended its stream before the first event")
+
+
 async def _relay_body(
     exchange: Exchange,
     response: aiohttp.ClientResponse,
     body: bytes,
+    reply: dict[str, Any] | None,
     send: Send,
     headers: list[tuple[bytes, bytes]],
 ) -> None:
     status = exchange.status = response.status
-    if status < 300:
-        exchange.usage = _usage_of_body(body)
+    if reply is not None:
+        usage = reply.get("usage")
+        exchange.usage = usage if isinstance(usage, dict) else None
         if exchange.usage is None:
-            exchange.completion_chars = _text_length(body)
+            exchange.completion_chars = _text_length(reply)
+        content_type = b"application/json"
     else:
-        exchange.error = f"upstream_{status}"
-    content_type = response.headers.get("Content-Type", "application/json")
+        body, exchange.error = checks.error_reply(
+            status,
+            response.headers.get("Content-Type", ""),
+            body,
+            exchange.backend,
+            exchange.request_id,
+        )
+        content_type = b"application/json"
     exchange.first_byte = time.perf_counter()
     await send(
         {
             "type": "http.response.start",
             "status": status,
             "headers": [
-                (b"content-type", content_type.encode("latin-1")),
+                (b"content-type", content_type),
                 (b"content-length", str(len(body)).encode()),
                 *headers,
             ],
@@ -394,8 +506,19 @@ async def _relay_stream(
     response: aiohttp.ClientResponse,
     send: Send,
     headers: list[tuple[bytes, bytes]],
-    wants_usage_chunk: bool,
+    relay: sse.StreamRelay,
+    first: bytes,
+    event_timeout: float,
+    max_unsent: int,
 ) -> None:
+    """Relay the rest of a stream whose first events were read and checked.
+
+    Ends the stream with an error event when the backend breaks, sends an
+    event over the size limit, or goes `event_timeout` seconds without
+    completing an event; stops reading it when the client has not read
+    `max_unsent` bytes of what was sent (a stalled reader, seen where the
+    server tells: ``exchange.unsent_bytes``).
+    """
     exchange.status = response.status
     await send(
         {
@@ -404,16 +527,32 @@ async def _relay_stream(
             "headers": [*_STREAM_HEADERS, *headers],
         }
     )
-    relay = sse.StreamRelay(wants_usage_chunk, _KEEP_FOR_ESTIMATE)
+    exchange.first_byte = time.perf_counter()
+    await send({"type": "http.response.body", "body": first, "more_body": True})
+    unsent = exchange.unsent_bytes
+    loop = asyncio.get_running_loop()
+    tail = b""
     try:
-        async for data in response.content.iter_any():
-            out = relay.feed(data)
-            if out:
-                if exchange.first_byte is None:
-                    exchange.first_byte = time.perf_counter()
-                await send(
-                    {"type": "http.response.body", "body": out, "more_body": True}
-                )
+        async with asyncio.timeout_at(loop.time() + event_timeout) as deadline:
+            async for data in response.content.iter_any():
+                out = relay.feed(data)
+                if out:
+                    deadline.reschedule(loop.time() + event_timeout)
+                    await send(
+                        {"type": "http.response.body", "body": out, "more_body": True}
+                    )
+                    if unsent is not None and unsent() > max_unsent:
+                        exchange.error = "client_stalled"
+                        break
+            else:
+                tail = relay.rest()
+    except sse.EventTooLarge as error:
+        exchange.error = "upstream_event_too_large"
+        tail = sse.error_event(
+            f"Backend '{exchange.backend}' sent a stream event over the gateway's "
+            f"limit ({error.args[0]} bytes); the response is incomplete.",
+            exchange.error,
+        )
     except _TRANSPORT_ERRORS as error:
         exchange.error = "upstream_stream_broken"
         message = (
@@ -421,8 +560,6 @@ async def _relay_stream(
             "the response is incomplete."
         )
         tail = sse.error_event(message, "upstream_stream_broken")
-    else:
-        tail = relay.rest()
     exchange.usage = relay.usage
     if relay.usage is None:
         exchange.completion_chars = relay.text_length()
@@ -438,7 +575,7 @@ async def _send_leg_body(
     headers: list[tuple[bytes, bytes]],
 ) -> None:
     exchange.status = status
-    if status >= 300:
+    if status >= 300 and not exchange.error:
         exchange.error = f"upstream_{status}"
     exchange.first_byte = time.perf_counter()
     await send(
@@ -455,13 +592,80 @@ async def _send_leg_body(
     await send({"type": "http.response.body", "body": body})
 
 
+def _leg_answer(
+    exchange: Exchange,
+    leg: Leg,
+    status: int,
+    response: aiohttp.ClientResponse,
+    body: bytes,
+) -> bytes:
+    """The client's body for a leg's whole answer, checked; or UpstreamFault.
+
+    A backend that speaks the client's protocol has its answer passed through:
+    a success must still be a JSON object, and an error that is not JSON is
+    replaced (and logged) like on the OpenAI path.
+    """
+    if leg.native:
+        if status < 300:
+            if checks.json_object_of(body) is None:
+                raise checks.invalid("answered a success that is not a JSON object")
+        elif checks.json_object_of(body) is None:
+            _, exchange.error = checks.error_reply(
+                status,
+                response.headers.get("Content-Type", ""),
+                body,
+                leg.target.backend.name,
+                exchange.request_id,
+            )
+            return leg.call.surface.error_body(
+                ProxyError(
+                    status,
+                    f"The backend '{leg.target.backend.name}' answered HTTP {status} "
+                    "with an error the gateway does not pass on; the gateway's log "
+                    f"has it (request id {exchange.request_id}).",
+                    error_type="server_error" if status >= 500 else "upstream_error",
+                    code="upstream_error",
+                )
+            )
+    try:
+        return leg.answer(exchange, status, body)
+    except (ValueError, UnicodeDecodeError):
+        raise checks.invalid("answered a success its protocol does not allow") from None
+
+
+async def _first_leg_events(
+    response: aiohttp.ClientResponse, stream: LegStream, ndjson: bool = False
+) -> bytes:
+    """A leg's first bytes for the client, once they exist; or UpstreamFault.
+
+    ``ndjson``: the client's stream is JSON lines (Ollama's), not SSE.
+    """
+    check = checks.check_first_line if ndjson else checks.check_first_event
+    sent: list[bytes] = []
+    try:
+        async for data in response.content.iter_any():
+            out = stream.feed(data)
+            if out:
+                sent.append(out)
+                if check(out):
+                    return b"".join(sent)
+    except StreamFailed as error:
+        raise checks.invalid(error.message) from None
+    raise checks.invalid("ended its stream before the first event")
+
+
 async def _relay_leg_stream(
     exchange: Exchange,
     leg: Leg,
     response: aiohttp.ClientResponse,
     send: Send,
     headers: list[tuple[bytes, bytes]],
+    stream: LegStream,
+    first: bytes,
+    event_timeout: float,
+    max_unsent: int,
 ) -> None:
+    """Relay (or translate) the rest of a leg's stream; bounded as _relay_stream."""
     exchange.status = response.status
     await send(
         {
@@ -474,17 +678,25 @@ async def _relay_leg_stream(
             ],
         }
     )
-    stream = leg.stream()
+    exchange.first_byte = time.perf_counter()
+    await send({"type": "http.response.body", "body": first, "more_body": True})
+    unsent = exchange.unsent_bytes
+    loop = asyncio.get_running_loop()
+    tail = b""
     try:
-        async for data in response.content.iter_any():
-            out = stream.feed(data)
-            if out:
-                if exchange.first_byte is None:
-                    exchange.first_byte = time.perf_counter()
-                await send(
-                    {"type": "http.response.body", "body": out, "more_body": True}
-                )
-        tail = stream.finish()
+        async with asyncio.timeout_at(loop.time() + event_timeout) as deadline:
+            async for data in response.content.iter_any():
+                out = stream.feed(data)
+                if out:
+                    deadline.reschedule(loop.time() + event_timeout)
+                    await send(
+                        {"type": "http.response.body", "body": out, "more_body": True}
+                    )
+                    if unsent is not None and unsent() > max_unsent:
+                        exchange.error = "client_stalled"
+                        break
+            else:
+                tail = stream.finish()
     except _TRANSPORT_ERRORS as error:
         exchange.error = "upstream_stream_broken"
         tail = stream.fail(
@@ -501,26 +713,9 @@ async def _relay_leg_stream(
     await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
-def _usage_of_body(body: bytes) -> dict[str, Any] | None:
-    """Find the usage block without parsing a whole (possibly huge) reply."""
-    start = body.rfind(b'"usage"')  # the reply's own usage block is its last one
-    match = _USAGE_KEY.match(body, start) if start >= 0 else None
-    if match is None:
-        return None
-    try:
-        usage, _ = _DECODER.raw_decode(body[match.end() - 1 :].decode(errors="replace"))
-    except ValueError:
-        return None
-    return usage if isinstance(usage, dict) else None
-
-
-def _text_length(body: bytes) -> int:
-    try:
-        payload = json.loads(body)
-    except ValueError:
-        return 0
+def _text_length(payload: dict[str, Any]) -> int:
     total = 0
-    for choice in payload.get("choices") or () if isinstance(payload, dict) else ():
+    for choice in payload.get("choices") or ():
         if not isinstance(choice, dict):
             continue
         message = choice.get("message")

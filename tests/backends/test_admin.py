@@ -175,8 +175,8 @@ def test_inline_models_are_saved_under_the_backend(admin_client: Client) -> None
                 {
                     "name": "llama3:8b",
                     "context_length": "8192",
-                    "supports_tools": "on",
-                    "supports_json_mode": "on",
+                    "supports_tools": "true",
+                    "supports_json_mode": "true",
                     "enabled": "on",
                     # Read-only in the inline: a submitted value is ignored.
                     "discovered": "on",
@@ -184,7 +184,7 @@ def test_inline_models_are_saved_under_the_backend(admin_client: Client) -> None
                 {
                     "name": "llava:7b",
                     "context_length": "4096",
-                    "supports_vision": "on",
+                    "supports_vision": "true",
                     "loaded": "on",
                 },
             ]
@@ -201,7 +201,8 @@ def test_inline_models_are_saved_under_the_backend(admin_client: Client) -> None
         True,
         True,
     )
-    assert llama.enabled and not llama.discovered and not llama.supports_vision
+    assert llama.enabled and not llama.discovered
+    assert llama.supports_vision is None  # left at "unknown"
     assert llava.supports_vision and llava.loaded and not llava.enabled
 
 

@@ -132,14 +132,19 @@ def test_the_status_badge_shows_the_last_error_on_hover(
     )
 
 
+def _select(value: bool | None) -> str:
+    return {True: "true", False: "false", None: "unknown"}[value]
+
+
 def model_form(row: BackendModel, **changes: Any) -> dict[str, Any]:
     data = {
         "backend": row.backend_id,
         "name": row.name,
         "context_length": row.context_length or "",
-        "supports_vision": "on" if row.supports_vision else "",
-        "supports_tools": "on" if row.supports_tools else "",
-        "supports_json_mode": "on" if row.supports_json_mode else "",
+        # The admin's yes / no / unknown select.
+        "supports_vision": _select(row.supports_vision),
+        "supports_tools": _select(row.supports_tools),
+        "supports_json_mode": _select(row.supports_json_mode),
         "loaded": "on" if row.loaded else "",
         "enabled": "on" if row.enabled else "",
     } | changes
@@ -155,7 +160,9 @@ def test_an_edit_in_the_admin_is_kept_by_discovery(
     row = BackendModel.objects.get(backend=backend, name="llava:7b")
     url = reverse("admin:backends_backendmodel_change", args=(row.pk,))
     response = admin_client.post(
-        url, model_form(row, context_length="2048", supports_vision=""), follow=True
+        url,
+        model_form(row, context_length="2048", supports_vision="false"),
+        follow=True,
     )
     assert response.status_code == 200
     row.refresh_from_db()
@@ -202,7 +209,7 @@ def test_an_edit_in_the_backend_pages_inline_is_recorded_too(
             f"models-{index}-context_length": "8192",
             f"models-{index}-enabled": "on",
         }
-    data["models-0-supports_tools"] = "on"
+    data["models-0-supports_tools"] = "true"
     url = reverse("admin:backends_backend_change", args=(backend.pk,))
     response = admin_client.post(url, data)
     assert response.status_code == 302, response.content.decode()[-2000:]

@@ -80,18 +80,84 @@ def test_backend_round_trip_never_returns_the_api_key(api: APIClient) -> None:
     assert not Backend.objects.filter(pk=backend.pk).exists()
 
 
-def test_health_fields_are_read_only(api: APIClient) -> None:
+def test_changing_health_fields_is_refused_not_ignored(api: APIClient) -> None:
     backend = BackendFactory(unhealthy=True)
 
     response = api.patch(
         f"/api/v1/backends/{backend.pk}",
-        {"status": "healthy", "consecutive_failures": 0},
+        {"status": "draining", "consecutive_failures": 0, "priority": 1},
         format="json",
     )
 
-    assert response.status_code == 200
+    assert response.status_code == 400
+    errors = response.json()
+    assert errors["status"][0].startswith("This field is read-only.")
+    assert "/drain" in errors["status"][0]
+    assert errors["consecutive_failures"] == ["This field is read-only."]
     backend.refresh_from_db()
     assert backend.status == "unhealthy" and backend.consecutive_failures == 3
+    assert backend.priority != 1  # nothing of a refused request is applied
+
+
+def test_unknown_fields_are_refused(api: APIClient) -> None:
+    backend = BackendFactory(priority=5)
+
+    response = api.patch(
+        f"/api/v1/backends/{backend.pk}", {"prority": 1}, format="json"
+    )
+
+    assert response.status_code == 400
+    assert response.json() == {"prority": ["Unknown field."]}
+
+
+def test_what_a_get_returned_can_be_put_back(api: APIClient) -> None:
+    backend = BackendFactory(name="gpu-1", unhealthy=True, api_key=SECRET)
+    url = f"/api/v1/backends/{backend.pk}"
+    body = api.get(url).json()
+
+    response = api.put(url, body | {"priority": 3}, format="json")
+
+    assert response.status_code == 200, response.content
+    backend.refresh_from_db()
+    assert (backend.priority, backend.status, backend.api_key) == (
+        3,
+        "unhealthy",
+        SECRET,
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_drain_and_undrain_a_backend(
+    api: APIClient, mock_backend_factory: Callable[..., Any]
+) -> None:
+    mock = mock_backend_factory("--models", "llama3:8b", "--name", "mock-drain")
+    backend = BackendFactory(name="mock-drain", base_url=mock.base_url)
+    version = read_config_version()
+
+    drained = api.post(f"/api/v1/backends/{backend.pk}/drain")
+
+    assert drained.status_code == 200, drained.content
+    assert drained.json()["status"] == "draining"
+    assert read_config_version() == version + 1
+    again = api.post(f"/api/v1/backends/{backend.pk}/drain/")
+    assert again.json()["status"] == "draining"
+    assert read_config_version() == version + 1  # already draining: no change
+
+    # Undrain probes the backend now, as the admin action does: it answers.
+    undrained = api.post(f"/api/v1/backends/{backend.pk}/undrain")
+
+    assert undrained.status_code == 200
+    assert undrained.json()["status"] == "healthy"
+    assert undrained.json()["last_check_at"] is not None
+    backend.refresh_from_db()
+    assert backend.status == "healthy"
+
+
+def test_drain_of_an_unknown_backend_is_a_404(api: APIClient) -> None:
+    response = api.post("/api/v1/backends/424242/drain")
+
+    assert response.status_code == 404
+    assert response.json() == {"detail": "No Backend matches the given query."}
 
 
 @pytest.mark.parametrize(
@@ -291,7 +357,9 @@ def test_every_committed_backend_change_bumps_the_config_version(
 
 
 def test_capabilities_an_operator_edits_are_kept_from_discovery(api: APIClient) -> None:
-    found = BackendModelFactory(discovered=True, supports_tools=False)
+    found = BackendModelFactory(
+        discovered=True, supports_tools=False, supports_vision=False
+    )
 
     response = api.patch(
         f"/api/v1/backend-models/{found.pk}",

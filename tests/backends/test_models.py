@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
+from datetime import timedelta
+
 import pytest
+from django.apps import apps as django_apps
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
+from django.utils import timezone
 
 from backends.models import Backend, BackendModel, HealthStatus
 from routing.core import Health
@@ -182,3 +187,50 @@ def test_an_operator_claims_only_the_fields_discovery_writes() -> None:
     assert model.manual_fields == ["context_length", "enabled", "supports_tools"]
     model.claim_fields(["name", "loaded"])
     assert model.manual_fields == ["context_length", "enabled", "supports_tools"]
+
+
+@pytest.mark.django_db
+def test_a_health_result_older_than_three_intervals_is_stale(settings) -> None:
+    settings.NEXUS_HEALTH_INTERVAL = 10.0
+    now = timezone.now()
+    backend = BackendFactory(last_check_at=now - timedelta(seconds=29))
+    assert not backend.is_health_stale(now)
+    assert backend.is_routable
+    backend.last_check_at = now - timedelta(seconds=31)
+    assert backend.is_health_stale(now)
+    assert not backend.is_routable
+    # Draining and unknown are not results of a check: they do not age.
+    backend.status = HealthStatus.DRAINING
+    assert not backend.is_health_stale(now)
+
+
+@pytest.mark.django_db
+def test_upgrading_turns_unclaimed_false_capabilities_into_unknown() -> None:
+    migration = importlib.import_module(
+        "backends.migrations.0003_capabilities_tri_state"
+    )
+    backend = BackendFactory()
+    defaulted = BackendModel.objects.create(
+        backend=backend,
+        name="generic",
+        supports_vision=False,
+        supports_tools=False,
+        supports_json_mode=True,
+    )
+    claimed = BackendModel.objects.create(
+        backend=backend,
+        name="told-no",
+        supports_tools=False,
+        supports_vision=False,
+        manual_fields=["supports_tools"],
+    )
+    migration.false_means_unknown(django_apps, None)
+    defaulted.refresh_from_db()
+    claimed.refresh_from_db()
+    assert (
+        defaulted.supports_vision,
+        defaulted.supports_tools,
+        defaulted.supports_json_mode,
+    ) == (None, None, True)
+    # An operator's own "no" stays "no".
+    assert (claimed.supports_tools, claimed.supports_vision) == (False, None)

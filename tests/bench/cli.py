@@ -109,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path(settings.BASE_DIR) / "bench-results",
         help="Directory for the JSON report (default: bench-results/).",
     )
+    parser.add_argument(
+        "--no-surfaces",
+        dest="surfaces",
+        action="store_false",
+        help="Skip the protocol surface paths (an Anthropic client translated "
+        "for the OpenAI mock, and passed through to an Anthropic-kind mock), "
+        "measured on the first single-process Nexus target.",
+    )
     parser.add_argument("--wrk", default="wrk", help="The wrk executable.")
     parser.add_argument(
         "--json",
@@ -155,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile_dir=options.output if options.profile else None,
         wrk=options.wrk,
         litellm=str(Path(litellm).absolute()) if options.litellm else None,
+        surfaces=options.surfaces,
     )
     estimate = estimate_seconds(bench)
     _progress(

@@ -63,6 +63,8 @@ class BenchOptions:
     profile_dir: Path | None = None  # where py-spy profiles go; None: no profiling
     wrk: str = "wrk"
     litellm: str | None = None  # LiteLLM's executable (make bench-peers)
+    # The translated and pass-through Anthropic paths on the first Nexus target.
+    surfaces: bool = True
 
 
 def estimate_seconds(options: BenchOptions) -> float:
@@ -76,4 +78,8 @@ def estimate_seconds(options: BenchOptions) -> float:
             total += max(1.0, options.warmup) + (1.0 if plan.paced_stream else 0.0)
         if options.profile_dir is not None and spec is not None:
             total += options.duration if spec.role == "nexus" else 0
+    nexus = [s for s in options.targets if s.role == "nexus" and not s.is_multi_process]
+    if options.surfaces and nexus:
+        # Two paths of two measurements each, with their warm-ups.
+        total += 2 * (2 * options.duration + max(1.0, options.warmup) + 1.0)
     return total

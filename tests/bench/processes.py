@@ -276,9 +276,10 @@ def start_mock(
     name: str,
     model: str,
     chunks: int,
+    kind: str = "openai",
 ) -> ProcessGroup:
     """Start the mock backend on a free port and wait for its address."""
-    log_path = logs / "mock.log"
+    log_path = logs / f"mock-{kind}.log"
     try:
         mock = spawn_mock_backend(
             "--models",
@@ -287,6 +288,8 @@ def start_mock(
             name,
             "--chunks",
             str(chunks),
+            "--kind",
+            kind,
             timeout=START_TIMEOUT,
             output=log_path,
             env=env,

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tests.bench.goals import judge_goals, ratio
+from tests.bench.surfaces import surface_lines
 
 if TYPE_CHECKING:
     from tests.bench.plan import BenchOptions
@@ -201,6 +202,7 @@ def format_report(report: dict[str, Any]) -> str:
     if any(data["stream"] for data in report["servers"].values()):
         lines += ["", "Streaming chat completions, closed loop (wrk)"]
         lines += _stream_table(report)
+    lines += surface_lines(report)
     lines += ["", "Processes and memory"]
     lines += _process_table(report)
     lines += ["", "Goals (issue 11)"]

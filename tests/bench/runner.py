@@ -61,6 +61,16 @@ from tests.bench.processes import (
 )
 from tests.bench.profiles import record_profile
 from tests.bench.report import build_report, summarize_ns
+from tests.bench.surfaces import (
+    ANTHROPIC_BACKEND,
+    ANTHROPIC_MODEL,
+    MESSAGE_END,
+    MESSAGE_REPLY,
+    compare_surfaces,
+    install_anthropic_rows,
+    messages_endpoints,
+)
+from tests.bench.surfaces import PLAN as SURFACE_PLAN
 
 # A small but realistic chat request; the mock's reply is about 350 bytes.
 CHAT_BODY = {
@@ -94,6 +104,10 @@ class _Target:
     spec: TargetSpec | None = None
     watched: dict[str, ProcessGroup] = field(default_factory=dict)
     requests: int = 0  # answered so far, warm-up included
+    # What a good answer holds, and which backend must have served it.
+    chat_marker: bytes = CHAT_REPLY
+    stream_marker: bytes = STREAM_END
+    backend: str = BACKEND_NAME
 
 
 def run_benchmark(
@@ -130,6 +144,20 @@ def run_benchmark(
         stack.callback(mock.stop)
         key = stack.enter_context(install_bench_rows(mock.url))
         runner = _Runner(options, wrk, pinning, scratch, progress)
+        if options.surfaces:
+            claude = start_mock(
+                env,
+                cwd,
+                scratch,
+                pinning.mock,
+                name=ANTHROPIC_BACKEND,
+                model=ANTHROPIC_MODEL,
+                chunks=options.stream_chunks,
+                kind="anthropic",
+            )
+            stack.callback(claude.stop)
+            stack.enter_context(install_anthropic_rows(claude.url))
+            runner.surfaces_mock = claude
         direct = _Target(
             "direct",
             plan_for(None),
@@ -177,6 +205,8 @@ class _Runner:
         self.pinning = pinning
         self.scratch = scratch
         self.progress = progress
+        # The Anthropic-kind mock, until the surface paths have been measured.
+        self.surfaces_mock: ProcessGroup | None = None
 
     def run_target(
         self,
@@ -231,6 +261,15 @@ class _Runner:
                 watched={"server": server, "mock": mock},
             )
             result = self.measure(target)
+            claude = self.surfaces_mock
+            if claude is not None and spec.role == "nexus" and pinned:
+                self.surfaces_mock = None  # the first single-process target only
+                result["surfaces"] = self.measure_surfaces(
+                    target, server.url, key, claude
+                )
+                result["surface_comparison"] = compare_surfaces(
+                    result, self.options.stream_chunks
+                )
             result["target"] = {
                 "server": spec.server,
                 "role": spec.role,
@@ -245,6 +284,29 @@ class _Runner:
             server.stop()
             if not pinned and self.pinning.mock:
                 mock.set_affinity(self.pinning.mock)
+
+    def measure_surfaces(
+        self, plain: _Target, url: str, key: str, claude: ProcessGroup
+    ) -> dict[str, Any]:
+        """Measure the translated and pass-through paths like the plain one."""
+        results = {}
+        for name, model, backend in (
+            ("translated", MODEL, BACKEND_NAME),
+            ("pass-through", ANTHROPIC_MODEL, ANTHROPIC_BACKEND),
+        ):
+            target = _Target(
+                f"{plain.label}-{name}",
+                SURFACE_PLAN,
+                *messages_endpoints(url, key, CHAT_BODY, model),
+                load_cpus=plain.load_cpus,
+                spec=plain.spec,
+                watched={**plain.watched, "claude": claude},
+                chat_marker=MESSAGE_REPLY,
+                stream_marker=MESSAGE_END,
+                backend=backend,
+            )
+            results[name] = self.measure(target)
+        return results
 
     def measure(self, target: _Target) -> dict[str, Any]:
         """Check, warm up, then measure what the target's plan says."""
@@ -303,7 +365,10 @@ class _Runner:
         target.requests += finish_wrk(wrk).requests
         if target.plan.paced_stream or target.plan.streams:
             streams = measure_concurrently(
-                target.stream, 4, min(1.0, self.options.warmup), expect=STREAM_END
+                target.stream,
+                4,
+                min(1.0, self.options.warmup),
+                expect=target.stream_marker,
             )
             target.requests += streams.count
 
@@ -337,7 +402,7 @@ class _Runner:
                     )
                 )
             probe = measure_concurrently(
-                target.chat, 1, duration, cpus, expect=CHAT_REPLY
+                target.chat, 1, duration, cpus, expect=target.chat_marker
             )
             rate = wrk.requests_per_s
             source = "1 probe connection alone (after wrk's run)"
@@ -362,7 +427,7 @@ class _Runner:
                         probes,
                         max(0.5, duration - 2 * _EDGE_SECONDS),
                         cpus,
-                        expect=CHAT_REPLY,
+                        expect=target.chat_marker,
                     )
                 finally:
                     wrk = finish_wrk(process)
@@ -393,7 +458,7 @@ class _Runner:
                 rate,
                 self.options.duration,
                 target.load_cpus,
-                expect=STREAM_END,
+                expect=target.stream_marker,
             )
         target.requests += streams.count
         _check_alive(target)
@@ -471,9 +536,9 @@ def _endpoints(base_url: str, headers: dict[str, str]) -> tuple[Endpoint, Endpoi
 
 def _check_replies(target: _Target) -> None:
     """Fail early, with the reply, unless the requests measured are answered."""
-    checks = [(target.chat, CHAT_REPLY)]
+    checks = [(target.chat, target.chat_marker)]
     if target.plan.paced_stream or target.plan.streams:
-        checks.append((target.stream, STREAM_END))
+        checks.append((target.stream, target.stream_marker))
     for endpoint, marker in checks:
         response = fetch_once(endpoint)
         if response.status != 200 or marker not in response.body:
@@ -483,9 +548,9 @@ def _check_replies(target: _Target) -> None:
             )
         if target.spec is not None and target.spec.role == "nexus":
             served_by = response.headers.get(b"x-nexus-backend", b"").decode()
-            if served_by != BACKEND_NAME:
+            if served_by != target.backend:
                 raise BenchError(
-                    f"{target.label}: served by {served_by!r}, not {BACKEND_NAME!r}"
+                    f"{target.label}: served by {served_by!r}, not {target.backend!r}"
                 )
 
 

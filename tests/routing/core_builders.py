@@ -16,9 +16,17 @@ from routing.core import (
     make_policy,
 )
 
+# The builders' models say "no" to every capability they are not given (the
+# core's own default is None, unknown); tests of unknown pass None explicitly.
+NO_CAPABILITIES = {
+    "supports_vision": False,
+    "supports_tools": False,
+    "supports_json_mode": False,
+}
+
 
 def model(name: str, **capabilities: Any) -> ModelSpec:
-    return ModelSpec(name=name, **capabilities)
+    return ModelSpec(name=name, **(NO_CAPABILITIES | capabilities))
 
 
 def backend(name: str, *models: str | ModelSpec, **fields: Any) -> BackendSpec:
@@ -26,7 +34,7 @@ def backend(name: str, *models: str | ModelSpec, **fields: Any) -> BackendSpec:
     return BackendSpec(
         name=name,
         base_url=f"http://{name}.lan:11434",
-        models=tuple(m if isinstance(m, ModelSpec) else ModelSpec(m) for m in models),
+        models=tuple(m if isinstance(m, ModelSpec) else model(m) for m in models),
         **fields,
     )
 

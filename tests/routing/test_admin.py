@@ -8,9 +8,11 @@ import pytest
 from django.test import Client
 from django.urls import reverse
 
+from routing.admin import AliasAdmin
 from routing.models import Alias, FallbackChain, RoutingPolicy
 from tests.factories import (
     AliasFactory,
+    BackendModelFactory,
     ChainStepFactory,
     FallbackChainFactory,
     RoutingPolicyFactory,
@@ -87,6 +89,24 @@ def test_alias_is_added_and_searchable(admin_client: Client) -> None:
     assert Alias.objects.get().target == "llama3:70b"
     found = admin_client.get(reverse("admin:routing_alias_changelist"), {"q": "llama"})
     assert [a.name for a in found.context["cl"].result_list] == ["gpt-4"]
+
+
+def test_an_alias_whose_target_nobody_serves_is_flagged(admin_client: Client) -> None:
+    BackendModelFactory(name="llama3:8b")
+    BackendModelFactory(name="retired", enabled=False)
+    saved = admin_client.post(
+        ALIAS_ADD, {"name": "gpt-4", "target": "retired"}, follow=True
+    )
+    assert "No enabled backend serves &#x27;retired&#x27; yet" in (
+        saved.content.decode()
+    )
+    admin_client.post(ALIAS_ADD, {"name": "fast", "target": "llama3:8b"})
+    listed = admin_client.get(reverse("admin:routing_alias_changelist"))
+    served = {
+        alias.name: AliasAdmin.target_served(None, alias)  # type: ignore[arg-type]
+        for alias in listed.context["cl"].result_list
+    }
+    assert served == {"fast": True, "gpt-4": False}
 
 
 def test_alias_to_another_alias_is_a_form_error(admin_client: Client) -> None:

@@ -47,6 +47,7 @@ def test_explain_returns_the_decision_record(staff_client: APIClient) -> None:
     assert record["excluded"][0]["backend"] == "gpu-blind"
     assert "no_vision" in record["excluded"][0]["reasons"]
     assert record["candidates"][0]["score"]["total"] > 0
+    assert record["weights"] == {"priority": 50, "load": 30, "latency": 20}
 
 
 def test_explain_reports_the_error_a_client_would_get(staff_client: APIClient) -> None:

@@ -430,6 +430,12 @@ def test_the_schema_describes_every_endpoint(admin_client: Any) -> None:
         "/api/v1/usage/stats",
         "/api/v1/usage/live",
         "/api/v1/route/explain",
+        "/api/v1/keys",
+        "/api/v1/keys/{id}/revoke",
+        "/api/v1/backends/{id}/drain",
+        "/api/v1/backends/{id}/undrain",
+        "/api/v1/config/import",
+        "/api/v1/config/export",
     ):
         assert path in paths
     backend = response.json()["components"]["schemas"]["BackendRequest"]
@@ -443,7 +449,10 @@ def test_the_schema_describes_every_endpoint(admin_client: Any) -> None:
 def fuzz_headers(transactional_db: None) -> dict[str, str]:
     """An admin token, and data for the generated requests to find and change."""
     token = Token.objects.create(user=StaffUserFactory(username="fuzzer"))
-    backend = BackendFactory(name="fuzz-gpu", api_key=SECRET)
+    # Loopback, a port nothing listens on: nothing generated reaches a network.
+    backend = BackendFactory(
+        name="fuzz-gpu", api_key=SECRET, base_url="http://127.0.0.1:9"
+    )
     BackendModelFactory(backend=backend, name="llama3:8b")
     AliasFactory(name="gpt-4", target="llama3:8b")
     ChainStepFactory(chain=FallbackChainFactory(model="gpt-4"), model="mistral:7b")
@@ -457,7 +466,9 @@ def api_schema(fuzz_headers: dict[str, str]) -> Any:
     )
 
 
-fuzzed = schemathesis.pytest.from_fixture("api_schema")
+# Undrain probes the backend at once, and generated backends may have any URL:
+# it is tested against a mock backend instead (tests/backends/test_api.py).
+fuzzed = schemathesis.pytest.from_fixture("api_schema").exclude(path_regex=r"/undrain$")
 
 
 # One test walks every operation of the schema: with both modes running at

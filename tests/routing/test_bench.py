@@ -24,6 +24,7 @@ from tests.bench.database import BACKEND_NAME, KEY_NAME
 from tests.bench.plan import BenchOptions, estimate_seconds
 from tests.bench.processes import DEFAULT_TARGETS, ProcessGroup, parse_targets
 from tests.bench.profiles import summarize_profile
+from tests.bench.surfaces import ANTHROPIC_BACKEND
 from tests.conftest import REPO_ROOT
 from usage.models import ApiKey
 
@@ -77,6 +78,14 @@ def test_smoke_run_reports_every_figure_for_each_kind_of_target(
     compared = report["comparison"]["daphne"]
     assert compared["chat"]["16"]["throughput_ratio"] > 0
     assert compared["paced_stream"]["ttfb_added_p50_ms"] is not None
+    # The protocol surfaces, on the first single-process Nexus target only.
+    assert set(daphne["surfaces"]) == {"translated", "pass-through"}
+    for path, cell in daphne["surface_comparison"].items():
+        measured = daphne["surfaces"][path]
+        _assert_chat_cell(measured["chat"]["16"], 16)
+        assert measured["stream"]["8"]["errors"] == 0
+        assert cell["chat_ratio"] > 0 and cell["stream_ratio"] > 0
+    assert "surfaces" not in servers["granian-x2"]
     # The reference: chat at c=16 only, with the same load.
     bare = servers["bare-daphne"]
     assert set(bare["chat"]) == {"16"}
@@ -97,11 +106,19 @@ def test_smoke_run_reports_every_figure_for_each_kind_of_target(
     assert "granian not measured" in speedup["note"]
 
     table = capsys.readouterr().out
-    for line in ("bare-daphne", "granian-x2", "Goals (issue 11)", "new streams"):
+    for line in (
+        "bare-daphne",
+        "granian-x2",
+        "Goals (issue 11)",
+        "new streams",
+        "translated (Anthropic client, OpenAI backend)",
+        "goal (issue 14): translated non-stream",
+    ):
         assert line in table
     assert "throughput c=16 / bare-daphne's" in table
     # The run cleans up after itself.
     assert not Backend.objects.filter(name=BACKEND_NAME).exists()
+    assert not Backend.objects.filter(name=ANTHROPIC_BACKEND).exists()
     assert not ApiKey.objects.filter(name=KEY_NAME, is_active=True).exists()
 
 

@@ -239,12 +239,12 @@ def test_import_creates_everything_the_file_describes(write: Writer) -> None:
             "supports_json_mode": True,
             "enabled": True,
         },
-        # Keys left out take the model defaults.
+        # Keys left out take the model defaults: capabilities unknown.
         "llava:7b": {
             "context_length": None,
             "supports_vision": True,
-            "supports_tools": False,
-            "supports_json_mode": False,
+            "supports_tools": None,
+            "supports_json_mode": None,
             "enabled": False,
         },
     }
@@ -867,13 +867,14 @@ NAMES = (
     .map(str.strip)
     .filter(bool)
 )
+CAPABILITY = st.sampled_from([True, False, "auto"])
 MODELS = st.fixed_dictionaries(
     {"name": NAMES},
     optional={
         "context_length": st.integers(1, 2_000_000),
-        "vision": st.booleans(),
-        "tools": st.booleans(),
-        "json_mode": st.booleans(),
+        "vision": CAPABILITY,
+        "tools": CAPABILITY,
+        "json_mode": CAPABILITY,
         "enabled": st.booleans(),
     },
 )
@@ -934,6 +935,10 @@ def configurations(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
+def _capability(value: object) -> bool | None:
+    return None if value in (None, "auto") else bool(value)
+
+
 def _expected_state(config: dict[str, Any]) -> dict[str, Any]:
     routing = config["routing"]
     return {
@@ -957,9 +962,9 @@ def _expected_state(config: dict[str, Any]) -> dict[str, Any]:
                 "models": {
                     m["name"]: {
                         "context_length": m.get("context_length"),
-                        "supports_vision": m.get("vision", False),
-                        "supports_tools": m.get("tools", False),
-                        "supports_json_mode": m.get("json_mode", False),
+                        "supports_vision": _capability(m.get("vision")),
+                        "supports_tools": _capability(m.get("tools")),
+                        "supports_json_mode": _capability(m.get("json_mode")),
                         "enabled": m.get("enabled", True),
                     }
                     for m in b["models"]
@@ -1062,3 +1067,111 @@ def test_replace_leaves_exactly_the_file_whatever_was_there(
     _import_text(tomli_w.dumps(second))
 
     assert db_state(with_keys=False) == _expected_state(second)
+
+
+@pytest.mark.django_db
+def test_capabilities_are_true_false_or_auto_and_export_shows_auto(
+    write: Writer,
+) -> None:
+    path = write(
+        '[[backends]]\nname = "vllm"\nurl = "http://10.0.0.9:8000"\nkind = "vllm"\n'
+        '[[backends.models]]\nname = "qwen"\ntools = "auto"\nvision = false\n'
+    )
+    run_import(path)
+    model = BackendModel.objects.get(name="qwen")
+    assert (model.supports_tools, model.supports_vision, model.supports_json_mode) == (
+        None,
+        False,
+        None,
+    )
+    exported = run_export()
+    assert 'tools = "auto"' in exported
+    assert "vision = false" in exported
+    assert 'json_mode = "auto"' in exported
+
+
+@pytest.mark.django_db
+def test_a_capability_other_than_true_false_or_auto_is_reported(write: Writer) -> None:
+    path = write(
+        '[[backends]]\nname = "vllm"\nurl = "http://10.0.0.9:8000"\n'
+        '[[backends.models]]\nname = "qwen"\ntools = "maybe"\n'
+    )
+    error = import_error(path)
+    assert (
+        'backends[0] ("vllm").models[0] ("qwen").tools: expected true, false or '
+        '"auto" (unknown: the backend decides), got "maybe"'
+    ) in error
+
+
+def _readme_toml() -> str:
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Configuration file (TOML)", 1)[1]
+    return section.split("```toml\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.django_db
+def test_the_readme_example_imports_as_written(
+    write: Writer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fresh shell: none of the variables an example might name is set.
+    for name in [n for n in os.environ if n.endswith("_KEY")]:
+        monkeypatch.delenv(name)
+    output = run_import(write(_readme_toml()))
+    assert "Imported" in output
+    state = db_state()
+    assert state["aliases"] == {"gpt-4": "llama3:70b"}
+    assert state["fallbacks"] == {"llama3:70b": ["llama3:8b", "mistral:7b"]}
+    assert set(state["backends"]) == {"gpu-1"}
+
+
+@pytest.mark.django_db
+def test_json_reports_problems_as_json_on_stdout(write: Writer) -> None:
+    out, err = StringIO(), StringIO()
+    with pytest.raises(SystemExit) as exited:
+        call_command(
+            "nexus_import_config",
+            write("[routing]\nmax_retries = 11\n[routing.aliases]\n'a' = 'a'\n"),
+            "--json",
+            stdout=out,
+            stderr=err,
+        )
+    assert exited.value.code == 1
+    report = json.loads(out.getvalue())
+    assert report["ok"] is False
+    assert len(report["problems"]) == 2
+    assert any("cannot target itself" in p for p in report["problems"])
+    assert err.getvalue() == ""
+
+
+@pytest.mark.django_db
+def test_alias_problems_come_in_the_same_pass_as_every_other(write: Writer) -> None:
+    text = (
+        "[routing]\nstrategy = 'fastest'\n"
+        "[routing.aliases]\n'a' = 'b'\n'b' = 'c'\n'self' = 'self'\n"
+        "[routing.fallbacks]\n'c' = ['loop']\n"
+        "[[backends]]\nname = 'gpu-1'\nurl = 'ftp://10.0.0.1'\n"
+    )
+    message = import_error(write(text))
+    for expected in (
+        "routing.strategy: Value 'fastest' is not a valid choice",
+        "routing.aliases.\"a\": 'b' is itself an alias",
+        "routing.aliases.\"self\": Alias 'self' cannot target itself.",
+        'backends[0] ("gpu-1").url: Use an http:// or https:// URL',
+    ):
+        assert expected in message, message
+    assert "4 problems" in message
+
+
+@pytest.mark.django_db
+def test_a_fallback_through_an_alias_back_to_its_model_is_rejected(
+    write: Writer,
+) -> None:
+    message = import_error(
+        write(
+            "[routing.aliases]\n'loop' = 'llama3:70b'\n"
+            "[routing.fallbacks]\n'llama3:70b' = ['mistral:7b', 'loop']\n"
+        )
+    )
+    assert (
+        "routing.fallbacks.\"llama3:70b\"[1]: 'loop' is an alias for 'llama3:70b'"
+    ) in message

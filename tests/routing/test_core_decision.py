@@ -23,6 +23,8 @@ from routing.core import (
 )
 from tests.routing.core_builders import backend, model, select, snapshot
 
+NO_CAPS = {"vision": "no", "tools": "no", "json_mode": "no"}
+
 # The decision record
 
 
@@ -52,6 +54,7 @@ def test_decision_lists_candidates_scores_and_exclusions() -> None:
             "in_flight": 1,
             "max_concurrency": None,
             "latency_ms": None,
+            "capabilities": NO_CAPS,
             "score": {"priority": 95.0, "load": 99.0, "latency": 100.0, "total": 97.2},
         },
         {
@@ -61,6 +64,7 @@ def test_decision_lists_candidates_scores_and_exclusions() -> None:
             "in_flight": 0,
             "max_concurrency": None,
             "latency_ms": 200.0,
+            "capabilities": NO_CAPS,
             "score": {"priority": 95.0, "load": 100.0, "latency": 80.0, "total": 93.5},
         },
     ]
@@ -70,12 +74,14 @@ def test_decision_lists_candidates_scores_and_exclusions() -> None:
             "model": "llama3",
             "reasons": ["context_too_short"],
             "detail": "context length 2048 is below the ~3000 tokens estimated",
+            "capabilities": NO_CAPS,
         },
         {
             "backend": "d",
             "model": "llama3",
             "reasons": ["unhealthy"],
             "detail": "backend unhealthy",
+            "capabilities": NO_CAPS,
         },
     ]
     assert decision["error"] is None

@@ -16,6 +16,7 @@ from routing.versioning import CONFIG_GROUP
 @dataclass(frozen=True)
 class FakeSnapshot:
     version: int
+    expires_at: float | None = None
 
 
 class FakeSource:
@@ -23,6 +24,7 @@ class FakeSource:
 
     def __init__(self, version: int = 1, build_delay: float = 0.0) -> None:
         self.version = version
+        self.expires_at: float | None = None
         self.builds = 0
         self.failures_left = 0
         self.build_delay = build_delay
@@ -36,7 +38,7 @@ class FakeSource:
                 raise RuntimeError("database went away")
         if self.build_delay:
             threading.Event().wait(self.build_delay)
-        return FakeSnapshot(self.version)
+        return FakeSnapshot(self.version, self.expires_at)
 
     def read_version(self) -> int:
         return self.version
@@ -143,3 +145,44 @@ async def test_stop_cancels_every_background_task(poll_interval: float) -> None:
     await holder.stop()
     leftovers = [t for t in asyncio.all_tasks() if t.get_name().startswith("snapshot-")]
     assert leftovers == []
+
+
+async def test_a_restored_database_with_a_lower_version_is_picked_up() -> None:
+    source = FakeSource(version=40)
+    holder = SnapshotHolder(
+        source.build, read_version=source.read_version, poll_interval=0.05
+    )
+    holder.load()
+    holder.start()
+    try:
+        source.version = 12  # a backup restored: the counter went back
+        await _wait_for(lambda: holder.snapshot.version == 12, timeout=2)
+        source.version = 13  # and changes after the restore count again
+        await _wait_for(lambda: holder.snapshot.version == 13, timeout=2)
+    finally:
+        await holder.stop()
+
+
+async def test_an_expired_snapshot_is_rebuilt_at_the_same_version() -> None:
+    now = [1000.0]
+    source = FakeSource(version=5)
+    source.expires_at = 1010.0
+    holder = SnapshotHolder(
+        source.build,
+        read_version=source.read_version,
+        poll_interval=0.05,
+        clock=lambda: now[0],
+    )
+    holder.load()
+    holder.start()
+    try:
+        await asyncio.sleep(0.2)
+        assert source.builds == 1  # not expired yet
+        source.expires_at = None
+        now[0] = 1010.0
+        await _wait_for(lambda: source.builds == 2, timeout=2)
+        assert holder.snapshot.expires_at is None
+        await asyncio.sleep(0.2)
+        assert source.builds == 2  # nothing expires any more
+    finally:
+        await holder.stop()

@@ -180,3 +180,27 @@ def test_the_policy_offers_every_strategy_the_router_knows() -> None:
     field = RoutingPolicy._meta.get_field("strategy")
     assert [value for value, _ in field.choices] == [s.value for s in Strategy]
     assert dict(field.choices)["smart"] == "Smart (priority, load, latency)"
+
+
+@pytest.mark.django_db
+def test_a_fallback_step_naming_an_alias_of_the_chains_model_is_rejected() -> None:
+    Alias.objects.create(name="loop", target="llama3:70b")
+    chain = FallbackChain.objects.create(model="llama3:70b")
+    step = ChainStep(chain=chain, position=0, model="loop")
+    with pytest.raises(ValidationError) as caught:
+        step.full_clean()
+    assert "'loop' is an alias for 'llama3:70b', the model this chain is for" in str(
+        caught.value
+    )
+    # An alias leading elsewhere is a valid step: the router resolves it.
+    Alias.objects.create(name="small", target="llama3:8b")
+    ChainStep(chain=chain, position=0, model="small").full_clean()
+
+
+@pytest.mark.django_db
+def test_an_alias_closing_a_fallback_cycle_is_rejected() -> None:
+    chain = FallbackChain.objects.create(model="llama3:70b")
+    ChainStep.objects.create(chain=chain, position=0, model="big")
+    with pytest.raises(ValidationError) as caught:
+        Alias(name="big", target="llama3:70b").full_clean()
+    assert "would make the chain a cycle" in str(caught.value)

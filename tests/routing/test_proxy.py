@@ -113,7 +113,10 @@ def gateway(django_db_setup: None, django_db_blocker) -> Iterator[Gateway]:
             context_length=8192,
         )
         BackendModel.objects.create(
-            backend=backend_a, name="mistral:7b", context_length=32768
+            backend=backend_a,
+            name="mistral:7b",
+            context_length=32768,
+            supports_vision=False,
         )
         BackendModel.objects.create(
             backend=backend_b, name="llama3:8b", context_length=8192

@@ -5,7 +5,7 @@ import json
 import pytest
 from django.core.management import CommandError, call_command
 
-from routing.models import Alias
+from routing.models import Alias, RoutingPolicy
 from tests.factories import BackendFactory, BackendModelFactory
 
 pytestmark = pytest.mark.django_db
@@ -64,3 +64,29 @@ def test_json_format_prints_the_decision_record(fleet: None, capsys) -> None:
 def test_empty_model_is_a_clear_error() -> None:
     with pytest.raises(CommandError, match="400"):
         call_command("nexus_route", "  ")
+
+
+def test_explain_shows_the_policy_weights_beside_each_score(
+    fleet: None, capsys
+) -> None:
+    RoutingPolicy.objects.create(weight_priority=60, weight_load=30, weight_latency=10)
+
+    call_command("nexus_route", "llama3:8b", "--explain")
+
+    out = capsys.readouterr().out
+    assert "strategy smart (weights: priority 60, load 30, latency 10)" in out
+    assert "score = prio×60% + load×30% + latency×10%" in out
+    row = next(line for line in out.splitlines() if line.strip().startswith("gpu-text"))
+    # Idle and never measured: full marks for load and latency.
+    score = next(part for part in row.split("  ") if " = " in part)
+    total, parts = score.split(" = ")
+    priority = float(parts.split("×")[0])
+    assert parts == f"{priority:g}×60% + 100×30% + 100×10%"
+    assert float(total) == pytest.approx(priority * 0.6 + 30 + 10, abs=0.01)
+
+
+def test_json_format_carries_the_weights(fleet: None, capsys) -> None:
+    call_command("nexus_route", "llama3:8b", "--format", "json")
+
+    record = json.loads(capsys.readouterr().out)
+    assert record["weights"] == {"priority": 50, "load": 30, "latency": 20}

@@ -625,16 +625,26 @@ def test_chain_failing_only_on_capabilities_is_a_400_not_a_503() -> None:
     assert error.message.endswith("also tried 'mistral:7b'")
 
 
-def test_a_fallback_naming_an_alias_is_taken_literally() -> None:
+def test_a_fallback_naming_an_alias_is_resolved_one_level() -> None:
     snap = snapshot(
         backend("a", "llama3:70b", status="unhealthy"),
         backend("b", "llama3:8b"),
         aliases={"small": "llama3:8b"},
         fallbacks={"llama3:70b": ["small"]},
     )
-    error = fail(snap, "llama3:70b")
-    assert isinstance(error, FallbackChainExhausted)
-    assert error.chain == ("llama3:70b", "small")
+    route = select(snap, "llama3:70b")
+    assert (route.target.backend.name, route.decision.via) == ("b", "fallback")
+    assert snap.fallbacks["llama3:70b"] == ("llama3:8b",)
+
+
+def test_a_fallback_alias_back_to_the_chains_own_model_is_dropped() -> None:
+    snap = snapshot(
+        backend("a", "m", status="unhealthy"),
+        aliases={"loop": "m"},
+        fallbacks={"m": ["loop"]},
+    )
+    assert "m" not in snap.fallbacks
+    assert isinstance(fail(snap, "m"), NoHealthyBackend)
 
 
 # AC-10: every failure is descriptive and OpenAI-shaped
@@ -694,3 +704,156 @@ def test_empty_model_name_is_a_400_before_routing() -> None:
     with pytest.raises(InvalidModel) as caught:
         select(snapshot(backend("a", "m")), "")
     assert caught.value.status == 400
+
+
+# Tri-state capabilities (issue 12, item 1): unknown does not filter, yes wins
+
+
+def test_unknown_tools_support_does_not_filter_a_tools_request() -> None:
+    snap = snapshot(backend("a", model("m", supports_tools=None)))
+    route = select(snap, "m", needs_tools=True)
+    assert route.target.backend.name == "a"
+    assert route.decision.excluded == ()
+
+
+def test_explicit_no_still_filters_while_unknown_serves() -> None:
+    snap = snapshot(
+        backend("a", model("m", supports_json_mode=False), priority=0),
+        backend("b", model("m", supports_json_mode=None), priority=50),
+    )
+    route = select(snap, "m", needs_json_mode=True)
+    assert route.target.backend.name == "b"
+    assert [t.backend.name for t in route.retry_targets] == []
+    assert route.decision.excluded[0].reasons == (Reason.NO_JSON_MODE,)
+
+
+def test_a_confirmed_capability_is_preferred_and_unknown_is_tried_after() -> None:
+    snap = snapshot(
+        backend("a", model("m", supports_tools=None), priority=0),
+        backend("b", model("m", supports_tools=True), priority=50),
+        backend("c", model("m", supports_tools=True), priority=60),
+    )
+    route = select(snap, "m", needs_tools=True)
+    assert route.target.backend.name == "b"
+    assert [t.backend.name for t in route.decision.retry_order] == ["c", "a"]
+    [deferred] = route.decision.excluded
+    assert deferred.reasons == (Reason.CAPABILITY_UNCONFIRMED,)
+    # Without the need, priority decides as usual.
+    assert select(snap, "m").target.backend.name == "a"
+
+
+def test_only_unknown_support_everywhere_routes_by_score() -> None:
+    snap = snapshot(
+        backend("a", model("m", supports_vision=None), priority=0),
+        backend("b", model("m", supports_vision=None), priority=50),
+    )
+    route = select(snap, "m", needs_vision=True)
+    assert route.target.backend.name == "a"
+    assert [t.backend.name for t in route.retry_targets] == ["b"]
+
+
+def test_explain_shows_each_capability_as_yes_no_or_unknown() -> None:
+    snap = snapshot(
+        backend(
+            "a",
+            model("m", supports_vision=True, supports_tools=None),
+        )
+    )
+    record = select(snap, "m").decision.as_dict()
+    assert record["candidates"][0]["capabilities"] == {
+        "vision": "yes",
+        "tools": "unknown",
+        "json_mode": "no",
+    }
+
+
+# Fallbacks on failure (issue 12, item 2): the retry order continues into the chain
+
+
+def test_retry_order_continues_into_the_fallback_chain() -> None:
+    snap = snapshot(
+        backend("a", "m"),
+        backend("b", "f1"),
+        backend("c", "f2"),
+        fallbacks={"m": ["f1", "f2"]},
+    )
+    route = select(snap, "m")
+    assert route.target.backend.name == "a"
+    assert [(t.backend.name, t.model.name) for t in route.retry_targets] == [
+        ("b", "f1"),
+        ("c", "f2"),
+    ]
+    record = route.decision.as_dict()
+    assert [a["model"] for a in record["onward"]] == ["f1", "f2"]
+    assert record["retry_order"] == [
+        {"backend": "b", "model": "f1"},
+        {"backend": "c", "model": "f2"},
+    ]
+
+
+def test_max_retries_bounds_each_model_of_the_retry_order() -> None:
+    snap = snapshot(
+        *(backend(f"a{i}", "m", priority=i) for i in range(3)),
+        *(backend(f"b{i}", "f", priority=i) for i in range(3)),
+        fallbacks={"m": ["f"]},
+        max_retries=1,
+    )
+    route = select(snap, "m")
+    assert [t.backend.name for t in route.retry_targets] == ["a1", "b0", "b1"]
+    assert len(route.decision.retry_order) == 5
+
+
+def test_a_served_fallback_continues_with_the_rest_of_the_chain() -> None:
+    snap = snapshot(
+        backend("a", "m", status="unhealthy"),
+        backend("b", "f1"),
+        backend("c", "f2"),
+        fallbacks={"m": ["f1", "f2"]},
+    )
+    route = select(snap, "m")
+    assert (route.target.backend.name, route.decision.via) == ("b", "fallback")
+    assert [t.backend.name for t in route.retry_targets] == ["c"]
+
+
+def test_an_alias_continues_with_its_chain() -> None:
+    snap = snapshot(
+        backend("a", "target"),
+        backend("b", "f"),
+        aliases={"public": "target"},
+        fallbacks={"target": ["f"]},
+    )
+    route = select(snap, "public")
+    assert route.target.backend.name == "a"
+    assert [t.backend.name for t in route.retry_targets] == ["b"]
+
+
+# Item 4: a model only disabled or vanished rows list is not served at all
+
+
+@pytest.mark.parametrize(
+    "listing",
+    [
+        {"enabled": False},  # the backend is switched off
+        {"model": {"enabled": False}},  # discovery disabled the vanished model
+    ],
+)
+def test_a_model_listed_only_by_disabled_rows_is_404_not_503(
+    listing: dict[str, Any],
+) -> None:
+    fields = {k: v for k, v in listing.items() if k != "model"}
+    snap = snapshot(
+        backend("a", model("gone", **listing.get("model", {})), **fields),
+        backend("b", "other"),
+    )
+    error = fail(snap, "gone")
+    assert isinstance(error, ModelNotFound)
+    assert error.status == 404
+    assert "gone" not in snap.served_models()
+
+
+def test_a_disabled_row_beside_an_unhealthy_one_is_still_503() -> None:
+    snap = snapshot(
+        backend("a", model("m", enabled=False)),
+        backend("b", "m", status="unhealthy"),
+    )
+    assert isinstance(fail(snap, "m"), NoHealthyBackend)

@@ -177,7 +177,8 @@ def test_disconnected_subscriber_is_forgotten(setup: Setup) -> None:
 def test_stream_refuses_anonymous_and_non_staff_clients(setup: Setup) -> None:
     url = f"{setup.server.base_url}/api/usage-stream"
     anonymous = httpx.get(url, timeout=5)
-    assert anonymous.status_code == 403
+    assert anonymous.status_code == 401
+    assert anonymous.headers["WWW-Authenticate"] == "Token"
     assert "Log in as staff" in anonymous.json()["detail"]
 
     user = User.objects.create_user("not-staff")
@@ -185,7 +186,7 @@ def test_stream_refuses_anonymous_and_non_staff_clients(setup: Setup) -> None:
     refused = httpx.get(url, headers={"Authorization": f"Token {token.key}"}, timeout=5)
     assert refused.status_code == 403
     wrong = httpx.get(url, headers={"Authorization": "Token nope"}, timeout=5)
-    assert wrong.status_code == 403
+    assert wrong.status_code == 401
 
     post = httpx.post(url, headers={"Authorization": f"Token {setup.token}"}, timeout=5)
     assert post.status_code == 405

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 from rest_framework import serializers
 
-from usage.models import ANONYMOUS, USAGE_DIMENSIONS
+from backends.api.serializers import ModelCleanSerializer
+from usage.models import ANONYMOUS, USAGE_DIMENSIONS, ApiKey
 from usage.periods import PERIOD_HELP, parse_moment
 
 
@@ -166,3 +168,37 @@ class LiveUsageSerializer(serializers.Serializer[Any]):
         help_text="Finished requests waiting to be written (about once a second)."
     )
     at = serializers.DateTimeField()
+
+
+class ApiKeySerializer(ModelCleanSerializer[ApiKey]):
+    """A client API key. The secret is shown once, when the key is created."""
+
+    read_only_hints: ClassVar[Mapping[str, str]] = {
+        "is_active": "Revoke a key with POST /api/v1/keys/{id}/revoke; a revoked "
+        "key stays revoked.",
+    }
+
+    class Meta:
+        model = ApiKey
+        fields: tuple[str, ...] = (
+            "id",
+            "name",
+            "prefix",
+            "is_active",
+            "created_at",
+            "last_used_at",
+        )
+        read_only_fields = ("prefix", "is_active", "created_at", "last_used_at")
+
+
+class NewApiKeySerializer(ApiKeySerializer):
+    """A key just created, with its secret: the only time it is shown."""
+
+    key = serializers.CharField(
+        read_only=True,
+        help_text="The secret (nx-...) for Authorization: Bearer. Only its hash "
+        "is stored: copy it now.",
+    )
+
+    class Meta(ApiKeySerializer.Meta):
+        fields = (*ApiKeySerializer.Meta.fields, "key")

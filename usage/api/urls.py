@@ -1,10 +1,15 @@
 from __future__ import annotations
 
 from django.urls import path
+from rest_framework.routers import SimpleRouter
 
-from usage.api.views import TokenUsageView, UsageStatsView
+from usage.api.views import ApiKeyViewSet, TokenUsageView, UsageStatsView
+
+router = SimpleRouter(trailing_slash=False)
+router.register("keys", ApiKeyViewSet, basename="api-key")
 
 urlpatterns = [
     path("usage/tokens", TokenUsageView.as_view(), name="usage-tokens"),
     path("usage/stats", UsageStatsView.as_view(), name="usage-stats"),
+    *router.urls,
 ]

@@ -8,19 +8,28 @@ from typing import Any
 from django.db.models import QuerySet
 from django.utils import timezone
 from drf_spectacular.utils import extend_schema
-from rest_framework import generics
+from rest_framework import generics, mixins, status, viewsets
+from rest_framework.decorators import action
 from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from usage.api.serializers import (
+    ApiKeySerializer,
+    NewApiKeySerializer,
     StatsQuerySerializer,
     TokenQuerySerializer,
     TokenUsageRowSerializer,
     UsageStatsSerializer,
 )
-from usage.models import UsageCountersQuerySet, UsageRecord, select_usage_rows
+from usage.models import (
+    ApiKey,
+    ApiKeyQuerySet,
+    UsageCountersQuerySet,
+    UsageRecord,
+    select_usage_rows,
+)
 
 
 def _usage_rows(query: dict[str, Any]) -> UsageCountersQuerySet:
@@ -88,3 +97,45 @@ class UsageStatsView(APIView):
             "pending_records": UsageRecord.objects.pending().count(),
         }
         return Response(UsageStatsSerializer(stats).data)
+
+
+class ApiKeyViewSet(
+    mixins.CreateModelMixin,
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.UpdateModelMixin,
+    viewsets.GenericViewSet[ApiKey],
+):
+    """Client API keys for the gateway (/v1): create, list, rename, revoke.
+
+    Only a hash of each secret is stored: the secret is in the answer to the
+    create request and nowhere else. A revoked key is refused by every serving
+    process within a second or so, and stays revoked (create a new one).
+    """
+
+    queryset = ApiKey.objects.all()
+    serializer_class = ApiKeySerializer
+    permission_classes = (IsAdminUser,)
+    filterset_fields = ("name", "prefix", "is_active")
+    ordering_fields = ("name", "created_at", "last_used_at")
+    ordering = ("name", "created_at")
+
+    @extend_schema(responses={201: NewApiKeySerializer})
+    def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        serializer = self.get_serializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        key, raw = ApiKey.objects.create_key(serializer.validated_data["name"])
+        # The secret is in this answer and nowhere else (NewApiKeySerializer).
+        data = {**ApiKeySerializer(key).data, "key": raw}
+        return Response(data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=None, responses=ApiKeySerializer)
+    @action(detail=True, methods=["post"])
+    def revoke(self, request: Request, pk: str | None = None) -> Response:
+        """Refuse this key from now on (idempotent)."""
+        key = self.get_object()
+        keys = ApiKey.objects.filter(pk=key.pk)
+        assert isinstance(keys, ApiKeyQuerySet)
+        keys.deactivate()
+        key.refresh_from_db()
+        return Response(self.get_serializer(key).data)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -39,7 +40,8 @@ class Command(BaseCommand):
             "--json",
             dest="as_json",
             action="store_true",
-            help="Print the summary as JSON.",
+            help="Print the summary, or the problems found, as JSON on stdout "
+            '({"ok": false, "problems": [...]} with exit status 1).',
         )
 
     def handle(
@@ -54,9 +56,17 @@ class Command(BaseCommand):
         try:
             summary = import_config_file(path, replace=replace, dry_run=dry_run)
         except ConfigError as error:
+            if as_json:
+                problems = {
+                    "ok": False,
+                    "source": error.source,
+                    "problems": error.problems,
+                }
+                self.stdout.write(json.dumps(problems, indent=2))
+                sys.exit(1)
             raise CommandError(error.describe()) from None
         if as_json:
-            self.stdout.write(json.dumps(summary.as_dict(), indent=2))
+            self.stdout.write(json.dumps({"ok": True, **summary.as_dict()}, indent=2))
         else:
             self._print_summary(path, summary)
 

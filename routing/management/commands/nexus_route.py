@@ -8,7 +8,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from routing.core import LiveStats, RequestRequirements, Router, RoutingError
-from routing.explain import render_decision
+from routing.explain import describe_weights, render_decision
 from routing.snapshot import build_snapshot
 
 
@@ -54,11 +54,15 @@ class Command(BaseCommand):
             )
         except RoutingError as error:
             raise CommandError(f"error {error.status}: {error}") from error
-        decision = Router().explain(requirements, build_snapshot(), LiveStats())
+        routes = build_snapshot()
+        decision = Router().explain(requirements, routes, LiveStats())
         record = decision.as_dict()
+        weights = describe_weights(routes.policy.weights)
         if options["format"] == "json":
-            self.stdout.write(json.dumps(record, indent=2))
+            self.stdout.write(json.dumps({**record, "weights": weights}, indent=2))
         else:
-            self.stdout.write(render_decision(record, explain=options["explain"]))
+            self.stdout.write(
+                render_decision(record, explain=options["explain"], weights=weights)
+            )
         if decision.error is not None:
             raise CommandError(f"no route (HTTP {decision.error.status})", returncode=2)
