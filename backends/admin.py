@@ -99,6 +99,7 @@ class BackendAdmin(BackendAdminBase):
     inlines = (BackendModelInline,)
     list_display = (
         "name_label",
+        "url_label",
         "kind",
         "status_badge",
         "enabled",
@@ -112,7 +113,7 @@ class BackendAdmin(BackendAdminBase):
     list_filter = ("status", "kind", "enabled", "is_demo")
     search_fields = ("name", "base_url")
     ordering = ("priority", "name")
-    readonly_fields = (*HEALTH_FIELDS, "is_demo", "created_at", "updated_at")
+    readonly_fields = (*HEALTH_FIELDS, "latency", "is_demo", "created_at", "updated_at")
     actions = ("check_health_now", "discover_models_now", "drain", "undrain")
 
     def get_fieldsets(
@@ -136,7 +137,14 @@ class BackendAdmin(BackendAdminBase):
             *settings,
             (
                 "Health",
-                {"fields": HEALTH_FIELDS, "description": "Updated by health checks."},
+                {
+                    # The average latency rounded, as in the list.
+                    "fields": tuple(
+                        "latency" if name == "avg_latency_ms" else name
+                        for name in HEALTH_FIELDS
+                    ),
+                    "description": "Updated by health checks.",
+                },
             ),
             ("Record", {"fields": ("is_demo", "created_at", "updated_at")}),
         )
@@ -161,6 +169,11 @@ class BackendAdmin(BackendAdminBase):
                 render_badge("DEMO", "#6f42c1"),
             )
         return format_html('<span style="white-space:nowrap">{}</span>', obj.name)
+
+    @admin.display(description="URL", ordering="base_url")
+    def url_label(self, obj: Backend) -> SafeString:
+        # Long URLs are cut short by the stylesheet; the whole one shows on hover.
+        return format_html('<span title="{}">{}</span>', obj.base_url, obj.base_url)
 
     @admin.display(description="API key")
     def api_key_status(self, obj: Backend) -> str:
@@ -192,7 +205,7 @@ class BackendAdmin(BackendAdminBase):
     def model_count(self, obj: Backend) -> int:
         return obj.model_count  # type: ignore[attr-defined]
 
-    @admin.display(description="avg latency", ordering="avg_latency_ms")
+    @admin.display(description="latency", ordering="avg_latency_ms")
     def latency(self, obj: Backend) -> str:
         if obj.avg_latency_ms is None:
             return "—"

@@ -100,6 +100,8 @@ class CheckReportDict(TypedDict):
     models: int
     error: str
     superseded: bool
+    # "pending (1 of 2 successes)", "failing (1 of 3 failures)" or "".
+    progress: str
 
 
 class BackendHealthDict(TypedDict):
@@ -132,6 +134,32 @@ class CheckReport:
     error: str
     models: int
     superseded: bool = False
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    thresholds: Thresholds = Thresholds()
+
+    @property
+    def progress(self) -> str:
+        """Where the state machine stands, when a status is about to change.
+
+        "pending (1 of 2 successes)" for an unhealthy backend that answered,
+        "failing (1 of 3 failures)" for a backend still counted healthy or
+        unknown that did not; "" otherwise.
+        """
+        if self.status == HealthStatus.UNHEALTHY and self.consecutive_successes:
+            return (
+                f"pending ({self.consecutive_successes} of "
+                f"{self.thresholds.recoveries} successes)"
+            )
+        if (
+            self.status in (HealthStatus.HEALTHY, HealthStatus.UNKNOWN)
+            and self.consecutive_failures
+        ):
+            return (
+                f"failing ({self.consecutive_failures} of "
+                f"{self.thresholds.failures} failures)"
+            )
+        return ""
 
     @property
     def status_changed(self) -> bool:
@@ -154,6 +182,7 @@ class CheckReport:
             "models": self.models,
             "error": self.error,
             "superseded": self.superseded,
+            "progress": self.progress,
         }
 
 
@@ -320,6 +349,9 @@ def _record(
                     error=row.last_error,
                     models=model_counts.get(row.pk, 0),
                     superseded=superseded,
+                    consecutive_failures=row.consecutive_failures,
+                    consecutive_successes=row.consecutive_successes,
+                    thresholds=thresholds,
                 )
             )
         Backend.objects.bulk_update(updated, HEALTH_FIELDS)

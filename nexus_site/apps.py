@@ -1,6 +1,10 @@
 from __future__ import annotations
 
-from django.apps import AppConfig
+from django.apps import AppConfig, apps
+from django.contrib.admin import apps as admin_apps
+
+# A module, not the class, is imported: Django picks this module's one class
+# marked `default` as the nexus_site app, and Django's AdminConfig is one.
 
 
 class NexusSiteConfig(AppConfig):
@@ -8,3 +12,17 @@ class NexusSiteConfig(AppConfig):
 
     name = "nexus_site"
     verbose_name = "Nexus"
+    default = True
+
+    def ready(self) -> None:
+        # DRF's tokens are admin tokens for the management API; its app must
+        # stay "rest_framework.authtoken" in INSTALLED_APPS (its models check
+        # for that name), so the admin's heading is renamed here.
+        apps.get_app_config("authtoken").verbose_name = "Management API"
+
+
+class NexusAdminConfig(admin_apps.AdminConfig):
+    """Django's admin, on Nexus's admin site (nexus_site/admin_site.py)."""
+
+    default = False
+    default_site = "nexus_site.admin_site.NexusAdminSite"

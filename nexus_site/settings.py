@@ -111,9 +111,12 @@ def _networks(
 NEXUS_STATE_DIR = Path(env.str("NEXUS_STATE_DIR", default=str(BASE_DIR / ".nexus")))
 if not NEXUS_STATE_DIR.is_absolute():
     NEXUS_STATE_DIR = BASE_DIR / NEXUS_STATE_DIR
-NEXUS_STATE_DIR.mkdir(parents=True, exist_ok=True)
+# Private: it holds the secret key and the database (an existing one is kept).
+NEXUS_STATE_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
 
-NEXUS_PRODUCTION = "DATABASE_URL" in env
+# Empty means unset, as for every variable: a copied .env.example with
+# DATABASE_URL= stays in the embedded default.
+NEXUS_PRODUCTION = bool(env.str("DATABASE_URL", default="").strip())
 REDIS_URL = env.str("REDIS_URL", default="")
 
 
@@ -134,14 +137,14 @@ def _embedded_secret_key() -> str:
 
 DEBUG = env.bool("DEBUG", default=False)
 
-if "SECRET_KEY" in env:
+if env.str("SECRET_KEY", default=""):
     SECRET_KEY = env.str("SECRET_KEY")
 elif NEXUS_PRODUCTION:
     raise ImproperlyConfigured("SECRET_KEY must be set when DATABASE_URL is set.")
 else:
     SECRET_KEY = _embedded_secret_key()
 
-if "ALLOWED_HOSTS" in env:
+if env.str("ALLOWED_HOSTS", default=""):
     ALLOWED_HOSTS = env.list("ALLOWED_HOSTS")
 elif NEXUS_PRODUCTION:
     raise ImproperlyConfigured("ALLOWED_HOSTS must be set when DATABASE_URL is set.")
@@ -178,7 +181,7 @@ if NEXUS_BEHIND_TLS:
 
 INSTALLED_APPS = [
     "daphne",
-    "django.contrib.admin",
+    "nexus_site.apps.NexusAdminConfig",  # django.contrib.admin, Nexus's site
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
@@ -200,6 +203,8 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # A 503 page instead of a 500 while the database is unreachable.
+    "nexus_site.middleware.DatabaseOutageMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -258,6 +263,12 @@ STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
 }
+STATICFILES_FINDERS = [
+    "django.contrib.staticfiles.finders.FileSystemFinder",
+    "django.contrib.staticfiles.finders.AppDirectoriesFinder",
+    # The dashboard's charting library, from the plotly package (no CDN).
+    "usage.assets.PlotlyFinder",
+]
 # Serve straight from the apps when collectstatic has not run (tests, dev).
 WHITENOISE_USE_FINDERS = env.bool(
     "WHITENOISE_USE_FINDERS", default=not NEXUS_PRODUCTION
@@ -488,12 +499,18 @@ NEXUS_BREAKER_PERSIST = env.bool("NEXUS_BREAKER_PERSIST", default=True)
 # --- Usage accounting -----------------------------------------------------------
 
 # Seconds between writes of each serving process's usage buffer, and how many
-# events a serving process holds while the database is unreachable.
+# events a serving process holds in memory at most while it cannot hand them on.
 NEXUS_USAGE_FLUSH_INTERVAL = _bounded_float(
     "NEXUS_USAGE_FLUSH_INTERVAL", 1.0, 0.01, 3600
 )
 NEXUS_USAGE_BUFFER_MAX = _bounded_int(
     "NEXUS_USAGE_BUFFER_MAX", 100_000, 1000, 10_000_000
+)
+# While usage cannot be handed on, events over a tenth of NEXUS_USAGE_BUFFER_MAX
+# wait in an append-only file per serving process here, replayed (once each, by
+# event id) when it works again; files of stopped processes are adopted.
+NEXUS_USAGE_SPILL_DIR = Path(
+    env.str("NEXUS_USAGE_SPILL_DIR", default="") or NEXUS_STATE_DIR / "usage-spill"
 )
 # How serving processes hand usage events on: through Redis, or straight to the
 # database.

@@ -9,10 +9,6 @@ from nexus_site import api
 from routing import views as routing_views
 from usage import views as usage_views
 
-admin.site.site_header = "Nexus administration"
-admin.site.site_title = "Nexus"
-admin.site.index_title = "Gateway configuration"
-
 urlpatterns = [
     # For load balancers and monitoring: no login, no secrets (routing/views.py).
     path("health", routing_views.health, name="health"),

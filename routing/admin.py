@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
+from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.db.models import Exists, OuterRef, QuerySet
+from django.forms import BaseModelFormSet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import reverse
 
@@ -19,7 +22,9 @@ if TYPE_CHECKING:
     FallbackChainAdminBase = admin.ModelAdmin[FallbackChain]
     RoutingPolicyAdminBase = admin.ModelAdmin[RoutingPolicy]
     ChainStepInlineBase = admin.TabularInline[ChainStep, FallbackChain]
+    ChainStepFormBase = forms.ModelForm[ChainStep]
 else:
+    ChainStepFormBase = forms.ModelForm
     AliasAdminBase = FallbackChainAdminBase = RoutingPolicyAdminBase = admin.ModelAdmin
     ChainStepInlineBase = admin.TabularInline
 
@@ -59,9 +64,30 @@ class AliasAdmin(AliasAdminBase):
             )
 
 
+class ChainStepForm(ChainStepFormBase):
+    """A fallback row: the step number is optional and renumbered on save."""
+
+    step = forms.IntegerField(
+        required=False,
+        min_value=1,
+        help_text="Leave empty to add it after the others; type a number to move it.",
+        widget=forms.NumberInput(attrs={"class": "vIntegerField", "min": 1}),
+    )
+
+    class Meta:
+        model = ChainStep
+        fields = ("model",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.instance.pk is not None:
+            self.fields["step"].initial = self.instance.position + 1
+
+
 class ChainStepInline(ChainStepInlineBase):
     model = ChainStep
-    fields = ("position", "model")
+    form = ChainStepForm
+    fields = ("step", "model")
     ordering = ("position", "id")
     extra = 3
 
@@ -77,9 +103,38 @@ class FallbackChainAdmin(FallbackChainAdminBase):
     def get_queryset(self, request: HttpRequest) -> QuerySet[FallbackChain]:
         return super().get_queryset(request).prefetch_related("steps")
 
+    def save_formset(
+        self,
+        request: HttpRequest,
+        form: forms.ModelForm[FallbackChain],
+        formset: BaseModelFormSet[Any, Any],
+        change: bool,
+    ) -> None:
+        super().save_formset(request, form, formset, change)
+        if formset.model is ChainStep:
+            renumber_steps(formset)
+
     @admin.display(description="tried in order")
     def chain(self, obj: FallbackChain) -> str:
         return " → ".join((obj.model, *obj.fallback_models))
+
+
+def renumber_steps(formset: BaseModelFormSet[Any, Any]) -> None:
+    """Number a chain's saved steps 1, 2, 3... in the order the operator gave.
+
+    A row with a step number goes to that place, a row without one after the
+    numbered rows, in the order shown; gaps and ties close up.
+    """
+    deleted = set(formset.deleted_forms) if formset.can_delete else set()
+    rows = [
+        (form.cleaned_data.get("step") or math.inf, index, form.instance)
+        for index, form in enumerate(formset.forms)
+        if form.instance.pk is not None and form not in deleted
+    ]
+    rows.sort(key=lambda row: (row[0], row[1]))
+    for position, (_, _, step) in enumerate(rows):
+        if step.position != position:
+            ChainStep.objects.filter(pk=step.pk).update(position=position)
 
 
 @admin.register(RoutingPolicy)
@@ -93,6 +148,31 @@ class RoutingPolicyAdmin(RoutingPolicyAdminBase):
             {
                 "fields": ("weight_priority", "weight_load", "weight_latency"),
                 "description": "Used by the smart strategy; they must sum to 100.",
+            },
+        ),
+        (
+            "Admission control",
+            {
+                "fields": (
+                    "admission_enabled",
+                    "admission_flow_key",
+                    "admission_sizing",
+                    "admission_default_output_tokens",
+                    "admission_watermark_per_backend",
+                    "admission_percentage_deviation_for_bounds",
+                    "admission_lower_bound_per_backend",
+                    "admission_upper_bound_per_backend",
+                    "admission_total_capacity",
+                    "admission_flow_capacity",
+                    "admission_critical_reserved",
+                    "admission_queue_ttl",
+                    "admission_model_weights",
+                ),
+                "description": "When a pool of backends (the ready backends "
+                "serving a model) has more requests in flight than the band "
+                "allows, new requests wait in Nexus's fair queue instead of "
+                "piling up in the model servers. The band is the watermark per "
+                "ready backend ± the deviation, or the explicit bounds.",
             },
         ),
         ("Record", {"fields": ("updated_at",)}),

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from django.conf import settings
 
+from routing.admission.gate import AdmissionGate
 from routing.breaker import BREAKER_GROUP, BreakerSettings, CircuitBreaker
 from routing.core import Health, LiveStats, Router
 from routing.groups import listen_to_group
@@ -36,6 +37,7 @@ from usage.buffer import UsageBuffer
 from usage.flush import DatabaseFlusher
 from usage.live import LiveUsage
 from usage.publisher import USAGE_GROUP, UsagePublisher
+from usage.spill import UsageSpill
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,9 @@ class GatewayConfig:
     metrics_allow: tuple[str | Network, ...] = ("127.0.0.0/8", "::1/128")
     metrics_token: str = ""
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
+    # How admission control learns its share of the band: "single" (the only
+    # process), "env" (the launcher's NEXUS_SERVING_*), "redis" (live registry).
+    admission_share: str = "single"
 
     @classmethod
     def from_settings(cls) -> GatewayConfig:
@@ -91,15 +96,21 @@ class GatewayConfig:
             metrics_allow=tuple(settings.NEXUS_METRICS_ALLOW),
             metrics_token=settings.NEXUS_METRICS_TOKEN,
             breaker=BreakerSettings.from_settings(),
+            admission_share="redis" if settings.REDIS_URL else "env",
         )
 
 
 def _make_sink(config: GatewayConfig, buffer: UsageBuffer) -> UsageSink:
+    # During an outage, what is over a tenth of the buffer's bound waits on disk.
+    spill = UsageSpill(
+        settings.NEXUS_USAGE_SPILL_DIR,
+        keep_in_memory=max(100, config.usage_buffer_max // 10),
+    )
     if config.usage_transport == "redis":
         from usage.stream import RedisShipper  # needs the redis package only here
 
-        return RedisShipper(buffer)
-    return DatabaseFlusher(buffer)
+        return RedisShipper(buffer, spill=spill)
+    return DatabaseFlusher(buffer, spill=spill)
 
 
 class Gateway:
@@ -136,6 +147,7 @@ class Gateway:
             ),
         )
         self.metrics = GatewayMetrics()
+        self.admission = AdmissionGate(self.metrics, share=config.admission_share)
         self.metrics_endpoint = MetricsEndpoint(
             self.metrics,
             self.refresh_gauges,
@@ -173,6 +185,7 @@ class Gateway:
         self.usage_sink.start()
         self.publisher.start()
         self.upstream.open()
+        self.admission.start()
         self._tasks = [
             loop.create_task(
                 listen_to_group(BREAKER_GROUP, self.breaker.on_message),
@@ -191,6 +204,7 @@ class Gateway:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.admission.stop()
         await self.snapshots.stop()
         await self.publisher.stop()
         await self.breaker.stop()
@@ -243,6 +257,7 @@ class Gateway:
                 names.append((backend.name, is_up))
         self.metrics.set_backends(in_flight, names)
         self.metrics.set_usage_buffer(len(self.buffer), self.buffer.dropped_total)
+        self.admission.refresh_metrics()
 
     async def _refresh_gauges_periodically(self) -> None:
         while True:

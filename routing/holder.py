@@ -95,6 +95,7 @@ class SnapshotHolder(Generic[S]):
         if current is None or snapshot.version >= current.version:
             self._snapshot = snapshot
             self.rebuilds += 1
+            _log_version(current, snapshot)
             self.on_install(snapshot)
 
     def start(self) -> None:
@@ -173,9 +174,10 @@ class SnapshotHolder(Generic[S]):
         except Exception:
             logger.exception("Reloading the router snapshot failed; will retry")
             return
-        self._snapshot = snapshot
+        current, self._snapshot = self._snapshot, snapshot
         self._wanted = snapshot.version
         self.rebuilds += 1
+        _log_version(current, snapshot)
         self.on_install(snapshot)
 
     async def _listen(self) -> None:
@@ -188,3 +190,13 @@ class SnapshotHolder(Generic[S]):
 
 def _ignore(snapshot: object) -> None:
     pass
+
+
+def _log_version(current: Versioned | None, snapshot: Versioned) -> None:
+    """One line when the configuration changes (not for same-version rebuilds)."""
+    if current is not None and current.version != snapshot.version:
+        logger.info(
+            "Configuration version %d is live (was %d)",
+            snapshot.version,
+            current.version,
+        )

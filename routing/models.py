@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.core.validators import MaxValueValidator
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import BaseConstraint, F, Q
 from django.db.models.lookups import Exact
 
+from routing.admission import AdmissionSettings, FlowKey, Sizing
 from routing.core import Strategy
 
 
@@ -167,6 +169,23 @@ STRATEGY_LABELS: dict[Strategy, str] = {
 }
 
 
+# The admission settings stored as ``admission_<name>`` fields that cannot be
+# empty (the two optional bounds are handled beside them).
+ADMISSION_FIELDS = (
+    "enabled",
+    "flow_key",
+    "sizing",
+    "default_output_tokens",
+    "total_capacity",
+    "flow_capacity",
+    "critical_reserved",
+    "queue_ttl",
+    "watermark_per_backend",
+    "percentage_deviation_for_bounds",
+    "model_weights",
+)
+
+
 class RoutingPolicy(models.Model):
     """The single, global routing policy (strategy, scoring weights, retries)."""
 
@@ -191,6 +210,90 @@ class RoutingPolicy(models.Model):
         default=2,
         validators=[MaxValueValidator(10)],
         help_text="Other backends to try when one fails before answering.",
+    )
+    admission_enabled = models.BooleanField(
+        "admission control",
+        default=True,
+        help_text="Queue requests in Nexus, fairly per flow, when backends are busy.",
+    )
+    admission_flow_key = models.CharField(
+        "flow",
+        max_length=16,
+        choices=[
+            (FlowKey.KEY.value, "Client key (per tenant)"),
+            (FlowKey.MODEL.value, "Model"),
+            (FlowKey.KEY_MODEL.value, "Client key and model"),
+        ],
+        default=FlowKey.KEY,
+        help_text="What shares the backends fairly.",
+    )
+    admission_sizing = models.CharField(
+        "request size",
+        max_length=8,
+        choices=[
+            (Sizing.TOKENS.value, "Estimated tokens (prompt + max_tokens)"),
+            (Sizing.FIXED.value, "Fixed (every request counts 1)"),
+        ],
+        default=Sizing.TOKENS,
+    )
+    admission_default_output_tokens = models.PositiveIntegerField(
+        "default output tokens",
+        default=256,
+        validators=[MaxValueValidator(10_000_000)],
+        help_text="A request's output size when it sets no max_tokens.",
+    )
+    admission_total_capacity = models.PositiveIntegerField(
+        "total capacity",
+        default=1000,
+        validators=[MinValueValidator(1), MaxValueValidator(1_000_000)],
+        help_text="Requests that may wait, per backend pool and serving process.",
+    )
+    admission_flow_capacity = models.PositiveIntegerField(
+        "flow capacity",
+        default=100,
+        validators=[MinValueValidator(1), MaxValueValidator(1_000_000)],
+        help_text="Requests one flow may have waiting.",
+    )
+    admission_critical_reserved = models.PositiveIntegerField(
+        "places reserved for critical requests",
+        default=100,
+        validators=[MaxValueValidator(1_000_000)],
+    )
+    admission_queue_ttl = models.FloatField(
+        "queue TTL",
+        default=30.0,
+        help_text="Seconds a request may wait before it gets a 503.",
+    )
+    admission_watermark_per_backend = models.FloatField(
+        "watermark per backend",
+        default=2.0,
+        help_text="Requests in flight per ready backend that the queue aims at.",
+    )
+    admission_percentage_deviation_for_bounds = models.FloatField(
+        "band deviation",
+        default=0.1,
+        help_text="The band is the watermark ± this fraction (between 0 and 1).",
+    )
+    admission_lower_bound_per_backend = models.FloatField(
+        "lower bound per backend",
+        null=True,
+        blank=True,
+        help_text="Overrides the band's lower bound: waiting requests are sent "
+        "while the stock is below it.",
+    )
+    admission_upper_bound_per_backend = models.FloatField(
+        "upper bound per backend",
+        null=True,
+        blank=True,
+        help_text="Overrides the band's upper bound: requests go straight through "
+        "while the stock is below it and none wait.",
+    )
+    admission_model_weights = models.JSONField(
+        "model weights",
+        default=dict,
+        blank=True,
+        help_text='Weights of models in the fair queue, e.g. {"llama3:70b": 2}; '
+        "others weigh 1.",
     )
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -240,6 +343,37 @@ class RoutingPolicy(models.Model):
                 "The priority, load and latency weights must sum to 100 "
                 f"(they sum to {sum(weights)})."
             )
+        problems = self.admission_problems()
+        if problems:
+            raise ValidationError(
+                {f"admission_{name}": message for name, message in problems.items()}
+            )
+
+    def admission_problems(self) -> dict[str, str]:
+        """What is wrong with the admission settings, by setting name."""
+        weights = self.admission_model_weights
+        if not isinstance(weights, dict) or not all(
+            isinstance(name, str)
+            and isinstance(value, int | float)
+            and not isinstance(value, bool)
+            for name, value in weights.items()
+        ):
+            return {"model_weights": "must map model names to numbers"}
+        values = self._admission_values()
+        required = (values[name] for name in ADMISSION_FIELDS)
+        if None in required:
+            return {}  # field validation reports the blanks
+        return AdmissionSettings.check(**values)
+
+    def admission_settings(self) -> AdmissionSettings:
+        """The admission settings (raises ValueError if clean() would fail)."""
+        return AdmissionSettings(**self._admission_values())
+
+    def _admission_values(self) -> dict[str, Any]:
+        values = {name: getattr(self, f"admission_{name}") for name in ADMISSION_FIELDS}
+        values["lower_bound_per_backend"] = self.admission_lower_bound_per_backend
+        values["upper_bound_per_backend"] = self.admission_upper_bound_per_backend
+        return values
 
     @classmethod
     def load(cls) -> RoutingPolicy:

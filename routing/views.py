@@ -47,8 +47,15 @@ class HealthSummaryDict(TypedDict):
 
 class HealthDict(TypedDict, total=False):
     status: str  # "ok", "degraded" or "unavailable"
+    database: str  # "ok" or "unreachable"
     summary: HealthSummaryDict
     backends: list[BackendHealthRowDict]  # staff only
+
+
+DATABASE_DOWN = (
+    "the configuration database is unreachable; the gateway keeps serving from "
+    "its last configuration"
+)
 
 
 @never_cache
@@ -65,10 +72,7 @@ def health(request: HttpRequest) -> JsonResponse:
     try:
         backends = list(Backend.objects.with_model_count().order_by("priority", "name"))
     except DatabaseError:
-        return JsonResponse(
-            {"status": "unavailable", "error": "the database is unreachable"},
-            status=503,
-        )
+        return _health_without_database()
     summary: HealthSummaryDict = {
         "total": len(backends),
         "healthy": 0,
@@ -121,7 +125,7 @@ def health(request: HttpRequest) -> JsonResponse:
         status = "degraded"
     else:
         status = "ok"
-    body: HealthDict = {"status": status, "summary": summary}
+    body: HealthDict = {"status": status, "database": "ok", "summary": summary}
     if _is_staff(request):
         body["backends"] = rows
     return JsonResponse(body, status=200 if serving else 503)
@@ -136,6 +140,35 @@ def _is_staff(request: HttpRequest) -> bool:
     except AuthenticationFailed:
         return False
     return found is not None and bool(found[0].is_staff)
+
+
+def _health_without_database() -> JsonResponse:
+    """What this serving process still routes with while the database is down.
+
+    The gateway serves from its last snapshot, so a load balancer should keep
+    sending traffic: 200 while the snapshot has a healthy backend, and the
+    outage said in ``database`` and ``error``.
+    """
+    state = current_gateway().snapshots.peek()
+    breaker = current_gateway().breaker
+    serving = 0
+    if state is not None:
+        for backend in state.routes.backends:
+            if (
+                backend.enabled
+                and backend.status == HealthStatus.HEALTHY
+                and not breaker.is_open(backend.name)
+            ):
+                serving += 1
+    return JsonResponse(
+        {
+            "status": "degraded" if serving else "unavailable",
+            "database": "unreachable",
+            "error": DATABASE_DOWN,
+            "serving_backends": serving,
+        },
+        status=200 if serving else 503,
+    )
 
 
 def _public_url(url: str) -> str:

@@ -347,3 +347,22 @@ def test_the_proxy_header_and_hsts_are_read_from_the_environment(
 
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "('HTTP_X_FORWARDED_SCHEME', 'https') 600 True []"
+
+
+def test_a_copied_env_example_keeps_the_embedded_default(tmp_path: Path) -> None:
+    """Issue 12, item 10: .env.example as it comes switches nothing on."""
+    example = (REPO_ROOT / ".env.example").read_text(encoding="utf-8")
+    values = dict(re.findall(r"^(\w+)=(.*)$", example, flags=re.MULTILINE))
+    values["NEXUS_STATE_DIR"] = str(tmp_path)
+    result = _run_settings(
+        values,
+        "from django.conf import settings; "
+        "print(settings.NEXUS_PRODUCTION, settings.DATABASES['default']['ENGINE'], "
+        "settings.REDIS_URL == '', settings.ALLOWED_HOSTS)",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split(" ", 2) == [
+        "False",
+        "django.db.backends.sqlite3",
+        "True ['127.0.0.1', 'localhost', '[::1]']\n",
+    ]

@@ -74,6 +74,14 @@ class ApiKeyAdmin(ApiKeyAdminBase):
                     )
                 },
             ),
+            (
+                "Admission control",
+                {
+                    "fields": ("admission_weight", "max_criticality"),
+                    "description": "How this key's requests share busy backends "
+                    "with other keys' (the routing policy's fair queue).",
+                },
+            ),
             ("Usage", {"fields": ("usage",)}),
         ]
 

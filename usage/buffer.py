@@ -8,7 +8,10 @@ embedded default ``usage/flush.py`` writes it to the database, in production
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
+import operator
 import os
 import time
 from collections import deque
@@ -85,12 +88,18 @@ class UsageBuffer:
     """Usage events not yet handed on (to the database or a Redis stream)."""
 
     def __init__(self, maxlen: int | None = None) -> None:
-        # A bound protects memory if the database is down for long; the oldest
-        # events are dropped first and counted, never silently.
+        # A last-resort bound: during an outage the gateway's task spills
+        # what is over a tenth of it to disk (usage/spill.py); only a burst
+        # faster than that task would hit it, and the oldest events are then
+        # dropped first and counted, never silently.
         self._events: deque[UsageEvent] = deque(maxlen=maxlen)
         self.dropped = 0  # since the flusher last reported drops
         self.dropped_total = 0  # since the process started
         self._maxlen = maxlen
+
+    @property
+    def maxlen(self) -> int | None:
+        return self._maxlen
 
     def append(self, event: UsageEvent) -> None:
         if self._maxlen is not None and len(self._events) == self._maxlen:
@@ -112,3 +121,28 @@ class UsageBuffer:
 
     def __len__(self) -> int:
         return len(self._events)
+
+
+_FIELDS = tuple(field.name for field in dataclasses.fields(UsageEvent))
+_values_of = operator.attrgetter(*_FIELDS)
+
+
+def encode_events(events: list[UsageEvent]) -> bytes:
+    """Serialise a batch of events (field names kept, so they survive upgrades)."""
+    return json.dumps(
+        {"fields": _FIELDS, "events": [_values_of(event) for event in events]},
+        separators=(",", ":"),
+    ).encode()
+
+
+def decode_events(data: bytes) -> list[UsageEvent]:
+    """Read a batch written by encode_events(); unknown fields are ignored."""
+    batch = json.loads(data)
+    if not isinstance(batch, dict):
+        raise TypeError("a usage batch must be a JSON object")
+    names = batch["fields"]
+    known = [(index, name) for index, name in enumerate(names) if name in _FIELDS]
+    return [
+        UsageEvent(**{name: values[index] for index, name in known})
+        for values in batch["events"]
+    ]

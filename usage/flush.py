@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 from collections.abc import Iterable
 from datetime import UTC, datetime
 
@@ -32,6 +33,7 @@ from django.db import DataError, IntegrityError, models, transaction
 
 from usage.buffer import UsageBuffer, UsageEvent
 from usage.models import UsageRecord
+from usage.spill import UsageSpill, replay_spilled, spill_excess
 
 logger = logging.getLogger(__name__)
 
@@ -82,15 +84,23 @@ class DatabaseFlusher:
     code when the interpreter exits.
     """
 
-    def __init__(self, buffer: UsageBuffer, interval: float | None = None) -> None:
+    def __init__(
+        self,
+        buffer: UsageBuffer,
+        interval: float | None = None,
+        spill: UsageSpill | None = None,
+    ) -> None:
         self.buffer = buffer
         self.interval = (
             settings.NEXUS_USAGE_FLUSH_INTERVAL if interval is None else interval
         )
+        self.spill = spill
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         """Start the task on the running loop."""
+        if self.spill is not None:
+            self.spill.open()
         self._task = asyncio.get_running_loop().create_task(
             self._run(), name="usage-flusher"
         )
@@ -107,6 +117,7 @@ class DatabaseFlusher:
                 await database_sync_to_async(flush_usage)(self.buffer)
             except Exception:
                 logger.exception("Could not write %d usage events", len(self.buffer))
+        keep_on_disk(self.spill, self.buffer)
 
     def flush_on_exit(self) -> None:
         """Write what is left when the interpreter exits (graceful shutdown)."""
@@ -116,29 +127,62 @@ class DatabaseFlusher:
         try:
             flush_usage(self.buffer)
         except Exception:
-            logger.exception("Lost %d usage events at shutdown", pending)
+            logger.exception("Could not write %d usage events at shutdown", pending)
+        keep_on_disk(self.spill, self.buffer)
+
+    async def _deliver(self, events: list[UsageEvent]) -> None:
+        await database_sync_to_async(_flush_events)(events)
 
     async def _run(self) -> None:
         flush = database_sync_to_async(flush_usage)
+        spill = self.spill
         failures = 0
         while True:
             await asyncio.sleep(self.interval)
-            if not len(self.buffer):
+            if not len(self.buffer) and not (spill is not None and spill.pending):
                 continue  # skip the hop to the database thread when idle
             try:
-                await flush(self.buffer)
+                if len(self.buffer):
+                    await flush(self.buffer)
+                await replay_spilled(spill, self._deliver)
             except Exception:
                 if failures % _LOG_EVERY == 0:
                     logger.exception(
                         "Could not write %d usage events; will retry", len(self.buffer)
                     )
                 failures += 1
+                await spill_excess(spill, self.buffer)
             else:
                 if failures:
                     logger.info(
                         "Writing usage events again after %d failures", failures
                     )
                 failures = 0
+
+
+def _flush_events(events: list[UsageEvent]) -> None:
+    batch = UsageBuffer()
+    batch.requeue(events)
+    flush_usage(batch)
+
+
+def keep_on_disk(spill: UsageSpill | None, buffer: UsageBuffer) -> None:
+    """At shutdown: what could not be handed on waits on disk for the next start."""
+    if spill is None:
+        return
+    if len(buffer):
+        try:
+            kept = spill.spill(buffer, keep=0)
+        except OSError:
+            logger.exception("Lost %d usage events at shutdown", len(buffer))
+        else:
+            if kept:
+                logger.warning(
+                    "Kept %d usage events on disk (%s) for the next start",
+                    kept,
+                    spill.directory,
+                )
+    spill.close()
 
 
 def _write(records: list[UsageRecord]) -> int:
@@ -208,25 +252,19 @@ def _to_record(event: UsageEvent) -> UsageRecord:
 def _clip(field: str, value: str) -> str:
     # The database would reject (PostgreSQL) or keep (SQLite) a longer value;
     # cutting it keeps the request counted the same way everywhere.
-    value = value[: _MAX_LENGTHS[field]]
+    return storable_text(value[: _MAX_LENGTHS[field]])
+
+
+# PostgreSQL text cannot hold NUL, and no UTF-8 can encode a lone surrogate
+# (JSON's "\ud800" decodes to one): a client's model name may carry either.
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def storable_text(value: str) -> str:
+    """Replace what PostgreSQL refuses in text with U+FFFD (both modes alike)."""
     if value.isascii() and "\x00" not in value:
         return value
-    return _storable(value)
-
-
-def _storable(value: str) -> str:
-    """`value` without what no database stores: NUL bytes, lone surrogates.
-
-    Clients choose some of these strings (the model name, the request id); one
-    that PostgreSQL or SQLite cannot encode must not fail the batch it is in
-    (and, retried, every batch after it).
-    """
-    value = value.replace("\x00", "\ufffd")
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        value = value.encode(errors="replace").decode()
-    return value
+    return _UNSTORABLE.sub("\ufffd", value)
 
 
 def _count(value: int) -> int:

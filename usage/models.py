@@ -9,6 +9,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, ClassVar, Self, cast
 
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import OuterRef, Q, QuerySet, Subquery, Sum
 from django.db.models.query import ValuesIterable
@@ -55,6 +56,18 @@ class ApiKeyQuerySet(models.QuerySet["ApiKey"]):
         return key
 
 
+class Criticality(models.TextChoices):
+    """How much a key's requests matter when the admission queue is full.
+
+    The same words as ``routing.admission.Criticality`` (usage may not import
+    routing).
+    """
+
+    CRITICAL = "critical", "Critical (never shed)"
+    DEFAULT = "default", "Default"
+    SHEDDABLE = "sheddable", "Sheddable (shed first)"
+
+
 class ApiKey(models.Model):
     """A client credential for the gateway; only a hash of the secret is stored."""
 
@@ -69,6 +82,21 @@ class ApiKey(models.Model):
     is_active = models.BooleanField("active", default=True)
     created_at = models.DateTimeField(auto_now_add=True)
     last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
+    admission_weight = models.FloatField(
+        "fair-queue weight",
+        default=1.0,
+        validators=[MinValueValidator(0.001), MaxValueValidator(1000)],
+        help_text="This key's share of busy backends against other keys' (1 is "
+        "equal; 3 gets three times the share of a key weighing 1).",
+    )
+    max_criticality = models.CharField(
+        "highest criticality",
+        max_length=16,
+        choices=Criticality.choices,
+        default=Criticality.DEFAULT,
+        help_text="The most a request may claim with X-Nexus-Criticality; "
+        "requests without the header get this level, capped at default.",
+    )
 
     objects = ApiKeyQuerySet.as_manager()
 

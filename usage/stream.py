@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import json
 import logging
-import operator
 from typing import Any, cast
 
 import redis
 import redis.asyncio
 from django.conf import settings
 
-from usage.buffer import UsageBuffer, UsageEvent
-from usage.flush import flush_usage
+from usage.buffer import UsageBuffer, UsageEvent, decode_events, encode_events
+from usage.flush import flush_usage, keep_on_disk
+from usage.spill import UsageSpill, replay_spilled, spill_excess
 
 logger = logging.getLogger(__name__)
 
@@ -37,31 +35,8 @@ STREAM_KEY = "nexus:usage"
 STREAM_MAX_ENTRIES = 200_000
 SHIP_BATCH = 1000
 DRAIN_BATCH = 1000
-_FIELDS = tuple(field.name for field in dataclasses.fields(UsageEvent))
-_values_of = operator.attrgetter(*_FIELDS)
 # During a Redis outage, log the failure once per this many attempts.
 _LOG_EVERY = 200
-
-
-def encode_events(events: list[UsageEvent]) -> bytes:
-    """Serialise a batch for one stream entry (field names survive upgrades)."""
-    return json.dumps(
-        {"fields": _FIELDS, "events": [_values_of(event) for event in events]},
-        separators=(",", ":"),
-    ).encode()
-
-
-def decode_events(data: bytes) -> list[UsageEvent]:
-    """Read a batch written by encode_events(); unknown fields are ignored."""
-    batch = json.loads(data)
-    if not isinstance(batch, dict):
-        raise TypeError("a usage batch must be a JSON object")
-    names = batch["fields"]
-    known = [(index, name) for index, name in enumerate(names) if name in _FIELDS]
-    return [
-        UsageEvent(**{name: values[index] for index, name in known})
-        for values in batch["events"]
-    ]
 
 
 def _add_batch(pipe: Any, events: list[UsageEvent]) -> None:
@@ -83,8 +58,10 @@ class RedisShipper:
         buffer: UsageBuffer,
         redis_url: str | None = None,
         interval: float | None = None,
+        spill: UsageSpill | None = None,
     ) -> None:
         self.buffer = buffer
+        self.spill = spill
         self.redis_url = redis_url or settings.REDIS_URL
         self.interval = (
             settings.NEXUS_USAGE_SHIP_INTERVAL if interval is None else interval
@@ -94,6 +71,8 @@ class RedisShipper:
 
     def start(self) -> None:
         """Start shipping on the running loop (the client is made here, once)."""
+        if self.spill is not None:
+            self.spill.open()
         self._client = redis.asyncio.Redis.from_url(
             self.redis_url, socket_timeout=5, socket_connect_timeout=5
         )
@@ -120,6 +99,7 @@ class RedisShipper:
             )
         finally:
             await client.aclose()
+            keep_on_disk(self.spill, self.buffer)
 
     def flush_on_exit(self) -> None:
         """Ship what is left from sync code when the interpreter exits."""
@@ -139,9 +119,12 @@ class RedisShipper:
                     self.buffer.requeue(events)
                     raise
         except Exception:
-            logger.exception("Lost %d usage events at shutdown", len(self.buffer))
+            logger.exception(
+                "Could not ship %d usage events at shutdown", len(self.buffer)
+            )
         finally:
             client.close()
+            keep_on_disk(self.spill, self.buffer)
 
     async def _ship(self, client: redis.asyncio.Redis) -> None:
         events = self.buffer.drain(SHIP_BATCH)
@@ -157,17 +140,33 @@ class RedisShipper:
             self.buffer.requeue(events)
             raise
 
+    async def _deliver(self, events: list[UsageEvent]) -> None:
+        client = self._client
+        assert client is not None
+        async with client.pipeline(transaction=False) as pipe:
+            _add_batch(pipe, events)
+            await pipe.execute()
+
     async def _run(self) -> None:
         client = self._client
         assert client is not None
+        spill = self.spill
+        loop = asyncio.get_running_loop()
         failures = 0
+        retry_at = 0.0
         while True:
-            await asyncio.sleep(self.interval if not failures else 1.0)
-            if not len(self.buffer):
+            await asyncio.sleep(self.interval)
+            if not len(self.buffer) and not (spill is not None and spill.pending):
+                continue
+            if failures and loop.time() < retry_at:
+                # Redis is down: retry about once a second, but keep memory
+                # at the spill threshold on every tick meanwhile.
+                await spill_excess(spill, self.buffer)
                 continue
             try:
                 while len(self.buffer):
                     await self._ship(client)
+                await replay_spilled(spill, self._deliver)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -177,6 +176,8 @@ class RedisShipper:
                         len(self.buffer),
                     )
                 failures += 1
+                retry_at = loop.time() + 1.0
+                await spill_excess(spill, self.buffer)
             else:
                 if failures:
                     logger.info(

@@ -35,6 +35,7 @@ _KNOB_OPTIONS = (
     "loaded_models",
     "vision_models",
     "tool_models",
+    "slots",
 )
 
 
@@ -115,6 +116,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="llama.cpp kind: answer 503 'Loading model' until the loading "
         "knob is turned off.",
+    )
+    parser.add_argument(
+        "--slots",
+        type=int,
+        help="Serve at most N inference requests at once; the others wait in "
+        "arrival order, like a model server's queue (default: no limit).",
     )
     parser.add_argument(
         "--record-requests",

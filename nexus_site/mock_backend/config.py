@@ -33,6 +33,9 @@ class MockConfig:
     ``loading`` shape what its probe endpoints report. ``tool_arguments`` (a
     JSON object, None: made from the tool's schema) are the arguments of the
     tool calls the mock makes (see ``nexus_site.mock_backend.tools``).
+    ``slots`` > 0 serves at most that many inference requests at once, the
+    others waiting in arrival order inside the mock, like a model server's own
+    queue (0: no limit).
     """
 
     models: tuple[str, ...] = ()
@@ -54,6 +57,7 @@ class MockConfig:
     tool_models: tuple[str, ...] = ()
     loading: bool = False
     tool_arguments: dict[str, Any] | None = None
+    slots: int = 0
 
     @classmethod
     def from_knobs(cls, knobs: Mapping[str, Any]) -> MockConfig:
@@ -195,4 +199,5 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "tool_models": _validate_model_subset,
     "loading": _validate_bool,
     "tool_arguments": _optional(_validate_json_object),
+    "slots": _int_knob(0, 100_000),
 }

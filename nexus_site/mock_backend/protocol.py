@@ -219,6 +219,14 @@ class HttpConnection(asyncio.Protocol):
             await asyncio.wait((self._lost,), timeout=seconds)
         return not self._closing
 
+    async def wait_for(self, future: asyncio.Future[None]) -> bool:
+        """Wait for `future`, waking early if the client goes away; True if done."""
+        if not self._closing:
+            await asyncio.wait(
+                (future, self._lost), return_when=asyncio.FIRST_COMPLETED
+            )
+        return future.done()
+
     def close(self) -> None:
         """Close the connection (after writing what is buffered)."""
         self._close()

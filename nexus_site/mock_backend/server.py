@@ -64,6 +64,8 @@ logger = logging.getLogger(__name__)
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 CONTROL_PREFIX = "/_mock/"
 _INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# Also held to --slots (what a model server runs).
+_SLOTTED_PATHS = (*_INFERENCE_PATHS, "/v1/messages")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +87,8 @@ class MockBackend:
         self._listener: Listener | None = None
         self._relisten: asyncio.TimerHandle | None = None
         self._background: set[asyncio.Task[None]] = set()
+        # Requests waiting for one of the --slots, in arrival order.
+        self._slot_waiters: deque[asyncio.Future[None]] = deque()
         self._apply_config(config)
 
     # Lifecycle
@@ -194,6 +198,9 @@ class MockBackend:
         stats.responses[status] += 1
         if record is not None:
             record.status = status
+        slotted = config.slots > 0 and request.path in _SLOTTED_PATHS
+        if slotted:
+            return self._deliver_in_slot(conn, reply, headers, config)
         # Answer without a task when nothing has to wait: benchmarks live here.
         if config.latency_ms <= 0:
             if not isinstance(reply, _Stream):
@@ -362,6 +369,48 @@ class MockBackend:
                 self._send(conn, reply, headers)
         finally:
             self.stats.in_flight -= 1
+
+    async def _deliver_in_slot(
+        self,
+        conn: HttpConnection,
+        reply: bytes | ApiError | _Stream,
+        headers: list[Header],
+        config: MockConfig,
+    ) -> None:
+        """Wait for a free slot (in arrival order), then answer as usual."""
+        stats = self.stats
+        if stats.busy_slots < config.slots and not self._slot_waiters:
+            stats.busy_slots += 1
+        else:
+            turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._slot_waiters.append(turn)
+            stats.waiting_for_slot += 1
+            stats.note_slots()
+            try:
+                got_slot = await conn.wait_for(turn)
+            finally:
+                stats.waiting_for_slot -= 1
+                if not turn.done():
+                    turn.cancel()
+                    self._slot_waiters.remove(turn)
+            if not got_slot:
+                stats.client_disconnects += 1
+                return
+        stats.note_slots()
+        try:
+            await self._deliver(conn, reply, headers, config)
+        finally:
+            self._free_slot()
+
+    def _free_slot(self) -> None:
+        # The slot passes straight to the oldest waiter, if there is one.
+        waiters = self._slot_waiters
+        while waiters:
+            turn = waiters.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self.stats.busy_slots -= 1
 
     async def _stream(
         self,

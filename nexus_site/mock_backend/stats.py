@@ -44,6 +44,23 @@ class MockStats:
     recorded: deque[RecordedRequest] = field(default_factory=deque)
     in_flight: int = 0
     open_connections: int = 0
+    # With --slots: requests in a slot, waiting for one, and the peaks of both
+    # and of their sum (what the callers had outstanding here) since the reset.
+    busy_slots: int = 0
+    waiting_for_slot: int = 0
+    peak_busy_slots: int = 0
+    peak_waiting_for_slot: int = 0
+    peak_outstanding: int = 0
+
+    def note_slots(self) -> None:
+        """Update the peaks after busy_slots or waiting_for_slot changed."""
+        self.peak_busy_slots = max(self.peak_busy_slots, self.busy_slots)
+        self.peak_waiting_for_slot = max(
+            self.peak_waiting_for_slot, self.waiting_for_slot
+        )
+        self.peak_outstanding = max(
+            self.peak_outstanding, self.busy_slots + self.waiting_for_slot
+        )
 
     def reset(self) -> None:
         """Zero the counters and forget recorded requests."""
@@ -54,6 +71,9 @@ class MockStats:
         self.client_disconnects = 0
         self.dropped_streams = 0
         self.injected_failures = 0
+        self.peak_busy_slots = self.busy_slots
+        self.peak_waiting_for_slot = self.waiting_for_slot
+        self.peak_outstanding = self.busy_slots + self.waiting_for_slot
 
     def as_dict(self) -> dict[str, Any]:
         """Return the stats as JSON-ready values, oldest recorded request first."""
@@ -67,5 +87,10 @@ class MockStats:
             "client_disconnects": self.client_disconnects,
             "dropped_streams": self.dropped_streams,
             "injected_failures": self.injected_failures,
+            "busy_slots": self.busy_slots,
+            "waiting_for_slot": self.waiting_for_slot,
+            "peak_busy_slots": self.peak_busy_slots,
+            "peak_waiting_for_slot": self.peak_waiting_for_slot,
+            "peak_outstanding": self.peak_outstanding,
             "last_requests": [record.as_dict() for record in self.recorded],
         }

@@ -5,6 +5,7 @@ from __future__ import annotations
 from backends.models import Backend
 from routing.config_file.literals import format_key, format_scalar, format_string
 from routing.config_file.schema import (
+    ADMISSION_SETTINGS,
     AUTO,
     BACKEND_SETTINGS,
     MODEL_SETTINGS,
@@ -41,6 +42,16 @@ def export_config() -> str:
         "# Scoring weights of the smart strategy; they sum to 100.",
     ]
     lines += _settings(policy, WEIGHT_SETTINGS)
+    lines += [
+        "",
+        "[routing.admission]",
+        "# Fair queuing in Nexus when backends are busy (README: Admission control).",
+    ]
+    lines += _settings(policy, ADMISSION_SETTINGS)
+    lines += ["", "[routing.admission.model_weights]"]
+    weights = policy.admission_model_weights or {}
+    for model in sorted(weights):
+        lines.append(f"{format_string(model)} = {format_scalar(weights[model])}")
 
     lines += [
         "",

@@ -20,11 +20,15 @@ from backends.models import Backend, BackendModel
 from routing.config_file.literals import format_key, format_scalar, format_string
 from routing.config_file.problems import ConfigError
 from routing.config_file.schema import (
+    ADMISSION_KEYS,
+    ADMISSION_SETTINGS,
     AUTO,
     BACKEND_KEYS,
     BACKEND_SETTINGS,
     MODEL_KEYS,
     MODEL_SETTINGS,
+    MODEL_WEIGHTS_FIELD,
+    MODEL_WEIGHTS_KEY,
     POLICY_SETTINGS,
     ROUTING_KEYS,
     WEIGHT_SETTINGS,
@@ -40,6 +44,7 @@ from routing.config_file.schema import (
 SYNTAX_POSITION = " (at line "
 END_OF_DOCUMENT = " (at end of document)"
 MAX_SHOWN_VALUE = 60
+NUL_MESSAGE = "contains a NUL character (\\u0000), which cannot be stored; remove it"
 
 
 def read_config(text: str, source: str, environ: Mapping[str, str]) -> ConfigFile:
@@ -79,6 +84,7 @@ class _Reader:
         self.problems.append(f"{path}: {message}")
 
     def read_document(self, data: dict[str, Any]) -> ConfigFile:
+        self._reject_nul_characters(data, "")
         self._reject_unknown_keys(data, "", ("routing", "backends"))
         policy: dict[str, Any] = {}
         policy_invalid: set[str] = set()
@@ -100,6 +106,11 @@ class _Reader:
                 )
                 policy |= weight_values
                 policy_invalid |= weights_invalid
+            admission_values, admission_invalid = self._read_admission(
+                routing.get("admission")
+            )
+            policy |= admission_values
+            policy_invalid |= admission_invalid
             aliases = self._read_aliases(routing.get("aliases"))
             fallbacks = self._read_fallbacks(routing.get("fallbacks"))
         backends = self._read_backends(data.get("backends"))
@@ -111,6 +122,23 @@ class _Reader:
             policy_invalid=frozenset(policy_invalid),
             problems=tuple(self.problems),
         )
+
+    def _reject_nul_characters(self, value: object, path: str) -> None:
+        """Report every key or string holding NUL (TOML's \\u0000).
+
+        The database cannot store it (PostgreSQL text refuses it outright).
+        """
+        if isinstance(value, dict):
+            for key, item in value.items():
+                item_path = _join(path, key.replace("\x00", "\\u0000"))
+                if "\x00" in key:
+                    self.add(item_path, NUL_MESSAGE)
+                self._reject_nul_characters(item, item_path)
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                self._reject_nul_characters(item, f"{path}[{index}]")
+        elif isinstance(value, str) and "\x00" in value:
+            self.add(path, NUL_MESSAGE)
 
     def _read_table(self, value: object, path: str) -> dict[str, Any] | None:
         if value is None:
@@ -176,6 +204,33 @@ class _Reader:
                 invalid.add(setting.field)
             else:
                 values[setting.field] = value
+        return values, invalid
+
+    def _read_admission(self, value: object) -> tuple[dict[str, Any], set[str]]:
+        path = "routing.admission"
+        table = self._read_table(value, path)
+        if table is None:
+            return {}, set()
+        self._reject_unknown_keys(table, path, ADMISSION_KEYS)
+        values, invalid = self._read_settings(table, path, ADMISSION_SETTINGS)
+        weights_path = f"{path}.{MODEL_WEIGHTS_KEY}"
+        weights = self._read_table(table.get(MODEL_WEIGHTS_KEY), weights_path)
+        if MODEL_WEIGHTS_KEY in table and weights is None:
+            invalid.add(MODEL_WEIGHTS_FIELD)
+        elif weights is not None:
+            clean: dict[str, float] = {}
+            for model, weight in weights.items():
+                number = _coerce(weight, float)
+                if number is None:
+                    self.add(
+                        f"{weights_path}.{format_key(model)}",
+                        f"expected a positive number, got {_describe(weight)}",
+                    )
+                    invalid.add(MODEL_WEIGHTS_FIELD)
+                else:
+                    clean[model.strip()] = number  # type: ignore[assignment]
+            if MODEL_WEIGHTS_FIELD not in invalid:
+                values[MODEL_WEIGHTS_FIELD] = clean
         return values, invalid
 
     def _read_aliases(self, value: object) -> tuple[AliasEntry, ...]:

@@ -33,6 +33,52 @@ WEIGHT_SETTINGS = (
     Setting("load", "weight_load", int, "an integer from 0 to 100"),
     Setting("latency", "weight_latency", int, "an integer from 0 to 100"),
 )
+ADMISSION_SETTINGS = (
+    Setting("enabled", "admission_enabled", bool, "true or false"),
+    Setting("flow_key", "admission_flow_key", str, '"key", "model" or "key+model"'),
+    Setting("sizing", "admission_sizing", str, '"tokens" or "fixed"'),
+    Setting(
+        "default_output_tokens",
+        "admission_default_output_tokens",
+        int,
+        "a non-negative integer",
+    ),
+    Setting("total_capacity", "admission_total_capacity", int, "a positive integer"),
+    Setting("flow_capacity", "admission_flow_capacity", int, "a positive integer"),
+    Setting(
+        "critical_reserved",
+        "admission_critical_reserved",
+        int,
+        "a non-negative integer",
+    ),
+    Setting("queue_ttl", "admission_queue_ttl", float, "a number of seconds"),
+    Setting(
+        "watermark_per_backend",
+        "admission_watermark_per_backend",
+        float,
+        "a positive number",
+    ),
+    Setting(
+        "percentage_deviation_for_bounds",
+        "admission_percentage_deviation_for_bounds",
+        float,
+        "a number between 0 and 1",
+    ),
+    Setting(
+        "lower_bound_per_backend",
+        "admission_lower_bound_per_backend",
+        float,
+        "a non-negative number",
+    ),
+    Setting(
+        "upper_bound_per_backend",
+        "admission_upper_bound_per_backend",
+        float,
+        "a positive number",
+    ),
+)
+MODEL_WEIGHTS_KEY = "model_weights"
+MODEL_WEIGHTS_FIELD = "admission_model_weights"
 BACKEND_SETTINGS = (
     Setting("name", "name", str, "a string", required=True),
     Setting("url", "base_url", str, "a URL string", required=True),
@@ -51,14 +97,25 @@ MODEL_SETTINGS = (
     Setting("enabled", "enabled", bool, "true or false"),
 )
 
-ROUTING_KEYS = ("strategy", "max_retries", "weights", "aliases", "fallbacks")
+ROUTING_KEYS = (
+    "strategy",
+    "max_retries",
+    "weights",
+    "admission",
+    "aliases",
+    "fallbacks",
+)
+ADMISSION_KEYS = (*(s.key for s in ADMISSION_SETTINGS), MODEL_WEIGHTS_KEY)
 BACKEND_KEYS = (*(s.key for s in BACKEND_SETTINGS), "api_key", "api_key_env", "models")
 MODEL_KEYS = tuple(s.key for s in MODEL_SETTINGS)
 
 # Model field -> the key that sets it, for naming full_clean() errors.
-POLICY_KEY_FOR_FIELD = {s.field: s.key for s in POLICY_SETTINGS} | {
-    s.field: f"weights.{s.key}" for s in WEIGHT_SETTINGS
-}
+POLICY_KEY_FOR_FIELD = (
+    {s.field: s.key for s in POLICY_SETTINGS}
+    | {s.field: f"weights.{s.key}" for s in WEIGHT_SETTINGS}
+    | {s.field: f"admission.{s.key}" for s in ADMISSION_SETTINGS}
+    | {MODEL_WEIGHTS_FIELD: f"admission.{MODEL_WEIGHTS_KEY}"}
+)
 BACKEND_KEY_FOR_FIELD = {s.field: s.key for s in BACKEND_SETTINGS} | {
     "api_key": "api_key"
 }

@@ -21,6 +21,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from routing.admission import AdmissionError
+from routing.admission.gate import BadAdmissionHeader
 from routing.core import RequestRequirements, RoutingError
 from routing.metrics import UNKNOWN
 from routing.proxy.errors import (
@@ -46,6 +48,7 @@ from routing.proxy.surfaces import (
 from routing.proxy.upstream import Exchange, forward
 from routing.state import GatewayState
 from routing.translate import anthropic as anthropic_translate
+from routing.translate.base import loads
 from usage.buffer import UsageEvent, new_event_id
 
 if TYPE_CHECKING:
@@ -63,6 +66,8 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _NO_ENDPOINT: tuple[str | None, Surface] = (None, OPENAI)
 # Status recorded when the client went away before the answer was complete.
 CLIENT_CLOSED = 499
+# Usage of a request no backend saw (refused or left while queued): nothing.
+_NOTHING_BILLED = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
 
 
 class ClientGone(Exception):
@@ -93,6 +98,8 @@ class ProxyApp:
 
     async def _serve(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         authorization = request_id = content_length = api_key = None
+        state: GatewayState | None = None
+        key_prefix = ""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value
@@ -172,9 +179,37 @@ class ProxyApp:
                     )
                 await _send_json(send, 200, entry, headers)
         except ProxyError as error:
+            if (
+                endpoint is not None
+                and endpoint != "count_tokens"
+                and not error.recorded
+            ):
+                # Refused before any backend (401, 413, a body that does not
+                # parse, draining): a request and an error all the same.
+                self._record_refusal(error, endpoint, path, rid, key_prefix, state)
             await _send_json(send, error.status, surface.error_body(error), headers)
         except ClientGone:
             pass
+
+    def _record_refusal(
+        self,
+        error: ProxyError,
+        endpoint: str,
+        path: str,
+        request_id: str,
+        key_prefix: str,
+        state: GatewayState | None,
+    ) -> None:
+        exchange = Exchange(
+            request_id=request_id,
+            endpoint=endpoint,
+            path=path,
+            requested_model="",
+            stream=False,
+            status=error.status,
+            error=error.code or error.error_type,
+        )
+        self._record(exchange, state, key_prefix, 0)
 
     async def _gateway_state(self) -> GatewayState:
         state = self.gateway.snapshots.peek()
@@ -196,7 +231,7 @@ class ProxyApp:
     def _record(
         self,
         exchange: Exchange,
-        state: GatewayState,
+        state: GatewayState | None,
         key_prefix: str,
         estimated_prompt: int,
     ) -> None:
@@ -205,7 +240,11 @@ class ProxyApp:
         prompt = _token_count(usage.get("prompt_tokens"))
         completion = _token_count(usage.get("completion_tokens", 0))
         reported = prompt is not None and completion is not None
-        if prompt is None or completion is None:
+        if not exchange.backend:
+            # Refused before any backend: no tokens were spent.
+            prompt = completion = 0
+            reported = True
+        elif prompt is None or completion is None:
             prompt = estimated_prompt
             completion = -(-exchange.completion_chars // 4)  # ceil(chars / 4)
         total = _token_count(usage.get("total_tokens")) if reported else None
@@ -229,7 +268,9 @@ class ProxyApp:
         gateway = self.gateway
         gateway.buffer.append(event)
         gateway.live_usage.record(event)
-        model = exchange.served_model or _known_model(state, exchange.requested_model)
+        model = exchange.served_model or (
+            UNKNOWN if state is None else _known_model(state, exchange.requested_model)
+        )
         first_byte = exchange.first_byte
         gateway.metrics.observe_request(
             exchange.endpoint,
@@ -332,6 +373,7 @@ class ProxyApp:
             raw,
             None,
             headers,
+            scope["headers"],
             receive,
             send,
         )
@@ -350,7 +392,7 @@ class ProxyApp:
     ) -> None:
         """A request on a surface other than OpenAI's: made canonical to route."""
         raw = await _read_body(receive, self.max_body)
-        payload = _parse_object(raw)
+        payload = _parse_object(raw, loads)
         inbound = surface.to_canonical(payload)
         try:
             requirements = RequestRequirements.from_request(inbound.canonical)
@@ -388,6 +430,7 @@ class ProxyApp:
             raw,
             call,
             headers,
+            scope["headers"],
             receive,
             send,
         )
@@ -456,7 +499,7 @@ class ProxyApp:
     ) -> None:
         """Anthropic's count_tokens, estimated (characters / 4; see the README)."""
         raw = await _read_body(receive, self.max_body)
-        payload = _parse_object(raw)
+        payload = _parse_object(raw, loads)
         # count_tokens takes a Messages request without max_tokens.
         payload.setdefault("max_tokens", 1)
         inbound = ANTHROPIC.to_canonical(payload)
@@ -482,54 +525,98 @@ class ProxyApp:
         raw: bytes,
         call: Call | None,
         headers: Headers,
+        request_headers: Headers,
         receive: Receive,
         send: Send,
     ) -> None:
-        gateway = self.gateway
         try:
-            try:
-                route = gateway.router.select(requirements, state.routes, gateway.stats)
-            except RoutingError as error:
-                raise _routing_error(error) from error
             await self._forward_watching_client(
-                exchange, route, payload, raw, call, headers, receive, send
+                state,
+                exchange,
+                requirements,
+                key_prefix,
+                payload,
+                raw,
+                call,
+                headers,
+                request_headers,
+                receive,
+                send,
             )
         except ProxyError as error:
             exchange.status = error.status
             exchange.error = error.code or error.error_type
+            error.recorded = True
             raise
         finally:
             self._record(exchange, state, key_prefix, requirements.estimated_tokens)
 
     async def _forward_watching_client(
         self,
+        state: GatewayState,
         exchange: Exchange,
-        route: Any,
+        requirements: RequestRequirements,
+        key_prefix: str,
         payload: dict[str, Any],
         raw: bytes,
         call: Call | None,
         headers: Headers,
+        request_headers: Headers,
         receive: Receive,
         send: Send,
     ) -> None:
-        """Forward, and cancel the upstream request if the client hangs up."""
+        """Wait for admission, route and forward; a client that hangs up cancels.
+
+        The admission ticket is released in every outcome (answer, error,
+        retries, a stream cut short, the client gone while waiting or while
+        served), which is what brings the stock back to 0.
+        """
+        gateway = self.gateway
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.get_running_loop().create_task(
             _cancel_on_disconnect(receive, task, exchange)
         )
+        ticket = None
         try:
-            await forward(
-                self.gateway, exchange, route, payload, raw, send, headers, call
-            )
+            try:
+                ticket = gateway.admission.prepare(
+                    state, requirements, payload, key_prefix, request_headers
+                )
+                if ticket is not None:
+                    await gateway.admission.admit(ticket)
+            except BadAdmissionHeader as error:
+                raise bad_request(str(error), param=error.header) from None
+            except AdmissionError as error:
+                raise _admission_error(error, exchange, headers) from None
+            try:
+                route = gateway.router.select(requirements, state.routes, gateway.stats)
+            except RoutingError as error:
+                raise _routing_error(error) from error
+            await forward(gateway, exchange, route, payload, raw, send, headers, call)
         except asyncio.CancelledError:
             if not exchange.client_gone:
                 raise
             task.uncancel()
             exchange.status = CLIENT_CLOSED
             exchange.error = "client_closed"
+            if ticket is not None and ticket.outcome is None:
+                exchange.usage = _NOTHING_BILLED  # left while queued
         finally:
             watcher.cancel()
+            gateway.admission.release(ticket)
+
+
+def _admission_error(
+    error: AdmissionError, exchange: Exchange, headers: Headers
+) -> ProxyError:
+    """The client's answer to a request admission control did not let through."""
+    exchange.usage = _NOTHING_BILLED
+    if error.retry_after is not None:
+        headers.append((b"retry-after", str(error.retry_after).encode()))
+    return ProxyError(
+        error.status, error.message, error_type=error.error_type, code=error.code
+    )
 
 
 async def _cancel_on_disconnect(
@@ -567,10 +654,12 @@ def _too_large(limit: int) -> ProxyError:
     )
 
 
-def _parse_object(raw: bytes) -> dict[str, Any]:
+def _parse_object(
+    raw: bytes, parse: Callable[[bytes], Any] = json.loads
+) -> dict[str, Any]:
     """Decode a request body that must be a JSON object (400 if it is not)."""
     try:
-        payload = json.loads(raw)
+        payload = parse(raw)
     except (ValueError, RecursionError):  # RecursionError: nested too deep
         raise bad_request(
             "We could not parse the JSON body of your request. The body must be "

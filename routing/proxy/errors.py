@@ -23,6 +23,8 @@ class ProxyError(Exception):
         self.error_type = error_type
         self.param = param
         self.code = code
+        # Set once the request's usage event holds this error (see ProxyApp).
+        self.recorded = False
 
     def body(self) -> bytes:
         return error_body(self.message, self.error_type, self.param, self.code)

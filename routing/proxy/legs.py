@@ -13,7 +13,6 @@ every surface.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -22,12 +21,11 @@ from routing.core import Target
 from routing.proxy.errors import ProxyError
 from routing.proxy.outbound import BackendAdapter, MalformedReply
 from routing.proxy.surfaces import OPENAI, Inbound, Surface, translation_error
-from routing.translate.base import StreamFailed, TranslationError
+from routing.translate.base import StreamFailed, TranslationError, dumps, loads
 
 if TYPE_CHECKING:
     from routing.proxy.upstream import Exchange
 
-_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 # Past this many bytes in one event (a hostile or broken backend), the stream
 # is ended with an error rather than buffered further (the gateway passes
 # NEXUS_UPSTREAM_MAX_EVENT_BYTES).
@@ -90,7 +88,7 @@ class Leg:
             if adapter.embeddings_path is None:
                 raise Unservable("serves chat only, not embeddings")
             self.path = adapter.embeddings_path
-            self.body = _JSON.encode({**inbound.canonical, "model": model}).encode()
+            self.body = dumps({**inbound.canonical, "model": model})
             return
         try:
             self.body = adapter.request_body(inbound.canonical, model)
@@ -119,7 +117,7 @@ class Leg:
             return surface.error_body(ProxyError(status, message))
         inbound = self.call.inbound
         if inbound.canonical_endpoint == "embeddings":
-            canonical = json.loads(body)
+            canonical = loads(body)
             if not isinstance(canonical, dict) or not isinstance(
                 canonical.get("data"), list
             ):
@@ -154,6 +152,7 @@ class LegStream:
         "_seen",
         "_split",
         "_writer",
+        "chars",
         "usage",
     )
 
@@ -170,11 +169,13 @@ class LegStream:
         self._writer = call.surface.stream_writer(call.inbound, leg.target.model.name)
         self._seen: dict[str, Any] = {}  # a native stream's usage fields so far
         self.usage: dict[str, Any] | None = None
+        self.chars = 0  # text written, while no usage is known
 
     def feed(self, data: bytes) -> bytes:
         events = self._split.feed(data)
+        # Checked on every feed: complete events may come with a growing one.
+        self._check_pending()
         if not events:
-            self._check_pending()
             return b""
         if self._native:
             for event in events:
@@ -215,6 +216,13 @@ class LegStream:
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
+        elif self.usage is None:
+            # Kept for an estimate, in case the backend never reports usage.
+            for choice in chunk.get("choices") or ():
+                delta = choice.get("delta") if isinstance(choice, dict) else None
+                text = delta.get("content") if isinstance(delta, dict) else None
+                if isinstance(text, str):
+                    self.chars += len(text)
         return self._writer.feed(chunk)
 
     def _parse(self, event: bytes) -> dict[str, Any] | None:

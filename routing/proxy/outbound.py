@@ -30,13 +30,12 @@ Adding a backend protocol (for example Ollama's native API):
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from routing.core import BackendSpec
 from routing.proxy.sse import EventSplitter, LineSplitter
 from routing.translate import anthropic, ollama
-from routing.translate.base import ChunkReader
+from routing.translate.base import ChunkReader, dumps, loads
 from routing.translate.openai import ChatChunkReader, error_message
 
 
@@ -77,16 +76,16 @@ class BackendAdapter:
             options = dict(options) if isinstance(options, dict) else {}
             options["include_usage"] = True
             body["stream_options"] = options
-        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        return dumps(body)
 
     def request_body_native(self, payload: dict[str, Any], model: str) -> bytes:
         """The client's own body (passed through) for ``model``."""
         body = {**payload, "model": model}
-        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        return dumps(body)
 
     def read_reply(self, body: bytes, created: int) -> dict[str, Any]:
         """A whole reply as a canonical ``chat.completion``; ValueError if not one."""
-        reply = json.loads(body)
+        reply = loads(body)
         if not isinstance(reply, dict) or not isinstance(reply.get("choices"), list):
             raise MalformedReply("not a chat completion")
         return reply
@@ -98,7 +97,7 @@ class BackendAdapter:
     def read_error(self, body: bytes) -> str | None:
         """The message of an error body in this backend's shape, if it is one."""
         try:
-            return error_message(json.loads(body))
+            return error_message(loads(body))
         except ValueError:
             return None
 
@@ -114,7 +113,7 @@ class BackendAdapter:
         data = _data_of(event)
         if data is None or data == b"[DONE]":
             return None
-        value = json.loads(data)
+        value = loads(data)
         if not isinstance(value, dict):
             raise MalformedReply("an event that is not a JSON object")
         return value
@@ -122,7 +121,7 @@ class BackendAdapter:
     def usage_of_reply(self, body: bytes) -> dict[str, Any] | None:
         """Canonical usage of a native (passed-through) whole reply."""
         try:
-            reply = json.loads(body)
+            reply = loads(body)
         except ValueError:
             return None
         usage = reply.get("usage") if isinstance(reply, dict) else None
@@ -167,10 +166,10 @@ class AnthropicAdapter(BackendAdapter):
 
     def request_body(self, canonical: dict[str, Any], model: str) -> bytes:
         body = anthropic.canonical_to_messages({**canonical, "model": model})
-        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        return dumps(body)
 
     def read_reply(self, body: bytes, created: int) -> dict[str, Any]:
-        message = json.loads(body)
+        message = loads(body)
         if not isinstance(message, dict):
             raise MalformedReply("not an Anthropic Message")
         return anthropic.message_to_canonical(message, created)
@@ -180,7 +179,7 @@ class AnthropicAdapter(BackendAdapter):
 
     def read_error(self, body: bytes) -> str | None:
         try:
-            payload = json.loads(body)
+            payload = loads(body)
         except ValueError:
             return None
         error = payload.get("error") if isinstance(payload, dict) else None
@@ -190,7 +189,7 @@ class AnthropicAdapter(BackendAdapter):
 
     def usage_of_reply(self, body: bytes) -> dict[str, Any] | None:
         try:
-            message = json.loads(body)
+            message = loads(body)
         except ValueError:
             return None
         if not isinstance(message, dict):
@@ -235,14 +234,14 @@ class OllamaAdapter(BackendAdapter):
             return super().parse_event(event)
         if not event.strip():
             return None
-        value = json.loads(event)
+        value = loads(event)
         if not isinstance(value, dict):
             raise MalformedReply("a line that is not a JSON object")
         return value
 
     def usage_of_reply(self, body: bytes) -> dict[str, Any] | None:
         try:
-            return ollama.usage_of_native(json.loads(body))
+            return ollama.usage_of_native(loads(body))
         except ValueError:
             return None
 

@@ -29,7 +29,6 @@ Adding an inbound surface (for example OpenAI Responses or Ollama's API):
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from collections.abc import Callable
@@ -39,7 +38,7 @@ from typing import Any
 from routing.proxy.errors import ProxyError
 from routing.translate import anthropic, ollama, responses
 from routing.translate.anthropic.wire import encode
-from routing.translate.base import StreamTranslator, TranslationError
+from routing.translate.base import StreamTranslator, TranslationError, dumps
 from routing.translate.openai import ChatStreamWriter
 
 
@@ -85,7 +84,7 @@ class Surface:
     def reply(self, canonical: dict[str, Any], model: str, inbound: Inbound) -> bytes:
         """A canonical ``chat.completion`` (or embeddings list) as this
         protocol's answer."""
-        return json.dumps(canonical, separators=(",", ":")).encode()
+        return dumps(canonical)
 
     def stream_writer(self, inbound: Inbound, model: str) -> StreamTranslator:
         """A writer of canonical chunks as this protocol's stream."""
@@ -163,7 +162,7 @@ class ResponsesSurface(Surface):
             response_id=context.get("id", "resp_0"),
             created_at=context.get("created_at", 0),
         )
-        return _ENCODER.encode(response).encode()
+        return dumps(response)
 
     def stream_writer(self, inbound: Inbound, model: str) -> StreamTranslator:
         context = inbound.context or {}
@@ -214,7 +213,7 @@ class OllamaSurface(Surface):
                 request.model,
                 created_at=ollama.timestamp(time.time()),
             )
-            ready = _ENCODER.encode(answer).encode()
+            ready = dumps(answer)
         return Inbound(
             canonical=request.canonical,
             stream=request.stream,
@@ -242,7 +241,7 @@ class OllamaSurface(Surface):
             answer = ollama.embed_reply(canonical, requested, total_ns=elapsed)
         else:
             answer = ollama.embeddings_reply(canonical)
-        return _ENCODER.encode(answer).encode()
+        return dumps(answer)
 
     def stream_writer(self, inbound: Inbound, model: str) -> StreamTranslator:
         context = inbound.context or {}
@@ -264,7 +263,6 @@ _OLLAMA_PARSERS: dict[str, Callable[[dict[str, Any]], ollama.OllamaRequest]] = {
     "/api/embed": ollama.parse_embed,
     "/api/embeddings": ollama.parse_embeddings,
 }
-_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 OPENAI = Surface()
 ANTHROPIC = AnthropicSurface()

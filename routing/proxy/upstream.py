@@ -710,6 +710,8 @@ async def _relay_leg_stream(
             "the response is incomplete."
         )
     exchange.usage = stream.usage
+    if stream.usage is None:
+        exchange.completion_chars = stream.chars
     await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 

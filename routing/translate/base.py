@@ -1,8 +1,28 @@
-"""What every translator shares: its error and the shape of a stream translator."""
+"""What every translator shares: its error, the shape of a stream translator, JSON."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Protocol
+
+import orjson
+
+
+def dumps(value: Any) -> bytes:
+    """Compact UTF-8 JSON, fast (orjson).
+
+    What orjson refuses (integers past 64 bits, lone surrogates from ``\\ud800``
+    escapes, non-string keys) goes through the standard library, ASCII-escaped.
+    """
+    try:
+        return orjson.dumps(value)
+    except TypeError:
+        return json.dumps(value, separators=(",", ":")).encode()
+
+
+def loads(data: bytes | str) -> Any:
+    """Parse JSON (orjson); raises ValueError on anything that is not JSON."""
+    return orjson.loads(data)
 
 
 class TranslationError(Exception):

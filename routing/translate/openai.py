@@ -8,18 +8,16 @@ server-sent events (``ChatStreamWriter``).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from routing.translate.base import StreamFailed
+from routing.translate.base import StreamFailed, dumps
 
-_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 DONE = b"data: [DONE]\n\n"
 
 
 def chat_event(chunk: dict[str, Any]) -> bytes:
     """One ``data:`` event."""
-    return b"data: " + _ENCODER.encode(chunk).encode() + b"\n\n"
+    return b"data: " + dumps(chunk) + b"\n\n"
 
 
 def error_message(body: Any) -> str | None:

@@ -438,3 +438,15 @@ def test_anonymous_user_is_sent_to_the_login_page(client: Client) -> None:
 
     assert response.status_code == 302
     assert response["Location"].startswith(reverse("admin:login"))
+
+
+@pytest.mark.django_db
+def test_the_change_page_shows_latency_rounded(admin_client: Client) -> None:
+    backend = BackendFactory(avg_latency_ms=1234.5678)
+
+    page = admin_client.get(
+        reverse("admin:backends_backend_change", args=(backend.pk,))
+    ).content.decode()
+
+    assert "1,235 ms" in page
+    assert "1234.5678" not in page

@@ -65,6 +65,25 @@ def test_check_health_exits_1_naming_the_failing_backends(
     assert err.strip() == "Not healthy: dead"
 
 
+def test_a_recovering_backend_is_shown_pending_not_unhealthy(
+    fleet: dict[str, KindMock],
+) -> None:
+    fleet["ollama"].register("ollama-1", status=HealthStatus.UNHEALTHY)
+    BackendFactory(
+        name="dying", base_url=closed_port_url(), status=HealthStatus.HEALTHY
+    )
+    code, out, _ = run("nexus_check_health")
+    lines = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert "pending (1 of 2 successes)" in lines["ollama-1"]
+    assert "unhealthy" not in lines["ollama-1"]
+    assert lines["dying"].split()[2] == "healthy"
+    assert code == 1  # not healthy yet
+    code, out, _ = run("nexus_check_health", "--json")
+    reports = {r["name"]: r for r in json.loads(out)}
+    assert reports["ollama-1"]["status"] == "healthy"
+    assert reports["dying"]["progress"] == "failing (2 of 3 failures)"
+
+
 def test_check_health_json_for_one_backend(fleet: dict[str, KindMock]) -> None:
     fleet["ollama"].register("ollama-1")
     fleet["vllm"].register("vllm-1", api_key="sk-wrong", enabled=False)

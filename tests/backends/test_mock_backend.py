@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import json
 import signal
 import socket
@@ -750,3 +751,57 @@ def test_anthropic_kind_checks_its_own_headers(
         assert unversioned.status_code == 400
         chat = http.post("/v1/chat/completions", headers=headers, json={})
         assert chat.status_code == 404
+
+
+def test_slots_serve_a_few_at_once_and_queue_the_rest_in_order() -> None:
+    process = spawn_mock_backend(
+        "--models", "m", "--slots", "2", "--latency-ms", "300", "--name", "slotted"
+    )
+    mock = control(process)
+    try:
+        client = mock.client()
+
+        def ask(text: str) -> float:
+            client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": text}]
+            )
+            return time.monotonic()
+
+        started = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            finished = sorted(pool.map(ask, [str(i) for i in range(5)]))
+        stats = mock.stats()
+        assert stats["peak_busy_slots"] == 2
+        assert stats["peak_waiting_for_slot"] == 3
+        assert stats["peak_outstanding"] == 5
+        assert (stats["busy_slots"], stats["waiting_for_slot"]) == (0, 0)
+        # Three rounds of 300 ms: two, two, then one.
+        assert finished[-1] - started >= 0.85
+        # A client that gives up while waiting for a slot is never served.
+        mock.http.post("/_mock/reset")
+        mock.configure(latency_ms=1000, slots=1)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            holder = pool.submit(ask, "holds the slot")
+            _wait_until(lambda: mock.stats()["busy_slots"] == 1)
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(
+                    f"{mock.base_url}/v1/chat/completions",
+                    json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+                    timeout=0.3,
+                )
+            holder.result()
+        _wait_until(lambda: mock.stats()["waiting_for_slot"] == 0)
+        stats = mock.stats()
+        assert stats["client_disconnects"] == 1
+        assert stats["responses"] == {"200": 2}  # answered or counted at arrival
+        assert stats["busy_slots"] == 0
+    finally:
+        mock.http.close()
+        process.stop()
+
+
+def _wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)

@@ -123,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Also measure a Responses client (POST /v1/responses) and an Ollama "
         "client (POST /api/chat) translated for the OpenAI mock.",
     )
+    parser.add_argument(
+        "--admission",
+        action="store_true",
+        help="Instead: admission control's benchmark (two tenants on a fleet "
+        "of 2 mocks x 4 slots, admission off and on, and the bypass cost).",
+    )
     parser.add_argument("--wrk", default="wrk", help="The wrk executable.")
     parser.add_argument(
         "--json",
@@ -140,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     options = parser.parse_args(argv)
+    if options.admission:
+        return _admission(options)
     if options.duration < 1:
         parser.error("--duration must be at least 1 second.")
     if not 2 <= options.workers <= 64:
@@ -194,6 +202,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         sys.stdout.write(format_report(report) + "\n")
         sys.stdout.write(f"\nJSON report: {path}\n")
+    return 0
+
+
+def _admission(options: argparse.Namespace) -> int:
+    from nexus_site.mock_backend import spawn_mock_backend
+    from tests.bench.admission import (
+        format_admission_report,
+        run_admission_benchmark,
+    )
+
+    ensure_database()
+    call_command("migrate", interactive=False, verbosity=0)
+    logs = options.output / "admission-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    seconds = max(10.0, 3.0 * options.duration)
+    try:
+        results = run_admission_benchmark(
+            child_environment(), spawn_mock_backend, logs, seconds, _progress
+        )
+    except BenchError as error:
+        sys.stderr.write(f"The benchmark failed: {error}\n")
+        return 1
+    (options.output / "admission.json").write_text(json.dumps(results, indent=2))
+    sys.stdout.write(format_admission_report(results) + "\n")
     return 0
 
 

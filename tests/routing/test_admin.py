@@ -37,7 +37,7 @@ def form_errors(response: Any) -> list[str]:
 def chain_form(
     model: str, steps: list[tuple[str, str]], **extra: str
 ) -> dict[str, str]:
-    """Return the POST body of a new fallback chain with (position, model) rows."""
+    """Return the POST body of a new fallback chain with (step, model) rows."""
     data = {
         "model": model,
         "steps-TOTAL_FORMS": str(len(steps)),
@@ -46,8 +46,8 @@ def chain_form(
         "steps-MAX_NUM_FORMS": "1000",
         **extra,
     }
-    for index, (position, step_model) in enumerate(steps):
-        data[f"steps-{index}-position"] = position
+    for index, (step, step_model) in enumerate(steps):
+        data[f"steps-{index}-step"] = step
         data[f"steps-{index}-model"] = step_model
     return data
 
@@ -59,8 +59,27 @@ def policy_form(**fields: str) -> dict[str, str]:
         "weight_priority": "50",
         "weight_load": "30",
         "weight_latency": "20",
+        **ADMISSION_DEFAULTS,
         **fields,
     }
+
+
+# The admission control part of the policy form, as the admin renders it.
+ADMISSION_DEFAULTS = {
+    "admission_enabled": "on",
+    "admission_flow_key": "key",
+    "admission_sizing": "tokens",
+    "admission_default_output_tokens": "256",
+    "admission_total_capacity": "1000",
+    "admission_flow_capacity": "100",
+    "admission_critical_reserved": "100",
+    "admission_queue_ttl": "30",
+    "admission_watermark_per_backend": "2",
+    "admission_percentage_deviation_for_bounds": "0.1",
+    "admission_lower_bound_per_backend": "",
+    "admission_upper_bound_per_backend": "",
+    "admission_model_weights": "{}",
+}
 
 
 def test_routing_pages_render_for_a_superuser(admin_client: Client) -> None:
@@ -163,7 +182,7 @@ def test_chain_steps_are_saved_and_listed_in_position_order(
         CHAIN_ADD,
         chain_form(
             "llama3:70b",
-            [("2", "phi3"), ("0", "llama3:8b"), ("1", "mistral:7b")],
+            [("3", "phi3"), ("1", "llama3:8b"), ("2", "mistral:7b")],
         ),
     )
 
@@ -181,7 +200,7 @@ def test_chain_steps_are_saved_and_listed_in_position_order(
     assert inline_models[:3] == ["llama3:8b", "mistral:7b", "phi3"]
 
 
-def test_steps_are_reordered_by_editing_positions(admin_client: Client) -> None:
+def test_steps_are_reordered_by_editing_step_numbers(admin_client: Client) -> None:
     chain = FallbackChainFactory(model="llama3:70b")
     first = ChainStepFactory(chain=chain, position=0, model="llama3:8b")
     second = ChainStepFactory(chain=chain, position=1, model="mistral:7b")
@@ -196,11 +215,11 @@ def test_steps_are_reordered_by_editing_positions(admin_client: Client) -> None:
             "steps-MAX_NUM_FORMS": "1000",
             "steps-0-id": str(first.pk),
             "steps-0-chain": str(chain.pk),
-            "steps-0-position": "5",
+            "steps-0-step": "5",
             "steps-0-model": "llama3:8b",
             "steps-1-id": str(second.pk),
             "steps-1-chain": str(chain.pk),
-            "steps-1-position": "1",
+            "steps-1-step": "1",
             "steps-1-model": "mistral:7b",
         },
     )
@@ -208,6 +227,30 @@ def test_steps_are_reordered_by_editing_positions(admin_client: Client) -> None:
     assert response.status_code == 302
     chain.refresh_from_db()
     assert chain.fallback_models == ["mistral:7b", "llama3:8b"]
+    second.refresh_from_db()
+    first.refresh_from_db()
+    assert (second.position, first.position) == (0, 1)  # gaps closed
+
+
+def test_steps_left_unnumbered_are_numbered_in_row_order(admin_client: Client) -> None:
+    response = admin_client.post(
+        CHAIN_ADD,
+        chain_form(
+            "gpt-4",
+            [("", "llama3:70b"), ("", "llama3:8b"), ("1", "mixtral"), ("", "")],
+        ),
+    )
+
+    assert response.status_code == 302
+    chain = FallbackChain.objects.get(model="gpt-4")
+    assert chain.fallback_models == ["mixtral", "llama3:70b", "llama3:8b"]
+    assert list(chain.steps.values_list("position", flat=True)) == [0, 1, 2]
+    change = admin_client.get(
+        reverse("admin:routing_fallbackchain_change", args=(chain.pk,))
+    )
+    forms = change.context["inline_admin_formsets"][0].formset.forms
+    # The saved rows show 1, 2, 3; the empty rows for new steps show nothing.
+    assert [form["step"].value() for form in forms] == [1, 2, 3, None, None, None]
 
 
 def test_chain_step_rules_from_the_model_show_on_the_form(
@@ -239,7 +282,7 @@ def test_a_model_listed_twice_in_a_chain_is_a_form_error(
     admin_client: Client,
 ) -> None:
     response = admin_client.post(
-        CHAIN_ADD, chain_form("llama3:70b", [("0", "phi3"), ("1", "phi3")])
+        CHAIN_ADD, chain_form("llama3:70b", [("1", "phi3"), ("2", "phi3")])
     )
 
     assert response.status_code == 200
@@ -358,3 +401,58 @@ def test_out_of_range_policy_values_are_form_errors(admin_client: Client) -> Non
 
     assert response.status_code == 200
     assert form_errors(response) == ["Ensure this value is less than or equal to 10."]
+
+
+def test_admission_settings_are_edited_on_the_policy_page(admin_client: Client) -> None:
+    RoutingPolicyFactory()
+    response = admin_client.post(
+        POLICY_CHANGE,
+        policy_form(
+            admission_flow_key="key+model",
+            admission_watermark_per_backend="4",
+            admission_upper_bound_per_backend="6",
+            admission_model_weights='{"llama3:70b": 2}',
+        ),
+    )
+    assert response.status_code == 302
+    policy = RoutingPolicy.load()
+    settings = policy.admission_settings()
+    assert (settings.flow_key, settings.upper_per_backend) == ("key+model", 6.0)
+    assert settings.lower_per_backend == pytest.approx(3.6)
+    assert settings.weight_of("llama3:70b") == 2.0
+
+
+def test_a_lower_bound_above_the_upper_is_refused_naming_both(
+    admin_client: Client,
+) -> None:
+    RoutingPolicyFactory()
+    response = admin_client.post(
+        POLICY_CHANGE,
+        policy_form(
+            admission_lower_bound_per_backend="5",
+            admission_upper_bound_per_backend="3",
+        ),
+    )
+    assert response.status_code == 200
+    assert form_errors(response) == [
+        "lower_bound_per_backend (5) cannot be above upper_bound_per_backend (3)"
+    ]
+    assert RoutingPolicy.load().admission_lower_bound_per_backend is None
+
+
+def test_bad_admission_numbers_are_form_errors(admin_client: Client) -> None:
+    RoutingPolicyFactory()
+    response = admin_client.post(
+        POLICY_CHANGE,
+        policy_form(
+            admission_queue_ttl="0",
+            admission_percentage_deviation_for_bounds="1.5",
+            admission_model_weights='{"m": -1}',
+        ),
+    )
+    errors = form_errors(response)
+    assert sorted(errors) == [
+        "must be between 0 and 1 (exclusive), got 1.5",
+        "must be more than 0 and at most 3600 seconds, got 0",
+        "the weight of 'm' must be more than 0 and at most 1000, got -1",
+    ]

@@ -1,8 +1,9 @@
 """The bad-client catalogue: what careless or hostile clients send, on every surface.
 
 One mock backend and one Nexus (Daphne) serve the module. Each case sends one
-kind of bad request to every OpenAI endpoint (chat, completions, embeddings)
-and asserts: no 500 of Nexus's own, an error in OpenAI's shape with a 4xx
+kind of bad request to every endpoint (OpenAI's chat, completions and
+embeddings, Anthropic's messages) and asserts: no 500 of Nexus's own, an
+error in the surface's shape with a 4xx
 status (or the backend's own answer when the request was valid enough to
 forward), in-flight back to 0, and usage still recorded afterwards (a request
 whose strings the database cannot store must not jam the usage writer).
@@ -41,6 +42,10 @@ ENDPOINTS = {
     "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
     "completions": ("/v1/completions", {"prompt": "hi", "max_tokens": 5}),
     "embeddings": ("/v1/embeddings", {"input": "hi"}),
+    "messages": (
+        "/v1/messages",
+        {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
+    ),
 }
 BAD = "a\x00b\ud800c"  # a NUL byte and a lone surrogate
 _blocker: Any = None
@@ -121,8 +126,13 @@ def _check(response: httpx.Response) -> None:
         )
     ), (response.status_code, response.text[:300])
     if response.status_code >= 400:
-        error = response.json()["error"]
-        assert set(error) >= {"message", "type", "param", "code"}
+        payload = response.json()
+        error = payload["error"]
+        if response.url.path == "/v1/messages":  # Anthropic's shape
+            assert payload["type"] == "error"
+            assert set(error) >= {"type", "message"}
+        else:
+            assert set(error) >= {"message", "type", "param", "code"}
         assert isinstance(error["message"], str)
 
 

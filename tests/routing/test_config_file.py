@@ -1175,3 +1175,77 @@ def test_a_fallback_through_an_alias_back_to_its_model_is_rejected(
     assert (
         "routing.fallbacks.\"llama3:70b\"[1]: 'loop' is an alias for 'llama3:70b'"
     ) in message
+
+
+@pytest.mark.django_db
+def test_a_nul_character_is_rejected_with_its_place(write: Writer) -> None:
+    message = import_error(
+        write(
+            '[routing.aliases]\n"gpt-4" = "llama\\u0000"\n'
+            '[[backends]]\nname = "gpu-1"\nurl = "http://10.0.0.1"\n'
+            '[[backends.models]]\nname = "bad\\u0000name"\n'
+        )
+    )
+    assert (
+        "routing.aliases.gpt-4: contains a NUL character (\\u0000), which cannot "
+        "be stored; remove it"
+    ) in message
+    assert "backends[0].models[0].name: contains a NUL character" in message
+    assert not Alias.objects.exists()
+
+
+ADMISSION_TOML = """
+[routing.admission]
+enabled = true
+flow_key = "key+model"
+sizing = "fixed"
+watermark_per_backend = 4
+lower_bound_per_backend = 3.5
+queue_ttl = 12.5
+total_capacity = 500
+flow_capacity = 50
+critical_reserved = 20
+[routing.admission.model_weights]
+"llama3:70b" = 2
+"""
+
+
+@pytest.mark.django_db
+def test_admission_settings_import_and_export_round_trip(write: Writer) -> None:
+    run_import(write(ADMISSION_TOML))
+    settings = RoutingPolicy.load().admission_settings()
+    assert (settings.flow_key, settings.sizing, settings.queue_ttl) == (
+        "key+model",
+        "fixed",
+        12.5,
+    )
+    assert (settings.lower_per_backend, settings.upper_per_backend) == (3.5, 4.4)
+    assert (settings.total_capacity, settings.flow_capacity) == (500, 50)
+    assert dict(settings.model_weights) == {"llama3:70b": 2.0}
+    exported = run_export()
+    assert "[routing.admission]" in exported
+    assert '"llama3:70b" = 2.0' in exported
+    before = db_state()
+    run_import(write(exported, "again.toml"))
+    assert db_state() == before
+    assert RoutingPolicy.load().admission_settings() == settings
+
+
+@pytest.mark.django_db
+def test_admission_problems_name_the_keys(write: Writer) -> None:
+    message = import_error(
+        write(
+            "[routing.admission]\nlower_bound_per_backend = 5\n"
+            "upper_bound_per_backend = 3\nqueue_tll = 3\nflow_capacity = 'many'\n"
+            "[routing.admission.model_weights]\nm = 'heavy'\n"
+        )
+    )
+    assert 'routing.admission.queue_tll: unknown key; did you mean "queue_ttl"?' in (
+        message
+    )
+    assert "routing.admission.flow_capacity: expected a positive integer" in message
+    assert "routing.admission.model_weights.m: expected a positive number" in message
+    assert (
+        "routing.admission.lower_bound_per_backend: lower_bound_per_backend (5) "
+        "cannot be above upper_bound_per_backend (3)"
+    ) in message

@@ -186,3 +186,19 @@ async def test_an_expired_snapshot_is_rebuilt_at_the_same_version() -> None:
         assert source.builds == 2  # nothing expires any more
     finally:
         await holder.stop()
+
+
+async def test_a_new_configuration_version_is_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    source = FakeSource(version=1)
+    holder = SnapshotHolder(source.build, read_version=source.read_version)
+    holder.load()
+    source.version = 2
+    with caplog.at_level("INFO", logger="routing.holder"):
+        holder.request_version(2)
+        await _wait_for(lambda: holder.snapshot.version == 2)
+        holder.load()  # a same-version rebuild says nothing
+    assert [r.getMessage() for r in caplog.records] == [
+        "Configuration version 2 is live (was 1)"
+    ]

@@ -150,6 +150,9 @@ def gateway(django_db_setup: None, django_db_blocker) -> Iterator[Gateway]:
         policy = RoutingPolicy.load()
         policy.strategy = "round_robin"
         policy.max_retries = 2
+        # 200 concurrent streams from one key wait in the admission queue (the
+        # default band lets 5 through to two backends): room for all of them.
+        policy.admission_flow_capacity = 1000
         policy.save()
         _, key = ApiKey.objects.create_key("proxy-tests")
         staff = get_user_model().objects.create_user("proxy-ops", is_staff=True)

@@ -103,12 +103,35 @@ def test_prefix_and_hash_cannot_be_changed(admin_client: Client) -> None:
             "is_active": "on",
             "prefix": "nx-evil0000",
             "hashed_key": "0" * 64,
+            "admission_weight": "1",
+            "max_criticality": "default",
         },
     )
 
     assert response.status_code == 302
     key.refresh_from_db()
     assert (key.name, key.prefix, key.hashed_key) == ("renamed", prefix, hashed)
+
+
+def test_a_keys_fair_share_and_highest_criticality_are_edited(
+    admin_client: Client,
+) -> None:
+    key = ApiKeyFactory(name="batch")
+    form = {"name": "batch", "is_active": "on", "admission_weight": "3"}
+
+    response = admin_client.post(
+        key_change_url(key), {**form, "max_criticality": "critical"}
+    )
+    assert response.status_code == 302
+    key.refresh_from_db()
+    assert (key.admission_weight, key.max_criticality) == (3.0, "critical")
+
+    refused = admin_client.post(
+        key_change_url(key),
+        {**form, "admission_weight": "0", "max_criticality": "urgent"},
+    )
+    errors = refused.context["adminform"].form.errors
+    assert set(errors) == {"admission_weight", "max_criticality"}
 
 
 def test_deactivate_action_turns_keys_off(admin_client: Client) -> None:

@@ -7,10 +7,12 @@ flushes what the process still held.
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Callable
 
+import httpx
 import openai
 import pytest
 from django.conf import settings
@@ -133,3 +135,61 @@ def test_a_killed_process_loses_no_usage_it_answered_a_moment_before(
 
     drain_usage_stream()
     assert UsageRecord.objects.filter(backend="mock-usage").count() == 30
+
+
+def test_requests_refused_before_any_backend_count_with_zero_tokens(
+    mock_backend_factory: Callable[..., MockBackendProcess],
+    nexus_server_factory: Callable[..., NexusServer],
+) -> None:
+    """Issue 12, items 6 and 19: refusals are requests and errors, 0 tokens."""
+    key = _setup(mock_backend_factory("--models", "llama3:8b", "--name", "m"))
+    text_only = Backend.objects.create(
+        name="text-only-backend", base_url="http://127.0.0.1:9", status="healthy"
+    )
+    BackendModel.objects.create(
+        backend=text_only, name="text-only", supports_vision=False
+    )
+    server = nexus_server_factory(NEXUS_MAX_BODY_BYTES="20000")
+    auth = {"authorization": f"Bearer {key}"}
+    image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
+
+    def chat(model: str, content: object = "x") -> dict:
+        return {"model": model, "messages": [{"role": "user", "content": content}]}
+
+    refusals = [
+        # A vision request to a model whose only backend says no.
+        (chat("text-only", image), auth, 400),
+        ({"model": "llama3:8b", "messages": "hi"}, auth, 400),
+        (chat("llama3:8b"), {}, 401),
+        (chat("nope"), auth, 404),
+        # PostgreSQL text cannot hold NUL: still counted (item 19).
+        (chat("bad\x00name\ud800"), auth, 404),
+        (chat("llama3:8b", "x" * 30000), auth, 413),
+    ]
+    for body, headers, status in refusals:
+        answer = httpx.post(
+            f"{server.base_url}/v1/chat/completions",
+            # JSON escapes: the NUL and the lone surrogate arrive as \u escapes.
+            content=json.dumps(body).encode(),
+            headers={"content-type": "application/json", **headers},
+            timeout=10,
+        )
+        assert answer.status_code == status, answer.text
+
+    _wait_for_records(len(refusals))
+    rows = list(UsageRecord.objects.all())
+    assert sorted(row.status for row in rows) == sorted(s for _, _, s in refusals)
+    for row in rows:
+        assert row.is_error
+        assert (row.prompt_tokens, row.completion_tokens, row.total_tokens) == (
+            0,
+            0,
+            0,
+        )
+        assert row.backend == ""
+    assert UsageRecord.objects.filter(requested_model="bad\ufffdname\ufffd").exists()
+    roll_up_usage()
+    totals = TokenUsage.objects.filter(backend="")
+    assert sum(t.requests for t in totals) == len(refusals)
+    assert sum(t.errors for t in totals) == len(refusals)
+    assert sum(t.total_tokens for t in totals) == 0

@@ -32,7 +32,8 @@ class Command(BackendRoundCommand[CheckReport]):
             (
                 r.name,
                 r.kind,
-                r.status,
+                # "unhealthy" with no error reads as a bug: say it is recovering.
+                r.progress if r.progress.startswith("pending") else r.status,
                 "-" if r.latency_ms is None else f"{r.latency_ms:,.0f} ms",
                 str(r.models),
                 r.error,

@@ -19,6 +19,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from nexus_site import demo
 from nexus_site.launcher import Child, Supervisor, open_listener, wait_for_port
 from nexus_site.serving import SERVERS, server_commands
+from routing.admission.gate import INDEX_ENV, PROCESSES_ENV
 
 
 class Command(BaseCommand):
@@ -224,9 +225,14 @@ class Command(BaseCommand):
             if len(commands) == 1
             else [f"web-{n}" for n in range(1, len(commands) + 1)]
         )
+        # Admission control splits each band between the serving processes
+        # (with Redis they find each other; without, they learn it here).
+        env[PROCESSES_ENV] = str(workers)
         return [
-            supervisor.start(label, command, pass_fds=fds, env=env)
-            for label, command in zip(labels, commands, strict=True)
+            supervisor.start(
+                label, command, pass_fds=fds, env={**env, INDEX_ENV: str(index)}
+            )
+            for index, (label, command) in enumerate(zip(labels, commands, strict=True))
         ]
 
     def _ensure_admin_user(self) -> str:

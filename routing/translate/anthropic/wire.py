@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
-from routing.translate.base import TranslationError
+from routing.translate.base import TranslationError, dumps
 
 ANTHROPIC_VERSION = "2023-06-01"
 
@@ -49,7 +48,6 @@ ERROR_TYPES = {
 }
 
 _DATA_URL = re.compile(r"data:([\w.+-]+/[\w.+-]+);base64,(.*)", re.DOTALL)
-_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 
 def error_type_for(status: int) -> str:
@@ -71,7 +69,7 @@ def error_body(status: int, message: str, error_type: str | None = None) -> byte
 
 def encode(value: Any) -> bytes:
     """Compact UTF-8 JSON."""
-    return _ENCODER.encode(value).encode()
+    return dumps(value)
 
 
 def sse_event(event: dict[str, Any]) -> bytes:

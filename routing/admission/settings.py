@@ -1,0 +1,216 @@
+"""Admission control's settings and the hysteresis band they give a pool.
+
+One frozen ``AdmissionSettings`` per configuration version (built from the
+routing policy by the snapshot); ``problems()`` reports every invalid value by
+field name, so the admin, the TOML importer and the constructor say the same.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+
+from routing.admission.vocabulary import FlowKey, Sizing
+
+MAX_CAPACITY = 1_000_000
+MAX_TTL_SECONDS = 3600.0
+MAX_PER_BACKEND = 100_000.0
+MAX_WEIGHT = 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class Band:
+    """The stock limits of one pool in one serving process, in whole requests.
+
+    ``bypass_limit``: a request goes straight through while the stock is below
+    it and nothing waits; ``dispatch_limit``: a waiting request is sent while
+    the stock is below it. ``lower``, ``upper`` and ``watermark`` are the
+    (fractional) band of the whole gateway, for the gauges.
+    """
+
+    lower: float
+    upper: float
+    watermark: float
+    dispatch_limit: int
+    bypass_limit: int
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionSettings:
+    """What the routing policy says about admission control.
+
+    ``lower_bound_per_backend`` / ``upper_bound_per_backend`` override the band
+    that ``watermark_per_backend`` ± ``percentage_deviation_for_bounds`` gives
+    when set (both or either). ``critical_reserved`` queue places are kept for
+    critical requests; the others may fill ``total_capacity`` minus it.
+    ``model_weights`` multiply a flow's weight by the model's (default 1).
+    """
+
+    enabled: bool = True
+    flow_key: FlowKey = FlowKey.KEY
+    sizing: Sizing = Sizing.TOKENS
+    default_output_tokens: int = 256
+    total_capacity: int = 1000
+    flow_capacity: int = 100
+    critical_reserved: int = 100
+    queue_ttl: float = 30.0
+    watermark_per_backend: float = 2.0
+    percentage_deviation_for_bounds: float = 0.1
+    lower_bound_per_backend: float | None = None
+    upper_bound_per_backend: float | None = None
+    model_weights: Mapping[str, float] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "flow_key", FlowKey(self.flow_key))
+        object.__setattr__(self, "sizing", Sizing(self.sizing))
+        object.__setattr__(
+            self, "model_weights", MappingProxyType(dict(self.model_weights))
+        )
+        problems = self.problems()
+        if problems:
+            raise ValueError(
+                "; ".join(f"{name}: {message}" for name, message in problems.items())
+            )
+
+    @classmethod
+    def check(cls, **values: object) -> dict[str, str]:
+        """The problems() of settings with `values`, without raising."""
+        unchecked = object.__new__(cls)
+        defaults = cls()
+        for item in fields(cls):
+            value = values.get(item.name, getattr(defaults, item.name))
+            object.__setattr__(unchecked, item.name, value)
+        return unchecked.problems()
+
+    @property
+    def lower_per_backend(self) -> float:
+        """The band's lower bound per ready backend."""
+        if self.lower_bound_per_backend is not None:
+            return self.lower_bound_per_backend
+        return self.watermark_per_backend * (1 - self.percentage_deviation_for_bounds)
+
+    @property
+    def upper_per_backend(self) -> float:
+        """The band's upper bound per ready backend."""
+        if self.upper_bound_per_backend is not None:
+            return self.upper_bound_per_backend
+        return self.watermark_per_backend * (1 + self.percentage_deviation_for_bounds)
+
+    def problems(self) -> dict[str, str]:
+        """Every invalid value, by field name (empty when all is well)."""
+        found: dict[str, str] = {}
+        for name in ("total_capacity", "flow_capacity"):
+            value = getattr(self, name)
+            if not 1 <= value <= MAX_CAPACITY:
+                found[name] = f"must be from 1 to {MAX_CAPACITY}, got {value}"
+        if not 0 <= self.critical_reserved <= self.total_capacity:
+            found["critical_reserved"] = (
+                f"must be from 0 to total_capacity ({self.total_capacity}), "
+                f"got {self.critical_reserved}"
+            )
+        if self.flow_capacity > self.total_capacity and "flow_capacity" not in found:
+            found["flow_capacity"] = (
+                f"cannot exceed total_capacity ({self.total_capacity}), "
+                f"got {self.flow_capacity}"
+            )
+        if not 0 < self.queue_ttl <= MAX_TTL_SECONDS:
+            found["queue_ttl"] = (
+                f"must be more than 0 and at most {MAX_TTL_SECONDS:g} seconds, "
+                f"got {self.queue_ttl:g}"
+            )
+        if not 0 <= self.default_output_tokens <= 10_000_000:
+            found["default_output_tokens"] = (
+                f"must be from 0 to 10000000, got {self.default_output_tokens}"
+            )
+        if not _finite_in(
+            self.watermark_per_backend, 0, MAX_PER_BACKEND, low_open=True
+        ):
+            found["watermark_per_backend"] = (
+                f"must be more than 0 and at most {MAX_PER_BACKEND:g}, "
+                f"got {self.watermark_per_backend:g}"
+            )
+        deviation = self.percentage_deviation_for_bounds
+        if not _finite_in(deviation, 0, 1, low_open=True) or deviation >= 1:
+            found["percentage_deviation_for_bounds"] = (
+                f"must be between 0 and 1 (exclusive), got {deviation:g}"
+            )
+        lower, upper = self.lower_bound_per_backend, self.upper_bound_per_backend
+        if lower is not None and not _finite_in(lower, 0, MAX_PER_BACKEND):
+            found["lower_bound_per_backend"] = (
+                f"must be from 0 to {MAX_PER_BACKEND:g}, got {lower:g}"
+            )
+        if upper is not None and not _finite_in(upper, 0, MAX_PER_BACKEND, True):
+            found["upper_bound_per_backend"] = (
+                f"must be more than 0 and at most {MAX_PER_BACKEND:g}, got {upper:g}"
+            )
+        if (
+            not found.keys()
+            & {
+                "lower_bound_per_backend",
+                "upper_bound_per_backend",
+                "watermark_per_backend",
+                "percentage_deviation_for_bounds",
+            }
+            and self.lower_per_backend > self.upper_per_backend
+        ):
+            found["lower_bound_per_backend"] = (
+                f"lower_bound_per_backend ({self.lower_per_backend:g}) cannot be "
+                f"above upper_bound_per_backend ({self.upper_per_backend:g})"
+            )
+        for model, weight in self.model_weights.items():
+            if not _finite_in(weight, 0, MAX_WEIGHT, low_open=True):
+                found["model_weights"] = (
+                    f"the weight of {model!r} must be more than 0 and at most "
+                    f"{MAX_WEIGHT:g}, got {weight!r}"
+                )
+                break
+        return found
+
+    def band(self, ready_backends: int, index: int = 0, processes: int = 1) -> Band:
+        """The band of a pool of `ready_backends`, this process's share of it.
+
+        The gateway's band is the per-backend bounds times the ready backends.
+        Its whole-request limits (a bypass admits while the stock is below the
+        upper bound, so the stock can reach its ceiling) are split between the
+        `processes` serving processes, the remainder to the lowest indexes, so
+        that the shares add up to the gateway's limits; every process keeps at
+        least one request, or it could never send anything.
+        """
+        lower = self.lower_per_backend * ready_backends
+        upper = self.upper_per_backend * ready_backends
+        watermark = self.watermark_per_backend * ready_backends
+        return Band(
+            lower=lower,
+            upper=upper,
+            watermark=watermark,
+            dispatch_limit=_share(math.ceil(lower - 1e-9), index, processes),
+            bypass_limit=_share(math.ceil(upper - 1e-9), index, processes),
+        )
+
+    def weight_of(self, model: str) -> float:
+        """The model's weight (1 unless the policy names it)."""
+        return self.model_weights.get(model, 1.0)
+
+    def size_of(self, prompt_tokens: int, max_tokens: int | None) -> float:
+        """A request's size in the fair queue (tokens, or 1 with fixed sizing)."""
+        if self.sizing is Sizing.FIXED:
+            return 1.0
+        output = self.default_output_tokens if max_tokens is None else max_tokens
+        return float(max(1, prompt_tokens + output))
+
+
+def _share(limit: int, index: int, processes: int) -> int:
+    processes = max(1, processes)
+    index = min(max(0, index), processes - 1)
+    share = limit // processes + (1 if index < limit % processes else 0)
+    return max(1, share)
+
+
+def _finite_in(value: float, low: float, high: float, low_open: bool = False) -> bool:
+    if not isinstance(value, int | float) or not math.isfinite(value):
+        return False
+    return (value > low if low_open else value >= low) and value <= high

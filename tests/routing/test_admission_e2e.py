@@ -1,0 +1,274 @@
+"""Admission control end to end: Daphne serving Nexus, mock backends with a few
+slots (they queue inside like a model server), the official openai SDK.
+
+Runs in both modes; the two-process test shares the band through the
+launcher's environment in the embedded default and through the live process
+registry in Redis in production mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from backends.models import Backend, BackendModel, HealthStatus
+from routing.models import RoutingPolicy
+from tests.conftest import MockBackendProcess, NexusServer
+from usage.models import ApiKey
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+PRODUCTION = os.environ.get("NEXUS_TEST_MODE") == "production"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def _wait_until(condition: Callable[[], Any], timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def _metric(server: NexusServer, name: str) -> float:
+    """Sum of every series of one metric on the server's /metrics."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=5).text
+    pattern = re.compile(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.MULTILINE)
+    return sum(float(value) for value in pattern.findall(text))
+
+
+def _stats(mock: MockBackendProcess) -> dict[str, Any]:
+    stats: dict[str, Any] = httpx.get(f"{mock.base_url}/_mock/stats").json()
+    return stats
+
+
+def _configure(**admission: Any) -> None:
+    policy = RoutingPolicy.load()
+    for name, value in admission.items():
+        setattr(policy, f"admission_{name}", value)
+    policy.full_clean()
+    policy.save()
+
+
+def _backend(mock: MockBackendProcess, name: str = "slotted") -> None:
+    backend = Backend.objects.create(
+        name=name, base_url=mock.base_url, status=HealthStatus.HEALTHY
+    )
+    BackendModel.objects.create(backend=backend, name="m")
+
+
+def _client(server: NexusServer, key: str, timeout: float = 30) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=f"{server.base_url}/v1", api_key=key, max_retries=0, timeout=timeout
+    )
+
+
+@pytest.fixture
+def slotted(
+    mock_backend_factory: Callable[..., MockBackendProcess],
+) -> Iterator[MockBackendProcess]:
+    """One backend serving "m" with 2 slots and 300 ms per request."""
+    mock = mock_backend_factory(
+        "--models", "m", "--name", "slotted", "--slots", "2", "--latency-ms", "300"
+    )
+    _backend(mock)
+    yield mock
+
+
+def test_a_light_key_is_served_while_a_flooding_key_waits(
+    slotted: MockBackendProcess,
+    nexus_server_factory: Callable[..., NexusServer],
+) -> None:
+    # Band for one backend: lower 1.8, upper 2.2 (at most 3 let through).
+    _configure(watermark_per_backend=2.0)
+    _, flood_key = ApiKey.objects.create_key("flood")
+    _, light_key = ApiKey.objects.create_key("light")
+    server = nexus_server_factory()
+
+    async def scenario() -> tuple[int, int, list[float]]:
+        flood_client, light_client = (
+            _client(server, flood_key),
+            _client(server, light_key),
+        )
+        flood = [
+            asyncio.create_task(
+                flood_client.chat.completions.create(model="m", messages=MESSAGES)
+            )
+            for _ in range(16)
+        ]
+        await asyncio.to_thread(
+            _wait_until, lambda: _metric(server, "nexus_admission_queue_length") >= 10
+        )
+        started = time.monotonic()
+        await light_client.chat.completions.create(model="m", messages=MESSAGES)
+        light_latency = time.monotonic() - started
+        flood_done_then = sum(task.done() for task in flood)
+        replies = await asyncio.gather(*flood)
+        return flood_done_then, len(replies), [light_latency]
+
+    flood_done_then, flood_served, _ = asyncio.run(scenario())
+    # The light key waited behind at most a request or two, not the flood.
+    assert flood_done_then <= 6
+    assert flood_served == 16
+    stats = _stats(slotted)
+    assert stats["peak_outstanding"] <= 3  # the band, not the flood, reached it
+    assert stats["requests"]["/v1/chat/completions"] == 17
+    # At rest: nothing in flight, nothing waiting.
+    _wait_until(lambda: _metric(server, "nexus_admission_stock_level") == 0)
+    assert _metric(server, "nexus_admission_queue_length") == 0
+    assert _metric(server, "nexus_admission_dequeue_successes_total") >= 10
+
+
+def test_a_client_that_leaves_while_queued_never_reaches_the_backend(
+    slotted: MockBackendProcess,
+    nexus_server_factory: Callable[..., NexusServer],
+) -> None:
+    # One let through, then the queue.
+    _configure(lower_bound_per_backend=1.0, upper_bound_per_backend=1.0)
+    _, key = ApiKey.objects.create_key("impatient")
+    server = nexus_server_factory()
+    httpx.post(f"{slotted.base_url}/_mock/config", json={"latency_ms": 1500})
+
+    async def scenario() -> None:
+        holder = asyncio.create_task(
+            _client(server, key).chat.completions.create(model="m", messages=MESSAGES)
+        )
+        await asyncio.to_thread(_wait_until, lambda: _stats(slotted)["busy_slots"] == 1)
+        with pytest.raises(openai.APITimeoutError):
+            await _client(server, key, timeout=0.4).chat.completions.create(
+                model="m", messages=MESSAGES
+            )
+        await holder
+
+    asyncio.run(scenario())
+    assert _stats(slotted)["requests"]["/v1/chat/completions"] == 1
+    # Recorded (usage and the access log share the same figures) as 499,
+    # with no backend and no tokens.
+    line = _wait_until(lambda: next((x for x in server.log if "status=499" in x), None))
+    assert "backend=- " in line
+    assert "tokens_in=0 tokens_out=0" in line
+    assert "error=client_closed" in line
+    _wait_until(lambda: _metric(server, "nexus_admission_stock_level") == 0)
+    assert _metric(server, "nexus_admission_requests_cancelled_total") == 1
+
+
+def test_refusals_come_in_openais_shape_with_retry_after(
+    slotted: MockBackendProcess,
+    nexus_server_factory: Callable[..., NexusServer],
+) -> None:
+    _configure(
+        watermark_per_backend=1.0,
+        flow_capacity=2,
+        total_capacity=100,
+        critical_reserved=0,
+    )
+    _, key = ApiKey.objects.create_key("busy")
+    server = nexus_server_factory()
+    httpx.post(f"{slotted.base_url}/_mock/config", json={"latency_ms": 1000})
+
+    async def scenario() -> list[Any]:
+        client = _client(server, key)
+        calls = [
+            client.chat.completions.with_raw_response.create(
+                model="m", messages=MESSAGES
+            )
+            for _ in range(6)
+        ]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    outcomes = asyncio.run(scenario())
+    refused = [o for o in outcomes if isinstance(o, openai.APIStatusError)]
+    # Two let through (the bypass limit), two waiting (the flow capacity).
+    assert len(refused) == 2
+    for error in refused:
+        assert error.status_code == 503
+        assert error.code == "flow_queue_full"
+        assert error.body["type"] == "server_error"  # type: ignore[index]
+        assert error.response.headers["retry-after"] == "1"
+
+    # A deadline shorter than the wait: 504, and no Retry-After.
+    async def hurried() -> openai.APIStatusError:
+        client = _client(server, key)
+        holder = asyncio.create_task(
+            client.chat.completions.create(model="m", messages=MESSAGES)
+        )
+        await asyncio.sleep(0.1)
+        holder2 = asyncio.create_task(
+            client.chat.completions.create(model="m", messages=MESSAGES)
+        )
+        await asyncio.sleep(0.1)
+        try:
+            await client.chat.completions.create(
+                model="m",
+                messages=MESSAGES,
+                extra_headers={"X-Nexus-Deadline-Ms": "200"},
+            )
+        except openai.APIStatusError as error:
+            await asyncio.gather(holder, holder2)
+            return error
+        raise AssertionError("the deadline was not enforced")
+
+    late = asyncio.run(hurried())
+    assert (late.status_code, late.code) == (504, "deadline_exceeded")
+    assert "retry-after" not in late.response.headers
+    bad = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        json={"model": "m", "messages": MESSAGES},
+        headers={"Authorization": f"Bearer {key}", "X-Nexus-Criticality": "urgent"},
+    )
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "X-Nexus-Criticality"
+    _wait_until(lambda: _metric(server, "nexus_admission_stock_level") == 0)
+
+
+def test_two_serving_processes_keep_the_gateways_in_flight_within_the_band(
+    mock_backend_factory: Callable[..., MockBackendProcess],
+    nexus_server_factory: Callable[..., NexusServer],
+) -> None:
+    mock = mock_backend_factory(
+        "--models", "m", "--name", "wide", "--slots", "100", "--latency-ms", "300"
+    )
+    _backend(mock, "wide")
+    # Lower 3.6, upper 4.4: at most 5 in flight for the gateway as a whole.
+    _configure(watermark_per_backend=4.0)
+    _, key = ApiKey.objects.create_key("both")
+    if PRODUCTION:  # the processes find each other in Redis
+        servers = [nexus_server_factory(), nexus_server_factory()]
+    else:  # the launcher tells them (nexus_run sets these)
+        servers = [
+            nexus_server_factory(
+                NEXUS_SERVING_PROCESSES="2", NEXUS_SERVING_INDEX=str(index)
+            )
+            for index in range(2)
+        ]
+    for server in servers:
+        httpx.get(f"{server.base_url}/health/live")  # start the gateway
+        _wait_until(
+            lambda s=server: _metric(s, "nexus_admission_serving_processes") == 2
+        )
+
+    async def flood() -> None:
+        clients = [_client(server, key) for server in servers]
+        await asyncio.gather(
+            *(
+                clients[i % 2].chat.completions.create(model="m", messages=MESSAGES)
+                for i in range(30)
+            )
+        )
+
+    asyncio.run(flood())
+    stats = _stats(mock)
+    assert stats["requests"]["/v1/chat/completions"] == 30
+    assert 4 <= stats["peak_outstanding"] <= 5
+    for server in servers:
+        _wait_until(lambda s=server: _metric(s, "nexus_admission_stock_level") == 0)

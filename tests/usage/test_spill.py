@@ -1,0 +1,184 @@
+"""Usage events wait out an outage on disk and are replayed once each.
+
+The spill file itself (real files in a temporary directory), and, in
+production mode, a serving process's Redis shipper through a Redis outage
+made by cutting its connection (tests/tcp_cut.py): memory stays at the spill
+threshold however long the outage, and every event arrives exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from django.conf import settings
+
+from tests.tcp_cut import TcpCut
+from usage.buffer import UsageBuffer, UsageEvent
+from usage.models import UsageRecord
+from usage.spill import UsageSpill, replay_spilled, spill_excess
+
+
+def _event(index: int, tag: str = "spill") -> UsageEvent:
+    return UsageEvent(
+        request_id=f"{tag}-{index}",
+        endpoint="chat",
+        api_key_prefix="",
+        backend="b",
+        requested_model="m",
+        served_model="m",
+        prompt_tokens=1,
+        completion_tokens=2,
+        total_tokens=3,
+        estimated=False,
+        latency_ms=1.0,
+        status=200,
+        streamed=False,
+    )
+
+
+def _buffer(count: int, tag: str = "spill") -> UsageBuffer:
+    buffer = UsageBuffer()
+    for index in range(count):
+        buffer.append(_event(index, tag))
+    return buffer
+
+
+async def _replay_all(spill: UsageSpill) -> list[UsageEvent]:
+    delivered: list[UsageEvent] = []
+
+    async def deliver(events: list[UsageEvent]) -> None:
+        delivered.extend(events)
+
+    while await replay_spilled(spill, deliver):
+        pass
+    return delivered
+
+
+async def test_events_over_the_memory_share_go_to_disk_and_come_back(
+    tmp_path: Path,
+) -> None:
+    spill = UsageSpill(tmp_path, keep_in_memory=100)
+    spill.open()
+    buffer = _buffer(2500)
+    await spill_excess(spill, buffer)
+    assert len(buffer) == 100
+    assert [e.request_id for e in buffer.drain()] == [
+        f"spill-{i}" for i in range(2400, 2500)
+    ]  # the newest stay in memory
+    delivered = await _replay_all(spill)
+    assert [e.request_id for e in delivered] == [f"spill-{i}" for i in range(2400)]
+    assert not spill.pending
+    assert await _replay_all(spill) == []  # handed on once
+    spill.close()
+    assert list(tmp_path.iterdir()) == []  # an empty file is removed
+
+
+async def test_a_failed_delivery_keeps_the_batch_for_next_time(tmp_path: Path) -> None:
+    spill = UsageSpill(tmp_path, keep_in_memory=0)
+    spill.open()
+    spill.spill(_buffer(1500))
+
+    async def failing(events: list[UsageEvent]) -> None:
+        raise ConnectionError("still down")
+
+    with pytest.raises(ConnectionError):
+        await replay_spilled(spill, failing)
+    assert len(await _replay_all(spill)) == 1500
+
+
+async def test_a_stopped_process_file_is_adopted_by_the_next(tmp_path: Path) -> None:
+    crashed = UsageSpill(tmp_path, keep_in_memory=0)
+    crashed.open()
+    crashed.spill(_buffer(300, "crashed"))
+    # The process dies: its lock goes with it, its file stays.
+    assert crashed._own is not None
+    crashed._own.handle.close()
+    alive = UsageSpill(tmp_path, keep_in_memory=0)
+    alive.open()
+    assert alive.pending
+    delivered = await _replay_all(alive)
+    assert {e.request_id for e in delivered} == {f"crashed-{i}" for i in range(300)}
+    alive.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_live_process_file_is_left_alone(tmp_path: Path) -> None:
+    first = UsageSpill(tmp_path, keep_in_memory=0)
+    first.open()
+    first.spill(_buffer(10))
+    second = UsageSpill(tmp_path, keep_in_memory=0)
+    second.open()
+    assert not second.pending  # first holds its lock
+    assert first._own is not None
+    with pytest.raises(OSError):
+        fcntl.flock(first._own.path.open("rb"), fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+async def test_a_torn_last_line_is_dropped_not_fatal(tmp_path: Path) -> None:
+    spill = UsageSpill(tmp_path, keep_in_memory=0)
+    spill.open()
+    spill.spill(_buffer(5))
+    assert spill._own is not None
+    spill._own.handle.write(b'{"fields": ["request_id"], "ev')  # a crash mid-write
+    spill._own.handle.flush()
+    assert len(await _replay_all(spill)) == 5
+
+
+@pytest.mark.skipif(not settings.REDIS_URL, reason="the Redis transport needs Redis")
+@pytest.mark.django_db(transaction=True)
+async def test_a_long_redis_outage_costs_no_memory_and_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    from asgiref.sync import sync_to_async
+
+    from usage.stream import RedisShipper, clear_usage_stream, drain_usage_stream
+
+    await sync_to_async(clear_usage_stream)()
+    redis_url = urlsplit(settings.REDIS_URL)
+    cutter = TcpCut((redis_url.hostname or "127.0.0.1", redis_url.port or 6379))
+    url = redis_url._replace(netloc=f"127.0.0.1:{cutter.port}").geturl()
+    buffer = UsageBuffer(maxlen=1000)
+    spill = UsageSpill(tmp_path, keep_in_memory=100)
+    shipper = RedisShipper(buffer, redis_url=url, interval=0.01, spill=spill)
+    shipper.start()
+    try:
+        cutter.cut()
+        # A long outage, compressed: 20 times the buffer's bound arrives.
+        most_in_memory = 0
+        for index in range(20_000):
+            buffer.append(_event(index, "outage"))
+            if index % 500 == 499:
+                await asyncio.sleep(0.05)  # the shipper's ticks run meanwhile
+                most_in_memory = max(most_in_memory, len(buffer))
+        deadline = time.monotonic() + 20
+        while len(buffer) > 100:
+            assert time.monotonic() < deadline, "events not spilled"
+            await asyncio.sleep(0.05)
+        assert buffer.dropped_total == 0
+        assert most_in_memory <= 1000
+        assert spill.spilled_total >= 19_000
+        cutter.restore()
+        deadline = time.monotonic() + 60
+        written = 0
+        while written < 20_000:
+            assert time.monotonic() < deadline, f"only {written} of 20000 arrived"
+            await asyncio.sleep(0.2)
+            await sync_to_async(drain_usage_stream)()
+            written = await UsageRecord.objects.filter(
+                request_id__startswith="outage-"
+            ).acount()
+        assert written == 20_000  # and none twice (event ids are unique)
+        assert not spill.pending
+    finally:
+        await shipper.stop()
+        cutter.close()
+        # The ORM's connection of sync_to_async's thread: closed, or the test
+        # database cannot be dropped at the end of the session.
+        from django.db import connections
+
+        await sync_to_async(connections.close_all)()
