@@ -30,6 +30,9 @@ class DemoBackend:
     name: str
     priority: int
     models: tuple[DemoModel, ...]
+    # An "ollama" mock also answers Ollama's native API, so Ollama clients'
+    # requests to it are passed through rather than translated.
+    kind: str = BackendKind.OPENAI
 
 
 DEMO_BACKENDS = (
@@ -48,6 +51,7 @@ DEMO_BACKENDS = (
             DemoModel("llama3:8b", 8192, tools=True, json_mode=True),
             DemoModel("llava:7b", 4096, vision=True),
         ),
+        kind=BackendKind.OLLAMA,
     ),
 )
 
@@ -69,6 +73,8 @@ def spawn_demo_mock(spec: DemoBackend) -> MockBackendProcess:
     return spawn_mock_backend(
         "--name",
         spec.name,
+        "--kind",
+        spec.kind,
         "--models",
         ",".join(model.name for model in spec.models),
         *capabilities,
@@ -88,7 +94,7 @@ def register_demo_backend(spec: DemoBackend, base_url: str) -> Backend:
         name=spec.name,
         defaults={
             "base_url": base_url,
-            "kind": BackendKind.OPENAI,
+            "kind": spec.kind,
             "priority": spec.priority,
             "enabled": True,
             "is_demo": True,

@@ -1,4 +1,9 @@
-"""The OpenAI-compatible gateway under /v1: a plain ASGI app on the hot path.
+"""The gateway's client API: a plain ASGI app on the hot path.
+
+It answers every inbound surface (routing/proxy/surfaces.py): OpenAI's and
+Anthropic's under /v1, and Ollama's native API at the root (``/``,
+``/api/version``, ``/api/tags``, ``/api/ps``, ``/api/show``, ``/api/chat``,
+``/api/generate``, ``/api/embed``, ``/api/embeddings``).
 
 Nothing here touches the ORM, blocks, or builds an HTTP client per request: it
 reads the gateway's immutable state (routing/state.py), asks the router for a
@@ -29,10 +34,14 @@ from routing.proxy.errors import (
 )
 from routing.proxy.legs import Call
 from routing.proxy.models_list import ModelsList
+from routing.proxy.ollama_catalog import OllamaCatalog
 from routing.proxy.surfaces import (
     ANTHROPIC,
     COUNT_TOKENS_PATH,
     ENDPOINTS,
+    OLLAMA_INFO_PATHS,
+    OLLAMA_UNSUPPORTED_PATHS,
+    OLLAMA_VERSION,
     OPENAI,
     Surface,
 )
@@ -74,6 +83,7 @@ class ProxyApp:
         self.auth_required = gateway.config.auth_required
         self.access_log = gateway.config.access_log
         self.models = ModelsList()
+        self.ollama_catalog = OllamaCatalog()
 
     async def __call__(
         self, scope: dict[str, Any], receive: Receive, send: Send
@@ -103,7 +113,14 @@ class ProxyApp:
         headers: Headers = [(b"x-request-id", rid.encode())]
         path, method = scope["path"], scope["method"]
         endpoint, surface = ENDPOINTS.get(path, _NO_ENDPOINT)
+        if path in OLLAMA_INFO_PATHS or path in OLLAMA_UNSUPPORTED_PATHS:
+            surface = ENDPOINTS["/api/chat"][1]  # Ollama's error shape
         try:
+            if path in OLLAMA_INFO_PATHS or path in OLLAMA_UNSUPPORTED_PATHS:
+                await self._ollama_info(
+                    path, method, authorization, surface, headers, receive, send
+                )
+                return
             if path == COUNT_TOKENS_PATH:
                 endpoint, surface = "count_tokens", ANTHROPIC
             elif (
@@ -398,6 +415,15 @@ class ProxyApp:
             requirements = RequestRequirements.from_request(inbound.canonical)
         except RoutingError as error:
             raise _routing_error(error) from error
+        if inbound.ready is not None:
+            # Nothing for a backend to do (Ollama's "load the model"): answered
+            # here once some backend could serve the model.
+            gateway = self.gateway
+            decision = gateway.router.explain(requirements, state.routes, gateway.stats)
+            if decision.error is not None:
+                raise _routing_error(decision.error)
+            await _send_json(send, 200, inbound.ready, headers)
+            return
         exchange = Exchange(
             request_id=request_id,
             endpoint=endpoint,
@@ -425,6 +451,65 @@ class ProxyApp:
             receive,
             send,
         )
+
+    async def _ollama_info(
+        self,
+        path: str,
+        method: str,
+        authorization: bytes | None,
+        surface: Surface,
+        headers: Headers,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """Ollama's own endpoints besides inference: its banner, version and
+        model catalogue (of the whole fleet), answered without a backend."""
+        allowed = OLLAMA_INFO_PATHS.get(path, ("POST",))
+        if method not in allowed and not (method == "HEAD" and "GET" in allowed):
+            raise method_not_allowed(method, path)
+        if path in OLLAMA_UNSUPPORTED_PATHS:
+            raise ProxyError(
+                501,
+                f"Nexus is a gateway and does not manage models: {path} is not "
+                "supported. Pull, create and delete models on the backends.",
+                code="not_implemented",
+            )
+        if path == "/":
+            body = b"" if method == "HEAD" else b"Ollama is running"
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"text/plain; charset=utf-8"),
+                        (b"content-length", b"17"),
+                        *headers,
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+        if path == "/api/version":
+            await _send_json(send, 200, OLLAMA_VERSION, headers)
+            return
+        state = await self._gateway_state()
+        self._authenticate(state, authorization, surface)
+        catalog = self.ollama_catalog
+        if path == "/api/tags":
+            await _send_json(send, 200, catalog.tags(state.routes), headers)
+        elif path == "/api/ps":
+            await _send_json(send, 200, catalog.ps(state.routes), headers)
+        else:
+            payload = _parse_object(await _read_body(receive, self.max_body))
+            model = payload.get("model") or payload.get("name")
+            if not isinstance(model, str) or not model:
+                raise bad_request("model is required", param="model")
+            shown = catalog.show(state.routes, model)
+            if shown is None:
+                raise ProxyError(
+                    404, f"model '{model}' not found", code="model_not_found"
+                )
+            await _send_json(send, 200, shown, headers)
 
     async def _count_tokens(
         self, state: GatewayState, headers: Headers, receive: Receive, send: Send

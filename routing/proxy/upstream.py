@@ -208,7 +208,7 @@ async def forward(
         model = target.model.name
         adapter = adapter_for(backend.kind)
         leg: Leg | None = None
-        if call is not None or adapter is not OPENAI_ADAPTER:
+        if call is not None or adapter.protocol != OPENAI_ADAPTER.protocol:
             try:
                 if call is None:
                     call = openai_call(exchange.endpoint, payload, raw)
@@ -270,7 +270,11 @@ async def forward(
                     response.close()  # or its pooled connection leaks
                     response = None
                     continue
-            streams = _is_event_stream(exchange, response)
+            streams = (
+                _is_event_stream(exchange, response)
+                if leg is None
+                else _is_leg_stream(exchange, response, leg)
+            )
             # A whole reply (or a stream's first event) is read and checked
             # before anything goes to the client, so a backend that fails or
             # answers nonsense can still be retried.
@@ -286,7 +290,9 @@ async def forward(
                             )
                         else:
                             leg_stream = leg.stream(limits.max_event)
-                            first = await _first_leg_events(response, leg_stream)
+                            first = await _first_leg_events(
+                                response, leg_stream, leg.call.surface.is_ndjson
+                            )
                     else:
                         body = await checks.read_capped(response, limits.max_reply)
                         if leg is None:
@@ -402,6 +408,17 @@ def _is_event_stream(exchange: Exchange, response: aiohttp.ClientResponse) -> bo
         exchange.stream
         and response.status < 300
         and "event-stream" in response.headers.get("Content-Type", "")
+    )
+
+
+def _is_leg_stream(
+    exchange: Exchange, response: aiohttp.ClientResponse, leg: Leg
+) -> bool:
+    content_type = response.headers.get("Content-Type", "")
+    return (
+        exchange.stream
+        and response.status < 300
+        and leg.adapter.is_stream(content_type, leg.native)
     )
 
 
@@ -617,16 +634,20 @@ def _leg_answer(
 
 
 async def _first_leg_events(
-    response: aiohttp.ClientResponse, stream: LegStream
+    response: aiohttp.ClientResponse, stream: LegStream, ndjson: bool = False
 ) -> bytes:
-    """A leg's first bytes for the client, once they exist; or UpstreamFault."""
+    """A leg's first bytes for the client, once they exist; or UpstreamFault.
+
+    ``ndjson``: the client's stream is JSON lines (Ollama's), not SSE.
+    """
+    check = checks.check_first_line if ndjson else checks.check_first_event
     sent: list[bytes] = []
     try:
         async for data in response.content.iter_any():
             out = stream.feed(data)
             if out:
                 sent.append(out)
-                if checks.check_first_event(out):
+                if check(out):
                     return b"".join(sent)
     except StreamFailed as error:
         raise checks.invalid(error.message) from None
