@@ -51,7 +51,14 @@ class Gateway:
         )
 
     def async_sdk(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.v1, api_key=self.key, max_retries=0)
+        # A long connect timeout: 200 connections at once can overflow the
+        # listen backlog of a test server on a loaded machine (SYN retried).
+        return openai.AsyncOpenAI(
+            base_url=self.v1,
+            api_key=self.key,
+            max_retries=0,
+            timeout=httpx.Timeout(120, connect=60),
+        )
 
     def post(self, path: str, **kwargs: object) -> httpx.Response:
         headers = {"authorization": f"Bearer {self.key}", **kwargs.pop("headers", {})}

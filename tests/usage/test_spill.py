@@ -153,8 +153,13 @@ async def test_a_long_redis_outage_costs_no_memory_and_loses_nothing(
         for index in range(20_000):
             buffer.append(_event(index, "outage"))
             if index % 500 == 499:
-                await asyncio.sleep(0.05)  # the shipper's ticks run meanwhile
                 most_in_memory = max(most_in_memory, len(buffer))
+                # Arrivals paced by the shipper's ticks (as requests are by
+                # their own work): wait until it has spilled this batch.
+                paced = time.monotonic() + 20
+                while len(buffer) > 100:
+                    assert time.monotonic() < paced, "events not spilled"
+                    await asyncio.sleep(0.01)
         deadline = time.monotonic() + 20
         while len(buffer) > 100:
             assert time.monotonic() < deadline, "events not spilled"
