@@ -128,7 +128,8 @@ http_routes = URLRouter(
         re_path(r"", django_asgi_app),  # type: ignore[arg-type]
     ]
 )
+proxy = ProxyApp(gateway)
 application = NexusApplication(
-    gateway, ProxyApp(gateway), ProtocolTypeRouter({"http": http_routes})
+    gateway, proxy, ProtocolTypeRouter({"http": http_routes})
 )
-serving.prepare_daphne(gateway)
+serving.prepare_daphne(gateway, proxy)

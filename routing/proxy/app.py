@@ -191,6 +191,23 @@ class ProxyApp:
         except ClientGone:
             pass
 
+    def record_head_refusal(
+        self, error: ProxyError, path: str, request_id: bytes | None
+    ) -> str:
+        """Count a request the server refused from its head alone; return its id.
+
+        Daphne refuses uploads at the headers (nexus_site/daphne_limits.py),
+        before this app runs: such a refusal is a request and an error all the
+        same, as when the proxy itself refuses.
+        """
+        rid = _request_id(request_id)
+        endpoint = ENDPOINTS.get(path, _NO_ENDPOINT)[0]
+        if endpoint is not None:
+            self._record_refusal(
+                error, endpoint, path, rid, "", self.gateway.snapshots.peek()
+            )
+        return rid
+
     def _record_refusal(
         self,
         error: ProxyError,

@@ -21,8 +21,16 @@ def dumps(value: Any) -> bytes:
 
 
 def loads(data: bytes | str) -> Any:
-    """Parse JSON (orjson); raises ValueError on anything that is not JSON."""
-    return orjson.loads(data)
+    """Parse JSON (orjson); raises ValueError on anything that is not JSON.
+
+    What orjson refuses but JSON allows (a lone surrogate escape such as
+    ``"\\ud800"``) is parsed by the standard library, as on the OpenAI surface,
+    so such a request is routed (and counted) like any other.
+    """
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
 
 
 class TranslationError(Exception):
