@@ -46,7 +46,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from routing.translate.base import TranslationError
+from routing.translate.base import TranslationError, dumps
 
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 # options -> canonical fields with the same meaning.
@@ -255,7 +255,7 @@ def load_reply(path: str, model: str, *, created_at: str) -> dict[str, Any]:
 
 def error_body(message: str) -> bytes:
     """Ollama's error shape, ``{"error": "..."}``."""
-    return _ENCODER.encode({"error": message}).encode()
+    return dumps({"error": message})
 
 
 def timestamp(epoch: float) -> str:
@@ -813,7 +813,7 @@ def _vectors(reply: Mapping[str, Any]) -> list[Any]:
 
 
 def _line(value: dict[str, Any]) -> bytes:
-    return _ENCODER.encode(value).encode() + b"\n"
+    return dumps(value) + b"\n"
 
 
 def _bad(message: str) -> TranslationError:

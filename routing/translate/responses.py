@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from routing.translate.base import TranslationError
+from routing.translate.base import TranslationError, dumps
 
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 _STATEFUL = {
@@ -530,7 +530,7 @@ class ResponsesStreamTranslator:
         self._sequence += 1
         return b"event: %b\ndata: %b\n\n" % (
             kind.encode(),
-            _ENCODER.encode(payload).encode(),
+            dumps(payload),
         )
 
 

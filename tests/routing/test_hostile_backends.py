@@ -308,3 +308,53 @@ def _peak_rss(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmHWM")
+
+
+# The same faults reach Anthropic and Ollama clients through translation.
+OTHER_SURFACES = {
+    "messages": ("/v1/messages", {"max_tokens": 20}),
+    "ollama-chat": ("/api/chat", {}),
+}
+LEG_FAULTS = [
+    ("non-json-200", False, 502),
+    ("non-json-200", True, 502),
+    ("html-500", False, 500),
+    ("huge-body", False, 502),
+    ("endless-event", True, 502),
+    ("wrong-type", True, 502),
+    ("bad-utf8", False, 502),
+    ("hang", False, 504),
+]
+
+
+@pytest.mark.parametrize("surface", list(OTHER_SURFACES))
+@pytest.mark.parametrize(
+    ("mode", "stream", "status"),
+    LEG_FAULTS,
+    ids=[f"{m}-{'stream' if s else 'plain'}" for m, s, _ in LEG_FAULTS],
+)
+def test_faults_reach_other_surfaces_in_their_error_shape(
+    setup: Setup, surface: str, mode: str, stream: bool, status: int
+) -> None:
+    path, extra = OTHER_SURFACES[surface]
+    request_id = f"leg-{uuid.uuid4().hex[:12]}"
+    response = httpx.post(
+        f"{setup.nexus.base_url}{path}",
+        json={
+            "model": f"hostile-{mode}",
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": stream,
+            **extra,
+        },
+        headers={"authorization": f"Bearer {setup.key}", "x-request-id": request_id},
+        timeout=30,
+    )
+    assert response.status_code == status, response.text[:300]
+    assert SECRET not in response.text and "/srv/internal" not in response.text
+    payload = response.json()
+    if surface == "messages":
+        assert payload["type"] == "error" and payload["error"]["message"]
+    else:
+        assert isinstance(payload["error"], str) and payload["error"]
+    _wait_idle(setup)
+    assert _usage_of(request_id).status == status
