@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from channels.db import database_sync_to_async
 from django.conf import settings
 
 from routing.breaker import BREAKER_GROUP, BreakerSettings, CircuitBreaker
@@ -34,6 +35,8 @@ from routing.state import GatewayState, build_state
 from routing.versioning import read_config_version
 from usage.buffer import UsageBuffer
 from usage.flush import DatabaseFlusher
+from usage.limits.limiter import Limiter, LocalLimiter
+from usage.limits.spend import read_budget_spend
 from usage.live import LiveUsage
 from usage.publisher import USAGE_GROUP, UsagePublisher
 
@@ -69,6 +72,12 @@ class GatewayConfig:
     metrics_allow: tuple[str | Network, ...] = ("127.0.0.0/8", "::1/128")
     metrics_token: str = ""
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
+    limits_backend: str = "local"  # or "redis"
+    limits_redis_url: str = ""
+    limits_fail_open: bool = True
+    limits_redis_timeout: float = 0.5
+    default_completion_tokens: int = 1024
+    reconcile_interval: float = 30.0
 
     @classmethod
     def from_settings(cls) -> GatewayConfig:
@@ -85,6 +94,12 @@ class GatewayConfig:
             metrics_allow=tuple(settings.NEXUS_METRICS_ALLOW),
             metrics_token=settings.NEXUS_METRICS_TOKEN,
             breaker=BreakerSettings.from_settings(),
+            limits_backend=settings.NEXUS_LIMITS_BACKEND,
+            limits_redis_url=settings.REDIS_URL,
+            limits_fail_open=settings.NEXUS_LIMITS_ON_REDIS_ERROR == "open",
+            limits_redis_timeout=settings.NEXUS_LIMITS_REDIS_TIMEOUT,
+            default_completion_tokens=settings.NEXUS_LIMITS_DEFAULT_COMPLETION_TOKENS,
+            reconcile_interval=settings.NEXUS_LIMITS_RECONCILE_INTERVAL,
         )
 
 
@@ -94,6 +109,19 @@ def _make_sink(config: GatewayConfig, buffer: UsageBuffer) -> UsageSink:
 
         return RedisShipper(buffer)
     return DatabaseFlusher(buffer)
+
+
+def _make_limiter(config: GatewayConfig, on_error: Callable[[], None]) -> Limiter:
+    if config.limits_backend == "redis":
+        from usage.limits.shared import RedisLimiter  # needs Redis only here
+
+        return RedisLimiter(
+            config.limits_redis_url,
+            fail_open=config.limits_fail_open,
+            timeout=config.limits_redis_timeout,
+            on_error=on_error,
+        )
+    return LocalLimiter()
 
 
 class Gateway:
@@ -125,6 +153,7 @@ class Gateway:
             connect_timeout=config.connect_timeout,
         )
         self.metrics = GatewayMetrics()
+        self.limiter = _make_limiter(config, self.metrics.limiter_errors.inc)
         self.metrics_endpoint = MetricsEndpoint(
             self.metrics,
             self.refresh_gauges,
@@ -173,6 +202,13 @@ class Gateway:
             ),
             loop.create_task(self._refresh_gauges_periodically(), name="gauges"),
         ]
+        self.limiter.start()
+        if isinstance(self.limiter, LocalLimiter):
+            self._tasks.append(
+                loop.create_task(
+                    self._reconcile_periodically(self.limiter), name="reconcile"
+                )
+            )
 
     async def stop(self) -> None:
         """Stop every task; usage still held is handed on first."""
@@ -184,6 +220,7 @@ class Gateway:
         await self.publisher.stop()
         await self.breaker.stop()
         await self.usage_sink.stop()
+        await self.limiter.stop()
         await self.upstream.close()
         self._loop = None
 
@@ -241,11 +278,24 @@ class Gateway:
             except Exception:
                 logger.warning("Could not update the gauges", exc_info=True)
 
+    async def _reconcile_periodically(self, limiter: LocalLimiter) -> None:
+        """Raise this process's budget counters to the rolled-up spend (embedded)."""
+        while True:
+            await asyncio.sleep(self.config.reconcile_interval)
+            try:
+                spend = await database_sync_to_async(read_budget_spend)()
+            except Exception:
+                logger.warning("Could not read the keys' spend", exc_info=True)
+            else:
+                limiter.reconcile(spend)
+
     def _count_opening(self, backend_name: str) -> None:
         self.metrics.breaker_openings.labels(backend_name).inc()
 
     def _note_config(self, state: GatewayState) -> None:
         self.metrics.config_version.set(state.version)
+        if isinstance(self.limiter, LocalLimiter):
+            self.limiter.reconcile(state.spend)
 
 
 def tune_garbage_collector() -> None:

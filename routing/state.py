@@ -7,14 +7,16 @@ swaps the result in whole; the proxy only ever reads a ``GatewayState``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from django.db import transaction
 
 from routing.core import RouterSnapshot
 from routing.snapshot import build_snapshot
-from usage.models import ApiKey
+from usage.limits.policy import KeyPolicy, Price, resolve_prices
+from usage.limits.spend import read_budget_spend
+from usage.models import ApiKey, ModelPrice
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,13 +27,51 @@ class GatewayState:
     routes: RouterSnapshot
     # SHA-256 hex of every active client key -> its visible prefix.
     keys: Mapping[str, str]
+    # Key prefix -> its allow-list, expiry, limits and budgets (every active key).
+    policies: Mapping[str, KeyPolicy] = field(default_factory=dict)
+    # Served model name -> its price (models without a price are free).
+    prices: Mapping[str, Price] = field(default_factory=dict)
+    # (key prefix, budget period id) -> rolled-up (tokens, nano-USD), for keys
+    # with a budget: where an in-process limiter's counters start.
+    spend: Mapping[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
 
 
 def build_state() -> GatewayState:
     """Read the routing tables and the active client keys (sync code only)."""
     with transaction.atomic():
         routes = build_snapshot()
-        keys = dict(ApiKey.objects.active().values_list("hashed_key", "prefix"))
+        active = list(ApiKey.objects.active())
+        stored_prices = {
+            price.model: Price(price.input_nanos, price.output_nanos)
+            for price in ModelPrice.objects.all()
+        }
+        spend = read_budget_spend()
+    keys = {key.hashed_key: key.prefix for key in active}
+    policies = {key.prefix: key_policy(key) for key in active}
+    models = {
+        model.name for backend in routes.backends for model in backend.models
+    } | set(routes.routes)
+    prices = resolve_prices(stored_prices, models)
     return GatewayState(
-        version=routes.version, routes=routes, keys=MappingProxyType(keys)
+        version=routes.version,
+        routes=routes,
+        keys=MappingProxyType(keys),
+        policies=MappingProxyType(policies),
+        prices=MappingProxyType(prices),
+        spend=MappingProxyType(spend),
+    )
+
+
+def key_policy(key: ApiKey) -> KeyPolicy:
+    """The frozen policy the gateway enforces for one stored key."""
+    return KeyPolicy(
+        prefix=key.prefix,
+        allowed_models=key.model_patterns,
+        expires_at=key.expires_at.timestamp() if key.expires_at else None,
+        max_concurrency=key.max_concurrency,
+        rpm=key.rpm_limit,
+        tpm=key.tpm_limit,
+        budget_period=key.budget_period,
+        budget_tokens=key.budget_tokens,
+        budget_nanos=key.budget_nanos,
     )

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from routing.core import RequestRequirements, RoutingError
 from routing.metrics import UNKNOWN
+from routing.proxy import limits
 from routing.proxy.errors import (
     ProxyError,
     bad_request,
@@ -29,6 +30,8 @@ from routing.proxy.models_list import ModelsList
 from routing.proxy.upstream import Exchange, forward
 from routing.state import GatewayState
 from usage.buffer import UsageEvent, new_event_id
+from usage.limits.limiter import Ticket
+from usage.limits.policy import FREE, KeyPolicy
 
 if TYPE_CHECKING:
     from routing.gateway import Gateway
@@ -63,6 +66,7 @@ class ProxyApp:
         self.max_body = gateway.config.max_body_bytes
         self.auth_required = gateway.config.auth_required
         self.access_log = gateway.config.access_log
+        self.default_completion = gateway.config.default_completion_tokens
         self.models = ModelsList()
 
     async def __call__(
@@ -109,16 +113,28 @@ class ProxyApp:
                 )
             state = await self._gateway_state()
             key_prefix = self._authenticate(state, authorization)
+            policy = state.policies.get(key_prefix) if key_prefix else None
+            if policy is not None and policy.expires_at is not None:
+                limits.check_expiry(policy, time.time(), self.gateway.metrics)
             if endpoint is not None:
                 self._check_length(content_length)
                 await self._inference(
-                    state, endpoint, path, key_prefix, rid, headers, receive, send
+                    state,
+                    endpoint,
+                    path,
+                    key_prefix,
+                    policy,
+                    rid,
+                    headers,
+                    receive,
+                    send,
                 )
             elif path == MODELS_PATH:
-                await _send_json(send, 200, self.models.body(state.routes), headers)
+                body = self.models.body(state.routes, policy)
+                await _send_json(send, 200, body, headers)
             else:
                 model_id = path[len(MODELS_PATH) + 1 :]
-                entry = self.models.entry(state.routes, model_id)
+                entry = self.models.entry(state.routes, model_id, policy)
                 if entry is None:
                     raise ProxyError(
                         404,
@@ -155,6 +171,7 @@ class ProxyApp:
         state: GatewayState,
         key_prefix: str,
         estimated_prompt: int,
+        ticket: Ticket | None,
     ) -> None:
         """Hand the request's usage to the gateway (memory only, no I/O)."""
         usage = exchange.usage or {}
@@ -162,10 +179,25 @@ class ProxyApp:
         completion = usage.get("completion_tokens", 0)
         reported = isinstance(prompt, int) and isinstance(completion, int)
         if not reported:
-            prompt = estimated_prompt
-            completion = -(-exchange.completion_chars // 4)  # ceil(chars / 4)
+            if exchange.backend:
+                prompt = estimated_prompt
+                completion = -(-exchange.completion_chars // 4)  # ceil(chars / 4)
+            else:
+                # No backend answered: nothing was processed, nothing is billed.
+                prompt = completion = 0
         assert isinstance(prompt, int) and isinstance(completion, int)
         total = usage.get("total_tokens") if reported else None
+        total = total if isinstance(total, int) else prompt + completion
+        cost = 0
+        if exchange.backend:
+            cost = state.prices.get(exchange.served_model, FREE).cost(
+                prompt, completion
+            )
+        gateway = self.gateway
+        if ticket is not None:
+            gateway.limiter.settle(ticket, total, cost)
+        if cost:
+            gateway.metrics.observe_spend(key_prefix, cost)
         now = time.perf_counter()
         event = UsageEvent(
             request_id=exchange.request_id,
@@ -176,14 +208,14 @@ class ProxyApp:
             served_model=exchange.served_model,
             prompt_tokens=prompt,
             completion_tokens=completion,
-            total_tokens=total if isinstance(total, int) else prompt + completion,
-            estimated=not reported,
+            total_tokens=total,
+            estimated=not reported and bool(exchange.backend),
             latency_ms=(now - exchange.started) * 1000,
             status=exchange.status,
             streamed=exchange.stream,
             error=exchange.error,
+            cost_nanos=cost,
         )
-        gateway = self.gateway
         gateway.buffer.append(event)
         gateway.live_usage.record(event)
         model = exchange.served_model or _known_model(state, exchange.requested_model)
@@ -255,6 +287,7 @@ class ProxyApp:
         endpoint: str,
         path: str,
         key_prefix: str,
+        policy: KeyPolicy | None,
         request_id: str,
         headers: Headers,
         receive: Receive,
@@ -274,11 +307,34 @@ class ProxyApp:
             stream=payload.get("stream") is True,
         )
         gateway = self.gateway
+        ticket: Ticket | None = None
         try:
+            if policy is not None:
+                limits.check_model(
+                    policy, state.routes, requirements.model, gateway.metrics
+                )
             try:
                 route = gateway.router.select(requirements, state.routes, gateway.stats)
             except RoutingError as error:
                 raise _routing_error(error) from error
+            if policy is not None and policy.is_limited:
+                prompt = requirements.estimated_tokens
+                completion = limits.completion_estimate(
+                    payload, endpoint, self.default_completion
+                )
+                price = state.prices.get(route.target.model.name, FREE)
+                ticket = await limits.admit(
+                    gateway.limiter,
+                    policy,
+                    prompt + completion,
+                    price.cost(prompt, completion),
+                    headers,
+                    gateway.metrics,
+                )
+                if exchange.stream and policy.has_budget:
+                    exchange.meter = limits.BudgetMeter(
+                        gateway.limiter, ticket, price, prompt
+                    )
             await self._forward_watching_client(
                 exchange, route, payload, raw, headers, receive, send
             )
@@ -287,7 +343,11 @@ class ProxyApp:
             exchange.error = error.code or error.error_type
             raise
         finally:
-            self._record(exchange, state, key_prefix, requirements.estimated_tokens)
+            self._record(
+                exchange, state, key_prefix, requirements.estimated_tokens, ticket
+            )
+            if exchange.error == "budget_exceeded":
+                gateway.metrics.budget_cutoffs.inc()
 
     async def _forward_watching_client(
         self,

@@ -179,12 +179,12 @@ def text_of_events(events: list[bytes]) -> int:
     return total
 
 
-def error_event(message: str, code: str) -> bytes:
+def error_event(message: str, code: str, error_type: str = "server_error") -> bytes:
     """An OpenAI-style error event for a stream that cannot go on."""
     payload = {
         "error": {
             "message": message,
-            "type": "server_error",
+            "type": error_type,
             "param": None,
             "code": code,
         }

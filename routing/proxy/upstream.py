@@ -23,6 +23,7 @@ from routing.proxy.errors import ProxyError
 
 if TYPE_CHECKING:
     from routing.gateway import Gateway
+    from routing.proxy.limits import BudgetMeter
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -53,6 +54,8 @@ class Exchange:
     error: str = ""
     client_gone: bool = False
     retries: int = 0
+    # Set for a budgeted stream: counts it as it goes and may cut it short.
+    meter: BudgetMeter | None = None
 
 
 class UpstreamClient:
@@ -188,6 +191,16 @@ async def forward(
         if not stats.try_begin(backend, model):
             failures.append(f"{backend.name}: at max concurrency")
             continue
+        lease: str | None = None
+        if backend.max_concurrency and gateway.limiter.shared:
+            # Gateway-wide: the other serving processes' requests count too.
+            lease = await gateway.limiter.acquire_backend(
+                backend.name, backend.capacity
+            )
+            if lease is None:
+                stats.end(backend.name, model)
+                failures.append(f"{backend.name}: at max concurrency")
+                continue
         gateway.live_usage.touch()
         if failures:
             exchange.retries += 1
@@ -262,6 +275,8 @@ async def forward(
                 # short (client gone, error) must not go back to the pool.
                 response.close()
             stats.end(backend.name, model)
+            if lease is not None:
+                gateway.limiter.release_backend(backend.name, lease)
     _raise_exhausted(exchange, failures, last_timeout)
 
 
@@ -352,6 +367,8 @@ async def _relay_stream(
         }
     )
     relay = sse.StreamRelay(wants_usage_chunk, _KEEP_FOR_ESTIMATE)
+    meter = exchange.meter
+    tail = b""
     try:
         async for data in response.content.iter_any():
             out = relay.feed(data)
@@ -361,6 +378,14 @@ async def _relay_stream(
                 await send(
                     {"type": "http.response.body", "body": out, "more_body": True}
                 )
+                if meter is not None and not await meter.feed(out):
+                    # Cut after the event that crossed the budget; billed for
+                    # everything relayed, that event included.
+                    exchange.error = "budget_exceeded"
+                    tail = meter.cut_event()
+                    break
+        else:
+            tail = relay.rest()
     except _TRANSPORT_ERRORS as error:
         exchange.error = "upstream_stream_broken"
         message = (
@@ -368,11 +393,11 @@ async def _relay_stream(
             "the response is incomplete."
         )
         tail = sse.error_event(message, "upstream_stream_broken")
-    else:
-        tail = relay.rest()
-    exchange.usage = relay.usage
-    if relay.usage is None:
-        exchange.completion_chars = relay.text_length()
+    finally:
+        # Also when the client left mid-stream: billed for what was relayed.
+        exchange.usage = relay.usage
+        if relay.usage is None:
+            exchange.completion_chars = relay.text_length()
     await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
