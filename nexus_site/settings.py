@@ -444,7 +444,9 @@ NEXUS_USAGE_RECORD_RETENTION_HOURS = _bounded_float(
 NEXUS_LIMITS_BACKEND = _choice(
     "NEXUS_LIMITS_BACKEND", "redis" if REDIS_URL else "local", ("redis", "local")
 )
-if NEXUS_LIMITS_BACKEND == "redis" and not REDIS_URL:
+# The Redis the limiter uses (default: REDIS_URL).
+NEXUS_LIMITS_REDIS_URL = env.str("NEXUS_LIMITS_REDIS_URL", default="") or REDIS_URL
+if NEXUS_LIMITS_BACKEND == "redis" and not NEXUS_LIMITS_REDIS_URL:
     raise ImproperlyConfigured("NEXUS_LIMITS_BACKEND=redis needs REDIS_URL.")
 # When Redis cannot be reached: "open" lets requests through unchecked, "closed"
 # refuses them with a 503. Logged and counted either way.

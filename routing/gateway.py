@@ -95,7 +95,7 @@ class GatewayConfig:
             metrics_token=settings.NEXUS_METRICS_TOKEN,
             breaker=BreakerSettings.from_settings(),
             limits_backend=settings.NEXUS_LIMITS_BACKEND,
-            limits_redis_url=settings.REDIS_URL,
+            limits_redis_url=settings.NEXUS_LIMITS_REDIS_URL,
             limits_fail_open=settings.NEXUS_LIMITS_ON_REDIS_ERROR == "open",
             limits_redis_timeout=settings.NEXUS_LIMITS_REDIS_TIMEOUT,
             default_completion_tokens=settings.NEXUS_LIMITS_DEFAULT_COMPLETION_TOKENS,

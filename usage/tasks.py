@@ -32,4 +32,4 @@ def prune_usage_records() -> int:
 
 @shared_task
 def reconcile_key_spend() -> int:
-    return spend.reconcile_shared_spend(settings.REDIS_URL)
+    return spend.reconcile_shared_spend(settings.NEXUS_LIMITS_REDIS_URL)

@@ -189,26 +189,43 @@ class BudgetMeter:
         self.prompt = prompt
         self.chars = 0
 
-    async def feed(self, events: bytes) -> bool:
-        """Count relayed events; return False when the budget is exhausted."""
-        self.chars += sse.text_of_events(
+    async def take(self, events: bytes) -> tuple[bytes, bool]:
+        """Count relayed events; return what of them to send and whether the
+        stream may go on (False: cut after the returned events)."""
+        chars = self.chars + sse.text_of_events(
             [event for event in events.split(b"\n\n") if event.strip()]
         )
-        completion = -(-self.chars // 4)
-        tokens = self.prompt + completion
-        nanos = self.price.cost(self.prompt, completion)
+        if not self._is_over(chars):
+            self.chars = chars
+            return events, True
+        # Several events arrived at once: find the one that crossed.
+        end = 0
+        for event in events.split(b"\n\n")[:-1]:
+            end += len(event) + 2
+            self.chars += sse.text_of_events([event])
+            if self._is_over(self.chars) and not await self._cover():
+                return events[:end], False
+        return events, True
+
+    def _usage(self, chars: int) -> tuple[int, int]:
+        completion = -(-chars // 4)
+        return self.prompt + completion, self.price.cost(self.prompt, completion)
+
+    def _is_over(self, chars: int) -> bool:
+        tokens, nanos = self._usage(chars)
         ticket = self.ticket
         policy = ticket.policy
-        over = (policy.budget_tokens is not None and tokens > ticket.held_tokens) or (
+        return (policy.budget_tokens is not None and tokens > ticket.held_tokens) or (
             policy.budget_nanos is not None and nanos > ticket.held_nanos
         )
-        if not over:
-            return True
+
+    async def _cover(self) -> bool:
+        tokens, nanos = self._usage(self.chars)
         want = (
             tokens + COVER_BLOCK_TOKENS,
             nanos + self.price.output_nanos * COVER_BLOCK_TOKENS,
         )
-        return await self.limiter.cover(ticket, (tokens, nanos), want)
+        return await self.limiter.cover(self.ticket, (tokens, nanos), want)
 
     def cut_event(self) -> bytes:
         return sse.error_event(

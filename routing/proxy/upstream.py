@@ -372,18 +372,22 @@ async def _relay_stream(
     try:
         async for data in response.content.iter_any():
             out = relay.feed(data)
+            goes_on = True
+            if out and meter is not None:
+                # Cut after the event that crossed the budget; billed for
+                # everything relayed, that event included.
+                out, goes_on = await meter.take(out)
             if out:
                 if exchange.first_byte is None:
                     exchange.first_byte = time.perf_counter()
                 await send(
                     {"type": "http.response.body", "body": out, "more_body": True}
                 )
-                if meter is not None and not await meter.feed(out):
-                    # Cut after the event that crossed the budget; billed for
-                    # everything relayed, that event included.
-                    exchange.error = "budget_exceeded"
-                    tail = meter.cut_event()
-                    break
+            if not goes_on:
+                exchange.error = "budget_exceeded"
+                exchange.completion_chars = meter.chars if meter else 0
+                tail = meter.cut_event() if meter else b""
+                break
         else:
             tail = relay.rest()
     except _TRANSPORT_ERRORS as error:
@@ -395,9 +399,12 @@ async def _relay_stream(
         tail = sse.error_event(message, "upstream_stream_broken")
     finally:
         # Also when the client left mid-stream: billed for what was relayed.
-        exchange.usage = relay.usage
-        if relay.usage is None:
-            exchange.completion_chars = relay.text_length()
+        # A stream cut for its budget is billed as its meter counted it (a
+        # usage block read with the last events was not relayed).
+        if exchange.error != "budget_exceeded":
+            exchange.usage = relay.usage
+            if relay.usage is None:
+                exchange.completion_chars = relay.text_length()
     await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
