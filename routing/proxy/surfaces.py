@@ -28,9 +28,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from routing.proxy import sse
 from routing.proxy.errors import ProxyError
 from routing.translate import anthropic
-from routing.translate.anthropic.wire import encode
+from routing.translate.anthropic.wire import encode, error_type_for, sse_event
 from routing.translate.base import StreamTranslator, TranslationError
 from routing.translate.openai import ChatStreamWriter
 
@@ -78,6 +79,15 @@ class Surface:
         """The body of an error answer in this protocol's shape."""
         return error.body()
 
+    def stream_error(self, error: ProxyError) -> bytes:
+        """The event that ends a stream with `error` in this protocol."""
+        return sse.error_event(error.message, error.code or "", error.error_type)
+
+    def text_of_event(self, event: dict[str, Any]) -> int:
+        """Characters of generated text in one parsed event of this protocol's
+        stream (to meter a passed-through stream against a budget)."""
+        return sse.text_of_chunk(event)
+
 
 class AnthropicSurface(Surface):
     """Anthropic's Messages API (``POST /v1/messages``)."""
@@ -110,6 +120,24 @@ class AnthropicSurface(Surface):
 
     def error_body(self, error: ProxyError) -> bytes:
         return anthropic.error_body(error.status, error.message)
+
+    def stream_error(self, error: ProxyError) -> bytes:
+        return sse_event(
+            {
+                "type": "error",
+                "error": {
+                    "type": error_type_for(error.status),
+                    "message": error.message,
+                },
+            }
+        )
+
+    def text_of_event(self, event: dict[str, Any]) -> int:
+        delta = (
+            event.get("delta") if event.get("type") == "content_block_delta" else None
+        )
+        text = delta.get("text") if isinstance(delta, dict) else None
+        return len(text) if isinstance(text, str) else 0
 
 
 OPENAI = Surface()
