@@ -23,7 +23,7 @@ PYTEST := $(BIN)/python -m pytest -p tests.worker_isolation \
 	-n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: run test lint test-embedded test-production test-tools setup-tools \
-	smoke-pythons bench bench-peers
+	smoke-pythons bench bench-peers soak
 
 run: $(VENV)/.installed
 	$(BIN)/python manage.py nexus_run
@@ -55,6 +55,18 @@ BENCH := env DATABASE_URL=$(BENCH_DATABASE_URL) REDIS_URL=$(BENCH_REDIS_URL) \
 	SECRET_KEY=bench-only-not-secret ALLOWED_HOSTS=127.0.0.1,localhost
 bench: $(VENV)/.installed-dev test-tools
 	$(BENCH) $(BIN)/python -m tests.bench $(BENCH_ARGS)
+
+# Not a test: one serving process through backend restarts, breaker openings,
+# client aborts, Redis and PostgreSQL outages and the hostile backend's faults,
+# then SOAK_AFTER requests; prints RSS after each (results in bench-results/).
+SOAK_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/nexus_soak
+SOAK_REDIS_URL ?= redis://127.0.0.1:6379/4
+SOAK_AFTER ?= 20000
+soak: $(VENV)/.installed-dev
+	@$(BIN)/python -c "import psycopg; c = psycopg.connect('$(dir $(SOAK_DATABASE_URL))postgres', autocommit=True); n = '$(notdir $(SOAK_DATABASE_URL))'; c.execute('select 1 from pg_database where datname = %s', (n,)).fetchone() or c.execute('create database ' + n)"
+	env DATABASE_URL=$(SOAK_DATABASE_URL) REDIS_URL=$(SOAK_REDIS_URL) \
+		SECRET_KEY=soak-only-not-secret ALLOWED_HOSTS=127.0.0.1,localhost \
+		$(BIN)/python -m tests.soak --after $(SOAK_AFTER)
 
 # The same, plus LiteLLM's proxy on the same mock, installed from PyPI into its
 # own virtualenv (never part of the product or `make test`).

@@ -20,7 +20,7 @@ django_asgi_app = get_asgi_application()
 
 from channels.auth import AuthMiddlewareStack
 from channels.routing import ProtocolTypeRouter, URLRouter
-from django.urls import path, re_path
+from django.urls import re_path
 
 from nexus_site import serving
 from routing.gateway import Gateway, install_gateway
@@ -114,8 +114,9 @@ atexit.register(gateway.usage_sink.flush_on_exit)
 http_routes = URLRouter(
     [
         # The usage stream needs the session (staff login) from the cookie.
-        path(
-            "api/usage-stream",
+        # With or without a trailing slash, as every path of the API.
+        re_path(
+            r"^api/usage-stream/?$",
             AuthMiddlewareStack(
                 UsageStreamConsumer.as_asgi(publisher=gateway.publisher)
             ),

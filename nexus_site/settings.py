@@ -263,6 +263,12 @@ STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
 }
+STATICFILES_FINDERS = [
+    "django.contrib.staticfiles.finders.FileSystemFinder",
+    "django.contrib.staticfiles.finders.AppDirectoriesFinder",
+    # The dashboard's charting library, from the plotly package (no CDN).
+    "usage.assets.PlotlyFinder",
+]
 # Serve straight from the apps when collectstatic has not run (tests, dev).
 WHITENOISE_USE_FINDERS = env.bool(
     "WHITENOISE_USE_FINDERS", default=not NEXUS_PRODUCTION

@@ -52,6 +52,7 @@ TABLE = (
     Row("GET", "/api/v1/usage/stats", (401, 401, 403, 200, 200)),
     Row("GET", "/api/v1/schema/", (401, 401, 403, 200, 200)),
     Row("GET", "/api/usage-stream", (401, 401, 403, 200, 200)),
+    Row("GET", "/api/usage-stream/", (401, 401, 403, 200, 200)),
     Row("GET", "/api/v1/docs/", (302, 302, 302, 200, 302)),
     Row("GET", "/dashboard/", (302, 302, 302, 200, 302)),
     Row("GET", "/dashboard/history", (403, 403, 403, 200, 403)),

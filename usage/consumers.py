@@ -23,7 +23,7 @@ from channels.generic.http import AsyncHttpConsumer
 from rest_framework.authtoken.models import Token
 
 from backends.health import BackendHealthDict, read_backend_health
-from usage.live import SeriesDict
+from usage.live import SeriesDict, SlotDict
 from usage.publisher import (
     ClusterUsageDict,
     ModelLatencyDict,
@@ -52,6 +52,8 @@ class UsageStreamEventDict(TypedDict):
     series: list[SeriesDict]
     latency: list[ModelLatencyDict]
     backends: list[BackendLoadDict]
+    slot_seconds: int
+    recent: list[SlotDict]  # finished requests per time slot, last minutes
 
 
 def _token_refusal(raw: str) -> int:
@@ -80,6 +82,8 @@ def build_stream_event(
         "series": usage["series"],
         "latency": usage["latency"],
         "backends": backends,
+        "slot_seconds": usage["slot_seconds"],
+        "recent": usage["recent"],
     }
 
 

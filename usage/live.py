@@ -21,6 +21,10 @@ from typing import TypedDict
 from usage.buffer import UsageEvent
 
 LATENCY_WINDOW = 512  # recent latencies kept per model, for p50/p95
+# Finished requests are also counted per time slot of this many seconds, for
+# the last RECENT_SECONDS: the dashboard's five-minute chart and its rates.
+SLOT_SECONDS = 10
+RECENT_SECONDS = 360
 
 
 class SeriesDict(TypedDict):
@@ -34,12 +38,22 @@ class SeriesDict(TypedDict):
     in_flight: int
 
 
+class SlotDict(TypedDict):
+    """Requests that finished in one time slot (start in Unix seconds)."""
+
+    start: int
+    requests: int
+    errors: int
+    total_tokens: int
+
+
 class LiveSnapshotDict(TypedDict):
     process: str
     taken_at: float
     changes: int
     series: list[SeriesDict]
     latencies_ms: dict[str, list[float]]
+    recent: list[SlotDict]
 
 
 @dataclass(slots=True)
@@ -61,15 +75,20 @@ class LiveUsage:
 
     ``in_flight`` returns the live count of requests in flight per
     (backend, model); ``changes`` moves whenever a snapshot would differ.
+    Finished requests are also counted per SLOT_SECONDS slot of the last
+    RECENT_SECONDS (a bounded dict; ``clock`` gives Unix time).
     """
 
     in_flight: Callable[[], Mapping[tuple[str, str], int]] = _nothing_in_flight
+    clock: Callable[[], float] = time.time
     process: str = field(
         default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}"
     )
     changes: int = 0
     _series: dict[tuple[str, str], _Series] = field(default_factory=dict)
     _latencies: dict[str, deque[float]] = field(default_factory=dict)
+    # slot start -> [requests, errors, total tokens]
+    _recent: dict[int, list[int]] = field(default_factory=dict)
 
     def _get(self, backend: str, model: str) -> _Series:
         series = self._series.get((backend, model))
@@ -90,6 +109,14 @@ class LiveUsage:
         series.prompt_tokens += event.prompt_tokens
         series.completion_tokens += event.completion_tokens
         series.total_tokens += event.total_tokens
+        start = int(self.clock()) // SLOT_SECONDS * SLOT_SECONDS
+        slot = self._recent.get(start)
+        if slot is None:
+            self._forget_old_slots(start)
+            slot = self._recent[start] = [0, 0, 0]
+        slot[0] += 1
+        slot[1] += event.is_error
+        slot[2] += event.total_tokens
         if not event.is_error:
             window = self._latencies.get(model)
             if window is None:
@@ -97,8 +124,13 @@ class LiveUsage:
             window.append(event.latency_ms)
         self.changes += 1
 
+    def _forget_old_slots(self, now: int) -> None:
+        for start in [start for start in self._recent if start <= now - RECENT_SECONDS]:
+            del self._recent[start]
+
     def snapshot(self) -> LiveSnapshotDict:
         """A JSON-ready copy of every counter."""
+        self._forget_old_slots(int(self.clock()))
         in_flight = self.in_flight()
         for key, count in in_flight.items():
             if count and key not in self._series:
@@ -124,4 +156,8 @@ class LiveUsage:
                 model: [round(x, 3) for x in window]
                 for model, window in sorted(self._latencies.items())
             },
+            "recent": [
+                {"start": start, "requests": r, "errors": e, "total_tokens": t}
+                for start, (r, e, t) in sorted(self._recent.items())
+            ],
         }

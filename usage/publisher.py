@@ -32,7 +32,7 @@ from typing import Any, TypedDict
 
 from channels.layers import get_channel_layer
 
-from usage.live import LiveSnapshotDict, LiveUsage, SeriesDict
+from usage.live import SLOT_SECONDS, LiveSnapshotDict, LiveUsage, SeriesDict, SlotDict
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,8 @@ class ClusterUsageDict(TypedDict):
     processes: list[str]
     series: list[SeriesDict]
     latency: list[ModelLatencyDict]
+    slot_seconds: int
+    recent: list[SlotDict]  # summed per slot, oldest first
 
 
 class Subscription:
@@ -187,7 +189,17 @@ def merge_snapshots(
     """Sum the series of `snapshots` per backend × model; pool their latencies."""
     series: dict[tuple[str, str], SeriesDict] = {}
     latencies: dict[str, list[float]] = {}
+    recent: dict[int, SlotDict] = {}
     for snapshot in snapshots:
+        # .get(): a process of an older version sends no slots.
+        for slot in snapshot.get("recent", []):
+            summed = recent.get(slot["start"])
+            if summed is None:
+                recent[slot["start"]] = SlotDict(**slot)
+                continue
+            summed["requests"] += slot["requests"]
+            summed["errors"] += slot["errors"]
+            summed["total_tokens"] += slot["total_tokens"]
         for row in snapshot["series"]:
             key = (row["backend"], row["model"])
             merged = series.get(key)
@@ -215,6 +227,8 @@ def merge_snapshots(
             }
             for model, values in sorted(latencies.items())
         ],
+        "slot_seconds": SLOT_SECONDS,
+        "recent": [recent[start] for start in sorted(recent)],
     }
 
 

@@ -40,6 +40,7 @@ from routing.proxy.surfaces import (
 from routing.proxy.upstream import Exchange, forward
 from routing.state import GatewayState
 from routing.translate import anthropic as anthropic_translate
+from routing.translate.base import loads
 from usage.buffer import UsageEvent, new_event_id
 from usage.limits.policy import FREE, KeyPolicy
 
@@ -395,7 +396,7 @@ class ProxyApp:
     ) -> None:
         """A request on a surface other than OpenAI's: made canonical to route."""
         raw = await _read_body(receive, self.max_body)
-        payload = _parse_object(raw)
+        payload = _parse_object(raw, loads)
         inbound = surface.to_canonical(payload)
         try:
             requirements = RequestRequirements.from_request(inbound.canonical)
@@ -439,7 +440,7 @@ class ProxyApp:
     ) -> None:
         """Anthropic's count_tokens, estimated (characters / 4; see the README)."""
         raw = await _read_body(receive, self.max_body)
-        payload = _parse_object(raw)
+        payload = _parse_object(raw, loads)
         # count_tokens takes a Messages request without max_tokens.
         payload.setdefault("max_tokens", 1)
         inbound = ANTHROPIC.to_canonical(payload)
@@ -645,10 +646,12 @@ def _too_large(limit: int) -> ProxyError:
     )
 
 
-def _parse_object(raw: bytes) -> dict[str, Any]:
+def _parse_object(
+    raw: bytes, parse: Callable[[bytes], Any] = json.loads
+) -> dict[str, Any]:
     """Decode a request body that must be a JSON object (400 if it is not)."""
     try:
-        payload = json.loads(raw)
+        payload = parse(raw)
     except (ValueError, RecursionError):  # RecursionError: nested too deep
         raise bad_request(
             "We could not parse the JSON body of your request. The body must be "

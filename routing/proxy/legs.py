@@ -143,6 +143,7 @@ class LegStream:
         "_split",
         "_surface",
         "_writer",
+        "chars",
         "usage",
     )
 
@@ -159,11 +160,13 @@ class LegStream:
         self._writer = call.surface.stream_writer(call.inbound, leg.target.model.name)
         self._seen: dict[str, Any] = {}  # a native stream's usage fields so far
         self.usage: dict[str, Any] | None = None
+        self.chars = 0  # text written, while no usage is known
 
     def feed(self, data: bytes) -> bytes:
         events = self._split.feed(data)
+        # Checked on every feed: complete events may come with a growing one.
+        self._check_pending()
         if not events:
-            self._check_pending()
             return b""
         if self._native:
             for event in events:
@@ -195,8 +198,8 @@ class LegStream:
 
     def feed_counted(self, data: bytes) -> list[tuple[bytes, int]]:
         events = self._split.feed(data)
+        self._check_pending()
         if not events:
-            self._check_pending()
             return []
         pieces: list[tuple[bytes, int]] = []
         if self._native:
@@ -244,6 +247,13 @@ class LegStream:
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
+        elif self.usage is None:
+            # Kept for an estimate, in case the backend never reports usage.
+            for choice in chunk.get("choices") or ():
+                delta = choice.get("delta") if isinstance(choice, dict) else None
+                text = delta.get("content") if isinstance(delta, dict) else None
+                if isinstance(text, str):
+                    self.chars += len(text)
         return self._writer.feed(chunk)
 
     def _parse(self, event: bytes) -> dict[str, Any] | None:

@@ -24,12 +24,11 @@ Adding a backend protocol (for example Ollama's native API):
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from routing.core import BackendSpec
 from routing.translate import anthropic
-from routing.translate.base import ChunkReader, encode_json
+from routing.translate.base import ChunkReader, dumps, loads
 from routing.translate.openai import ChatChunkReader, error_message
 
 
@@ -64,16 +63,16 @@ class BackendAdapter:
             options = dict(options) if isinstance(options, dict) else {}
             options["include_usage"] = True
             body["stream_options"] = options
-        return encode_json(body)
+        return dumps(body)
 
     def request_body_native(self, payload: dict[str, Any], model: str) -> bytes:
         """The client's own body (passed through) for ``model``."""
         body = {**payload, "model": model}
-        return encode_json(body)
+        return dumps(body)
 
     def read_reply(self, body: bytes, created: int) -> dict[str, Any]:
         """A whole reply as a canonical ``chat.completion``; ValueError if not one."""
-        reply = json.loads(body)
+        reply = loads(body)
         if not isinstance(reply, dict) or not isinstance(reply.get("choices"), list):
             raise MalformedReply("not a chat completion")
         return reply
@@ -85,7 +84,7 @@ class BackendAdapter:
     def read_error(self, body: bytes) -> str | None:
         """The message of an error body in this backend's shape, if it is one."""
         try:
-            return error_message(json.loads(body))
+            return error_message(loads(body))
         except ValueError:
             return None
 
@@ -97,7 +96,7 @@ class BackendAdapter:
         data = _data_of(event)
         if data is None or data == b"[DONE]":
             return None
-        value = json.loads(data)
+        value = loads(data)
         if not isinstance(value, dict):
             raise MalformedReply("an event that is not a JSON object")
         return value
@@ -105,7 +104,7 @@ class BackendAdapter:
     def usage_of_reply(self, body: bytes) -> dict[str, Any] | None:
         """Canonical usage of a native (passed-through) whole reply."""
         try:
-            reply = json.loads(body)
+            reply = loads(body)
         except ValueError:
             return None
         usage = reply.get("usage") if isinstance(reply, dict) else None
@@ -148,10 +147,10 @@ class AnthropicAdapter(BackendAdapter):
 
     def request_body(self, canonical: dict[str, Any], model: str) -> bytes:
         body = anthropic.canonical_to_messages({**canonical, "model": model})
-        return encode_json(body)
+        return dumps(body)
 
     def read_reply(self, body: bytes, created: int) -> dict[str, Any]:
-        message = json.loads(body)
+        message = loads(body)
         if not isinstance(message, dict):
             raise MalformedReply("not an Anthropic Message")
         return anthropic.message_to_canonical(message, created)
@@ -161,7 +160,7 @@ class AnthropicAdapter(BackendAdapter):
 
     def read_error(self, body: bytes) -> str | None:
         try:
-            payload = json.loads(body)
+            payload = loads(body)
         except ValueError:
             return None
         error = payload.get("error") if isinstance(payload, dict) else None
@@ -171,7 +170,7 @@ class AnthropicAdapter(BackendAdapter):
 
     def usage_of_reply(self, body: bytes) -> dict[str, Any] | None:
         try:
-            message = json.loads(body)
+            message = loads(body)
         except ValueError:
             return None
         if not isinstance(message, dict):

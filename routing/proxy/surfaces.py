@@ -24,7 +24,6 @@ Adding an inbound surface (for example OpenAI Responses or Ollama's API):
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +31,7 @@ from routing.proxy import sse
 from routing.proxy.errors import ProxyError
 from routing.translate import anthropic
 from routing.translate.anthropic.wire import encode, error_type_for, sse_event
-from routing.translate.base import StreamTranslator, TranslationError
+from routing.translate.base import StreamTranslator, TranslationError, dumps
 from routing.translate.openai import ChatStreamWriter
 
 
@@ -69,7 +68,7 @@ class Surface:
 
     def reply(self, canonical: dict[str, Any], model: str) -> bytes:
         """A canonical ``chat.completion`` as this protocol's answer."""
-        return json.dumps(canonical, separators=(",", ":")).encode()
+        return dumps(canonical)
 
     def stream_writer(self, inbound: Inbound, model: str) -> StreamTranslator:
         """A writer of canonical chunks as this protocol's stream."""

@@ -759,10 +759,13 @@ async def _relay_leg_stream(
             "the response is incomplete."
         )
     finally:
+        # Also when the client left mid-stream: billed for what was relayed.
         if not goes_on:
             _cut_for_budget(exchange)
         else:
             exchange.usage = stream.usage
+            if stream.usage is None:
+                exchange.completion_chars = stream.chars
     if meter is not None and not goes_on:
         tail += leg.call.surface.stream_error(meter.cut_error())
     await send({"type": "http.response.body", "body": tail, "more_body": False})

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from routing.translate.base import StreamFailed, encode_json
+from routing.translate.base import StreamFailed, dumps
 
 DONE = b"data: [DONE]\n\n"
 
 
 def chat_event(chunk: dict[str, Any]) -> bytes:
     """One ``data:`` event."""
-    return b"data: " + encode_json(chunk) + b"\n\n"
+    return b"data: " + dumps(chunk) + b"\n\n"
 
 
 def error_message(body: Any) -> str | None:

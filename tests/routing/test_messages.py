@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -86,9 +87,16 @@ def _last_request(process: MockBackendProcess) -> dict:
 
 @pytest.fixture(scope="module")
 def gateway(django_db_setup: None, django_db_blocker) -> Iterator[Gateway]:
+    with contextlib.ExitStack() as cleanup:
+        yield _start_gateway(cleanup, django_db_blocker)
+
+
+def _start_gateway(cleanup: contextlib.ExitStack, django_db_blocker) -> Gateway:
+    """Start the mocks and Nexus on committed rows; ``cleanup`` undoes it all."""
     o = start_mock_backend(
         "--models", "llama3:8b,llava:7b", "--name", "mock-o", "--chunks", "4"
     )
+    cleanup.callback(o.stop)
     c = start_mock_backend(
         "--models",
         "claude-x",
@@ -101,6 +109,13 @@ def gateway(django_db_setup: None, django_db_blocker) -> Iterator[Gateway]:
         "--chunks",
         "4",
     )
+    cleanup.callback(c.stop)
+
+    def flush() -> None:
+        with django_db_blocker.unblock():
+            call_command("flush", interactive=False, verbosity=0)
+
+    cleanup.callback(flush)
     with django_db_blocker.unblock():
         if settings.NEXUS_USAGE_TRANSPORT == "redis":
             clear_usage_stream()
@@ -108,7 +123,10 @@ def gateway(django_db_setup: None, django_db_blocker) -> Iterator[Gateway]:
             name="mock-o", base_url=o.base_url, status=HealthStatus.HEALTHY
         )
         BackendModel.objects.create(
-            backend=backend_o, name="llama3:8b", supports_tools=True
+            backend=backend_o,
+            name="llama3:8b",
+            supports_tools=True,
+            supports_vision=False,
         )
         BackendModel.objects.create(
             backend=backend_o, name="llava:7b", supports_vision=True
@@ -129,14 +147,8 @@ def gateway(django_db_setup: None, django_db_blocker) -> Iterator[Gateway]:
         _, key = ApiKey.objects.create_key("messages-tests")
         _, usage_key = ApiKey.objects.create_key("messages-usage")
     server = start_nexus_server(NEXUS_BREAKER_FAILURES="1000000")
-    try:
-        yield Gateway(server, o, c, key, usage_key)
-    finally:
-        server.stop()
-        o.stop()
-        c.stop()
-        with django_db_blocker.unblock():
-            call_command("flush", interactive=False, verbosity=0)
+    cleanup.callback(server.stop)
+    return Gateway(server, o, c, key, usage_key)
 
 
 @pytest.fixture(autouse=True)
@@ -148,6 +160,12 @@ def _reset_mocks(gateway: Gateway) -> Iterator[None]:
 
 def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
+
+
+@pytest.mark.django_db  # also makes pytest-django create the test database
+def test_the_backends_of_both_kinds_are_configured(gateway: Gateway) -> None:
+    kinds = dict(Backend.objects.values_list("name", "kind"))
+    assert kinds == {"mock-o": "openai", "mock-c": "anthropic"}
 
 
 # --- Anthropic clients, translated for an OpenAI backend ----------------------
@@ -421,6 +439,30 @@ def test_a_backend_dying_mid_stream_ends_with_an_anthropic_error_event(
     assert len(texts) == 2
 
 
+@pytest.mark.parametrize("mock", ["o", "c"])
+def test_hanging_up_mid_stream_closes_the_upstream_request(
+    gateway: Gateway, mock: str
+) -> None:
+    process = getattr(gateway, mock)
+    _mock(process, chunks=100, chunk_delay_ms=100)
+    model = "llama3:8b" if mock == "o" else "claude-x"
+    with httpx.stream(
+        "POST",
+        f"{gateway.server.base_url}/v1/messages",
+        json={"model": model, "max_tokens": 500, "stream": True, "messages": user("x")},
+        headers={"x-api-key": gateway.key, "anthropic-version": "2023-06-01"},
+        timeout=10,
+    ) as response:
+        next(response.iter_lines())
+    deadline = time.monotonic() + 5
+    while True:
+        stats = httpx.get(f"{process.base_url}/_mock/stats", timeout=5).json()
+        if stats["client_disconnects"] >= 1 and stats["in_flight"] == 0:
+            break
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+
+
 # --- pass-through: Anthropic client, Anthropic backend ----------------------
 
 
@@ -575,8 +617,11 @@ def test_anthropic_backend_errors_reach_openai_clients_in_their_shape(
 # --- usage ---------------------------------------------------------------------
 
 
-@pytest.mark.django_db(transaction=True)
-def test_usage_is_what_the_backends_reported_on_every_path(gateway: Gateway) -> None:
+def test_usage_is_what_the_backends_reported_on_every_path(
+    gateway: Gateway, django_db_blocker
+) -> None:
+    # Read outside any test transaction (as the module fixture writes): a
+    # transactional test would flush the database the server reads after it.
     client = gateway.client(api_key=gateway.usage_key)
     expected = []
     for model in ("llama3:8b", "claude-x"):
@@ -593,19 +638,23 @@ def test_usage_is_what_the_backends_reported_on_every_path(gateway: Gateway) -> 
         model="claude-x", messages=user("one two")
     )
     expected.append((reply.usage.prompt_tokens, reply.usage.completion_tokens))
-    prefix = ApiKey.objects.get(name="messages-usage").prefix
-    deadline = time.monotonic() + 15
-    while True:
-        if settings.NEXUS_USAGE_TRANSPORT == "redis":
-            drain_usage_stream()
-        rows = UsageRecord.objects.filter(api_key_prefix=prefix)
-        if rows.count() >= len(expected) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    recorded = sorted(
-        (row.prompt_tokens, row.completion_tokens, row.estimated) for row in rows
-    )
+    with django_db_blocker.unblock():
+        prefix = ApiKey.objects.get(name="messages-usage").prefix
+        deadline = time.monotonic() + 15
+        while True:
+            if settings.NEXUS_USAGE_TRANSPORT == "redis":
+                drain_usage_stream()
+            rows = UsageRecord.objects.filter(api_key_prefix=prefix)
+            if rows.count() >= len(expected) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        recorded = sorted(
+            (row.prompt_tokens, row.completion_tokens, row.estimated) for row in rows
+        )
+        endpoints = sorted(rows.values_list("endpoint", flat=True))
     assert recorded == sorted((i, o, False) for i, o in expected)
-    assert (
-        sorted(rows.values_list("endpoint", flat=True)) == ["chat"] + ["messages"] * 4
-    )
+    assert endpoints == ["chat"] + ["messages"] * 4
+    # Metrics count the surface like any other.
+    metrics = httpx.get(f"{gateway.server.base_url}/metrics", timeout=5).text
+    assert 'surface="messages"' in metrics
+    assert 'backend="mock-c"' in metrics

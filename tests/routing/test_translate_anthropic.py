@@ -24,7 +24,7 @@ from routing.translate.anthropic import (
     message_to_canonical,
     messages_to_canonical,
 )
-from routing.translate.base import StreamFailed, TranslationError
+from routing.translate.base import StreamFailed, TranslationError, dumps
 
 PNG = "iVBORw0KGgo="
 
@@ -483,6 +483,12 @@ def test_the_stream_reader_fails_on_an_error_event_or_a_cut() -> None:
         )
     with pytest.raises(StreamFailed, match="message_stop"):
         MessageStreamReader().finish()
+
+
+def test_json_that_orjson_refuses_is_still_written() -> None:
+    value = {"big": 2**70, "lone": "\ud800", "text": "é"}
+    assert json.loads(dumps(value)) == value
+    assert dumps({"text": "é"}) == '{"text":"é"}'.encode()
 
 
 # --- round-trip properties ---------------------------------------------------

@@ -6,6 +6,7 @@ from datetime import timedelta
 
 import pytest
 from django.contrib.auth.models import User
+from django.contrib.staticfiles import finders
 from django.test import Client
 from django.utils import timezone
 
@@ -99,3 +100,18 @@ def test_history_is_for_staff_only(client: Client) -> None:
     response = client.get("/dashboard/history")
     assert response.status_code == 403
     assert "staff" in response.json()["detail"]
+
+
+def test_the_charting_library_is_served_by_nexus_not_a_cdn(
+    admin_client: Client,
+) -> None:
+    page = admin_client.get("/dashboard/").content.decode()
+
+    assert "/static/vendor/plotly/plotly.min.js" in page
+    assert "https://" not in page and "cdn" not in page.lower()
+    script = finders.find("vendor/plotly/plotly.min.js")
+    assert script is not None
+    with open(script, "rb") as bundle:
+        assert b"plotly.js" in bundle.read(200)
+    # Only that file of the plotly package is published as a static file.
+    assert finders.find("vendor/plotly/widgetbundle.js") is None

@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
+from django.conf import settings
 from django.contrib.auth.models import User
 from django.utils import timezone
 from playwright.sync_api import Page, expect, sync_playwright
 
 from backends.models import Backend, BackendModel, HealthStatus
-from tests.conftest import MockBackendProcess, NexusServer
+from tests.conftest import REPO_ROOT, MockBackendProcess, NexusServer, server_env
 from tests.factories import UsageBucketFactory
 from usage.models import ApiKey
+from usage.stream import clear_usage_stream
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
@@ -47,7 +53,7 @@ def open_page() -> Iterator[Page]:
             executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
         )
         try:
-            context = browser.new_context(viewport={"width": 1400, "height": 1000})
+            context = browser.new_context(viewport={"width": 1280, "height": 800})
             yield context.new_page()
         finally:
             browser.close()
@@ -57,6 +63,8 @@ def test_dashboard_shows_a_chat_request_without_reload(
     mock_backend_factory: Callable[..., MockBackendProcess],
     nexus_server_factory: Callable[..., NexusServer],
 ) -> None:
+    if settings.NEXUS_USAGE_TRANSPORT == "redis":
+        clear_usage_stream()  # events other tests' servers left behind
     mock = mock_backend_factory("--models", MODEL, "--name", "mock-dash")
     backend = Backend.objects.create(
         name="mock-dash",
@@ -82,6 +90,7 @@ def test_dashboard_shows_a_chat_request_without_reload(
     # serve the dashboard's script and styles straight from the app instead.
     server = nexus_server_factory(WHITENOISE_USE_FINDERS="true")
     sdk = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0)
+    env = server_env()  # read before the browser's event loop runs
 
     with open_page() as page:
         page.goto(f"{server.base_url}/dashboard/")
@@ -92,32 +101,96 @@ def test_dashboard_shows_a_chat_request_without_reload(
         expect(page).to_have_url(f"{server.base_url}/dashboard/")
 
         expect(page.locator("#connection")).to_have_text("live")
-        expect(page.locator("#total-requests")).to_have_text("0")
+        # The rolled-up traffic counts too: a restart does not empty the page.
+        expect(page.locator("#total-requests")).to_have_text("5")
+        expect(page.locator("#total-tokens")).to_have_text("70")
         backends = page.locator("#backends tbody tr")
         expect(backends.filter(has_text="mock-dash")).to_contain_text("healthy")
         expect(backends.filter(has_text="gpu-rack-2")).to_contain_text("unhealthy")
         expect(page.locator("#history-hour-summary")).to_contain_text(
             "5 requests, 70 tokens (top: llama3:8b 70)"
         )
-        expect(page.locator("#history-hour rect.bar")).to_have_count(1)
         expect(page.locator("#history-day-summary")).to_contain_text("5 requests")
+        # Charts with time axes and titles (plotly.js, served by Nexus).
+        hour = page.locator("#history-hour")
+        expect(hour.locator(".g-ytitle")).to_have_text("requests / minute")
+        expect(hour.locator(".g-xtitle")).to_have_text("time")
+        expect(hour.locator(".xtick").first).to_have_text(_CLOCK)
+        expect(page.locator("#history-day .g-ytitle")).to_have_text("requests / 15 min")
+        live = page.locator("#live-chart")
+        expect(live.locator(".g-ytitle")).to_have_text("requests / s")
+        # The five-minute chart spans five minutes from the first second.
+        assert _x_range_seconds(page, "live-chart") == pytest.approx(300, abs=2)
+        assert _x_range_seconds(page, "history-hour") == pytest.approx(3600, abs=61)
 
         reply = sdk.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hello dashboard"}]
         )
         assert reply.usage is not None
 
-        expect(page.locator("#total-requests")).to_have_text("1")
-        tokens = f"{reply.usage.total_tokens:,}"
-        expect(page.locator("#total-tokens")).to_have_text(tokens)
-        # Every token so far fell within the last minute.
-        expect(page.locator("#token-rate")).to_have_text(tokens)
+        tokens = 70 + reply.usage.total_tokens
+        expect(page.locator("#total-requests")).to_have_text("6")
+        expect(page.locator("#total-tokens")).to_have_text(f"{tokens:,}")
+        # Every token of the last minute is the new request's.
+        expect(page.locator("#token-rate")).to_have_text(
+            f"{reply.usage.total_tokens:,}"
+        )
         row = page.locator(f'#models tbody tr[data-model="{MODEL}"]')
         expect(row).to_be_visible()
         expect(row.locator("td").nth(2)).to_contain_text("ms")  # p50 latency
         # One request over the one-minute window: 1/60 per second.
         expect(page.locator("#request-rate")).to_have_text("0.02")
         expect(page.locator("#error-rate")).to_have_text("0.0 %")
+        expect(live_peak := page.locator("#live-chart-label")).to_have_text(
+            "peak 0.10 req/s"  # one request in a 10-second slot
+        )
+        del live_peak
+
+        # The rollup runs (as beat would): the history shows the request
+        # without a reload, and the totals do not count it twice.
+        summary = page.locator("#history-hour-summary")
+        deadline = time.monotonic() + 30
+        while "6 requests" not in (summary.text_content() or ""):
+            assert time.monotonic() < deadline, summary.text_content()
+            _roll_up(env)
+            page.wait_for_timeout(500)  # the page polls every 10 s; let it
+        expect(page.locator("#total-requests")).to_have_text("6")
+        expect(hour.locator(".point")).not_to_have_count(0)
+        # Plotly's drag layer takes the pointer; the tooltip follows it.
+        bar = hour.locator(".trace.bars").first.locator(".point path").last
+        box = bar.bounding_box()
+        assert box is not None
+        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] - 2)
+        tooltip = hour.locator(".hoverlayer")
+        expect(tooltip).to_contain_text("requests: 1")  # the new request's minute
+        expect(tooltip).to_contain_text(f"tokens: {reply.usage.total_tokens}")
 
         ARTIFACTS.mkdir(exist_ok=True)
-        page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+        page.screenshot(path=str(ARTIFACTS / "dashboard-1280.png"))
+
+
+_CLOCK = __import__("re").compile(r"\d{1,2}:\d{2}")
+
+
+def _x_range_seconds(page: Any, element_id: str) -> float:
+    return float(
+        page.evaluate(
+            """id => {
+                const range = document.getElementById(id).layout.xaxis.range;
+                return (Date.parse(range[1]) - Date.parse(range[0])) / 1000;
+            }""",
+            element_id,
+        )
+    )
+
+
+def _roll_up(env: dict[str, str]) -> None:
+    """Write shipped usage and roll it up, as Celery beat does every 10 s."""
+    subprocess.run(
+        [sys.executable, "manage.py", "nexus_flush_usage"],
+        cwd=REPO_ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )

@@ -147,6 +147,11 @@ def test_stream_sends_a_snapshot_then_the_usage_of_a_chat_request(
         assert latency["samples"] == 1
         assert latency["p50_ms"] is not None
         assert latency["p95_ms"] == latency["p50_ms"]
+        # The finished request, in its time slot (the five-minute chart).
+        (slot,) = event["recent"]
+        assert (slot["requests"], slot["total_tokens"]) == (1, tokens)
+        assert slot["start"] % event["slot_seconds"] == 0
+        assert time.time() - 60 < slot["start"] <= time.time()
 
 
 def test_slow_subscriber_does_not_hold_up_requests_and_gets_the_newest_state(
@@ -210,3 +215,4 @@ def test_stream_shows_requests_served_by_another_process(
         row = _series(event)
         assert row is not None
         assert row["total_tokens"] == tokens
+        assert sum(slot["requests"] for slot in event["recent"]) == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from routing.translate.base import TranslationError, encode_json
+from routing.translate.base import TranslationError, dumps
 
 ANTHROPIC_VERSION = "2023-06-01"
 
@@ -69,7 +69,7 @@ def error_body(status: int, message: str, error_type: str | None = None) -> byte
 
 def encode(value: Any) -> bytes:
     """Compact UTF-8 JSON."""
-    return encode_json(value)
+    return dumps(value)
 
 
 def sse_event(event: dict[str, Any]) -> bytes:

@@ -1,24 +1,26 @@
 // Nexus dashboard: reads /api/usage-stream (Server-Sent Events) and the
-// history endpoint, and draws with plain DOM and SVG. No build step.
+// history endpoint, and draws with plotly.js (shipped by the plotly Python
+// package, served from this server: no CDN). No build step.
 "use strict";
 
 (function () {
   const RATE_WINDOW_S = 60; // rates are averaged over the last minute
   const LIVE_CHART_S = 300; // the live chart shows five minutes
-  const HISTORY_REFRESH_MS = 60000;
-  const SVG_NS = "http://www.w3.org/2000/svg";
+  const HISTORY_REFRESH_MS = 10000; // about the rollup interval
+  const PLOT_CONFIG = { displayModeBar: false, responsive: true };
+  const ACCENT = "#2f6fde";
+  const BAD = "#c7362f";
 
   const body = document.body;
   const streamUrl = body.dataset.streamUrl;
   const historyUrl = body.dataset.historyUrl;
 
-  // Cluster totals over time: {t (s), requests, errors, tokens, byModel{}}.
-  // Counters only grow while servers run; a drop means a restart, after
-  // which the window starts again.
+  // Cluster totals per model over time, for each model's tokens per minute:
+  // {t (s), byModel{}}. Counters only grow while servers run; a drop means a
+  // restart, after which the window starts again.
   let samples = [];
   let latest = null;
-  // Request rate per point of the live chart: {t, rate}.
-  let ratePoints = [];
+  const history = { hour: null, day: null };
 
   function $(id) {
     return document.getElementById(id);
@@ -81,49 +83,242 @@
   function addSample(totals, t) {
     const last = samples[samples.length - 1];
     if (last && totals.requests < last.requests) samples = [];
-    samples.push(Object.assign({ t: t }, totals));
+    samples.push({ t: t, requests: totals.requests, byModel: totals.byModel });
     while (samples.length > 2 && samples[1].t < t - RATE_WINDOW_S) samples.shift();
   }
 
-  // Per-second rates over the window, up to `now` (so idle time lowers them).
-  function rates(now) {
-    if (samples.length === 0) return null;
+  // Each model's tokens per minute over the window, up to `now`.
+  function modelRates(now) {
+    const byModel = {};
+    if (samples.length === 0) return byModel;
     const first = samples[0];
     const last = samples[samples.length - 1];
-    // Divide by the whole window even when the page has watched for less:
-    // one request a second after loading is not "one request per second".
     const span = Math.max(now - first.t, RATE_WINDOW_S);
-    const byModel = {};
     for (const model of Object.keys(last.byModel)) {
       const before = first.byModel[model] || { tokens: 0 };
       byModel[model] = ((last.byModel[model].tokens - before.tokens) / span) * 60;
     }
-    const requests = last.requests - first.requests;
-    return {
-      requestsPerSecond: requests / span,
-      tokensPerMinute: ((last.tokens - first.tokens) / span) * 60,
-      errorRate: requests > 0 ? (last.errors - first.errors) / requests : null,
-      byModel: byModel,
-    };
+    return byModel;
+  }
+
+  function add(into, from) {
+    into.requests += from.requests;
+    into.errors += from.errors;
+    into.tokens += from.tokens;
+  }
+
+  function zero() {
+    return { requests: 0, errors: 0, tokens: 0 };
+  }
+
+  // Requests per minute from the rollups (the hour history), by minute start.
+  function bucketMinutes() {
+    const minutes = new Map();
+    if (!history.hour) return minutes;
+    for (const p of history.hour.points) {
+      minutes.set(Date.parse(p.start) / 1000, {
+        requests: p.requests,
+        errors: p.errors,
+        tokens: p.total_tokens,
+      });
+    }
+    return minutes;
+  }
+
+  // The serving processes' own counts per time slot of the last minutes.
+  function liveSlots() {
+    const slots = new Map();
+    if (!latest || !latest.recent) return slots;
+    for (const s of latest.recent) {
+      slots.set(s.start, { requests: s.requests, errors: s.errors, tokens: s.total_tokens });
+    }
+    return slots;
+  }
+
+  // Requests per slot over the last `seconds`, oldest first. The processes
+  // count what they served since they started; the rollups count every
+  // request, a little late. Each minute takes whichever counted more, so a
+  // restart does not empty the chart and nothing is counted twice.
+  function effectiveSlots(now, seconds) {
+    const step = (latest && latest.slot_seconds) || 10;
+    const live = liveSlots();
+    const buckets = bucketMinutes();
+    const liveByMinute = new Map();
+    for (const [start, counts] of live) {
+      const minute = Math.floor(start / 60) * 60;
+      add((liveByMinute.get(minute) || liveByMinute.set(minute, zero()).get(minute)), counts);
+    }
+    const slots = [];
+    const first = Math.floor((now - seconds) / step) * step + step;
+    for (let t = first; t <= now; t += step) {
+      const minute = Math.floor(t / 60) * 60;
+      const counted = liveByMinute.get(minute) || zero();
+      const rolled = buckets.get(minute);
+      let counts = live.get(t) || zero();
+      if (rolled && rolled.requests > counted.requests) {
+        const share = step / 60; // spread the minute's count over its slots
+        counts = {
+          requests: rolled.requests * share,
+          errors: rolled.errors * share,
+          tokens: rolled.tokens * share,
+        };
+      }
+      slots.push(Object.assign({ t: t, step: step }, counts));
+    }
+    return slots;
+  }
+
+  // Requests and tokens of the last 24 hours: the day's rollups, plus what
+  // the processes counted in minutes the rollups have not caught up with.
+  function dayTotals() {
+    if (!history.day) return null;
+    const totals = zero();
+    for (const p of history.day.points) {
+      add(totals, { requests: p.requests, errors: p.errors, tokens: p.total_tokens });
+    }
+    const buckets = bucketMinutes();
+    const liveByMinute = new Map();
+    for (const [start, counts] of liveSlots()) {
+      const minute = Math.floor(start / 60) * 60;
+      add((liveByMinute.get(minute) || liveByMinute.set(minute, zero()).get(minute)), counts);
+    }
+    for (const [minute, counted] of liveByMinute) {
+      const rolled = buckets.get(minute) || zero();
+      if (counted.requests > rolled.requests) {
+        totals.requests += counted.requests - rolled.requests;
+        totals.errors += counted.errors - rolled.errors;
+        totals.tokens += counted.tokens - rolled.tokens;
+      }
+    }
+    return totals;
+  }
+
+  function axis(title, extra) {
+    return Object.assign(
+      { title: { text: title, font: { size: 11 } }, tickfont: { size: 10 }, automargin: true },
+      extra || {}
+    );
+  }
+
+  function layout(xTitle, yTitle, from, to, extra) {
+    return Object.assign(
+      {
+        margin: { l: 50, r: 10, t: 10, b: 40 },
+        height: 180,
+        showlegend: false,
+        xaxis: axis(xTitle, { type: "date", range: [from, to], fixedrange: true }),
+        yaxis: axis(yTitle, { rangemode: "tozero", fixedrange: true }),
+        hovermode: "closest",
+        bargap: 0.1,
+      },
+      extra || {}
+    );
+  }
+
+  function drawLive(now) {
+    const slots = effectiveSlots(now, LIVE_CHART_S);
+    const x = slots.map((s) => new Date((s.t + s.step / 2) * 1000));
+    const y = slots.map((s) => s.requests / s.step);
+    const from = new Date((now - LIVE_CHART_S) * 1000);
+    const to = new Date(now * 1000);
+    Plotly.react(
+      $("live-chart"),
+      [
+        {
+          x: x,
+          y: y,
+          type: "scatter",
+          mode: "lines",
+          line: { color: ACCENT, width: 2, shape: "hvh" },
+          fill: "tozeroy",
+          fillcolor: "rgba(47, 111, 222, .12)",
+          hovertemplate: "%{x|%H:%M:%S}: %{y:.2f} req/s<extra></extra>",
+        },
+      ],
+      layout("time", "requests / s", from, to, { yaxis: axis("requests / s", { rangemode: "tozero", fixedrange: true, range: [0, Math.max(0.1, ...y) * 1.1] }) }),
+      PLOT_CONFIG
+    );
+    $("live-chart-label").textContent = "peak " + format(Math.max(0, ...y), 2) + " req/s";
+  }
+
+  function drawHistory(range) {
+    const h = history[range];
+    const step = h.step_seconds;
+    const x = h.points.map((p) => new Date(Date.parse(p.start) + (step * 1000) / 2));
+    const custom = h.points.map((p) => [p.total_tokens, p.errors, p.latency_ms_avg === null ? "–" : formatMs(p.latency_ms_avg)]);
+    const unit = range === "hour" ? "minute" : "15 min";
+    const from = new Date(Date.parse(h.points[0].start));
+    const to = new Date(Date.parse(h.points[h.points.length - 1].start) + step * 1000);
+    Plotly.react(
+      $("history-" + range),
+      [
+        {
+          x: x,
+          y: h.points.map((p) => p.requests),
+          customdata: custom,
+          type: "bar",
+          name: "requests",
+          marker: { color: ACCENT },
+          hovertemplate:
+            "%{x|%H:%M}<br>requests: %{y}<br>errors: %{customdata[1]}<br>" +
+            "tokens: %{customdata[0]}<br>mean latency: %{customdata[2]}<extra></extra>",
+        },
+        {
+          x: x,
+          y: h.points.map((p) => p.errors),
+          type: "bar",
+          name: "errors",
+          marker: { color: BAD },
+          hovertemplate: "%{x|%H:%M}<br>errors: %{y}<extra></extra>",
+        },
+      ],
+      layout("time", "requests / " + unit, from, to, { barmode: "overlay" }),
+      PLOT_CONFIG
+    );
+    let requests = 0;
+    let tokens = 0;
+    let peak = 0;
+    for (const p of h.points) {
+      requests += p.requests;
+      tokens += p.total_tokens;
+      peak = Math.max(peak, p.requests);
+    }
+    $("history-" + range + "-label").textContent = requests
+      ? "(peak " + format(peak) + " requests)"
+      : "(no requests)";
+    const top = Object.entries(h.tokens_by_model)
+      .slice(0, 3)
+      .map(([model, n]) => model + " " + format(n))
+      .join(", ");
+    $("history-" + range + "-summary").textContent =
+      format(requests) + " requests, " + format(tokens) + " tokens" +
+      (top ? " (top: " + top + ")" : "");
   }
 
   function render() {
-    if (!latest) return;
     const now = Date.now() / 1000;
-    const totals = totalsOf(latest);
-    const r = rates(now);
-    $("request-rate").textContent = format(r.requestsPerSecond, 2);
-    $("token-rate").textContent = format(r.tokensPerMinute, 0);
-    $("in-flight").textContent = format(totals.inFlight);
+    drawLive(now);
+    const day = dayTotals();
+    if (day) {
+      $("total-requests").textContent = format(day.requests);
+      $("total-tokens").textContent = format(day.tokens);
+    }
+    if (!latest) return;
+    const lastMinute = effectiveSlots(now, RATE_WINDOW_S);
+    const last = zero();
+    for (const s of lastMinute) add(last, s);
+    $("request-rate").textContent = format(last.requests / RATE_WINDOW_S, 2);
+    $("token-rate").textContent = format((last.tokens / RATE_WINDOW_S) * 60, 0);
     $("error-rate").textContent =
-      r.errorRate === null ? "–" : format(r.errorRate * 100, 1) + " %";
-    $("total-requests").textContent = format(totals.requests);
-    $("total-tokens").textContent = format(totals.tokens);
+      last.requests > 0 ? format((last.errors / last.requests) * 100, 1) + " %" : "–";
+    const totals = totalsOf(latest);
+    $("in-flight").textContent = format(totals.inFlight);
     $("processes").textContent =
       latest.processes.length === 1
         ? "1 serving process"
         : latest.processes.length + " serving processes";
 
+    const byModel = modelRates(now);
     const latency = {};
     for (const l of latest.latency) latency[l.model] = l;
     const modelRows = Object.keys(totals.byModel)
@@ -135,7 +330,7 @@
         tr.dataset.model = model;
         tr.append(
           cell(model),
-          cell(format(r.byModel[model] || 0, 0), "num"),
+          cell(format(byModel[model] || 0, 0), "num"),
           cell(formatMs(l.p50_ms), "num"),
           cell(formatMs(l.p95_ms), "num"),
           cell(format(m.requests), "num"),
@@ -161,82 +356,6 @@
       return tr;
     });
     fillTable("backends", backendRows, "No backends configured.", 5);
-
-    ratePoints.push({ t: now, rate: r.requestsPerSecond });
-    while (ratePoints.length && ratePoints[0].t < now - LIVE_CHART_S) ratePoints.shift();
-    drawLine($("live-chart"), ratePoints, now - LIVE_CHART_S, now);
-  }
-
-  function svg(name, attrs) {
-    const el = document.createElementNS(SVG_NS, name);
-    for (const key of Object.keys(attrs)) el.setAttribute(key, attrs[key]);
-    return el;
-  }
-
-  // Labels live in HTML beside the chart: SVG text would stretch with it.
-  function label(chart, text) {
-    $(chart.id + "-label").textContent = text;
-  }
-
-  function drawLine(chart, points, from, to) {
-    chart.replaceChildren();
-    const width = 600;
-    const height = 120;
-    const peak = Math.max(0, ...points.map((p) => p.rate));
-    const max = Math.max(0.1, peak); // keep a quiet line near the bottom
-    const x = (t) => ((t - from) / (to - from)) * width;
-    const y = (v) => height - 4 - (v / max) * (height - 20);
-    if (points.length > 1) {
-      const line = points.map((p) => x(p.t).toFixed(1) + "," + y(p.rate).toFixed(1));
-      chart.append(
-        svg("polygon", {
-          class: "area",
-          points: x(points[0].t) + "," + height + " " + line.join(" ") + " " +
-            x(points[points.length - 1].t) + "," + height,
-        }),
-        svg("polyline", { class: "line", points: line.join(" ") })
-      );
-    }
-    label(chart, "peak " + format(peak, 2) + " req/s");
-  }
-
-  function drawBars(chart, points) {
-    chart.replaceChildren();
-    const width = 600;
-    const height = 120;
-    const max = Math.max(1, ...points.map((p) => p.requests));
-    const step = width / Math.max(points.length, 1);
-    points.forEach(function (p, i) {
-      if (!p.requests) return;
-      const h = (p.requests / max) * (height - 20);
-      const eh = (p.errors / max) * (height - 20);
-      const bar = svg("rect", {
-        class: "bar",
-        x: (i * step).toFixed(1),
-        y: (height - h).toFixed(1),
-        width: Math.max(step - 1, 1).toFixed(1),
-        height: h.toFixed(1),
-      });
-      const title = svg("title", {});
-      title.textContent =
-        new Date(p.start).toLocaleTimeString() + ": " + p.requests + " requests, " +
-        p.errors + " errors, " + p.total_tokens + " tokens";
-      bar.append(title);
-      chart.append(bar);
-      if (eh > 0) {
-        chart.append(
-          svg("rect", {
-            class: "bar-error",
-            x: (i * step).toFixed(1),
-            y: (height - eh).toFixed(1),
-            width: Math.max(step - 1, 1).toFixed(1),
-            height: eh.toFixed(1),
-          })
-        );
-      }
-    });
-    const total = points.reduce((sum, p) => sum + p.requests, 0);
-    label(chart, total ? "peak " + format(max) + " requests" : "no requests");
   }
 
   async function loadHistory(range) {
@@ -245,21 +364,8 @@
         credentials: "same-origin",
       });
       if (!response.ok) throw new Error(response.status);
-      const history = await response.json();
-      drawBars($("history-" + range), history.points);
-      let requests = 0;
-      let tokens = 0;
-      for (const p of history.points) {
-        requests += p.requests;
-        tokens += p.total_tokens;
-      }
-      const top = Object.entries(history.tokens_by_model)
-        .slice(0, 3)
-        .map(([model, n]) => model + " " + format(n))
-        .join(", ");
-      $("history-" + range + "-summary").textContent =
-        format(requests) + " requests, " + format(tokens) + " tokens" +
-        (top ? " (top: " + top + ")" : "");
+      history[range] = await response.json();
+      drawHistory(range);
     } catch (error) {
       $("history-" + range + "-summary").textContent = "History unavailable.";
     }

@@ -1,0 +1,1 @@
+"""``make soak``: memory of a serving process through faults (see run.py)."""
