@@ -21,6 +21,7 @@ from usage.limits.policy import (
     NANOS_PER_USD,
     BudgetPeriod,
     is_valid_pattern,
+    period_id,
     split_patterns,
 )
 from usage.signals import api_keys_changed
@@ -41,9 +42,10 @@ class ApiKeyQuerySet(models.QuerySet["ApiKey"]):
     def create_key(self, name: str, **limits: Any) -> tuple[ApiKey, str]:
         """Create a key; return it with the raw secret, which is not stored.
 
-        ``limits`` sets any of the key's limit and budget fields (LIMIT_FIELDS).
+        ``limits`` sets any of the key's limit, budget and admission fields
+        (SETTING_FIELDS).
         """
-        unknown = set(limits) - set(LIMIT_FIELDS)
+        unknown = set(limits) - set(SETTING_FIELDS)
         if unknown:
             raise TypeError(f"not a limit field: {', '.join(sorted(unknown))}")
         raw = f"{KEY_SCHEME}{secrets.token_urlsafe(32)}"
@@ -203,6 +205,29 @@ class ApiKey(models.Model):
             now or timezone.now()
         )
 
+    def spend(self, now: datetime | None = None) -> dict[str, Any]:
+        """Rolled-up requests, tokens and cost (nano-USD) of the current budget
+        period and of all time, with what is left of the budgets."""
+        moment = now or timezone.now()
+        rows = KeySpend.objects.filter(api_key_prefix=self.prefix)
+        totals = rows.totals()
+        period: dict[str, Any] = {
+            **rows.for_period(self.budget_period, moment).totals()
+        }
+        period["period"] = period_id(self.budget_period, moment.timestamp())
+        budget_nanos = self.budget_nanos
+        period["remaining_tokens"] = (
+            None
+            if self.budget_tokens is None
+            else max(self.budget_tokens - period["total_tokens"], 0)
+        )
+        period["remaining_nanos"] = (
+            None
+            if budget_nanos is None
+            else max(budget_nanos - period["cost_nanos"], 0)
+        )
+        return {"period": period, "all_time": totals}
+
 
 # The fields that limit what a key may do (create_key(), the API, the commands).
 LIMIT_FIELDS = (
@@ -215,6 +240,8 @@ LIMIT_FIELDS = (
     "budget_tokens",
     "budget_usd",
 )
+# Everything an operator sets on a key besides its name (the API's fields too).
+SETTING_FIELDS = (*LIMIT_FIELDS, "admission_weight", "max_criticality")
 
 
 class ModelPrice(models.Model):
@@ -594,6 +621,15 @@ class KeySpendQuerySet(models.QuerySet["KeySpend"]):
         if period == BudgetPeriod.MONTH:
             return self.filter(day__gte=today.replace(day=1))
         return self
+
+    def totals(self) -> dict[str, int]:
+        """Requests, total tokens and cost (nano-USD) summed over these rows."""
+        sums = self.aggregate(
+            requests=Sum("requests"),
+            total_tokens=Sum("total_tokens"),
+            cost_nanos=Sum("cost_nanos"),
+        )
+        return {name: value or 0 for name, value in sums.items()}
 
     def spend_by_key(self) -> dict[str, tuple[int, int]]:
         """Return (tokens, cost in nano-USD) per key prefix."""

@@ -20,6 +20,7 @@ from django.conf import settings
 from django.core.management import call_command
 
 from backends.models import Backend, BackendModel, HealthStatus
+from routing.models import RoutingPolicy
 from tests.conftest import (
     MockBackendProcess,
     NexusServer,
@@ -65,6 +66,11 @@ def cluster(django_db_setup: None, django_db_blocker) -> Iterator[Cluster]:
             max_concurrency=2,
         )
         BackendModel.objects.create(backend=slow, name="slow:1b")
+        # Admission control would queue the requests over a backend's band
+        # (and serve them later): these tests check the caps themselves.
+        policy = RoutingPolicy.load()
+        policy.admission_enabled = False
+        policy.save()
         specs = {"rpm": {"rpm_limit": RPM}, "pair": {"max_concurrency": 2}, "open": {}}
         keys = {
             name: ApiKey.objects.create_key(f"wide-{name}", **limits)[1]
