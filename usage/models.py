@@ -631,6 +631,28 @@ class KeySpendQuerySet(models.QuerySet["KeySpend"]):
         )
         return {name: value or 0 for name, value in sums.items()}
 
+    def top_spenders(self, limit: int = 20) -> list[dict[str, Any]]:
+        """Requests, tokens and cost per key over these rows, most cost first,
+        with each key's name and budgets (prefix "" is requests without a key)."""
+        rows = list(
+            self.order_by()
+            .values("api_key_prefix")
+            .annotate(
+                requests=Sum("requests"),
+                total_tokens=Sum("total_tokens"),
+                cost_nanos=Sum("cost_nanos"),
+            )
+            .order_by("-cost_nanos", "-total_tokens", "api_key_prefix")[:limit]
+        )
+        keys = ApiKey.objects.in_bulk(
+            [row["api_key_prefix"] for row in rows], field_name="prefix"
+        )
+        for row in rows:
+            key = keys.get(row["api_key_prefix"])
+            row["key"] = key
+            row["cost_usd"] = nanos_to_usd(row["cost_nanos"])
+        return rows
+
     def spend_by_key(self) -> dict[str, tuple[int, int]]:
         """Return (tokens, cost in nano-USD) per key prefix."""
         rows = (
