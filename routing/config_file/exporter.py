@@ -15,6 +15,7 @@ from routing.config_file.schema import (
     POLICY_SETTINGS,
     WEIGHT_SETTINGS,
     Setting,
+    get_field_default,
 )
 from routing.models import Alias, FallbackChain, RoutingPolicy, Strategy
 from usage.models import ApiKey, ModelPrice
@@ -102,9 +103,7 @@ def export_config() -> str:
             f"{format_scalar(float(price.input_per_million))}, output = "
             f"{format_scalar(float(price.output_per_million))} }}"
         )
-    defaults = {
-        s.field: ApiKey._meta.get_field(s.field).get_default() for s in KEY_SETTINGS
-    }
+    defaults = {s.field: get_field_default(ApiKey, s.field) for s in KEY_SETTINGS}
     keys = [
         key
         for key in ApiKey.objects.active().order_by("name", "created_at")
