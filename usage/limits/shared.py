@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from usage.limits.limiter import (
@@ -42,6 +42,7 @@ from usage.limits.limiter import (
     rate_headers,
 )
 from usage.limits.policy import BudgetPeriod, KeyPolicy, period_id
+from usage.limits.resp import RespConnection, Script
 
 logger = logging.getLogger(__name__)
 
@@ -293,8 +294,17 @@ class RedisLimiter:
         self.on_error = on_error
         self.clock = clock
         self.process = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
-        self._redis: aioredis.Redis | None = None
-        self._scripts: dict[str, Any] = {}
+        self._redis: RespConnection | None = None
+        self._scripts = {
+            name: Script(source)
+            for name, source in (
+                ("admit", ADMIT),
+                ("cover", COVER),
+                ("settle", SETTLE),
+                ("acquire", ACQUIRE),
+                ("renew", RENEW),
+            )
+        }
         self._leases: dict[str, str] = {}  # lease -> concurrency set key
         self._settles: deque[tuple[list[str], list[Any]]] = deque()
         self._wake = asyncio.Event()
@@ -305,22 +315,7 @@ class RedisLimiter:
     # Lifecycle -----------------------------------------------------------------
 
     def start(self) -> None:
-        self._redis = aioredis.Redis.from_url(
-            self.url,
-            socket_timeout=self.timeout,
-            socket_connect_timeout=self.timeout,
-            max_connections=256,
-        )
-        self._scripts = {
-            name: self._redis.register_script(source)
-            for name, source in (
-                ("admit", ADMIT),
-                ("cover", COVER),
-                ("settle", SETTLE),
-                ("acquire", ACQUIRE),
-                ("renew", RENEW),
-            )
-        }
+        self._redis = RespConnection(self.url, self.timeout)
         self._wake = asyncio.Event()
         loop = asyncio.get_running_loop()
         self._tasks = [
@@ -335,7 +330,7 @@ class RedisLimiter:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._redis is not None:
             await self._flush_settles()
-            await self._redis.aclose()
+            await self._redis.close()
             self._redis = None
 
     # Admission -----------------------------------------------------------------
@@ -348,14 +343,15 @@ class RedisLimiter:
         period = period_id(policy.budget_period, now) if policy.has_budget else ""
         lease = new_lease() if policy.max_concurrency is not None else ""
         try:
-            result = await self._scripts["admit"](
-                keys=[
+            result = await self._run(
+                "admit",
+                [
                     _key(prefix, "rpm"),
                     _key(prefix, "tpm"),
                     _key(prefix, "concurrency"),
                     budget_key(prefix, period or "none"),
                 ],
-                args=[
+                [
                     policy.rpm or 0,
                     policy.tpm or 0,
                     policy.max_concurrency or 0,
@@ -412,9 +408,10 @@ class RedisLimiter:
             return self.fail_open
         policy = ticket.policy
         try:
-            ok, hold_t, hold_n = await self._scripts["cover"](
-                keys=[budget_key(policy.prefix, ticket.period)],
-                args=[
+            ok, hold_t, hold_n = await self._run(
+                "cover",
+                [budget_key(policy.prefix, ticket.period)],
+                [
                     _none(policy.budget_tokens),
                     _none(policy.budget_nanos),
                     self.process,
@@ -469,8 +466,8 @@ class RedisLimiter:
         lease = new_lease()
         key = backend_key(backend)
         try:
-            taken = await self._scripts["acquire"](
-                keys=[key], args=[limit, lease, LEASE_SECONDS * 1000]
+            taken = await self._run(
+                "acquire", [key], [limit, lease, LEASE_SECONDS * 1000]
             )
         except (RedisError, OSError) as error:
             self._failed(error)
@@ -497,21 +494,30 @@ class RedisLimiter:
             await self._flush_settles()
 
     async def _flush_settles(self) -> None:
-        while self._settles and self._redis is not None:
+        redis = self._redis
+        while self._settles and redis is not None:
             batch = [
                 self._settles.popleft() for _ in range(min(len(self._settles), 500))
             ]
             script = self._scripts["settle"]
-            try:
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for keys, args in batch:
-                        await script(keys=keys, args=args, client=pipe)
-                    await pipe.execute()
-            except (RedisError, OSError) as error:
-                # Holds and leases expire or are reconciled; spend is recounted
-                # from the usage tables by the reconciliation.
-                self._failed(error)
-                return
+            # Written back to back on the one connection: pipelined.
+            results = await asyncio.gather(
+                *(redis.run(script, keys, args) for keys, args in batch),
+                return_exceptions=True,
+            )
+            for result in results:
+                if isinstance(result, RedisError | OSError):
+                    # Holds and leases expire or are reconciled; spend is
+                    # recounted from the usage tables by the reconciliation.
+                    self._failed(result)
+                    return
+                if isinstance(result, BaseException):
+                    raise result
+
+    async def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        if self._redis is None:
+            raise RedisConnectionError("The limiter is not started")
+        return await self._redis.run(self._scripts[name], keys, args)
 
     async def _renew_periodically(self) -> None:
         while True:
@@ -524,9 +530,10 @@ class RedisLimiter:
     async def renew(self) -> None:
         """Extend the leases this process holds; mark the process alive."""
         leases = list(self._leases.items())
-        await self._scripts["renew"](
-            keys=[liveness_key(self.process), *(key for _, key in leases)],
-            args=[
+        await self._run(
+            "renew",
+            [liveness_key(self.process), *(key for _, key in leases)],
+            [
                 LEASE_SECONDS * 1000,
                 LEASE_SECONDS,
                 *(lease for lease, _ in leases),
