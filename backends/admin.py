@@ -114,7 +114,13 @@ class BackendAdmin(BackendAdminBase):
     search_fields = ("name", "base_url")
     ordering = ("priority", "name")
     readonly_fields = (*HEALTH_FIELDS, "latency", "is_demo", "created_at", "updated_at")
-    actions = ("check_health_now", "discover_models_now", "drain", "undrain")
+    actions = (
+        "check_health_now",
+        "discover_models_now",
+        "drain",
+        "undrain",
+        "remove_demo_backends",
+    )
 
     def get_fieldsets(
         self, request: HttpRequest, obj: Backend | None = None
@@ -148,6 +154,13 @@ class BackendAdmin(BackendAdminBase):
             ),
             ("Record", {"fields": ("is_demo", "created_at", "updated_at")}),
         )
+
+    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
+        actions = super().get_actions(request)
+        # Offered only while there are demo backends to remove.
+        if not Backend.objects.filter(is_demo=True).exists():
+            actions.pop("remove_demo_backends", None)
+        return actions
 
     def get_changelist_form(
         self, request: HttpRequest, **kwargs: Any
@@ -262,6 +275,45 @@ class BackendAdmin(BackendAdminBase):
             )
         for name in queryset.exclude(pk__in=pks).values_list("name", flat=True):
             self.message_user(request, f"{name}: was not draining.", messages.INFO)
+
+    @admin.action(
+        description="Remove demo backends (the selected ones nexus_run started)",
+        permissions=("delete",),
+    )
+    def remove_demo_backends(
+        self, request: HttpRequest, queryset: QuerySet[Backend]
+    ) -> None:
+        names, unserved = cast(BackendQuerySet, queryset).remove_demo()
+        if not names:
+            self.message_user(
+                request,
+                "None of the selected backends is a demo backend; nothing removed.",
+                messages.WARNING,
+            )
+            return
+        self.message_user(
+            request,
+            f"Removed demo backends {', '.join(names)}. nexus_run no longer "
+            "starts them while you have backends of your own (NEXUS_DEMO=1 "
+            "brings them back).",
+            messages.SUCCESS,
+        )
+        if unserved:
+            self.message_user(
+                request,
+                f"No enabled backend serves {', '.join(unserved)} now: aliases "
+                "to them answer 404 model_not_found and fallback steps naming "
+                'them find no backend (see the aliases\' "target served" '
+                "column).",
+                messages.WARNING,
+            )
+        kept = queryset.exclude(name__in=names).values_list("name", flat=True)
+        if kept:
+            self.message_user(
+                request,
+                f"Left alone (not demo backends): {', '.join(kept)}.",
+                messages.INFO,
+            )
 
 
 @admin.register(BackendModel)

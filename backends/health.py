@@ -36,6 +36,7 @@ import httpx
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Count
+from django.utils import timezone
 
 from backends.kinds import (
     MAX_MESSAGE,
@@ -112,6 +113,8 @@ class BackendHealthDict(TypedDict):
     status: str
     avg_latency_ms: float | None
     last_check_at: str | None
+    # The last result is older than 3 health intervals: routed as unknown.
+    stale: bool
     last_error: str
 
 
@@ -188,21 +191,23 @@ class CheckReport:
 
 def read_backend_health() -> list[BackendHealthDict]:
     """Read every backend's recorded health, by name (sync code only)."""
-    rows = Backend.objects.order_by("name").values(
+    now = timezone.now()
+    backends = Backend.objects.order_by("name").only(
         "name", "enabled", "status", "avg_latency_ms", "last_check_at", "last_error"
     )
     return [
         {
-            "name": row["name"],
-            "enabled": row["enabled"],
-            "status": row["status"],
-            "avg_latency_ms": row["avg_latency_ms"],
+            "name": backend.name,
+            "enabled": backend.enabled,
+            "status": backend.status,
+            "avg_latency_ms": backend.avg_latency_ms,
             "last_check_at": (
-                row["last_check_at"].isoformat() if row["last_check_at"] else None
+                backend.last_check_at.isoformat() if backend.last_check_at else None
             ),
-            "last_error": row["last_error"][:200],
+            "stale": backend.is_health_stale(now),
+            "last_error": backend.last_error[:200],
         }
-        for row in rows
+        for backend in backends
     ]
 
 

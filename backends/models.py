@@ -104,6 +104,28 @@ class BackendQuerySet(models.QuerySet["Backend"]):
                 self.announce_change()
         return pks
 
+    def remove_demo(self) -> tuple[list[str], list[str]]:
+        """Delete the demo backends among these; return what it took away.
+
+        Returns the names of the backends removed and of the models they
+        listed that no enabled backend serves any more (aliases and fallback
+        steps naming those find nothing now).
+        """
+        with transaction.atomic(using=self.db):
+            pks, names = _pks_and_names(self.filter(is_demo=True))
+            demo = self.model.objects.filter(pk__in=pks)
+            listed = set(
+                BackendModel.objects.filter(backend__in=demo).values_list(
+                    "name", flat=True
+                )
+            )
+            # Model signals fire per row, so every serving process hears of it.
+            demo.delete()
+            still_served = BackendModel.objects.filter(
+                name__in=listed, enabled=True, backend__enabled=True
+            ).values_list("name", flat=True)
+        return sorted(names), sorted(listed - set(still_served))
+
     def with_model_count(self) -> BackendQuerySet:
         return self.annotate(model_count=Count("models", distinct=True))
 

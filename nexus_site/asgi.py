@@ -24,7 +24,7 @@ from django.urls import re_path
 
 from nexus_site import serving
 from routing.gateway import Gateway, install_gateway
-from routing.proxy import ProxyApp
+from routing.proxy import OLLAMA_PATHS, ProxyApp
 from usage.consumers import UsageStreamConsumer
 
 Scope = dict[str, Any]
@@ -36,8 +36,10 @@ _DRAINING = b'{"status":"draining"}'
 
 
 class NexusApplication:
-    """Send /v1 to the proxy, /metrics and /health/* to the gateway, the rest to
-    Django; run the gateway's background tasks.
+    """Send /v1 and Ollama's paths (``/``, ``/api/chat``, ...; Nexus's own API
+    is under ``/api/v1/``, which Ollama does not use) to the proxy, /metrics and
+    /health/* to the gateway, the rest to Django; run the gateway's background
+    tasks.
 
     The gateway's paths are dispatched here with string comparisons rather than
     through a URL router or middleware, because /v1 is the hot path. Daphne
@@ -56,7 +58,7 @@ class NexusApplication:
         kind = scope["type"]
         if kind == "http":
             path = scope["path"]
-            if path.startswith("/v1/") or path == "/v1":
+            if path.startswith("/v1/") or path == "/v1" or path in OLLAMA_PATHS:
                 await self.proxy(scope, receive, send)
                 return
             self.gateway.ensure_started()
@@ -126,7 +128,8 @@ http_routes = URLRouter(
         re_path(r"", django_asgi_app),  # type: ignore[arg-type]
     ]
 )
+proxy = ProxyApp(gateway)
 application = NexusApplication(
-    gateway, ProxyApp(gateway), ProtocolTypeRouter({"http": http_routes})
+    gateway, proxy, ProtocolTypeRouter({"http": http_routes})
 )
-serving.prepare_daphne(gateway)
+serving.prepare_daphne(gateway, proxy)

@@ -38,6 +38,7 @@ from typing import Any
 from django.conf import settings
 
 from routing.gateway import Gateway
+from routing.proxy import ProxyApp
 from routing.proxy.errors import ProxyError
 from routing.proxy.head import refuse_head, too_large
 from routing.proxy.surfaces import OPENAI, Surface
@@ -84,7 +85,9 @@ class _Discard:
         self.closed = True
 
 
-def install_daphne_limits(gateway: Gateway, limits: ClientLimits) -> None:
+def install_daphne_limits(
+    gateway: Gateway, proxy: ProxyApp, limits: ClientLimits
+) -> None:
     """Patch Daphne's request handling in this process (see the module docstring)."""
     from daphne.http_protocol import HTTPFactory, WebRequest
     from daphne.server import Server
@@ -147,14 +150,20 @@ def install_daphne_limits(gateway: Gateway, limits: ClientLimits) -> None:
 
     def refuse(request: Any, error: ProxyError, surface: Surface = OPENAI) -> None:
         setattr(request, _REFUSED, True)
+        channel = request.channel
+        path = getattr(channel, "_path", b"").partition(b"?")[0].decode("latin-1")
+        request_id = request.requestHeaders.getRawHeaders(b"x-request-id")
+        # Counted like the proxy's own refusals (a request and an error).
+        rid = proxy.record_head_refusal(
+            error, path, request_id[0] if request_id else None
+        )
         request.content = _Discard()
         # Twisted would answer "100 Continue" after our refusal otherwise.
         request.requestHeaders.removeHeader(b"Expect")
-        channel = request.channel
         disarm(channel)
         transport = channel.transport
         if transport is not None:
-            transport.write(_raw_response(error, surface))
+            transport.write(_raw_response(error, surface, rid))
             transport.loseConnection()
 
     got_length = WebRequest.gotLength
@@ -240,10 +249,14 @@ def unsent_bytes(request: Any) -> int:
 _REASONS = {401: b"Unauthorized", 408: b"Request Timeout", 413: b"Content Too Large"}
 
 
-def _raw_response(error: ProxyError, surface: Surface = OPENAI) -> bytes:
+def _raw_response(
+    error: ProxyError, surface: Surface = OPENAI, request_id: str = ""
+) -> bytes:
     body = surface.error_body(error)
     head = b"HTTP/1.1 %d %s\r\n" % (error.status, _REASONS.get(error.status, b"Error"))
     head += b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body)
     if error.status == 401:
         head += b"www-authenticate: Bearer\r\n"
+    if request_id:
+        head += b"x-request-id: %s\r\n" % request_id.encode()
     return head + b"connection: close\r\n\r\n" + body

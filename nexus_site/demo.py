@@ -6,9 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from django.db import transaction
+from django.utils import timezone
 
 from backends.models import Backend, BackendKind, BackendModel, HealthStatus
 from nexus_site.mock_backend import MockBackendProcess, spawn_mock_backend
+from routing.models import Alias, ChainStep
 from usage.models import ApiKey
 
 DEMO_KEY_NAME = "demo"
@@ -28,6 +30,9 @@ class DemoBackend:
     name: str
     priority: int
     models: tuple[DemoModel, ...]
+    # An "ollama" mock also answers Ollama's native API, so Ollama clients'
+    # requests to it are passed through rather than translated.
+    kind: str = BackendKind.OPENAI
 
 
 DEMO_BACKENDS = (
@@ -46,6 +51,7 @@ DEMO_BACKENDS = (
             DemoModel("llama3:8b", 8192, tools=True, json_mode=True),
             DemoModel("llava:7b", 4096, vision=True),
         ),
+        kind=BackendKind.OLLAMA,
     ),
 )
 
@@ -53,13 +59,25 @@ DEMO_BACKENDS = (
 def spawn_demo_mock(spec: DemoBackend) -> MockBackendProcess:
     """Start the mock backend that plays ``spec``, slow enough to look real.
 
+    A request that offers tools gets a scripted tool call (the mock's rule,
+    ``nexus_site.mock_backend.tools``), so tool calling can be tried at once.
     Its stdout stays an open pipe for the launcher to relay.
     """
+    capabilities: list[str] = []
+    for flag, names in (
+        ("--tool-models", [m.name for m in spec.models if m.tools]),
+        ("--vision-models", [m.name for m in spec.models if m.vision]),
+    ):
+        if names:
+            capabilities += [flag, ",".join(names)]
     return spawn_mock_backend(
         "--name",
         spec.name,
+        "--kind",
+        spec.kind,
         "--models",
         ",".join(model.name for model in spec.models),
+        *capabilities,
         "--latency-ms",
         "20",
         "--chunk-delay-ms",
@@ -76,12 +94,14 @@ def register_demo_backend(spec: DemoBackend, base_url: str) -> Backend:
         name=spec.name,
         defaults={
             "base_url": base_url,
-            "kind": BackendKind.OPENAI,
+            "kind": spec.kind,
             "priority": spec.priority,
             "enabled": True,
             "is_demo": True,
             # The mock answered a moment ago; health checks take over from here.
+            # A check time from an earlier run would be stale: no traffic.
             "status": HealthStatus.HEALTHY,
+            "last_check_at": timezone.now(),
             "last_error": "",
             "consecutive_failures": 0,
         },
@@ -102,19 +122,112 @@ def register_demo_backend(spec: DemoBackend, base_url: str) -> Backend:
     return backend
 
 
-def disable_demo_backends() -> int:
-    """Stop routing to demo backends (their mock processes are not running)."""
-    count = Backend.objects.filter(is_demo=True, enabled=True).update(enabled=False)
-    if count:
-        Backend.objects.announce_change()  # a bulk update sends no signals
-    return count
+def disable_demo_backends() -> list[str]:
+    """Stop routing to demo backends (their mock processes are not running).
+
+    Returns the names of those newly disabled.
+    """
+    with transaction.atomic():
+        demo = Backend.objects.filter(is_demo=True, enabled=True)
+        names = sorted(demo.values_list("name", flat=True))
+        if names:
+            Backend.objects.filter(name__in=names).update(enabled=False)
+            Backend.objects.announce_change()  # a bulk update sends no signals
+    return names
 
 
 def is_demo_wanted(explicit: bool | None) -> bool:
-    """Demo mode is on by default until the operator has backends of their own."""
+    """Whether nexus_run starts the demo backends.
+
+    ``explicit`` (NEXUS_DEMO, --demo/--no-demo) decides when given. Otherwise
+    demo mode is on for a fresh install, and stays on while demo backends are
+    registered: adding backends of one's own does not take away the models
+    one's aliases and chains may still name. The operator ends it by removing
+    the demo backends (the admin action "Remove demo backends").
+    """
     if explicit is not None:
         return explicit
+    if Backend.objects.filter(is_demo=True).exists():
+        return True
     return not Backend.objects.filter(is_demo=False).exists()
+
+
+def own_backend_names() -> list[str]:
+    """The operator's backends (every backend that is not a demo one)."""
+    return list(
+        Backend.objects.filter(is_demo=False)
+        .order_by("priority", "name")
+        .values_list("name", flat=True)
+    )
+
+
+def find_demo_dependents() -> list[str]:
+    """Name the aliases and fallback steps whose model only demo backends serve.
+
+    Each entry reads like ``alias gpt-4 -> llama3:8b`` or ``fallback chain of
+    llama3:70b: step mistral:7b``, for a model that demo backends list and no
+    enabled backend of the operator's serves.
+    """
+    own = set(
+        BackendModel.objects.filter(
+            enabled=True, backend__enabled=True, backend__is_demo=False
+        ).values_list("name", flat=True)
+    )
+    demo_only = (
+        set(
+            BackendModel.objects.filter(backend__is_demo=True).values_list(
+                "name", flat=True
+            )
+        )
+        - own
+    )
+    if not demo_only:
+        return []
+    found = [
+        f"alias {alias.name} -> {alias.target}"
+        for alias in Alias.objects.filter(target__in=demo_only).order_by("name")
+    ]
+    steps = ChainStep.objects.filter(model__in=demo_only).select_related("chain")
+    found += [
+        f"fallback chain of {step.chain.model}: step {step.model}"
+        for step in steps.order_by("chain__model", "position", "id")
+    ]
+    return found
+
+
+def describe_kept_demo(own: list[str]) -> list[str]:
+    """Start-up lines when the demo runs beside the operator's ``own`` backends."""
+    if not own:
+        return []
+    names = ", ".join(spec.name for spec in DEMO_BACKENDS)
+    lines = [
+        (
+            f"Demo backends {names} keep serving beside your own ({', '.join(own)}) "
+            'until you remove them: admin, Backends, select them, action "Remove '
+            'demo backends" (NEXUS_DEMO=0 stops them for a run).'
+        )
+    ]
+    if dependents := find_demo_dependents():
+        lines.append("  Served only by the demo backends: " + "; ".join(dependents))
+    return lines
+
+
+def describe_disabled_demo(disabled: list[str]) -> list[str]:
+    """Start-up lines when demo mode is off and ``disabled`` were just disabled."""
+    if not disabled:
+        return []
+    lines = [
+        (
+            f"Demo mode is off: demo backends {', '.join(disabled)} disabled "
+            '(remove them with the admin action "Remove demo backends").'
+        )
+    ]
+    if dependents := find_demo_dependents():
+        lines.append(
+            "  Now served by no backend (an alias to them answers 404): "
+            + "; ".join(dependents)
+        )
+    return lines
 
 
 def ensure_demo_api_key(state_dir: Path) -> str:

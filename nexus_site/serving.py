@@ -30,6 +30,7 @@ from typing import Any
 
 from nexus_site.daphne_limits import ClientLimits, install_daphne_limits
 from routing.gateway import Gateway, tune_garbage_collector
+from routing.proxy import ProxyApp
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def is_daphne_serving() -> bool:
     return "daphne.cli" in sys.modules
 
 
-def prepare_daphne(gateway: Gateway) -> None:
+def prepare_daphne(gateway: Gateway, proxy: ProxyApp) -> None:
     """Configure Daphne for the gateway (see the module docstring)."""
     if not is_daphne_serving():
         return
@@ -68,7 +69,7 @@ def prepare_daphne(gateway: Gateway) -> None:
         init(self, *args, **kwargs)
 
     WebRequest.__init__ = init_without_form_parsing
-    install_daphne_limits(gateway, ClientLimits.from_settings())
+    install_daphne_limits(gateway, proxy, ClientLimits.from_settings())
 
     log_action = Server.log_action
 

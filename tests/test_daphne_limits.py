@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
+from django.conf import settings
 from django.core.management import call_command
 
 from tests.conftest import NexusServer, start_nexus_server
-from usage.models import ApiKey
+from usage.models import ApiKey, UsageRecord
+from usage.stream import drain_usage_stream
 
 MAX_BODY = 100_000
 PATH = "/v1/chat/completions"
@@ -39,14 +43,21 @@ class Server:
         return sock
 
 
+_blocker: Any = None
+
+
 @pytest.fixture(scope="module")
 def server(django_db_setup: None, django_db_blocker) -> Iterator[Server]:
+    global _blocker
+    _blocker = django_db_blocker
     with django_db_blocker.unblock():
         _, key = ApiKey.objects.create_key("limits")
     nexus = start_nexus_server(
         NEXUS_MAX_BODY_BYTES=str(MAX_BODY),
         NEXUS_CLIENT_HEADER_TIMEOUT="1",
         NEXUS_CLIENT_BODY_TIMEOUT="1",
+        NEXUS_USAGE_FLUSH_INTERVAL="0.1",
+        NEXUS_USAGE_SHIP_INTERVAL="0.01",
     )
     try:
         # Load the gateway's configuration (keys) before the first upload.
@@ -61,6 +72,19 @@ def server(django_db_setup: None, django_db_blocker) -> Iterator[Server]:
         nexus.stop()
         with django_db_blocker.unblock():
             call_command("flush", interactive=False, verbosity=0)
+
+
+def _usage_of(request_id: str) -> UsageRecord:
+    deadline = time.monotonic() + 15
+    while True:
+        with _blocker.unblock():
+            if settings.NEXUS_USAGE_TRANSPORT == "redis":
+                drain_usage_stream()
+            record = UsageRecord.objects.filter(request_id=request_id).first()
+        if record is not None:
+            return record
+        assert time.monotonic() < deadline, f"no usage recorded for {request_id}"
+        time.sleep(0.05)
 
 
 def _read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
@@ -100,11 +124,16 @@ def test_a_gigabyte_upload_without_a_key_is_refused_at_the_headers(
     server: Server,
 ) -> None:
     with server.connect() as sock:
-        sock.sendall(_head(str(1024**3)))  # and not one byte of the body
+        # ... and not one byte of the body.
+        sock.sendall(_head(str(1024**3), extra="X-Request-ID: early-401\r\n"))
         status, headers, body = _read_response(sock)
     assert status == 401
     assert headers["connection"] == "close"
+    assert headers["x-request-id"] == "early-401"
     assert json.loads(body)["error"]["code"] == "invalid_api_key"
+    # Counted like any refusal: a request and an error, with no tokens.
+    record = _usage_of("early-401")
+    assert (record.status, record.total_tokens, record.backend) == (401, 0, "")
 
 
 def test_an_anthropic_upload_is_refused_in_anthropic_shape(server: Server) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import re
@@ -237,6 +238,170 @@ def test_run_command_brings_up_everything_and_ctrl_c_stops_it(
     finally:
         if again.process.poll() is None:
             os.killpg(again.process.pid, signal.SIGKILL)
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+OWN_CONFIG = """
+[routing.aliases]
+"gpt-4" = "mistral:7b"
+
+[[backends]]
+name = "gpu-1"
+url = "http://127.0.0.1:9"
+kind = "openai"
+[[backends.models]]
+name = "llama3:70b"
+"""
+
+
+def _remove_demo_backends_in_admin(base: str, password: str) -> str:
+    """Select every backend in the admin list and run "Remove demo backends"."""
+    with _login(base, "admin", password) as admin:
+        page = admin.get("/admin/backends/backend/")
+        assert "Remove demo backends" in page.text
+        token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text)
+        assert token, page.text
+        done = admin.post(
+            "/admin/backends/backend/",
+            data={
+                "csrfmiddlewaretoken": token.group(1),
+                "action": "remove_demo_backends",
+                "index": "0",
+                "_selected_action": re.findall(
+                    r'name="_selected_action" value="(\d+)"', page.text
+                ),
+            },
+            headers={"Referer": f"{base}/admin/backends/backend/"},
+            follow_redirects=True,
+        )
+        assert done.status_code == 200
+        return done.text
+
+
+def test_demo_tool_calls_and_demo_backends_kept_until_the_operator_removes_them(
+    run_env: dict[str, str], tmp_path: Path
+) -> None:
+    password = "a-chosen-admin-password"
+    run_env["NEXUS_ADMIN_PASSWORD"] = password
+    nexus = _start(run_env, "--workers", "1")
+    try:
+        key = nexus.expect(r"Demo API key:\s+(nx-\S+)").group(1)
+        nexus.expect(r"Press Ctrl-C to stop")
+        assert "keep serving beside your own" not in nexus.output()
+        sdk = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{nexus.port}/v1", api_key=key, max_retries=0
+        )
+        # Tool calling works out of the box: the demo mocks call the tool...
+        ask = {"role": "user", "content": "Oslo"}
+        first = sdk.chat.completions.create(
+            model="llama3:8b", messages=[ask], tools=[WEATHER_TOOL]
+        )
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.tool_calls is not None
+        (call,) = choice.message.tool_calls
+        assert call.type == "function"
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Oslo"}
+        # ... streamed too, the arguments in pieces ...
+        pieces = []
+        for chunk in sdk.chat.completions.create(
+            model="llama3:8b", messages=[ask], tools=[WEATHER_TOOL], stream=True
+        ):
+            for delta_call in chunk.choices[0].delta.tool_calls or ():
+                assert delta_call.function is not None
+                pieces.append(delta_call.function.arguments or "")
+        assert json.loads("".join(pieces)) == {"city": "Oslo"}
+        # ... and answer from the tool's result.
+        second = sdk.chat.completions.create(
+            model="llama3:8b",
+            messages=[
+                ask,
+                choice.message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "12 C, rain"},
+            ],
+            tools=[WEATHER_TOOL],
+        )
+        assert second.choices[0].finish_reason == "stop"
+        assert second.choices[0].message.content is not None
+        assert second.choices[0].message.content.endswith("tool result: 12 C, rain")
+        assert nexus.interrupt() == 0
+    finally:
+        if nexus.process.poll() is None:
+            os.killpg(nexus.process.pid, signal.SIGKILL)
+
+    # The operator adds a backend of their own, and an alias to a demo model.
+    config = tmp_path / "nexus.toml"
+    config.write_text(OWN_CONFIG)
+    subprocess.run(
+        [sys.executable, "manage.py", "nexus_import_config", str(config)],
+        cwd=REPO_ROOT,
+        env=run_env,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+
+    # A restart keeps the demo backends, and says so and why.
+    again = _start(run_env, "--workers", "1")
+    try:
+        again.expect(r"Demo backend demo-alpha \(mock")
+        again.expect(
+            r"Demo backends demo-alpha, demo-beta keep serving beside your own "
+            r"\(gpu-1\) until you remove them: .*\"Remove demo backends\""
+        )
+        again.expect(r"Served only by the demo backends: alias gpt-4 -> mistral:7b")
+        assert again.expect(r"Demo API key:\s+(nx-\S+)").group(1) == key
+        again.expect(r"Press Ctrl-C to stop")
+        base = f"http://127.0.0.1:{again.port}"
+        sdk = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
+        hello = [{"role": "user", "content": "hello"}]
+        reply = sdk.chat.completions.with_raw_response.create(
+            model="gpt-4", messages=hello
+        )
+        assert reply.headers["x-nexus-backend"] == "demo-alpha"
+
+        page = _remove_demo_backends_in_admin(base, password)
+        assert "Removed demo backends demo-alpha, demo-beta." in page
+        assert "No enabled backend serves llama3:8b, llava:7b, mistral:7b now" in page
+        assert "Left alone (not demo backends): gpu-1." in page
+        # Every serving process hears of it: the alias finds nothing now.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                sdk.chat.completions.create(model="gpt-4", messages=hello)
+            except openai.NotFoundError as error:
+                assert "model_not_found" in str(error.body)
+                break
+            assert time.monotonic() < deadline, "gpt-4 still served"
+            time.sleep(0.2)
+        assert again.interrupt() == 0
+    finally:
+        if again.process.poll() is None:
+            os.killpg(again.process.pid, signal.SIGKILL)
+
+    # Removed for good: the next start has no demo and nothing to say about it.
+    third = _start(run_env, "--workers", "1")
+    try:
+        third.expect(r"Press Ctrl-C to stop")
+        output = third.output()
+        assert "Demo backend" not in output and "Demo API key" not in output
+        assert "Demo mode is off" not in output
+        assert third.interrupt() == 0
+    finally:
+        if third.process.poll() is None:
+            os.killpg(third.process.pid, signal.SIGKILL)
 
 
 def test_demo_off_starts_no_mock_backends(run_env: dict[str, str]) -> None:

@@ -18,7 +18,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-Endpoint = Literal["chat", "completions", "embeddings", "messages"]
+Endpoint = Literal[
+    "chat",
+    "completions",
+    "embeddings",
+    "messages",
+    "responses",
+    "ollama-chat",
+    "ollama-generate",
+    "ollama-embed",
+]
 
 # Event ids: a random per-process prefix and a counter, unique across processes
 # and restarts, and far cheaper per request than uuid4().

@@ -542,6 +542,10 @@ class Endpoint(models.TextChoices):
     COMPLETIONS = "completions", "Completions"
     EMBEDDINGS = "embeddings", "Embeddings"
     MESSAGES = "messages", "Anthropic messages"
+    RESPONSES = "responses", "OpenAI responses"
+    OLLAMA_CHAT = "ollama-chat", "Ollama chat"
+    OLLAMA_GENERATE = "ollama-generate", "Ollama generate"
+    OLLAMA_EMBED = "ollama-embed", "Ollama embeddings"
 
 
 class UsageRecordQuerySet(models.QuerySet["UsageRecord"]):

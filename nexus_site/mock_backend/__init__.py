@@ -33,14 +33,16 @@ chunks of a stream then close the connection without ending the chunked body),
 server's probe endpoints as well (Ollama's ``/api/tags``, ``/api/ps`` and
 ``/api/show``, vLLM's ``/health`` and ``max_model_len``, llama.cpp's
 ``/health``, ``/props`` and its 503 while ``loading``, Anthropic's
-``/v1/models``), shaped by ``context_length``, ``loaded_models``,
-``vision_models`` and ``tool_models``; ``nexus_site.mock_backend.kinds`` has the
+``/v1/models``; Ollama's native ``/api/chat``, ``/api/generate`` with NDJSON
+streams, ``/api/embed`` and ``/api/embeddings``), shaped by ``context_length``,
+``loaded_models``, ``vision_models`` and ``tool_models``; ``nexus_site.mock_backend.kinds`` has the
 details. ``--kind anthropic`` answers Anthropic's ``POST /v1/messages`` (plain,
 streamed with Anthropic's events, tool use) instead of the OpenAI API
 (``nexus_site.mock_backend.messages``).
 
 Tools: a request that offers tools and ends with the user's words gets a
-scripted tool call instead of the echo (chat completions and Messages alike),
+scripted tool call instead of the echo (chat completions, Messages and Ollama's
+``/api/chat`` alike),
 with the ``tool_arguments`` knob as arguments or ones made from the tool's
 schema; a request ending with a tool result echoes ``tool result: <text>``
 (``nexus_site.mock_backend.tools``).

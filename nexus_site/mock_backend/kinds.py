@@ -9,7 +9,9 @@ format:
   ``loaded_models``, all when unset, each with ``context_length``),
   ``POST /api/show`` (``{"model": name}``: ``model_info`` with
   ``llama.context_length``, ``capabilities`` with ``vision`` / ``tools`` for the
-  ``vision_models`` / ``tool_models``), ``GET /api/version``. Errors are
+  ``vision_models`` / ``tool_models``), ``GET /api/version``, and the native
+  inference API of ``nexus_site.mock_backend.ollama_api`` (``/api/chat``,
+  ``/api/generate``, ``/api/embed``, ``/api/embeddings``). Errors are
   ``{"error": "..."}``.
 - ``vllm``: ``GET /health`` (200, empty body, never authenticated), ``GET
   /version``, and ``max_model_len`` on every ``/v1/models`` entry.
@@ -124,7 +126,7 @@ def _answer_llamacpp(request: Request, config: MockConfig) -> bytes | None:
         return encode_json({"status": "ok"})
     if request.path == "/props":
         _require_get(request)
-        _check_bearer(request, config)
+        check_bearer(request, config)
         model = config.models[0]
         return encode_json(
             {
@@ -165,7 +167,7 @@ def _answer_ollama(request: Request, config: MockConfig) -> bytes | None:
     path = request.path
     if not path.startswith("/api/"):
         return None
-    _check_bearer(request, config, ollama=True)
+    check_bearer(request, config, ollama=True)
     if path == "/api/version":
         _require_get(request)
         return encode_json({"version": OLLAMA_VERSION})
@@ -297,9 +299,7 @@ def _anthropic_error(status: int, error_type: str, message: str) -> ApiError:
 # Shared
 
 
-def _check_bearer(
-    request: Request, config: MockConfig, *, ollama: bool = False
-) -> None:
+def check_bearer(request: Request, config: MockConfig, *, ollama: bool = False) -> None:
     if config.api_key is None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")

@@ -27,6 +27,7 @@ from nexus_site.mock_backend.jobs import (
 from nexus_site.mock_backend.kinds import (
     answer_kind_request,
     check_anthropic_headers,
+    check_bearer,
     describe_model,
 )
 from nexus_site.mock_backend.listener import Listener
@@ -34,6 +35,19 @@ from nexus_site.mock_backend.messages import (
     answer_messages,
     anthropic_error,
     count_tokens,
+)
+from nexus_site.mock_backend.ollama_api import (
+    INFERENCE_PATHS as OLLAMA_INFERENCE_PATHS,
+)
+from nexus_site.mock_backend.ollama_api import (
+    NDJSON_CONTENT_TYPE,
+    ollama_error,
+    parse_ollama_request,
+    render_ollama_reply,
+    render_ollama_stream,
+)
+from nexus_site.mock_backend.ollama_api import (
+    is_stream as is_ollama_stream,
 )
 from nexus_site.mock_backend.protocol import Header, HttpConnection
 from nexus_site.mock_backend.replies import (
@@ -58,6 +72,7 @@ _SLOTTED_PATHS = (*_INFERENCE_PATHS, "/v1/messages")
 class _Stream:
     blocks: list[bytes]
     tail: bytes
+    content_type: str = SSE_CONTENT_TYPE
 
 
 class MockBackend:
@@ -193,13 +208,15 @@ class MockBackend:
                 return None
             if config.chunk_delay_ms <= 0 and config.drop_after_chunks is None:
                 chunks = [*reply.blocks, reply.tail]
-                conn.send_stream(200, SSE_CONTENT_TYPE, headers, chunks)
+                conn.send_stream(200, reply.content_type, headers, chunks)
                 return None
         return self._deliver(conn, reply, headers, config)
 
     # Answers
 
     def _answer(self, request: Request, config: MockConfig) -> bytes | _Stream:
+        if config.kind == "ollama" and request.path in OLLAMA_INFERENCE_PATHS:
+            return self._answer_ollama(request, config)
         if config.kind == "anthropic" and request.path.startswith("/v1/messages"):
             return self._answer_messages(request, config)
         if config.kind != "openai":
@@ -258,6 +275,29 @@ class MockBackend:
         if job.stream:
             return _Stream(*render_stream(job, completion_id, created, config.chunks))
         return render_generation(job, completion_id, created)
+
+    def _answer_ollama(self, request: Request, config: MockConfig) -> bytes | _Stream:
+        check_bearer(request, config, ollama=True)
+        if request.method != "POST":
+            raise ollama_error(405, "method not allowed")
+        job = parse_ollama_request(
+            request.path,
+            request.body,
+            config.name,
+            config.models,
+            config.tool_arguments,
+            config.embedding_dim,
+        )
+        if isinstance(job, bytes):
+            return job
+        try:
+            self._inject_failure(config)
+        except ApiError as error:
+            raise ollama_error(error.status, error.message) from None
+        if not isinstance(job, EmbeddingJob) and is_ollama_stream(job):
+            blocks, tail = render_ollama_stream(job, config.chunks)
+            return _Stream(blocks, tail, NDJSON_CONTENT_TYPE)
+        return render_ollama_reply(job, request.path)
 
     def _answer_messages(self, request: Request, config: MockConfig) -> bytes | _Stream:
         check_anthropic_headers(request, config)
@@ -381,7 +421,7 @@ class MockBackend:
     ) -> None:
         drop_after = config.drop_after_chunks
         delay = config.chunk_delay_ms / 1000
-        conn.start_stream(200, SSE_CONTENT_TYPE, headers)
+        conn.start_stream(200, reply.content_type, headers)
         for index, block in enumerate(reply.blocks):
             if drop_after is not None and index >= drop_after:
                 conn.cut()

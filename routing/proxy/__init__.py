@@ -1,7 +1,8 @@
-"""The OpenAI-compatible proxy: the hot path of every gateway request."""
+"""The gateway's client API (OpenAI, Anthropic, Ollama): the hot path."""
 
 from __future__ import annotations
 
 from routing.proxy.app import ProxyApp
+from routing.proxy.surfaces import OLLAMA_PATHS
 
-__all__ = ["ProxyApp"]
+__all__ = ["OLLAMA_PATHS", "ProxyApp"]

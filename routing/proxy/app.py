@@ -1,4 +1,9 @@
-"""The OpenAI-compatible gateway under /v1: a plain ASGI app on the hot path.
+"""The gateway's client API: a plain ASGI app on the hot path.
+
+It answers every inbound surface (routing/proxy/surfaces.py): OpenAI's and
+Anthropic's under /v1, and Ollama's native API at the root (``/``,
+``/api/version``, ``/api/tags``, ``/api/ps``, ``/api/show``, ``/api/chat``,
+``/api/generate``, ``/api/embed``, ``/api/embeddings``).
 
 Nothing here touches the ORM, blocks, or builds an HTTP client per request: it
 reads the gateway's immutable state (routing/state.py), asks the router for a
@@ -30,10 +35,14 @@ from routing.proxy.errors import (
 )
 from routing.proxy.legs import Call
 from routing.proxy.models_list import ModelsList
+from routing.proxy.ollama_catalog import OllamaCatalog
 from routing.proxy.surfaces import (
     ANTHROPIC,
     COUNT_TOKENS_PATH,
     ENDPOINTS,
+    OLLAMA_INFO_PATHS,
+    OLLAMA_UNSUPPORTED_PATHS,
+    OLLAMA_VERSION,
     OPENAI,
     Surface,
 )
@@ -77,6 +86,7 @@ class ProxyApp:
         self.access_log = gateway.config.access_log
         self.default_completion = gateway.config.default_completion_tokens
         self.models = ModelsList()
+        self.ollama_catalog = OllamaCatalog()
 
     async def __call__(
         self, scope: dict[str, Any], receive: Receive, send: Send
@@ -106,7 +116,14 @@ class ProxyApp:
         headers: Headers = [(b"x-request-id", rid.encode())]
         path, method = scope["path"], scope["method"]
         endpoint, surface = ENDPOINTS.get(path, _NO_ENDPOINT)
+        if path in OLLAMA_INFO_PATHS or path in OLLAMA_UNSUPPORTED_PATHS:
+            surface = ENDPOINTS["/api/chat"][1]  # Ollama's error shape
         try:
+            if path in OLLAMA_INFO_PATHS or path in OLLAMA_UNSUPPORTED_PATHS:
+                await self._ollama_info(
+                    path, method, authorization, surface, headers, receive, send
+                )
+                return
             if path == COUNT_TOKENS_PATH:
                 endpoint, surface = "count_tokens", ANTHROPIC
             elif (
@@ -180,6 +197,23 @@ class ProxyApp:
             await _send_json(send, error.status, surface.error_body(error), headers)
         except ClientGone:
             pass
+
+    def record_head_refusal(
+        self, error: ProxyError, path: str, request_id: bytes | None
+    ) -> str:
+        """Count a request the server refused from its head alone; return its id.
+
+        Daphne refuses uploads at the headers (nexus_site/daphne_limits.py),
+        before this app runs: such a refusal is a request and an error all the
+        same, as when the proxy itself refuses.
+        """
+        rid = _request_id(request_id)
+        endpoint = ENDPOINTS.get(path, _NO_ENDPOINT)[0]
+        if endpoint is not None:
+            self._record_refusal(
+                error, endpoint, path, rid, "", self.gateway.snapshots.peek()
+            )
+        return rid
 
     def _record_refusal(
         self,
@@ -402,6 +436,20 @@ class ProxyApp:
             requirements = RequestRequirements.from_request(inbound.canonical)
         except RoutingError as error:
             raise _routing_error(error) from error
+        if inbound.ready is not None:
+            # Nothing for a backend to do (Ollama's "load the model"): answered
+            # here once some backend could serve the model (and the key may).
+            gateway = self.gateway
+            policy = state.policies.get(key_prefix) if key_prefix else None
+            if policy is not None:
+                limits.check_model(
+                    policy, state.routes, requirements.model, gateway.metrics
+                )
+            decision = gateway.router.explain(requirements, state.routes, gateway.stats)
+            if decision.error is not None:
+                raise _routing_error(decision.error)
+            await _send_json(send, 200, inbound.ready, headers)
+            return
         exchange = Exchange(
             request_id=request_id,
             endpoint=endpoint,
@@ -429,6 +477,68 @@ class ProxyApp:
             receive,
             send,
         )
+
+    async def _ollama_info(
+        self,
+        path: str,
+        method: str,
+        authorization: bytes | None,
+        surface: Surface,
+        headers: Headers,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """Ollama's own endpoints besides inference: its banner, version and
+        model catalogue (of the whole fleet), answered without a backend."""
+        allowed = OLLAMA_INFO_PATHS.get(path, ("POST",))
+        if method not in allowed and not (method == "HEAD" and "GET" in allowed):
+            raise method_not_allowed(method, path)
+        if path in OLLAMA_UNSUPPORTED_PATHS:
+            raise ProxyError(
+                501,
+                f"Nexus is a gateway and does not manage models: {path} is not "
+                "supported. Pull, create and delete models on the backends.",
+                code="not_implemented",
+            )
+        if path == "/":
+            body = b"" if method == "HEAD" else b"Ollama is running"
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"text/plain; charset=utf-8"),
+                        (b"content-length", b"17"),
+                        *headers,
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+        if path == "/api/version":
+            await _send_json(send, 200, OLLAMA_VERSION, headers)
+            return
+        state = await self._gateway_state()
+        key_prefix = self._authenticate(state, authorization, surface)
+        policy = state.policies.get(key_prefix) if key_prefix else None
+        if policy is not None and policy.expires_at is not None:
+            limits.check_expiry(policy, time.time(), self.gateway.metrics)
+        catalog = self.ollama_catalog
+        if path == "/api/tags":
+            await _send_json(send, 200, catalog.tags(state.routes, policy), headers)
+        elif path == "/api/ps":
+            await _send_json(send, 200, catalog.ps(state.routes, policy), headers)
+        else:
+            payload = _parse_object(await _read_body(receive, self.max_body))
+            model = payload.get("model") or payload.get("name")
+            if not isinstance(model, str) or not model:
+                raise bad_request("model is required", param="model")
+            shown = catalog.show(state.routes, model, policy)
+            if shown is None:
+                raise ProxyError(
+                    404, f"model '{model}' not found", code="model_not_found"
+                )
+            await _send_json(send, 200, shown, headers)
 
     async def _count_tokens(
         self,
@@ -523,8 +633,9 @@ class ProxyApp:
         gateway = self.gateway
         policy = state.policies.get(key_prefix) if key_prefix else None
         if policy is not None:
-            body = payload if call is None else call.inbound.canonical
-            await self._check_key(state, policy, exchange, requirements, body, headers)
+            await self._check_key(
+                state, policy, exchange, requirements, call, payload, headers
+            )
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.get_running_loop().create_task(
@@ -565,7 +676,8 @@ class ProxyApp:
         policy: KeyPolicy,
         exchange: Exchange,
         requirements: RequestRequirements,
-        canonical: dict[str, Any],
+        call: Call | None,
+        payload: dict[str, Any],
         headers: Headers,
     ) -> None:
         """Refuse what the key may not do, or take its share of its limits.
@@ -580,8 +692,13 @@ class ProxyApp:
         if not policy.is_limited:
             return
         prompt = requirements.estimated_tokens
+        if call is None:
+            canonical, endpoint = payload, exchange.endpoint
+        else:
+            canonical = call.inbound.canonical
+            endpoint = call.inbound.canonical_endpoint
         completion = limits.completion_estimate(
-            canonical, exchange.endpoint == "embeddings", self.default_completion
+            canonical, endpoint == "embeddings", self.default_completion
         )
         price = limits.price_estimate(state.prices, state.routes, model)
         ticket = await limits.admit(

@@ -89,6 +89,23 @@ def check_first_event(events: bytes) -> bool:
     return True
 
 
+def check_first_line(lines: bytes) -> bool:
+    """Check the first line of an NDJSON stream; False if `lines` has none yet.
+
+    Raises UpstreamFault if it is not a JSON object.
+    """
+    line = next((line for line in lines.splitlines() if line.strip()), None)
+    if line is None:
+        return False
+    try:
+        payload = json.loads(line)
+    except ValueError:
+        raise invalid("sent a stream whose first line is not JSON") from None
+    if not isinstance(payload, dict):
+        raise invalid("sent a stream whose first line is not a JSON object")
+    return True
+
+
 def error_reply(
     status: int, content_type: str, body: bytes, backend: str, request_id: str
 ) -> tuple[bytes, str]:

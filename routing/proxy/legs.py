@@ -19,10 +19,16 @@ from typing import TYPE_CHECKING, Any
 
 from routing.core import Target
 from routing.proxy.errors import ProxyError
-from routing.proxy.outbound import BackendAdapter
-from routing.proxy.sse import EventSplitter, text_of_chunk
+from routing.proxy.outbound import BackendAdapter, MalformedReply
+from routing.proxy.sse import text_of_chunk
 from routing.proxy.surfaces import OPENAI, Inbound, Surface, translation_error
-from routing.translate.base import StreamFailed, TranslationError
+from routing.translate.base import (
+    BROKEN,
+    StreamFailed,
+    TranslationError,
+    dumps,
+    loads,
+)
 
 if TYPE_CHECKING:
     from routing.proxy.upstream import Exchange
@@ -71,7 +77,7 @@ class Leg:
         self.call = call
         self.adapter = adapter
         self.target = target
-        self.native = adapter.protocol == call.surface.protocol
+        self.native = call.surface.protocol in adapter.native_protocols
         model = target.model.name
         backend = target.backend
         self.headers = adapter.headers(backend, request_id, call.client_headers)
@@ -85,6 +91,12 @@ class Leg:
         inbound = call.inbound
         if inbound.untranslatable is not None:
             raise translation_error(inbound.untranslatable)
+        if inbound.canonical_endpoint == "embeddings":
+            if adapter.embeddings_path is None:
+                raise Unservable("serves chat only, not embeddings")
+            self.path = adapter.embeddings_path
+            self.body = dumps({**inbound.canonical, "model": model})
+            return
         try:
             self.body = adapter.request_body(inbound.canonical, model)
         except TranslationError as error:
@@ -110,12 +122,20 @@ class Leg:
                 f"Backend '{self.target.backend.name}' answered HTTP {status}."
             )
             return surface.error_body(ProxyError(status, message))
-        canonical = adapter.read_reply(body, int(time.time()))
+        inbound = self.call.inbound
+        if inbound.canonical_endpoint == "embeddings":
+            canonical = loads(body)
+            if not isinstance(canonical, dict) or not isinstance(
+                canonical.get("data"), list
+            ):
+                raise MalformedReply("not an embeddings list")
+        else:
+            canonical = adapter.read_reply(body, int(time.time()))
         usage = canonical.get("usage")
         exchange.usage = usage if isinstance(usage, dict) else None
         if exchange.usage is None:
             exchange.completion_chars = _reply_chars(canonical)
-        return surface.reply(canonical, self.target.model.name)
+        return surface.reply(canonical, self.target.model.name, inbound)
 
     def stream(self, max_event: int = MAX_EVENT_BYTES) -> LegStream:
         return LegStream(self, max_event)
@@ -136,6 +156,7 @@ class LegStream:
 
     __slots__ = (
         "_adapter",
+        "_marker",
         "_max_event",
         "_native",
         "_reader",
@@ -153,7 +174,8 @@ class LegStream:
         self._adapter = leg.adapter
         self._native = leg.native
         self._surface = call.surface
-        self._split = EventSplitter()
+        self._marker = leg.adapter.usage_marker
+        self._split = leg.adapter.splitter(leg.native)
         self._reader = (
             None if leg.native else leg.adapter.chunk_reader(int(time.time()))
         )
@@ -170,7 +192,7 @@ class LegStream:
             return b""
         if self._native:
             for event in events:
-                if b'"usage"' in event:
+                if self._marker in event:
                     parsed = self._parse(event)
                     if parsed is not None:
                         found = self._adapter.usage_of_event(parsed, self._seen)
@@ -193,8 +215,8 @@ class LegStream:
         out += self._writer.finish()
         return b"".join(out)
 
-    def fail(self, message: str) -> bytes:
-        return b"".join(self._writer.fail(message))
+    def fail(self, message: str, code: str = BROKEN) -> bytes:
+        return b"".join(self._writer.fail(message, code))
 
     def feed_counted(self, data: bytes) -> list[tuple[bytes, int]]:
         events = self._split.feed(data)
@@ -208,7 +230,7 @@ class LegStream:
                 parsed = self._parse(event)
                 chars = 0
                 if parsed is not None:
-                    if b'"usage"' in event:
+                    if self._marker in event:
                         found = self._adapter.usage_of_event(parsed, self._seen)
                         self.usage = found or self.usage
                     chars = text_of_event(parsed)
@@ -258,7 +280,7 @@ class LegStream:
 
     def _parse(self, event: bytes) -> dict[str, Any] | None:
         try:
-            return self._adapter.parse_event(event)
+            return self._adapter.parse_event(event, self._native)
         except (ValueError, UnicodeDecodeError):
             raise StreamFailed("the backend sent a malformed stream event") from None
 

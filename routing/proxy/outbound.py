@@ -3,8 +3,9 @@
 An adapter knows one backend protocol: the headers its key goes in, the path
 and body of a canonical chat request, how to read its replies, streams and
 errors back as canonical, and where its usage is. The proxy picks one per
-target by backend kind (``adapter_for``). When the adapter's ``protocol`` is
-the client's (``Surface.protocol``), the request is passed through: the
+target by backend kind (``adapter_for``). When the client's protocol
+(``Surface.protocol``) is one of the adapter's ``native_protocols``, the
+request is passed through: the
 client's body goes upstream (only the model renamed) and the answer comes back
 byte for byte, with usage read on the way.
 
@@ -13,12 +14,17 @@ Adding a backend protocol (for example Ollama's native API):
 1. Write its pure translator in ``routing/translate/`` (canonical request ->
    its request, its reply -> canonical, a ``ChunkReader`` from its stream
    events to canonical chunks).
-2. Subclass ``BackendAdapter`` here: ``protocol`` (equal to the inbound
-   surface's ``protocol`` that it serves natively), ``chat_path``, ``headers``,
-   ``request_body``, ``read_reply``, ``chunk_reader``, ``read_error``, and for
-   pass-through ``usage_of_reply`` and ``usage_of_event``. ``parse_event``
-   turns one raw stream event (an SSE event with its blank line, or an NDJSON
-   line) into a dict; ``is_stream`` says whether a response is a stream.
+2. Subclass ``BackendAdapter`` here: ``protocol`` (the one canonical requests
+   are written in), ``native_protocols`` (the inbound surfaces' ``protocol``
+   values whose bodies it takes as they are: Ollama backends take OpenAI's
+   and Ollama's), ``chat_path``, ``embeddings_path`` (None: no embeddings),
+   ``headers``, ``request_body``, ``read_reply``, ``chunk_reader``, ``read_error``, and for
+   pass-through ``usage_of_reply``, ``usage_of_event`` and ``usage_marker``
+   (bytes every usage-carrying native event contains). ``splitter`` cuts a
+   stream into events and ``parse_event`` turns one raw event (an SSE event
+   with its blank line, or an NDJSON line) into a dict; ``is_stream`` says
+   whether a response is a stream. The three take ``native`` (a passed-through
+   stream, in the client's protocol, or a translated one).
 3. Map the backend kind(s) to it in ``ADAPTERS``.
 """
 
@@ -27,7 +33,8 @@ from __future__ import annotations
 from typing import Any
 
 from routing.core import BackendSpec
-from routing.translate import anthropic
+from routing.proxy.sse import EventSplitter, LineSplitter
+from routing.translate import anthropic, ollama
 from routing.translate.base import ChunkReader, dumps, loads
 from routing.translate.openai import ChatChunkReader, error_message
 
@@ -40,7 +47,13 @@ class BackendAdapter:
     """OpenAI-compatible backends (OpenAI, vLLM, llama.cpp, Ollama's /v1)."""
 
     protocol = "openai"
+    # The client protocols whose bodies this backend takes as they are.
+    native_protocols: tuple[str, ...] = ("openai",)
     chat_path = "/v1/chat/completions"
+    # Where canonical embeddings requests go (None: this protocol has none).
+    embeddings_path: str | None = "/v1/embeddings"
+    # Bytes that a passed-through stream event carrying usage contains.
+    usage_marker = b'"usage"'
 
     def headers(
         self, backend: BackendSpec, request_id: str, client: dict[str, str]
@@ -88,10 +101,14 @@ class BackendAdapter:
         except ValueError:
             return None
 
-    def is_stream(self, content_type: str) -> bool:
+    def is_stream(self, content_type: str, native: bool = False) -> bool:
         return "event-stream" in content_type
 
-    def parse_event(self, event: bytes) -> dict[str, Any] | None:
+    def splitter(self, native: bool = False) -> EventSplitter | LineSplitter:
+        """Cuts this backend's stream (``native``: passed through) into events."""
+        return EventSplitter()
+
+    def parse_event(self, event: bytes, native: bool = False) -> dict[str, Any] | None:
         """One raw SSE event's JSON data (None for comments, [DONE], no data)."""
         data = _data_of(event)
         if data is None or data == b"[DONE]":
@@ -123,7 +140,9 @@ class AnthropicAdapter(BackendAdapter):
     """Anthropic's Messages API (``POST /v1/messages``)."""
 
     protocol = "anthropic"
+    native_protocols = ("anthropic",)
     chat_path = "/v1/messages"
+    embeddings_path = None
     # What an Anthropic client sends that the backend should see when its body
     # is passed through (the version it was written for, beta features).
     forwarded_headers = ("anthropic-version", "anthropic-beta")
@@ -190,15 +209,58 @@ class AnthropicAdapter(BackendAdapter):
         return anthropic.usage_to_canonical(usage)
 
 
+class OllamaAdapter(BackendAdapter):
+    """Ollama: OpenAI's API under /v1 for translated requests, and its own
+    native API (``/api/chat``, ...) for Ollama clients' bodies, passed through.
+
+    OpenAI clients' requests to it are relayed as for any OpenAI backend (the
+    proxy's plain path, no Leg), so the native readers below only ever see
+    Ollama's NDJSON and replies.
+    """
+
+    native_protocols = ("openai", "ollama")
+    usage_marker = b'"eval_count"'
+
+    def is_stream(self, content_type: str, native: bool = False) -> bool:
+        if native:
+            return "ndjson" in content_type
+        return super().is_stream(content_type)
+
+    def splitter(self, native: bool = False) -> EventSplitter | LineSplitter:
+        return LineSplitter() if native else EventSplitter()
+
+    def parse_event(self, event: bytes, native: bool = False) -> dict[str, Any] | None:
+        if not native:
+            return super().parse_event(event)
+        if not event.strip():
+            return None
+        value = loads(event)
+        if not isinstance(value, dict):
+            raise MalformedReply("a line that is not a JSON object")
+        return value
+
+    def usage_of_reply(self, body: bytes) -> dict[str, Any] | None:
+        try:
+            return ollama.usage_of_native(loads(body))
+        except ValueError:
+            return None
+
+    def usage_of_event(
+        self, event: dict[str, Any], usage: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        return ollama.usage_of_native(event)
+
+
 OPENAI_ADAPTER = BackendAdapter()
 ANTHROPIC_ADAPTER = AnthropicAdapter()
+OLLAMA_ADAPTER = OllamaAdapter()
 
 # Backend kind -> adapter; a kind not listed speaks OpenAI's API.
 ADAPTERS: dict[str, BackendAdapter] = {
     "openai": OPENAI_ADAPTER,
     "vllm": OPENAI_ADAPTER,
     "llamacpp": OPENAI_ADAPTER,
-    "ollama": OPENAI_ADAPTER,
+    "ollama": OLLAMA_ADAPTER,
     "anthropic": ANTHROPIC_ADAPTER,
 }
 

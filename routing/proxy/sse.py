@@ -71,6 +71,48 @@ class EventTooLarge(Exception):
     """An event grew past the relay's limit without ending (no blank line)."""
 
 
+class LineSplitter:
+    """Cut a byte stream into complete NDJSON lines (each with its newline).
+
+    Linear in the bytes fed, like EventSplitter: a line not yet complete is
+    kept as a list of chunks until one brings its newline.
+    """
+
+    __slots__ = ("_parts", "pending_size")
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+        self.pending_size = 0  # bytes of the line not yet complete
+
+    def feed(self, data: bytes) -> list[bytes]:
+        end = data.rfind(b"\n") + 1
+        if not end:
+            if data:
+                self._parts.append(data)
+                self.pending_size += len(data)
+            return []
+        head = data[:end]
+        if self._parts:
+            head = b"".join(self._parts) + head
+            self._parts.clear()
+        rest = data[end:]
+        if rest:
+            self._parts.append(rest)
+        self.pending_size = len(rest)
+        return [line + b"\n" for line in head[:-1].split(b"\n")]
+
+    def rest(self) -> bytes:
+        """Bytes after the last complete line (a stream cut short)."""
+        rest = b"".join(self._parts)
+        self._parts.clear()
+        self.pending_size = 0
+        return rest
+
+    def peek(self) -> bytes:
+        """Bytes of the line not yet complete."""
+        return b"".join(self._parts)
+
+
 class StreamRelay:
     """Relay an SSE byte stream event-aligned; note its usage; strip the extra
     usage-only event the client did not ask for.

@@ -15,6 +15,11 @@ Adding an inbound surface (for example OpenAI Responses or Ollama's API):
    ``routing/proxy/outbound.py``), ``native_path``, ``stream_content_type``
    and ``accepts_x_api_key``; implement ``to_canonical``, ``reply``,
    ``stream_writer`` and ``error_body``.
+   A surface whose requests are not all chat sets ``Inbound.canonical_endpoint``
+   (``embeddings``: the canonical body is an OpenAI embeddings request and
+   ``reply`` gets the embeddings reply); one whose answer repeats parts of the
+   request keeps them in ``Inbound.context``; one that can answer a request
+   without a backend (Ollama's "load the model") sets ``Inbound.ready``.
 3. Map its paths to ``(endpoint, surface)`` in ``ENDPOINTS`` (the endpoint is
    the label usage and metrics are recorded under; add it to
    ``usage.models.Endpoint`` and ``usage.buffer.Endpoint``, with a migration).
@@ -24,13 +29,16 @@ Adding an inbound surface (for example OpenAI Responses or Ollama's API):
 
 from __future__ import annotations
 
+import secrets
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from routing.proxy import sse
 from routing.proxy.errors import ProxyError
-from routing.translate import anthropic
-from routing.translate.anthropic.wire import encode, error_type_for, sse_event
+from routing.translate import anthropic, ollama, responses
+from routing.translate.anthropic.wire import encode
 from routing.translate.base import StreamTranslator, TranslationError, dumps
 from routing.translate.openai import ChatStreamWriter
 
@@ -45,6 +53,12 @@ class Inbound:
     # to answer if it has to be translated (a native backend takes it as is).
     untranslatable: TranslationError | None = None
     wants_usage_chunk: bool = False
+    # "chat" or "embeddings": the OpenAI endpoint the canonical body is for.
+    canonical_endpoint: str = "chat"
+    # What the surface's answer repeats from the request (its own business).
+    context: dict[str, Any] | None = None
+    # The whole answer, when the request needs no backend once routable.
+    ready: bytes | None = None
 
 
 class Surface:
@@ -53,6 +67,8 @@ class Surface:
     protocol = "openai"
     native_path = "/v1/chat/completions"
     stream_content_type = b"text/event-stream; charset=utf-8"
+    # Its streams are JSON lines (Ollama's) rather than server-sent events.
+    is_ndjson = False
     accepts_x_api_key = False
     key_hint = "'Authorization: Bearer <key>'"
 
@@ -66,8 +82,9 @@ class Surface:
             and options.get("include_usage") is True,
         )
 
-    def reply(self, canonical: dict[str, Any], model: str) -> bytes:
-        """A canonical ``chat.completion`` as this protocol's answer."""
+    def reply(self, canonical: dict[str, Any], model: str, inbound: Inbound) -> bytes:
+        """A canonical ``chat.completion`` (or embeddings list) as this
+        protocol's answer."""
         return dumps(canonical)
 
     def stream_writer(self, inbound: Inbound, model: str) -> StreamTranslator:
@@ -77,10 +94,6 @@ class Surface:
     def error_body(self, error: ProxyError) -> bytes:
         """The body of an error answer in this protocol's shape."""
         return error.body()
-
-    def stream_error(self, error: ProxyError) -> bytes:
-        """The event that ends a stream with `error` in this protocol."""
-        return sse.error_event(error.message, error.code or "", error.error_type)
 
     def text_of_event(self, event: dict[str, Any]) -> int:
         """Characters of generated text in one parsed event of this protocol's
@@ -111,7 +124,7 @@ class AnthropicSurface(Surface):
             untranslatable=untranslatable,
         )
 
-    def reply(self, canonical: dict[str, Any], model: str) -> bytes:
+    def reply(self, canonical: dict[str, Any], model: str, inbound: Inbound) -> bytes:
         return encode(anthropic.canonical_to_message(canonical, model))
 
     def stream_writer(self, inbound: Inbound, model: str) -> StreamTranslator:
@@ -119,17 +132,6 @@ class AnthropicSurface(Surface):
 
     def error_body(self, error: ProxyError) -> bytes:
         return anthropic.error_body(error.status, error.message)
-
-    def stream_error(self, error: ProxyError) -> bytes:
-        return sse_event(
-            {
-                "type": "error",
-                "error": {
-                    "type": error_type_for(error.status),
-                    "message": error.message,
-                },
-            }
-        )
 
     def text_of_event(self, event: dict[str, Any]) -> int:
         delta = (
@@ -139,8 +141,152 @@ class AnthropicSurface(Surface):
         return len(text) if isinstance(text, str) else 0
 
 
+class ResponsesSurface(Surface):
+    """OpenAI's Responses API (``POST /v1/responses``), served statelessly.
+
+    No backend speaks it natively here (``protocol`` is its own): every request
+    is translated, so OpenAI-compatible servers without it serve it too.
+    """
+
+    protocol = "openai-responses"
+    native_path = "/v1/responses"
+
+    def to_canonical(self, payload: dict[str, Any]) -> Inbound:
+        try:
+            canonical = responses.responses_to_chat(payload)
+        except TranslationError as error:
+            raise translation_error(error) from None
+        context = {
+            "request": payload,
+            "id": f"resp_{secrets.token_hex(16)}",
+            "created_at": int(time.time()),
+        }
+        return Inbound(
+            canonical=canonical,
+            stream=canonical.get("stream") is True,
+            context=context,
+        )
+
+    def reply(self, canonical: dict[str, Any], model: str, inbound: Inbound) -> bytes:
+        context = inbound.context or {}
+        response = responses.chat_to_response(
+            canonical,
+            context.get("request", {}),
+            response_id=context.get("id", "resp_0"),
+            created_at=context.get("created_at", 0),
+        )
+        return dumps(response)
+
+    def stream_writer(self, inbound: Inbound, model: str) -> StreamTranslator:
+        context = inbound.context or {}
+        return responses.ResponsesStreamTranslator(
+            context.get("request", {}),
+            response_id=context.get("id", "resp_0"),
+            created_at=context.get("created_at", 0),
+        )
+
+
+class OllamaSurface(Surface):
+    """One of Ollama's inference paths (``/api/chat``, ``/api/generate``,
+    ``/api/embed``, ``/api/embeddings``), answered in Ollama's shapes.
+
+    Ollama backends get the body as it came (pass-through, ``protocol``
+    "ollama"); others get it translated. Fields only Ollama understands
+    (``suffix``, ``raw``, ``template``, ``context`` of a generate) are refused
+    for those with a 400 naming the field.
+    """
+
+    protocol = "ollama"
+    stream_content_type = b"application/x-ndjson"
+    is_ndjson = True
+
+    def __init__(self, path: str) -> None:
+        self.native_path = path
+        self._parse = _OLLAMA_PARSERS[path]
+
+    def text_of_event(self, event: dict[str, Any]) -> int:
+        message = event.get("message")
+        text = message.get("content") if isinstance(message, dict) else None
+        if text is None:
+            text = event.get("response")  # /api/generate
+        return len(text) if isinstance(text, str) else 0
+
+    def to_canonical(self, payload: dict[str, Any]) -> Inbound:
+        try:
+            request = self._parse(payload)
+        except TranslationError as error:
+            raise translation_error(error) from None
+        untranslatable = None
+        if request.native_only:
+            field = request.native_only[0]
+            untranslatable = TranslationError(
+                400,
+                f"'{field}' is only understood by Ollama backends, and this model "
+                "is served by another kind.",
+                param=field,
+                code="unsupported_parameter",
+            )
+        ready = None
+        if request.load_only:
+            answer = ollama.load_reply(
+                self.native_path,
+                request.model,
+                created_at=ollama.timestamp(time.time()),
+            )
+            ready = dumps(answer)
+        return Inbound(
+            canonical=request.canonical,
+            stream=request.stream,
+            untranslatable=untranslatable,
+            canonical_endpoint=request.endpoint,
+            context={"model": request.model, "started": time.monotonic_ns()},
+            ready=ready,
+        )
+
+    def reply(self, canonical: dict[str, Any], model: str, inbound: Inbound) -> bytes:
+        context = inbound.context or {}
+        requested = context.get("model", model)
+        elapsed = time.monotonic_ns() - context.get("started", time.monotonic_ns())
+        path = self.native_path
+        created_at = ollama.timestamp(time.time())
+        if path == "/api/chat":
+            answer = ollama.chat_reply(
+                canonical, requested, created_at=created_at, total_ns=elapsed
+            )
+        elif path == "/api/generate":
+            answer = ollama.generate_reply(
+                canonical, requested, created_at=created_at, total_ns=elapsed
+            )
+        elif path == "/api/embed":
+            answer = ollama.embed_reply(canonical, requested, total_ns=elapsed)
+        else:
+            answer = ollama.embeddings_reply(canonical)
+        return dumps(answer)
+
+    def stream_writer(self, inbound: Inbound, model: str) -> StreamTranslator:
+        context = inbound.context or {}
+        if self.native_path == "/api/chat":
+            return ollama.OllamaStreamTranslator(
+                "/api/chat", context.get("model", model)
+            )
+        return ollama.OllamaStreamTranslator(
+            "/api/generate", context.get("model", model)
+        )
+
+    def error_body(self, error: ProxyError) -> bytes:
+        return ollama.error_body(error.message)
+
+
+_OLLAMA_PARSERS: dict[str, Callable[[dict[str, Any]], ollama.OllamaRequest]] = {
+    "/api/chat": ollama.parse_chat,
+    "/api/generate": ollama.parse_generate,
+    "/api/embed": ollama.parse_embed,
+    "/api/embeddings": ollama.parse_embeddings,
+}
+
 OPENAI = Surface()
 ANTHROPIC = AnthropicSurface()
+RESPONSES = ResponsesSurface()
 
 # Path -> (endpoint label for usage and metrics, surface).
 ENDPOINTS: dict[str, tuple[str, Surface]] = {
@@ -148,8 +294,33 @@ ENDPOINTS: dict[str, tuple[str, Surface]] = {
     "/v1/completions": ("completions", OPENAI),
     "/v1/embeddings": ("embeddings", OPENAI),
     "/v1/messages": ("messages", ANTHROPIC),
+    "/v1/responses": ("responses", RESPONSES),
+    "/api/chat": ("ollama-chat", OllamaSurface("/api/chat")),
+    "/api/generate": ("ollama-generate", OllamaSurface("/api/generate")),
+    "/api/embed": ("ollama-embed", OllamaSurface("/api/embed")),
+    "/api/embeddings": ("ollama-embed", OllamaSurface("/api/embeddings")),
 }
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+# Ollama's endpoints that need no backend, with their methods.
+OLLAMA_INFO_PATHS: dict[str, tuple[str, ...]] = {
+    "/": ("GET",),
+    "/api/version": ("GET",),
+    "/api/tags": ("GET",),
+    "/api/ps": ("GET",),
+    "/api/show": ("POST",),
+}
+# Ollama's model management, which a gateway does not do (501).
+OLLAMA_UNSUPPORTED_PATHS = frozenset(
+    {"/api/pull", "/api/push", "/api/create", "/api/delete", "/api/copy"}
+)
+# The Ollama API version Nexus answers as (what its native surface imitates).
+OLLAMA_VERSION = b'{"version":"0.9.0"}'
+# Every path of Ollama's API that the gateway answers (the ASGI wiring's list).
+OLLAMA_PATHS = frozenset(
+    {path for path in ENDPOINTS if path.startswith("/api/")}
+    | set(OLLAMA_INFO_PATHS)
+    | OLLAMA_UNSUPPORTED_PATHS
+)
 
 
 def translation_error(error: TranslationError) -> ProxyError:

@@ -22,8 +22,7 @@ from routing.proxy import checks, sse
 from routing.proxy.errors import ProxyError
 from routing.proxy.legs import Call, Leg, LegStream, Unservable, openai_call
 from routing.proxy.outbound import OPENAI_ADAPTER, adapter_for
-from routing.proxy.surfaces import OPENAI
-from routing.translate.base import StreamFailed
+from routing.translate.base import BUDGET, StreamFailed
 
 if TYPE_CHECKING:
     from routing.gateway import Gateway
@@ -215,7 +214,7 @@ async def forward(
         model = target.model.name
         adapter = adapter_for(backend.kind)
         leg: Leg | None = None
-        if call is not None or adapter is not OPENAI_ADAPTER:
+        if call is not None or adapter.protocol != OPENAI_ADAPTER.protocol:
             try:
                 if call is None:
                     call = openai_call(exchange.endpoint, payload, raw)
@@ -287,7 +286,11 @@ async def forward(
                     response.close()  # or its pooled connection leaks
                     response = None
                     continue
-            streams = _is_event_stream(exchange, response)
+            streams = (
+                _is_event_stream(exchange, response)
+                if leg is None
+                else _is_leg_stream(exchange, response, leg)
+            )
             # A whole reply (or a stream's first event) is read and checked
             # before anything goes to the client, so a backend that fails or
             # answers nonsense can still be retried.
@@ -304,7 +307,10 @@ async def forward(
                         else:
                             leg_stream = leg.stream(limits.max_event)
                             first_pieces = await _first_leg_events(
-                                response, leg_stream, exchange.meter is not None
+                                response,
+                                leg_stream,
+                                leg.call.surface.is_ndjson,
+                                exchange.meter is not None,
                             )
                     else:
                         body = await checks.read_capped(response, limits.max_reply)
@@ -425,6 +431,17 @@ def _is_event_stream(exchange: Exchange, response: aiohttp.ClientResponse) -> bo
         exchange.stream
         and response.status < 300
         and "event-stream" in response.headers.get("Content-Type", "")
+    )
+
+
+def _is_leg_stream(
+    exchange: Exchange, response: aiohttp.ClientResponse, leg: Leg
+) -> bool:
+    content_type = response.headers.get("Content-Type", "")
+    return (
+        exchange.stream
+        and response.status < 300
+        and leg.adapter.is_stream(content_type, leg.native)
     )
 
 
@@ -584,7 +601,8 @@ async def _relay_stream(
             if relay.usage is None:
                 exchange.completion_chars = relay.text_length()
     if meter is not None and not goes_on:
-        tail = OPENAI.stream_error(meter.cut_error())
+        cut = meter.cut_error()
+        tail = sse.error_event(cut.message, BUDGET, cut.error_type)
     await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
@@ -664,13 +682,18 @@ def _leg_answer(
 
 
 async def _first_leg_events(
-    response: aiohttp.ClientResponse, stream: LegStream, counted: bool = False
+    response: aiohttp.ClientResponse,
+    stream: LegStream,
+    ndjson: bool = False,
+    counted: bool = False,
 ) -> list[tuple[bytes, int]]:
     """A leg's first bytes for the client, once they exist; or UpstreamFault.
 
+    ``ndjson``: the client's stream is JSON lines (Ollama's), not SSE.
     ``counted``: cut per event with their characters of text (for a meter);
     else one piece.
     """
+    check = checks.check_first_line if ndjson else checks.check_first_event
     sent: list[tuple[bytes, int]] = []
     try:
         async for data in response.content.iter_any():
@@ -682,7 +705,7 @@ async def _first_leg_events(
                 out = stream.feed(data)
                 if out:
                     sent.append((out, 0))
-            if out and checks.check_first_event(out):
+            if out and check(out):
                 return sent
     except StreamFailed as error:
         raise checks.invalid(error.message) from None
@@ -767,7 +790,7 @@ async def _relay_leg_stream(
             if stream.usage is None:
                 exchange.completion_chars = stream.chars
     if meter is not None and not goes_on:
-        tail += leg.call.surface.stream_error(meter.cut_error())
+        tail += stream.fail(meter.cut_error().message, BUDGET)
     await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 

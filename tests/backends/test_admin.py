@@ -450,3 +450,76 @@ def test_the_change_page_shows_latency_rounded(admin_client: Client) -> None:
 
     assert "1,235 ms" in page
     assert "1234.5678" not in page
+
+
+def _action_choices(response: Any) -> list[str]:
+    return [
+        name for name, _ in response.context["action_form"].fields["action"].choices
+    ]
+
+
+def _messages(response: Any) -> list[str]:
+    return [str(message) for message in response.context["messages"]]
+
+
+def test_remove_demo_backends_is_offered_only_while_there_are_some(
+    admin_client: Client,
+) -> None:
+    BackendFactory(name="gpu-1")
+    assert "remove_demo_backends" not in _action_choices(admin_client.get(CHANGELIST))
+
+    BackendFactory(name="demo-alpha", is_demo=True)
+    assert "remove_demo_backends" in _action_choices(admin_client.get(CHANGELIST))
+
+
+def test_remove_demo_backends_keeps_the_operators_and_names_unserved_models(
+    admin_client: Client,
+) -> None:
+    alpha = BackendFactory(name="demo-alpha", is_demo=True)
+    beta = BackendFactory(name="demo-beta", is_demo=True)
+    own = BackendFactory(name="GPU-1")
+    for backend, names in (
+        (alpha, ("llama3:8b", "mistral:7b")),
+        (beta, ("llama3:8b", "llava:7b")),
+        (own, ("llama3:8b",)),
+    ):
+        for name in names:
+            BackendModelFactory(backend=backend, name=name)
+
+    response = admin_client.post(
+        CHANGELIST,
+        {
+            "action": "remove_demo_backends",
+            "_selected_action": [alpha.pk, beta.pk, own.pk],
+        },
+        follow=True,
+    )
+
+    assert response.status_code == 200
+    assert list(Backend.objects.values_list("name", flat=True)) == ["GPU-1"]
+    assert list(BackendModel.objects.values_list("name", flat=True)) == ["llama3:8b"]
+    shown = _messages(response)
+    assert shown[0].startswith("Removed demo backends demo-alpha, demo-beta.")
+    # llama3:8b is still served by the operator's own backend.
+    assert shown[1].startswith("No enabled backend serves llava:7b, mistral:7b now")
+    assert shown[2] == "Left alone (not demo backends): GPU-1."
+    # Nothing demo is left: the action goes away.
+    assert "remove_demo_backends" not in _action_choices(response)
+
+
+def test_remove_demo_backends_with_none_selected_removes_nothing(
+    admin_client: Client,
+) -> None:
+    BackendFactory(name="demo-alpha", is_demo=True)
+    own = BackendFactory(name="gpu-1")
+
+    response = admin_client.post(
+        CHANGELIST,
+        {"action": "remove_demo_backends", "_selected_action": [own.pk]},
+        follow=True,
+    )
+
+    assert Backend.objects.count() == 2
+    assert _messages(response) == [
+        "None of the selected backends is a demo backend; nothing removed."
+    ]

@@ -118,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
         "measured on the first single-process Nexus target.",
     )
     parser.add_argument(
+        "--all-surfaces",
+        action="store_true",
+        help="Also measure a Responses client (POST /v1/responses) and an Ollama "
+        "client (POST /api/chat) translated for the OpenAI mock.",
+    )
+    parser.add_argument(
         "--admission",
         action="store_true",
         help="Instead: admission control's benchmark (two tenants on a fleet "
@@ -180,6 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         wrk=options.wrk,
         litellm=str(Path(litellm).absolute()) if options.litellm else None,
         surfaces=options.surfaces,
+        all_surfaces=options.all_surfaces,
     )
     estimate = estimate_seconds(bench)
     _progress(

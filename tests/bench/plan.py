@@ -65,6 +65,8 @@ class BenchOptions:
     litellm: str | None = None  # LiteLLM's executable (make bench-peers)
     # The translated and pass-through Anthropic paths on the first Nexus target.
     surfaces: bool = True
+    # And the Responses and Ollama surfaces (make bench BENCH_ARGS=--all-surfaces).
+    all_surfaces: bool = False
 
 
 def estimate_seconds(options: BenchOptions) -> float:
@@ -80,6 +82,8 @@ def estimate_seconds(options: BenchOptions) -> float:
             total += options.duration if spec.role == "nexus" else 0
     nexus = [s for s in options.targets if s.role == "nexus" and not s.is_multi_process]
     if options.surfaces and nexus:
-        # Two paths of two measurements each, with their warm-ups.
-        total += 2 * (2 * options.duration + max(1.0, options.warmup) + 1.0)
+        # Two paths (four with all_surfaces) of two measurements each, with
+        # their warm-ups.
+        paths = 4 if options.all_surfaces else 2
+        total += paths * (2 * options.duration + max(1.0, options.warmup) + 1.0)
     return total

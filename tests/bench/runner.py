@@ -64,11 +64,10 @@ from tests.bench.report import build_report, summarize_ns
 from tests.bench.surfaces import (
     ANTHROPIC_BACKEND,
     ANTHROPIC_MODEL,
-    MESSAGE_END,
-    MESSAGE_REPLY,
+    PATHS,
+    SURFACE_PATHS,
     compare_surfaces,
     install_anthropic_rows,
-    messages_endpoints,
 )
 from tests.bench.surfaces import PLAN as SURFACE_PLAN
 
@@ -288,24 +287,27 @@ class _Runner:
     def measure_surfaces(
         self, plain: _Target, url: str, key: str, claude: ProcessGroup
     ) -> dict[str, Any]:
-        """Measure the translated and pass-through paths like the plain one."""
+        """Measure every surface path (``SURFACE_PATHS``) like the plain one."""
         results = {}
-        for name, model, backend in (
-            ("translated", MODEL, BACKEND_NAME),
-            ("pass-through", ANTHROPIC_MODEL, ANTHROPIC_BACKEND),
-        ):
+        names = PATHS if self.options.all_surfaces else PATHS[:2]
+        for path in (p for p in SURFACE_PATHS if p.name in names):
+            model, backend = (
+                (ANTHROPIC_MODEL, ANTHROPIC_BACKEND)
+                if path.anthropic_backend
+                else (MODEL, BACKEND_NAME)
+            )
             target = _Target(
-                f"{plain.label}-{name}",
+                f"{plain.label}-{path.name}",
                 SURFACE_PLAN,
-                *messages_endpoints(url, key, CHAT_BODY, model),
+                *path.endpoints(url, key, CHAT_BODY, model),
                 load_cpus=plain.load_cpus,
                 spec=plain.spec,
                 watched={**plain.watched, "claude": claude},
-                chat_marker=MESSAGE_REPLY,
-                stream_marker=MESSAGE_END,
+                chat_marker=path.chat_marker,
+                stream_marker=path.stream_marker,
                 backend=backend,
             )
-            results[name] = self.measure(target)
+            results[path.name] = self.measure(target)
         return results
 
     def measure(self, target: _Target) -> dict[str, Any]:

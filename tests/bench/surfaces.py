@@ -8,7 +8,11 @@ with the same load:
   OpenAI mock: the request is made canonical and written back as chat
   completions, the answer and every streamed chunk translated to Anthropic's;
 - ``pass-through``: the same Anthropic request to a mock of kind
-  ``anthropic``: the body is relayed, only usage is read on the way.
+  ``anthropic``: the body is relayed, only usage is read on the way;
+- ``responses``: an OpenAI Responses client (``POST /v1/responses``) served by
+  the OpenAI mock, translated both ways like ``translated``;
+- ``ollama``: an Ollama client (``POST /api/chat``) served by the OpenAI mock,
+  translated both ways (NDJSON streams).
 
 Each is reported as a ratio to the plain path on the same target:
 throughput of non-stream requests at c=16 and of streams at c=8, and the
@@ -19,7 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from django.db import transaction
@@ -31,7 +36,7 @@ from tests.bench.plan import Plan
 
 ANTHROPIC_BACKEND = "nexus-bench-claude"
 ANTHROPIC_MODEL = "nexus-bench-claude"
-PATHS = ("translated", "pass-through")
+PATHS = ("translated", "pass-through", "responses", "ollama")
 PLAN = Plan(chat=(16,), probe=False, paced_stream=False, streams=(8,))
 MESSAGE_REPLY = b'"content"'
 MESSAGE_END = b"message_stop"
@@ -79,6 +84,74 @@ def messages_endpoints(
         Endpoint(host, int(port), "/v1/messages", plain, headers),
         Endpoint(host, int(port), "/v1/messages", stream, headers),
     )
+
+
+def responses_endpoints(
+    base_url: str, key: str, chat_body: dict[str, Any], model: str
+) -> tuple[Endpoint, Endpoint]:
+    """The Responses request equivalent to the plain chat request."""
+    host, port = base_url.removeprefix("http://").rsplit(":", 1)
+    body = {
+        "model": model,
+        "instructions": chat_body["messages"][0]["content"],
+        "input": chat_body["messages"][1:],
+        "max_output_tokens": chat_body["max_tokens"],
+        "temperature": chat_body["temperature"],
+    }
+    headers = (("authorization", f"Bearer {key}"),)
+    plain = json.dumps(body, separators=(",", ":")).encode()
+    stream = json.dumps({**body, "stream": True}, separators=(",", ":")).encode()
+    return (
+        Endpoint(host, int(port), "/v1/responses", plain, headers),
+        Endpoint(host, int(port), "/v1/responses", stream, headers),
+    )
+
+
+def ollama_endpoints(
+    base_url: str, key: str, chat_body: dict[str, Any], model: str
+) -> tuple[Endpoint, Endpoint]:
+    """The Ollama /api/chat request equivalent to the plain chat request."""
+    host, port = base_url.removeprefix("http://").rsplit(":", 1)
+    body = {
+        "model": model,
+        "messages": chat_body["messages"],
+        "options": {
+            "num_predict": chat_body["max_tokens"],
+            "temperature": chat_body["temperature"],
+        },
+    }
+    headers = (("authorization", f"Bearer {key}"),)
+    plain = json.dumps({**body, "stream": False}, separators=(",", ":")).encode()
+    stream = json.dumps({**body, "stream": True}, separators=(",", ":")).encode()
+    return (
+        Endpoint(host, int(port), "/api/chat", plain, headers),
+        Endpoint(host, int(port), "/api/chat", stream, headers),
+    )
+
+
+@dataclass(frozen=True)
+class SurfacePath:
+    """One measured surface path: its requests and how a good answer looks."""
+
+    name: str
+    endpoints: Callable[[str, str, dict[str, Any], str], tuple[Endpoint, Endpoint]]
+    anthropic_backend: bool  # served by the Anthropic-kind mock
+    chat_marker: bytes
+    stream_marker: bytes
+
+
+SURFACE_PATHS = (
+    SurfacePath("translated", messages_endpoints, False, MESSAGE_REPLY, MESSAGE_END),
+    SurfacePath("pass-through", messages_endpoints, True, MESSAGE_REPLY, MESSAGE_END),
+    SurfacePath(
+        "responses",
+        responses_endpoints,
+        False,
+        b'"output_text"',
+        b"response.completed",
+    ),
+    SurfacePath("ollama", ollama_endpoints, False, b'"done":true', b'"done":true'),
+)
 
 
 def compare_surfaces(plain: dict[str, Any], chunks: int) -> dict[str, Any]:
@@ -166,6 +239,8 @@ def _describe(name: str) -> str:
     return {
         "translated": "translated (Anthropic client, OpenAI backend)",
         "pass-through": "pass-through (Anthropic client and backend)",
+        "responses": "translated (Responses client, OpenAI backend)",
+        "ollama": "translated (Ollama client, OpenAI backend)",
     }[name]
 
 

@@ -46,6 +46,7 @@ def test_smoke_run_reports_every_figure_for_each_kind_of_target(
 ) -> None:
     servers = "bare-daphne,daphne,granian-xN"
     argv = ["--duration", "1", "--quick", "--servers", servers, "--workers", "2"]
+    argv.append("--all-surfaces")
     assert main([*argv, "--output", str(tmp_path)]) == 0
 
     report = json.loads((tmp_path / "latest.json").read_text())
@@ -79,7 +80,12 @@ def test_smoke_run_reports_every_figure_for_each_kind_of_target(
     assert compared["chat"]["16"]["throughput_ratio"] > 0
     assert compared["paced_stream"]["ttfb_added_p50_ms"] is not None
     # The protocol surfaces, on the first single-process Nexus target only.
-    assert set(daphne["surfaces"]) == {"translated", "pass-through"}
+    assert set(daphne["surfaces"]) == {
+        "translated",
+        "pass-through",
+        "responses",
+        "ollama",
+    }
     for path, cell in daphne["surface_comparison"].items():
         measured = daphne["surfaces"][path]
         _assert_chat_cell(measured["chat"]["16"], 16)

@@ -22,6 +22,7 @@ import pytest
 from django.conf import settings
 
 from backends.models import Backend, BackendModel, HealthStatus
+from routing.models import RoutingPolicy
 from tests.conftest import REPO_ROOT, MockBackendProcess, NexusServer, server_env
 from tests.routing.test_metrics import sample
 from usage.models import ApiKey, UsageRecord
@@ -43,6 +44,12 @@ def _setup(mock: MockBackendProcess) -> str:
         name="mock-drain", base_url=mock.base_url, status=HealthStatus.HEALTHY
     )
     BackendModel.objects.create(backend=backend, name=MODEL)
+    # The mock serves every stream at once, as a batching server does: the
+    # operator sets the admission watermark to match, so that all the streams
+    # (and the ones nexus_run's second test adds) are in flight at SIGTERM.
+    policy = RoutingPolicy.load()
+    policy.admission_watermark_per_backend = 2 * STREAMS
+    policy.save()
     _, key = ApiKey.objects.create_key("drain")
     return key
 

@@ -129,7 +129,7 @@ def test_anonymous_health_is_a_summary_without_backend_details(
     response = client.get("/health")
     assert response.status_code == 200
     body = response.json()
-    assert set(body) == {"status", "summary"}
+    assert set(body) == {"status", "database", "summary"}
     assert body["summary"]["healthy"] == 1
     assert "10.1.2.3" not in response.content.decode()
     assert "gpu-internal" not in response.content.decode()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -76,6 +77,13 @@ def test_dashboard_shows_a_chat_request_without_reload(
     Backend.objects.create(
         name="gpu-rack-2", base_url="http://127.0.0.1:9", status=HealthStatus.UNHEALTHY
     )
+    # Healthy an hour ago, unchecked since (beat stopped): routed as unknown.
+    Backend.objects.create(
+        name="gpu-quiet",
+        base_url="http://127.0.0.1:9",
+        status=HealthStatus.HEALTHY,
+        last_check_at=timezone.now() - timedelta(hours=1),
+    )
     _, key = ApiKey.objects.create_key("dashboard-browser")
     # Earlier traffic, already rolled up into a per-minute bucket.
     UsageBucketFactory(
@@ -107,6 +115,13 @@ def test_dashboard_shows_a_chat_request_without_reload(
         backends = page.locator("#backends tbody tr")
         expect(backends.filter(has_text="mock-dash")).to_contain_text("healthy")
         expect(backends.filter(has_text="gpu-rack-2")).to_contain_text("unhealthy")
+        expect(backends.filter(has_text="gpu-rack-2").locator(".stale")).to_have_count(
+            0
+        )
+        quiet = backends.filter(has_text="gpu-quiet").locator(".stale")
+        expect(quiet).to_have_text("stale")
+        expect(quiet).to_have_attribute("title", re.compile("treated as unknown"))
+        expect(backends.filter(has_text="mock-dash").locator(".stale")).to_have_count(0)
         expect(page.locator("#history-hour-summary")).to_contain_text(
             "5 requests, 70 tokens (top: llama3:8b 70)"
         )
@@ -158,6 +173,7 @@ def test_dashboard_shows_a_chat_request_without_reload(
         expect(hour.locator(".point")).not_to_have_count(0)
         # Plotly's drag layer takes the pointer; the tooltip follows it.
         bar = hour.locator(".trace.bars").first.locator(".point path").last
+        bar.scroll_into_view_if_needed()  # the mouse moves within the viewport
         box = bar.bounding_box()
         assert box is not None
         page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] - 2)

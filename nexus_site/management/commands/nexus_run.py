@@ -115,8 +115,8 @@ class Command(BaseCommand):
         supervisor.install_signal_handlers()
         status = 1
         try:
-            demo_key = (
-                "" if web_only else self._start_demo(supervisor, demo_wanted=demo)
+            demo_key, demo_notes = (
+                ("", []) if web_only else self._start_demo(supervisor, demo_wanted=demo)
             )
             webs = self._start_web(
                 supervisor, listener, server, host, port, workers, proxy_headers
@@ -126,7 +126,9 @@ class Command(BaseCommand):
             if not wait_for_port(host, port, web):
                 supervisor.say("The web server did not start; see [web] above.")
             else:
-                self._banner(host, port, admin_line, demo_key, web, *background)
+                self._banner(
+                    host, port, admin_line, demo_key, demo_notes, web, *background
+                )
                 self.stdout.write(
                     f"  Serving with {server}: {workers} process"
                     f"{'es' * (workers != 1)} on one port "
@@ -253,11 +255,16 @@ class Command(BaseCommand):
         )
         return f"user {username!r} password {shown} (printed once; keep it)"
 
-    def _start_demo(self, supervisor: Supervisor, demo_wanted: bool | None) -> str:
+    def _start_demo(
+        self, supervisor: Supervisor, demo_wanted: bool | None
+    ) -> tuple[str, list[str]]:
+        """Start the demo backends if wanted; return the demo key and notes.
+
+        The notes tell the operator, in the banner, what demo mode means for
+        their own configuration.
+        """
         if not demo.is_demo_wanted(demo_wanted):
-            if demo.disable_demo_backends():
-                self.stdout.write("Demo mode is off: demo backends disabled.")
-            return ""
+            return "", demo.describe_disabled_demo(demo.disable_demo_backends())
         for spec in demo.DEMO_BACKENDS:
             mock = demo.spawn_demo_mock(spec)
             supervisor.adopt(spec.name, mock.process)
@@ -266,7 +273,8 @@ class Command(BaseCommand):
                 f"Demo backend {spec.name} (mock, pid {mock.process.pid}) "
                 f"at {mock.base_url}"
             )
-        return demo.ensure_demo_api_key(settings.NEXUS_STATE_DIR)
+        notes = demo.describe_kept_demo(demo.own_backend_names())
+        return demo.ensure_demo_api_key(settings.NEXUS_STATE_DIR), notes
 
     def _banner(
         self,
@@ -274,6 +282,7 @@ class Command(BaseCommand):
         port: int,
         admin_line: str,
         demo_key: str,
+        demo_notes: list[str],
         web: Child,
         worker: Child | None = None,
         beat: Child | None = None,
@@ -293,5 +302,6 @@ class Command(BaseCommand):
             )
         if demo_key:
             lines.append(f"  Demo API key:  {demo_key}")
+        lines += [f"  {note}" for note in demo_notes]
         lines += ["Press Ctrl-C to stop.", ""]
         self.stdout.write("\n".join(lines))

@@ -346,6 +346,17 @@
       const status = b.enabled ? b.status : "disabled";
       const health = cell(status, "status status-" + status);
       if (b.last_error) health.title = b.last_error;
+      if (b.enabled && b.stale) {
+        // The router counts an old result as unknown: no traffic until checked.
+        health.className = "status status-unknown";
+        const badge = document.createElement("span");
+        badge.className = "stale";
+        badge.textContent = "stale";
+        badge.title =
+          "Last health check over 3 health intervals ago: treated as unknown " +
+          "(no traffic) until the next check. Is Celery beat running?";
+        health.append(" ", badge);
+      }
       tr.append(
         cell(b.name),
         health,

@@ -9,7 +9,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('usage', '0004_apikey_admission'),
+        ('usage', '0005_usage_endpoint_responses_ollama'),
     ]
 
     operations = [
