@@ -1,9 +1,10 @@
 """Keys' limits on every inbound surface, each in its own error shape.
 
-One Nexus server (Daphne), an OpenAI-kind mock and an Anthropic-kind mock
-serve the module. Anthropic clients reach the OpenAI mock translated and the
-Anthropic mock passed through; OpenAI clients reach the Anthropic mock
-translated. Every refusal and every budget cut must come in the client's
+One Nexus server (Daphne), an OpenAI-kind, an Anthropic-kind and an
+Ollama-kind mock serve the module. Anthropic clients reach the OpenAI mock
+translated and the Anthropic mock passed through; OpenAI clients reach the
+Anthropic mock translated; Responses clients are always translated; Ollama
+clients reach the Ollama mock passed through and the OpenAI mock translated. Every refusal and every budget cut must come in the client's
 protocol; a cut stream is billed exactly what its meter counted.
 """
 
@@ -17,6 +18,7 @@ from datetime import timedelta
 
 import anthropic
 import httpx
+import ollama
 import openai
 import pytest
 from django.conf import settings
@@ -45,6 +47,7 @@ class Setup:
     server: NexusServer
     o: MockBackendProcess
     c: MockBackendProcess
+    n: MockBackendProcess
     keys: dict[str, str]
 
     def anthropic(self, key: str) -> anthropic.Anthropic:
@@ -57,6 +60,21 @@ class Setup:
             base_url=f"{self.server.base_url}/v1",
             api_key=self.keys[key],
             max_retries=0,
+        )
+
+    def ollama(self, key: str) -> ollama.Client:
+        return ollama.Client(
+            host=self.server.base_url,
+            headers={"Authorization": f"Bearer {self.keys[key]}"},
+            timeout=20,
+        )
+
+    def post(self, key: str, path: str, body: dict) -> httpx.Response:
+        return httpx.post(
+            f"{self.server.base_url}{path}",
+            json=body,
+            headers={"authorization": f"Bearer {self.keys[key]}"},
+            timeout=10,
         )
 
     def messages(self, key: str, body: dict) -> httpx.Response:
@@ -103,6 +121,11 @@ def setup(django_db_setup: None, django_db_blocker) -> Iterator[Setup]:
             "--api-key", UPSTREAM_KEY, "--chunks", str(CHUNKS),
         )  # fmt: skip
         started.append(c)
+        n = start_mock_backend(
+            "--models", "qwen:1b", "--name", "ten-n", "--kind", "ollama",
+            "--chunks", str(CHUNKS),
+        )  # fmt: skip
+        started.append(n)
         with django_db_blocker.unblock():
             if SHIPS_TO_REDIS:
                 clear_usage_stream()
@@ -119,6 +142,13 @@ def setup(django_db_setup: None, django_db_blocker) -> Iterator[Setup]:
                 status=HealthStatus.HEALTHY,
             )
             BackendModel.objects.create(backend=backend_c, name="claude-x")
+            backend_n = Backend.objects.create(
+                name="ten-n",
+                base_url=n.base_url,
+                kind="ollama",
+                status=HealthStatus.HEALTHY,
+            )
+            BackendModel.objects.create(backend=backend_n, name="qwen:1b")
             day = {"budget_period": "day"}
             specs = {
                 "listed": {"allowed_models": "llama3:*,claude-x"},
@@ -127,13 +157,16 @@ def setup(django_db_setup: None, django_db_blocker) -> Iterator[Setup]:
                 "budget-t": {"budget_tokens": BUDGET_TOKENS, **day},
                 "budget-p": {"budget_tokens": BUDGET_TOKENS, **day},
                 "budget-o": {"budget_tokens": BUDGET_TOKENS, **day},
+                "budget-r": {"budget_tokens": BUDGET_TOKENS, **day},
+                "budget-n": {"budget_tokens": BUDGET_TOKENS, **day},
+                "budget-nt": {"budget_tokens": BUDGET_TOKENS, **day},
             }
             keys = {
                 name: ApiKey.objects.create_key(f"surfaces-{name}", **limits)[1]
                 for name, limits in specs.items()
             }
         server = start_nexus_server(NEXUS_BREAKER_FAILURES="1000000")
-        yield Setup(server, o, c, keys)
+        yield Setup(server, o, c, n, keys)
     finally:
         if server is not None:
             server.stop()
@@ -261,6 +294,110 @@ def test_an_openai_stream_from_an_anthropic_backend_is_cut_in_openais_shape(
     assert 0 < len(texts) < CHUNKS
 
     record = _record(request_id)
+    assert record.error == "budget_exceeded"
+    relayed = sum(len(text) for text in texts)
+    before = relayed - len(texts[-1])
+    prompt = record.prompt_tokens
+    assert prompt + -(-before // 4) <= BUDGET_TOKENS < prompt + -(-relayed // 4)
+    assert record.completion_tokens == -(-relayed // 4)
+
+
+# --- Responses ---------------------------------------------------------------
+
+
+def test_responses_follow_the_allow_list_and_expiry(setup: Setup) -> None:
+    listed = setup.openai("listed")
+    assert listed.responses.create(model="llama3:8b", input="hi").output_text
+    with pytest.raises(openai.PermissionDeniedError) as refused:
+        listed.responses.create(model="mistral:7b", input="hi")
+    assert refused.value.code == "model_not_allowed"
+    with pytest.raises(openai.AuthenticationError) as expired:
+        setup.openai("expired").responses.create(model="llama3:8b", input="hi")
+    assert expired.value.code == "key_expired"
+
+
+def test_a_responses_stream_is_cut_with_a_budget_error_event(setup: Setup) -> None:
+    answer = setup.post(
+        "budget-r",
+        "/v1/responses",
+        {"model": "llama3:8b", "input": PROMPT, "stream": True},
+    )
+    assert answer.status_code == 200
+    events = [
+        json.loads(line[6:])
+        for line in answer.text.splitlines()
+        if line.startswith("data: ")
+    ]
+    kinds = [event["type"] for event in events]
+    assert kinds[-2:] == ["error", "response.failed"]
+    assert events[-2]["code"] == "budget_exceeded"
+    assert events[-1]["response"]["error"]["code"] == "budget_exceeded"
+    assert "response.completed" not in kinds
+    texts = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert 0 < len(texts) < CHUNKS
+
+    record = _record(answer.headers["x-request-id"])
+    assert record.error == "budget_exceeded"
+    relayed = sum(len(text) for text in texts)
+    before = relayed - len(texts[-1])
+    prompt = record.prompt_tokens
+    assert prompt + -(-before // 4) <= BUDGET_TOKENS < prompt + -(-relayed // 4)
+    assert record.completion_tokens == -(-relayed // 4)
+
+
+# --- Ollama --------------------------------------------------------------------
+
+
+def test_ollamas_catalogue_and_chat_follow_the_allow_list(setup: Setup) -> None:
+    listed = setup.ollama("listed")
+    assert sorted(m.model for m in listed.list().models) == ["claude-x", "llama3:8b"]
+    assert {m.model for m in listed.ps().models} <= {"claude-x", "llama3:8b"}
+    assert {m.model for m in setup.ollama("budget-n").list().models} == {
+        "llama3:8b",
+        "mistral:7b",
+        "claude-x",
+        "qwen:1b",
+    }
+    with pytest.raises(ollama.ResponseError) as hidden:
+        listed.show("qwen:1b")
+    assert hidden.value.status_code == 404
+    assert listed.show("llama3:8b")
+    for model in ("qwen:1b", "no-such-model"):
+        with pytest.raises(ollama.ResponseError) as refused:
+            listed.chat(model=model, messages=user("x"))
+        assert refused.value.status_code == 403
+        assert "not allowed" in refused.value.error
+    # A load-only request names a model too.
+    refused_load = setup.post("listed", "/api/generate", {"model": "qwen:1b"})
+    assert refused_load.status_code == 403
+    with pytest.raises(ollama.ResponseError) as expired:
+        setup.ollama("expired").list()
+    assert expired.value.status_code == 401
+
+
+@pytest.mark.parametrize(
+    ("key", "model"),
+    [("budget-n", "qwen:1b"), ("budget-nt", "llama3:8b")],
+    ids=["passed-through", "translated"],
+)
+def test_an_ollama_stream_is_cut_with_an_error_line(
+    setup: Setup, key: str, model: str
+) -> None:
+    answer = setup.post(
+        key,
+        "/api/chat",
+        {"model": model, "messages": user(PROMPT), "stream": True},
+    )
+    assert answer.status_code == 200
+    lines = [json.loads(line) for line in answer.text.splitlines() if line]
+    assert "budget" in lines[-1]["error"]
+    chunks = lines[:-1]
+    assert not any(line.get("done") for line in chunks)
+    texts = [line["message"]["content"] for line in chunks]
+    texts = [text for text in texts if text]
+    assert 0 < len(texts) < CHUNKS
+
+    record = _record(answer.headers["x-request-id"])
     assert record.error == "budget_exceeded"
     relayed = sum(len(text) for text in texts)
     before = relayed - len(texts[-1])
