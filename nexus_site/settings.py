@@ -540,6 +540,35 @@ NEXUS_USAGE_RECORD_RETENTION_HOURS = _bounded_float(
     "NEXUS_USAGE_RECORD_RETENTION_HOURS", 48.0, 0, 24 * 36_500
 )
 
+# --- Keys' limits and budgets ---------------------------------------------------
+
+# Where the limiter keeps its counters: "redis" (shared by every serving
+# process: limits hold for the gateway as a whole) or "local" (each serving
+# process on its own: the embedded default).
+NEXUS_LIMITS_BACKEND = _choice(
+    "NEXUS_LIMITS_BACKEND", "redis" if REDIS_URL else "local", ("redis", "local")
+)
+# The Redis the limiter uses (default: REDIS_URL).
+NEXUS_LIMITS_REDIS_URL = env.str("NEXUS_LIMITS_REDIS_URL", default="") or REDIS_URL
+if NEXUS_LIMITS_BACKEND == "redis" and not NEXUS_LIMITS_REDIS_URL:
+    raise ImproperlyConfigured("NEXUS_LIMITS_BACKEND=redis needs REDIS_URL.")
+# When Redis cannot be reached: "open" lets requests through unchecked, "closed"
+# refuses them with a 503. Logged and counted either way.
+NEXUS_LIMITS_ON_REDIS_ERROR = _choice(
+    "NEXUS_LIMITS_ON_REDIS_ERROR", "open", ("open", "closed")
+)
+# Seconds the limiter waits for Redis before treating it as unreachable.
+NEXUS_LIMITS_REDIS_TIMEOUT = _bounded_float("NEXUS_LIMITS_REDIS_TIMEOUT", 0.5, 0.01, 30)
+# Completion tokens a request is assumed to use when it sets no max_tokens (its
+# TPM charge and budget hold until it settles to what it really used).
+NEXUS_LIMITS_DEFAULT_COMPLETION_TOKENS = _bounded_int(
+    "NEXUS_LIMITS_DEFAULT_COMPLETION_TOKENS", 1024, 0, 10_000_000
+)
+# Seconds between reconciliations of the budget counters with the usage tables.
+NEXUS_LIMITS_RECONCILE_INTERVAL = _bounded_float(
+    "NEXUS_LIMITS_RECONCILE_INTERVAL", 30.0, 0.1, 86_400
+)
+
 # --- Celery ---------------------------------------------------------------------
 
 if REDIS_URL:
@@ -591,6 +620,13 @@ CELERY_BEAT_SCHEDULE = {
         "options": {"expires": NEXUS_DISCOVERY_INTERVAL},
     },
 }
+if NEXUS_LIMITS_BACKEND == "redis":
+    # Each serving process reconciles its own counters in the local mode.
+    CELERY_BEAT_SCHEDULE["reconcile-key-spend"] = {
+        "task": "usage.tasks.reconcile_key_spend",
+        "schedule": NEXUS_LIMITS_RECONCILE_INTERVAL,
+        "options": {"expires": NEXUS_LIMITS_RECONCILE_INTERVAL},
+    }
 if NEXUS_USAGE_TRANSPORT == "redis":
     # Serving processes ship usage to a Redis stream; the worker writes it.
     CELERY_BEAT_SCHEDULE["drain-usage-stream"] = {

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from channels.db import database_sync_to_async
 from django.conf import settings
 
 from routing.admission.gate import AdmissionGate
@@ -35,6 +36,8 @@ from routing.state import GatewayState, build_state
 from routing.versioning import read_config_version
 from usage.buffer import UsageBuffer
 from usage.flush import DatabaseFlusher
+from usage.limits.limiter import Limiter, LocalLimiter
+from usage.limits.spend import read_budget_spend
 from usage.live import LiveUsage
 from usage.publisher import USAGE_GROUP, UsagePublisher
 from usage.spill import UsageSpill
@@ -77,6 +80,12 @@ class GatewayConfig:
     # How admission control learns its share of the band: "single" (the only
     # process), "env" (the launcher's NEXUS_SERVING_*), "redis" (live registry).
     admission_share: str = "single"
+    limits_backend: str = "local"  # or "redis"
+    limits_redis_url: str = ""
+    limits_fail_open: bool = True
+    limits_redis_timeout: float = 0.5
+    default_completion_tokens: int = 1024
+    reconcile_interval: float = 30.0
 
     @classmethod
     def from_settings(cls) -> GatewayConfig:
@@ -97,6 +106,12 @@ class GatewayConfig:
             metrics_token=settings.NEXUS_METRICS_TOKEN,
             breaker=BreakerSettings.from_settings(),
             admission_share="redis" if settings.REDIS_URL else "env",
+            limits_backend=settings.NEXUS_LIMITS_BACKEND,
+            limits_redis_url=settings.NEXUS_LIMITS_REDIS_URL,
+            limits_fail_open=settings.NEXUS_LIMITS_ON_REDIS_ERROR == "open",
+            limits_redis_timeout=settings.NEXUS_LIMITS_REDIS_TIMEOUT,
+            default_completion_tokens=settings.NEXUS_LIMITS_DEFAULT_COMPLETION_TOKENS,
+            reconcile_interval=settings.NEXUS_LIMITS_RECONCILE_INTERVAL,
         )
 
 
@@ -111,6 +126,19 @@ def _make_sink(config: GatewayConfig, buffer: UsageBuffer) -> UsageSink:
 
         return RedisShipper(buffer, spill=spill)
     return DatabaseFlusher(buffer, spill=spill)
+
+
+def _make_limiter(config: GatewayConfig, on_error: Callable[[], None]) -> Limiter:
+    if config.limits_backend == "redis":
+        from usage.limits.shared import RedisLimiter  # needs Redis only here
+
+        return RedisLimiter(
+            config.limits_redis_url,
+            fail_open=config.limits_fail_open,
+            timeout=config.limits_redis_timeout,
+            on_error=on_error,
+        )
+    return LocalLimiter()
 
 
 class Gateway:
@@ -148,6 +176,7 @@ class Gateway:
         )
         self.metrics = GatewayMetrics()
         self.admission = AdmissionGate(self.metrics, share=config.admission_share)
+        self.limiter = _make_limiter(config, self.metrics.limiter_errors.inc)
         self.metrics_endpoint = MetricsEndpoint(
             self.metrics,
             self.refresh_gauges,
@@ -197,6 +226,13 @@ class Gateway:
             ),
             loop.create_task(self._refresh_gauges_periodically(), name="gauges"),
         ]
+        self.limiter.start()
+        if isinstance(self.limiter, LocalLimiter):
+            self._tasks.append(
+                loop.create_task(
+                    self._reconcile_periodically(self.limiter), name="reconcile"
+                )
+            )
 
     async def stop(self) -> None:
         """Stop every task; usage still held is handed on first."""
@@ -209,6 +245,7 @@ class Gateway:
         await self.publisher.stop()
         await self.breaker.stop()
         await self.usage_sink.stop()
+        await self.limiter.stop()
         await self.upstream.close()
         self._loop = None
 
@@ -267,11 +304,24 @@ class Gateway:
             except Exception:
                 logger.warning("Could not update the gauges", exc_info=True)
 
+    async def _reconcile_periodically(self, limiter: LocalLimiter) -> None:
+        """Raise this process's budget counters to the rolled-up spend (embedded)."""
+        while True:
+            await asyncio.sleep(self.config.reconcile_interval)
+            try:
+                spend = await database_sync_to_async(read_budget_spend)()
+            except Exception:
+                logger.warning("Could not read the keys' spend", exc_info=True)
+            else:
+                limiter.reconcile(spend)
+
     def _count_opening(self, backend_name: str) -> None:
         self.metrics.breaker_openings.labels(backend_name).inc()
 
     def _note_config(self, state: GatewayState) -> None:
         self.metrics.config_version.set(state.version)
+        if isinstance(self.limiter, LocalLimiter):
+            self.limiter.reconcile(state.spend)
 
 
 def tune_garbage_collector() -> None:

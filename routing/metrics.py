@@ -129,6 +129,33 @@ class GatewayMetrics:
             registry=registry,
         )
         self._add_admission_metrics(registry)
+        self.limited = Counter(
+            "nexus_requests_limited",
+            "Requests refused by a key's limits, by reason: requests, tokens, "
+            "concurrency, budget, unavailable (limiter down, fail closed), "
+            "model_not_allowed, expired.",
+            ("reason",),
+            registry=registry,
+        )
+        self.budget_cutoffs = Counter(
+            "nexus_budget_cutoffs",
+            "Streams cut off mid-answer because the key's budget ran out.",
+            registry=registry,
+        )
+        self.limiter_errors = Counter(
+            "nexus_limiter_errors",
+            "Limiter calls that failed because Redis could not be reached.",
+            registry=registry,
+        )
+        self.key_spend = Counter(
+            "nexus_key_spend_usd",
+            "Spend per client key (USD at the model prices), labelled by key "
+            "prefix: one series per key an operator created, so bounded.",
+            ("key",),
+            registry=registry,
+        )
+        self._limited_children: dict[str, Any] = {}
+        self._spend_children: dict[str, Any] = {}
         self._request_children: dict[tuple[str, str, str, int], Any] = {}
         self._latency_children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._token_children: dict[tuple[str, str], tuple[Any, Any]] = {}
@@ -171,6 +198,22 @@ class GatewayMetrics:
                 )
             tokens[0].inc(prompt_tokens)
             tokens[1].inc(completion_tokens)
+
+    def count_limited(self, reason: str) -> None:
+        """Count a refused request (reason from a fixed set)."""
+        child = self._limited_children.get(reason)
+        if child is None:
+            child = self._limited_children[reason] = self.limited.labels(reason)
+        child.inc()
+
+    def observe_spend(self, key: str, nanos: int) -> None:
+        """Add a request's cost to its key (a key prefix, or "" without one)."""
+        child = self._spend_children.get(key)
+        if child is None:
+            child = self._spend_children[key] = self.key_spend.labels(
+                key or "anonymous"
+            )
+        child.inc(nanos / 1e9)
 
     def set_backends(
         self, in_flight: dict[str, int], up: Iterable[tuple[str, bool]]

@@ -18,11 +18,11 @@ from backends.models import Backend, BackendModel
 from backends.signals import backends_changed
 from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
 from routing.versioning import mark_config_changed
-from usage.models import ApiKey
+from usage.models import ApiKey, ModelPrice
 from usage.signals import api_keys_changed
 
-# Client keys are part of what the proxy reads (which keys are valid), so their
-# changes travel the same way as routing data.
+# Client keys (which are valid, their limits) and model prices are part of what
+# the proxy reads, so their changes travel the same way as routing data.
 GATEWAY_MODELS: tuple[type[Model], ...] = (
     Backend,
     BackendModel,
@@ -31,6 +31,7 @@ GATEWAY_MODELS: tuple[type[Model], ...] = (
     ChainStep,
     RoutingPolicy,
     ApiKey,
+    ModelPrice,
 )
 # Saving only these fields changes nothing a serving process reads.
 _BOOKKEEPING_FIELDS = frozenset({"last_used_at"})

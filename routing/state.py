@@ -17,7 +17,9 @@ from routing.admission import AdmissionSettings, Criticality
 from routing.core import RouterSnapshot
 from routing.models import RoutingPolicy
 from routing.snapshot import build_snapshot
-from usage.models import ApiKey
+from usage.limits.policy import KeyPolicy, Price, resolve_prices
+from usage.limits.spend import read_budget_spend
+from usage.models import ApiKey, ModelPrice
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,13 @@ class GatewayState:
     routes: RouterSnapshot
     # SHA-256 hex of every active client key -> its visible prefix.
     keys: Mapping[str, str]
+    # Key prefix -> its allow-list, expiry, limits and budgets (every active key).
+    policies: Mapping[str, KeyPolicy] = field(default_factory=dict)
+    # Served model name -> its price (models without a price are free).
+    prices: Mapping[str, Price] = field(default_factory=dict)
+    # (key prefix, budget period id) -> rolled-up (tokens, nano-USD), for keys
+    # with a budget: where an in-process limiter's counters start.
+    spend: Mapping[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     # Visible prefix -> the key's weight and highest criticality (only keys
     # that differ from the defaults).
@@ -55,23 +64,52 @@ def build_state() -> GatewayState:
     """Read the routing tables and the active client keys (sync code only)."""
     with transaction.atomic():
         routes = build_snapshot()
-        rows = ApiKey.objects.active().values_list(
-            "hashed_key", "prefix", "admission_weight", "max_criticality"
-        )
-        keys: dict[str, str] = {}
-        key_admission: dict[str, KeyAdmission] = {}
-        for hashed, prefix, weight, max_criticality in rows:
-            keys[hashed] = prefix
-            limits = KeyAdmission(weight, Criticality.parse(max_criticality))
-            if limits != KeyAdmission():
-                key_admission[prefix] = limits
+        active = list(ApiKey.objects.active())
+        stored_prices = {
+            price.model: Price(price.input_nanos, price.output_nanos)
+            for price in ModelPrice.objects.all()
+        }
+        spend = read_budget_spend()
         policy = RoutingPolicy.objects.filter(pk=RoutingPolicy.SINGLETON_PK).first()
+    keys: dict[str, str] = {}
+    key_admission: dict[str, KeyAdmission] = {}
+    policies: dict[str, KeyPolicy] = {}
+    for key in active:
+        keys[key.hashed_key] = key.prefix
+        limits = KeyAdmission(
+            key.admission_weight, Criticality.parse(key.max_criticality)
+        )
+        if limits != KeyAdmission():
+            key_admission[key.prefix] = limits
+        policies[key.prefix] = key_policy(key)
+    models = {
+        model.name for backend in routes.backends for model in backend.models
+    } | set(routes.routes)
+    prices = resolve_prices(stored_prices, models)
     return GatewayState(
         version=routes.version,
         routes=routes,
         keys=MappingProxyType(keys),
         admission=_admission(policy),
         key_admission=MappingProxyType(key_admission),
+        policies=MappingProxyType(policies),
+        prices=MappingProxyType(prices),
+        spend=MappingProxyType(spend),
+    )
+
+
+def key_policy(key: ApiKey) -> KeyPolicy:
+    """The frozen policy the gateway enforces for one stored key."""
+    return KeyPolicy(
+        prefix=key.prefix,
+        allowed_models=key.model_patterns,
+        expires_at=key.expires_at.timestamp() if key.expires_at else None,
+        max_concurrency=key.max_concurrency,
+        rpm=key.rpm_limit,
+        tpm=key.tpm_limit,
+        budget_period=key.budget_period,
+        budget_tokens=key.budget_tokens,
+        budget_nanos=key.budget_nanos,
     )
 
 

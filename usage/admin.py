@@ -10,16 +10,22 @@ from django.db.models import OuterRef, QuerySet, Subquery
 from django.http import HttpRequest
 from django.template.defaultfilters import pluralize
 from django.urls import reverse
+from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
+from usage.limits.policy import period_id
 from usage.models import (
     ANONYMOUS,
+    LIMIT_FIELDS,
     ApiKey,
     ApiKeyQuerySet,
+    KeySpend,
+    ModelPrice,
     TokenUsage,
     UsageBucket,
     describe_key,
+    nanos_to_usd,
 )
 
 if TYPE_CHECKING:
@@ -27,12 +33,27 @@ if TYPE_CHECKING:
 
     # django-stubs makes the admin classes generic; Django's are not subscriptable.
     ApiKeyAdminBase = admin.ModelAdmin[ApiKey]
+    ModelPriceAdminBase = admin.ModelAdmin[ModelPrice]
     UsageAdminBase = admin.ModelAdmin[TokenUsage | UsageBucket]
 else:
-    ApiKeyAdminBase = UsageAdminBase = admin.ModelAdmin
+    ApiKeyAdminBase = ModelPriceAdminBase = UsageAdminBase = admin.ModelAdmin
 
 # Rows of the usage table on a key's page; the full list is one link away.
 USAGE_ROWS_SHOWN = 20
+LIMITS_FIELDSET: Any = (
+    "Allowed models, limits and budgets",
+    {
+        "fields": (
+            "allowed_models",
+            "expires_at",
+            ("rpm_limit", "tpm_limit", "max_concurrency"),
+            ("budget_period", "budget_tokens", "budget_usd"),
+        ),
+        "description": "Empty fields mean no limit. Limits hold for the whole "
+        "gateway in production mode and per serving process in the embedded "
+        "default (see README, Keys, limits and budgets).",
+    },
+)
 
 
 def _usage_url(admin_site: admin.AdminSite, prefix: str) -> str:
@@ -42,8 +63,18 @@ def _usage_url(admin_site: admin.AdminSite, prefix: str) -> str:
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(ApiKeyAdminBase):
-    list_display = ("name", "prefix_label", "is_active", "created_at", "last_used_at")
-    list_filter = ("is_active",)
+    list_display = (
+        "name",
+        "prefix_label",
+        "is_active",
+        "expires_at",
+        "rpm_limit",
+        "tpm_limit",
+        "budget_label",
+        "created_at",
+        "last_used_at",
+    )
+    list_filter = ("is_active", "budget_period")
     search_fields = ("name", "prefix")
     actions = ("deactivate_keys",)
 
@@ -59,7 +90,8 @@ class ApiKeyAdmin(ApiKeyAdminBase):
                         "description": "The key is generated when you save, and "
                         "shown once: Nexus stores only a hash of it.",
                     },
-                )
+                ),
+                LIMITS_FIELDSET,
             ]
         return [
             (
@@ -82,6 +114,8 @@ class ApiKeyAdmin(ApiKeyAdminBase):
                     "with other keys' (the routing policy's fair queue).",
                 },
             ),
+            LIMITS_FIELDSET,
+            ("Spend against the budget", {"fields": ("spend",)}),
             ("Usage", {"fields": ("usage",)}),
         ]
 
@@ -90,7 +124,7 @@ class ApiKeyAdmin(ApiKeyAdminBase):
     ) -> tuple[str, ...]:
         if obj is None:
             return ()
-        return ("prefix", "created_at", "last_used_at", "usage")
+        return ("prefix", "created_at", "last_used_at", "spend", "usage")
 
     def save_model(
         self, request: HttpRequest, obj: ApiKey, form: Any, change: bool
@@ -98,7 +132,9 @@ class ApiKeyAdmin(ApiKeyAdminBase):
         if change:
             super().save_model(request, obj, form, change)
             return
-        created, raw_key = ApiKey.objects.create_key(obj.name)
+        created, raw_key = ApiKey.objects.create_key(
+            obj.name, **{name: getattr(obj, name) for name in LIMIT_FIELDS}
+        )
         # The admin logs the addition and redirects using the instance it built,
         # so turn that instance into the row create_key saved.
         obj.pk = created.pk
@@ -119,6 +155,38 @@ class ApiKeyAdmin(ApiKeyAdminBase):
     def prefix_label(self, obj: ApiKey) -> str:
         return f"{obj.prefix}…"
 
+    @admin.display(description="budget")
+    def budget_label(self, obj: ApiKey) -> str:
+        parts = []
+        if obj.budget_tokens is not None:
+            parts.append(f"{obj.budget_tokens:,} tokens")
+        if obj.budget_usd is not None:
+            parts.append(f"${obj.budget_usd}")
+        return f"{' + '.join(parts)} / {obj.budget_period}" if parts else "-"
+
+    @admin.display(description="spend this period")
+    def spend(self, obj: ApiKey) -> SafeString:
+        """Rolled-up spend of the current budget period against the budgets."""
+        now = timezone.now()
+        rows = KeySpend.objects.filter(api_key_prefix=obj.prefix).for_period(
+            obj.budget_period, now
+        )
+        tokens, nanos = rows.spend_by_key().get(obj.prefix, (0, 0))
+        period = period_id(obj.budget_period, now.timestamp())
+        return format_html(
+            "<p>{} tokens of {}; ${} of {} ({}, rolled-up usage; the last "
+            "seconds are not in yet).</p><p>Limits: {} requests/min, {} "
+            "tokens/min, {} at once.</p>",
+            f"{tokens:,}",
+            f"{obj.budget_tokens:,}" if obj.budget_tokens is not None else "no limit",
+            f"{nanos_to_usd(nanos):.4f}",
+            f"${obj.budget_usd}" if obj.budget_usd is not None else "no limit",
+            period,
+            obj.rpm_limit or "no limit",
+            obj.tpm_limit or "no limit",
+            obj.max_concurrency or "no limit",
+        )
+
     @admin.display(description="usage")
     def usage(self, obj: ApiKey) -> SafeString:
         usage = TokenUsage.objects.for_series(key=obj.prefix)
@@ -129,7 +197,7 @@ class ApiKeyAdmin(ApiKeyAdminBase):
         body = format_html_join(
             "",
             "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>"
-            "<td>{}</td><td>{}</td></tr>",
+            "<td>{}</td><td>{}</td><td>{}</td></tr>",
             (
                 (
                     row["backend"],
@@ -139,6 +207,7 @@ class ApiKeyAdmin(ApiKeyAdminBase):
                     row["prompt_tokens"],
                     row["completion_tokens"],
                     row["total_tokens"],
+                    f"{row['cost_usd']:.4f}",
                 )
                 for row in shown
             ),
@@ -146,13 +215,14 @@ class ApiKeyAdmin(ApiKeyAdminBase):
         return format_html(
             "<table><thead><tr><th>backend</th><th>model</th><th>requests</th>"
             "<th>errors</th><th>prompt tokens</th><th>completion tokens</th>"
-            "<th>total tokens</th></tr></thead><tbody>{}</tbody></table>"
-            "<p>{} requests, {} errors, {} tokens in all. "
+            "<th>total tokens</th><th>cost (USD)</th></tr></thead><tbody>{}"
+            "</tbody></table><p>{} requests, {} errors, {} tokens, ${} in all. "
             '<a href="{}">All usage rows for this key</a></p>',
             body,
             totals["requests"],
             totals["errors"],
             totals["total_tokens"],
+            f"{totals['cost_usd']:.4f}",
             _usage_url(self.admin_site, obj.prefix),
         )
 
@@ -162,6 +232,12 @@ class ApiKeyAdmin(ApiKeyAdminBase):
         self.message_user(
             request, f"Deactivated {count} key{pluralize(count)}.", messages.SUCCESS
         )
+
+
+@admin.register(ModelPrice)
+class ModelPriceAdmin(ModelPriceAdminBase):
+    list_display = ("model", "input_per_million", "output_per_million", "updated_at")
+    search_fields = ("model",)
 
 
 class _SeriesFilter(admin.SimpleListFilter):

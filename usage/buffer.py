@@ -73,6 +73,7 @@ class UsageEvent:
     status: int
     streamed: bool
     error: str = ""  # short error code/type; "" for success
+    cost_nanos: int = 0  # at the served model's price, in nano-USD
     created_at: float = field(default_factory=time.time)  # Unix time, seconds
     # Nexus's own unique id for this event: the flusher's idempotency key. Not
     # request_id, which a client may choose (X-Request-Id) and may repeat for

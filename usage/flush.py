@@ -241,6 +241,7 @@ def _to_record(event: UsageEvent) -> UsageRecord:
         total_tokens=_count(event.total_tokens),
         estimated=bool(event.estimated),
         latency_ms=event.latency_ms if math.isfinite(event.latency_ms) else 0.0,
+        cost_nanos=_count(event.cost_nanos),
         status=min(max(int(event.status), 0), _MAX_STATUS),
         streamed=bool(event.streamed),
         error=_clip("error", event.error),

@@ -6,15 +6,24 @@ import hashlib
 import hmac
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any, ClassVar, Self, cast
 
+from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import OuterRef, Q, QuerySet, Subquery, Sum
 from django.db.models.query import ValuesIterable
 from django.utils import timezone
 
+from usage.limits.policy import (
+    NANOS_PER_USD,
+    BudgetPeriod,
+    is_valid_pattern,
+    period_id,
+    split_patterns,
+)
 from usage.signals import api_keys_changed
 
 KEY_SCHEME = "nx-"
@@ -30,11 +39,18 @@ class ApiKeyQuerySet(models.QuerySet["ApiKey"]):
     def active(self) -> ApiKeyQuerySet:
         return self.filter(is_active=True)
 
-    def create_key(self, name: str) -> tuple[ApiKey, str]:
-        """Create a key; return it with the raw secret, which is not stored."""
+    def create_key(self, name: str, **limits: Any) -> tuple[ApiKey, str]:
+        """Create a key; return it with the raw secret, which is not stored.
+
+        ``limits`` sets any of the key's limit, budget and admission fields
+        (SETTING_FIELDS).
+        """
+        unknown = set(limits) - set(SETTING_FIELDS)
+        if unknown:
+            raise TypeError(f"not a limit field: {', '.join(sorted(unknown))}")
         raw = f"{KEY_SCHEME}{secrets.token_urlsafe(32)}"
         key = self.model(
-            name=name, prefix=raw[:PREFIX_LENGTH], hashed_key=hash_key(raw)
+            name=name, prefix=raw[:PREFIX_LENGTH], hashed_key=hash_key(raw), **limits
         )
         key.full_clean()
         key.save()
@@ -97,6 +113,57 @@ class ApiKey(models.Model):
         help_text="The most a request may claim with X-Nexus-Criticality; "
         "requests without the header get this level, capped at default.",
     )
+    allowed_models = models.CharField(
+        max_length=2000,
+        blank=True,
+        default="",
+        help_text="Comma-separated model names, aliases or glob patterns "
+        "(llama3:*) this key may use; empty allows every model.",
+    )
+    expires_at = models.DateTimeField(
+        "expires", null=True, blank=True, help_text="After this the key gets 401."
+    )
+    max_concurrency = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Requests in flight at once, gateway-wide; empty: no limit.",
+    )
+    rpm_limit = models.PositiveIntegerField(
+        "requests per minute",
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Empty: no limit.",
+    )
+    tpm_limit = models.PositiveIntegerField(
+        "tokens per minute",
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Prompt and completion tokens; empty: no limit.",
+    )
+    budget_period = models.CharField(
+        max_length=8,
+        choices=BudgetPeriod.choices(),
+        default=BudgetPeriod.MONTH,
+        help_text="What the budgets cover: the current UTC day, month, or all time.",
+    )
+    budget_tokens = models.PositiveBigIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Tokens this key may use per budget period; empty: no limit.",
+    )
+    budget_usd = models.DecimalField(
+        "budget (USD)",
+        max_digits=14,
+        decimal_places=4,
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(Decimal("0.0001"))],
+        help_text="Spend (at the model prices) per budget period; empty: no limit.",
+    )
 
     objects = ApiKeyQuerySet.as_manager()
 
@@ -107,8 +174,126 @@ class ApiKey(models.Model):
     def __str__(self) -> str:
         return f"{self.name} ({self.prefix}…)"
 
+    def clean(self) -> None:
+        bad = [p for p in self.model_patterns if not is_valid_pattern(p)]
+        if bad:
+            raise ValidationError(
+                {
+                    "allowed_models": "Not a model name or glob pattern: "
+                    + ", ".join(repr(p[:60]) for p in bad)
+                }
+            )
+        self.allowed_models = ",".join(self.model_patterns)
+
     def matches(self, raw_key: str) -> bool:
         return hmac.compare_digest(self.hashed_key, hash_key(raw_key))
+
+    @property
+    def model_patterns(self) -> tuple[str, ...]:
+        """The allow-list as a tuple (empty: every model)."""
+        return split_patterns(self.allowed_models)
+
+    @property
+    def budget_nanos(self) -> int | None:
+        """The money budget in nano-USD (the unit costs are counted in)."""
+        if self.budget_usd is None:
+            return None
+        return int(self.budget_usd * NANOS_PER_USD)
+
+    def is_expired(self, now: datetime | None = None) -> bool:
+        return self.expires_at is not None and self.expires_at <= (
+            now or timezone.now()
+        )
+
+    def spend(self, now: datetime | None = None) -> dict[str, Any]:
+        """Rolled-up requests, tokens and cost (nano-USD) of the current budget
+        period and of all time, with what is left of the budgets."""
+        moment = now or timezone.now()
+        rows = KeySpend.objects.filter(api_key_prefix=self.prefix)
+        totals = rows.totals()
+        period: dict[str, Any] = {
+            **rows.for_period(self.budget_period, moment).totals()
+        }
+        period["period"] = period_id(self.budget_period, moment.timestamp())
+        budget_nanos = self.budget_nanos
+        period["remaining_tokens"] = (
+            None
+            if self.budget_tokens is None
+            else max(self.budget_tokens - period["total_tokens"], 0)
+        )
+        period["remaining_nanos"] = (
+            None
+            if budget_nanos is None
+            else max(budget_nanos - period["cost_nanos"], 0)
+        )
+        return {"period": period, "all_time": totals}
+
+
+# The fields that limit what a key may do (create_key(), the API, the commands).
+LIMIT_FIELDS = (
+    "allowed_models",
+    "expires_at",
+    "max_concurrency",
+    "rpm_limit",
+    "tpm_limit",
+    "budget_period",
+    "budget_tokens",
+    "budget_usd",
+)
+# Everything an operator sets on a key besides its name (the API's fields too).
+SETTING_FIELDS = (*LIMIT_FIELDS, "admission_weight", "max_criticality")
+
+
+class ModelPrice(models.Model):
+    """What a model costs per million tokens, in and out (USD).
+
+    ``model`` is a served model's name or a glob pattern (``llama3:*``); an
+    exact name wins over patterns, and the longest matching pattern over
+    shorter ones. A local model may have a price too, to charge teams for GPU
+    time. Costs are counted in nano-USD, so prices have at most 3 decimals.
+    """
+
+    model = models.CharField(
+        max_length=200, unique=True, help_text="Model name or glob pattern."
+    )
+    input_per_million = models.DecimalField(
+        "input (USD per 1M tokens)",
+        max_digits=12,
+        decimal_places=3,
+        default=Decimal(0),
+        validators=[MinValueValidator(Decimal(0))],
+    )
+    output_per_million = models.DecimalField(
+        "output (USD per 1M tokens)",
+        max_digits=12,
+        decimal_places=3,
+        default=Decimal(0),
+        validators=[MinValueValidator(Decimal(0))],
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ("model",)
+        verbose_name = "model price"
+
+    def __str__(self) -> str:
+        return (
+            f"{self.model}: ${self.input_per_million} in / "
+            f"${self.output_per_million} out per 1M tokens"
+        )
+
+    def clean(self) -> None:
+        if not is_valid_pattern(self.model):
+            raise ValidationError({"model": "Not a model name or glob pattern."})
+
+    @property
+    def input_nanos(self) -> int:
+        """Nano-USD per input token ($X per 1M tokens is X*1000 nano-USD each)."""
+        return int(self.input_per_million * 1000)
+
+    @property
+    def output_nanos(self) -> int:
+        return int(self.output_per_million * 1000)
 
 
 # Stands for "no key" (client auth off) where a key is named in text (the API's
@@ -139,6 +324,7 @@ COUNTER_FIELDS = (
     "estimated_requests",
     "estimated_tokens",
     "latency_ms_sum",
+    "cost_nanos",
 )
 
 
@@ -157,7 +343,13 @@ def add_derived_fields(counters: dict[str, Any]) -> dict[str, Any]:
     counters["estimated_share"] = (
         counters["estimated_tokens"] / tokens if tokens else 0.0
     )
+    counters["cost_usd"] = nanos_to_usd(counters["cost_nanos"])
     return counters
+
+
+def nanos_to_usd(nanos: int | None) -> Decimal:
+    """Nano-USD as USD (a Decimal with 9 places, exact)."""
+    return Decimal(nanos or 0).scaleb(-9)
 
 
 class _ReportRows(ValuesIterable):
@@ -248,9 +440,16 @@ class UsageCounters(models.Model):
         default=0.0,
         help_text="Sum of request latencies; divide by requests for the mean.",
     )
+    cost_nanos = models.PositiveBigIntegerField(
+        "cost (nano-USD)", default=0, help_text="At the model prices of the time."
+    )
 
     class Meta:
         abstract = True
+
+    @property
+    def cost_usd(self) -> Decimal:
+        return nanos_to_usd(self.cost_nanos)
 
     @property
     def latency_ms_avg(self) -> float | None:
@@ -391,6 +590,7 @@ class UsageRecord(models.Model):
         default=False, help_text="Token counts are Nexus's estimate."
     )
     latency_ms = models.FloatField("latency (ms)", default=0.0)
+    cost_nanos = models.PositiveBigIntegerField("cost (nano-USD)", default=0)
     status = models.PositiveSmallIntegerField(help_text="HTTP status sent.")
     streamed = models.BooleanField(default=False)
     error = models.CharField(max_length=100, blank=True, default="")
@@ -414,3 +614,88 @@ class UsageRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.request_id} {self.backend} / {self.served_model}"
+
+
+class KeySpendQuerySet(models.QuerySet["KeySpend"]):
+    def for_period(self, period: str, now: datetime | None = None) -> KeySpendQuerySet:
+        """Keep the days of the budget period (day, month, total) that holds now."""
+        today = (now or timezone.now()).astimezone(UTC).date()
+        if period == BudgetPeriod.DAY:
+            return self.filter(day=today)
+        if period == BudgetPeriod.MONTH:
+            return self.filter(day__gte=today.replace(day=1))
+        return self
+
+    def totals(self) -> dict[str, int]:
+        """Requests, total tokens and cost (nano-USD) summed over these rows."""
+        sums = self.aggregate(
+            requests=Sum("requests"),
+            total_tokens=Sum("total_tokens"),
+            cost_nanos=Sum("cost_nanos"),
+        )
+        return {name: value or 0 for name, value in sums.items()}
+
+    def top_spenders(self, limit: int = 20) -> list[dict[str, Any]]:
+        """Requests, tokens and cost per key over these rows, most cost first,
+        with each key's name and budgets (prefix "" is requests without a key)."""
+        rows = list(
+            self.order_by()
+            .values("api_key_prefix")
+            .annotate(
+                requests=Sum("requests"),
+                total_tokens=Sum("total_tokens"),
+                cost_nanos=Sum("cost_nanos"),
+            )
+            .order_by("-cost_nanos", "-total_tokens", "api_key_prefix")[:limit]
+        )
+        keys = ApiKey.objects.in_bulk(
+            [row["api_key_prefix"] for row in rows], field_name="prefix"
+        )
+        for row in rows:
+            key = keys.get(row["api_key_prefix"])
+            row["key"] = key
+            row["cost_usd"] = nanos_to_usd(row["cost_nanos"])
+        return rows
+
+    def spend_by_key(self) -> dict[str, tuple[int, int]]:
+        """Return (tokens, cost in nano-USD) per key prefix."""
+        rows = (
+            self.order_by()
+            .values("api_key_prefix")
+            .annotate(tokens=Sum("total_tokens"), nanos=Sum("cost_nanos"))
+        )
+        return {
+            row["api_key_prefix"]: (row["tokens"] or 0, row["nanos"] or 0)
+            for row in rows
+        }
+
+
+class KeySpend(models.Model):
+    """Tokens and cost per client key per UTC day: what budgets are checked against.
+
+    Written by the rollup in the same transaction as the other aggregates (so
+    exactly once) and never pruned: a row per key per day is small, and it
+    holds the day, month and all-time totals the fast counters are reconciled
+    from.
+    """
+
+    api_key_prefix = models.CharField("API key", max_length=PREFIX_LENGTH)
+    day = models.DateField()
+    requests = models.PositiveBigIntegerField(default=0)
+    total_tokens = models.PositiveBigIntegerField(default=0)
+    cost_nanos = models.PositiveBigIntegerField("cost (nano-USD)", default=0)
+
+    objects = KeySpendQuerySet.as_manager()
+
+    class Meta:
+        ordering = ("-day", "api_key_prefix")
+        verbose_name = "key spend"
+        verbose_name_plural = "key spend"
+        constraints = (
+            models.UniqueConstraint(
+                fields=("api_key_prefix", "day"), name="keyspend_unique_day"
+            ),
+        )
+
+    def __str__(self) -> str:
+        return f"{self.day} {self.api_key_prefix}"

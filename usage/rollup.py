@@ -12,10 +12,11 @@ table, so concurrent rollups adding to the same series never lose an update.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, date, datetime
 from typing import Any, cast
 
 from django.db import connection, models, transaction
@@ -23,8 +24,8 @@ from django.db.models import Max, Q
 from django.utils import timezone
 
 from usage.models import (
-    COUNTER_FIELDS,
     ApiKey,
+    KeySpend,
     TokenUsage,
     UsageBucket,
     UsageRecord,
@@ -49,6 +50,7 @@ _RECORD_COLUMNS = (
     "estimated",
     "is_error",
     "latency_ms",
+    "cost_nanos",
 )
 
 
@@ -68,6 +70,16 @@ class _Counters:
     estimated_requests: int = 0
     estimated_tokens: int = 0
     latency_ms_sum: float = 0.0
+    cost_nanos: int = 0
+
+
+@dataclass(slots=True)
+class _Spend:
+    """One key's day in KeySpend."""
+
+    requests: int = 0
+    total_tokens: int = 0
+    cost_nanos: int = 0
 
 
 def roll_up_usage(*, batch_size: int = ROLLUP_BATCH_SIZE) -> int:
@@ -96,10 +108,18 @@ def _roll_up_batch(last_id: int, batch_size: int) -> int:
         series: dict[tuple[str, str, str], _Counters] = {}
         buckets: dict[tuple[datetime, str, str, str], _Counters] = {}
         last_used: dict[str, datetime] = {}
+        spend: dict[tuple[str, date], _Spend] = {}
         for row in rows:
             (_, backend, served, requested, key, created_at, *counts) = row
             if key and (key not in last_used or created_at > last_used[key]):
                 last_used[key] = created_at
+            if key:
+                day = spend.setdefault(
+                    (key, created_at.astimezone(UTC).date()), _Spend()
+                )
+                day.requests += 1
+                day.total_tokens += counts[2]
+                day.cost_nanos += counts[-1]
             # Requests that failed before a model was chosen are filed under
             # the model the client asked for.
             name = (backend, served or requested, key)
@@ -118,6 +138,7 @@ def _roll_up_batch(last_id: int, batch_size: int) -> int:
             ("minute", "backend", "model", "api_key_prefix"),
             buckets.items(),
         )
+        _increment(KeySpend, ("api_key_prefix", "day"), spend.items())
         _touch_keys(last_used)
         ids = [row[0] for row in rows]
         marked = UsageRecord.objects.filter(id__in=ids, rolled_up=False).update(
@@ -149,6 +170,7 @@ def _add(
     estimated: bool,
     is_error: bool,
     latency_ms: float,
+    cost_nanos: int,
 ) -> None:
     counters.requests += 1
     counters.errors += is_error
@@ -159,12 +181,13 @@ def _add(
         counters.estimated_requests += 1
         counters.estimated_tokens += total
     counters.latency_ms_sum += latency_ms
+    counters.cost_nanos += cost_nanos
 
 
 def _increment(
     model: type[models.Model],
     key_fields: Sequence[str],
-    series: Iterable[tuple[tuple[Any, ...], _Counters]],
+    series: Iterable[tuple[tuple[Any, ...], _Counters | _Spend]],
     *,
     replace: dict[str, Any] | None = None,
 ) -> None:
@@ -174,24 +197,27 @@ def _increment(
     same order and cannot deadlock.
     """
     replace = replace or {}
+    ordered = sorted(series, key=lambda item: item[0])
+    if not ordered:
+        return
+    counter_fields = [f.name for f in dataclasses.fields(ordered[0][1])]
     quote = connection.ops.quote_name
     table = quote(model._meta.db_table)
-    columns = [*key_fields, *COUNTER_FIELDS, *replace]
+    columns = [*key_fields, *counter_fields, *replace]
     fields = [
         cast("models.Field[Any, Any]", model._meta.get_field(name)) for name in columns
     ]
     assignments = [
         f"{quote(name)} = {table}.{quote(name)} + excluded.{quote(name)}"
-        for name in COUNTER_FIELDS
+        for name in counter_fields
     ] + [f"{quote(name)} = excluded.{quote(name)}" for name in replace]
     row_sql = "(" + ", ".join(["%s"] * len(columns)) + ")"
-    ordered = sorted(series, key=lambda item: item[0])
     with connection.cursor() as cursor:
         for start in range(0, len(ordered), _ROWS_PER_STATEMENT):
             chunk = ordered[start : start + _ROWS_PER_STATEMENT]
             params: list[Any] = []
             for key, counters in chunk:
-                counts = [getattr(counters, name) for name in COUNTER_FIELDS]
+                counts = [getattr(counters, name) for name in counter_fields]
                 values = (*key, *counts, *replace.values())
                 params += [
                     field.get_db_prep_value(value, connection)

@@ -6,6 +6,7 @@ from celery import shared_task
 from django.conf import settings
 
 from usage import rollup, stream
+from usage.limits import spend
 from usage.models import UsageBucket, UsageRecord
 
 
@@ -27,3 +28,8 @@ def prune_usage_buckets() -> int:
 @shared_task
 def prune_usage_records() -> int:
     return UsageRecord.objects.prune(settings.NEXUS_USAGE_RECORD_RETENTION_HOURS)
+
+
+@shared_task
+def reconcile_key_spend() -> int:
+    return spend.reconcile_shared_spend(settings.NEXUS_LIMITS_REDIS_URL)

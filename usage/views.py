@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypedDict
 
 from django.contrib.admin.views.decorators import staff_member_required
@@ -11,7 +11,7 @@ from django.shortcuts import render
 from django.utils import timezone
 from django.views.decorators.http import require_GET
 
-from usage.models import COUNTER_FIELDS, UsageBucket, add_derived_fields
+from usage.models import COUNTER_FIELDS, KeySpend, UsageBucket, add_derived_fields
 
 # range name -> (how far back, width of one chart point)
 HISTORY_RANGES: dict[str, tuple[timedelta, timedelta]] = {
@@ -82,8 +82,16 @@ def build_history(range_name: str, *, now: datetime | None = None) -> HistoryDic
 @require_GET
 @staff_member_required
 def dashboard(request: HttpRequest) -> HttpResponse:
-    """The live dashboard page; its script does the rest."""
-    return render(request, "dashboard/index.html")
+    """The live dashboard page; its script does the rest.
+
+    Spend per key (this UTC month, from the rolled-up usage) is rendered with
+    the page.
+    """
+    month_start = timezone.now().astimezone(UTC).date().replace(day=1)
+    spenders = KeySpend.objects.filter(day__gte=month_start).top_spenders()
+    return render(
+        request, "dashboard/index.html", {"spenders": spenders, "month": month_start}
+    )
 
 
 @require_GET

@@ -2,24 +2,34 @@
 
 from __future__ import annotations
 
+from datetime import UTC
+
 from backends.models import Backend
 from routing.config_file.literals import format_key, format_scalar, format_string
 from routing.config_file.schema import (
     ADMISSION_SETTINGS,
     AUTO,
     BACKEND_SETTINGS,
+    KEY_SETTINGS,
     MODEL_SETTINGS,
     POLICY_SETTINGS,
     WEIGHT_SETTINGS,
     Setting,
+    get_field_default,
 )
 from routing.models import Alias, FallbackChain, RoutingPolicy, Strategy
+from usage.models import ApiKey, ModelPrice
 
 HEADER = """\
 # Nexus routing configuration, written by `manage.py nexus_export_config`.
 # Load it with `manage.py nexus_import_config FILE`; add --replace to also delete
 # what this file does not mention. API keys are never exported. Demo backends
 # are left out: nexus_run manages them.
+"""
+KEYS_NOTE = """\
+# Limits of client keys (README: Keys, limits and budgets), matched by name.
+# The keys themselves are created with nexus_create_key, the admin or the API;
+# their secrets are never in a file. Keys without any limit are left out.
 """
 API_KEY_NOTE = """\
 # This backend has an API key, which is never exported. Re-importing this file
@@ -85,7 +95,41 @@ def export_config() -> str:
         for model in sorted(backend.models.all(), key=lambda m: m.name):
             lines += ["", "[[backends.models]]"]
             lines += _settings(model, MODEL_SETTINGS)
-    return "\n".join(lines) + "\n"
+
+    lines += ["", "[prices]", "# USD per million tokens, in and out; names or globs."]
+    for price in ModelPrice.objects.order_by("model"):
+        lines.append(
+            f"{format_string(price.model)} = {{ input = "
+            f"{format_scalar(float(price.input_per_million))}, output = "
+            f"{format_scalar(float(price.output_per_million))} }}"
+        )
+    defaults = {s.field: get_field_default(ApiKey, s.field) for s in KEY_SETTINGS}
+    keys = [
+        key
+        for key in ApiKey.objects.active().order_by("name", "created_at")
+        if key.allowed_models
+        or key.expires_at is not None
+        or key.budget_usd is not None
+        or any(
+            getattr(key, s.field) != defaults[s.field]
+            for s in KEY_SETTINGS
+            if s.field != "name"
+        )
+    ]
+    if keys:
+        lines += ["", KEYS_NOTE.rstrip("\n")]
+    for key in keys:
+        lines += ["[[keys]]"]
+        lines += _settings(key, KEY_SETTINGS)
+        if key.model_patterns:
+            models = ", ".join(format_string(p) for p in key.model_patterns)
+            lines.append(f"models = [{models}]")
+        if key.expires_at is not None:
+            lines.append(f"expires = {key.expires_at.astimezone(UTC).isoformat()}")
+        if key.budget_usd is not None:
+            lines.append(f"budget_usd = {format_scalar(float(key.budget_usd))}")
+        lines.append("")
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def _settings(instance: object, settings: tuple[Setting, ...]) -> list[str]:

@@ -15,19 +15,25 @@ from routing.config_file.problems import ConfigError, describe_validation_error
 from routing.config_file.schema import (
     BACKEND_KEY_FOR_FIELD,
     BACKEND_SETTINGS,
+    KEY_KEY_FOR_FIELD,
     MODEL_KEY_FOR_FIELD,
     MODEL_SETTINGS,
     POLICY_KEY_FOR_FIELD,
+    PRICE_KEY_FOR_FIELD,
     BackendEntry,
     ChainEntry,
     ConfigFile,
+    KeyEntry,
     get_field_default,
 )
 from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
+from usage.models import ApiKey, ModelPrice
 
 POLICY_FIELDS = tuple(POLICY_KEY_FOR_FIELD)
 BACKEND_FIELDS = tuple(s.field for s in BACKEND_SETTINGS if s.field != "name")
 MODEL_FIELDS = tuple(s.field for s in MODEL_SETTINGS if s.field != "name")
+KEY_FIELDS = tuple(field for field in KEY_KEY_FOR_FIELD if field != "name")
+PRICE_FIELDS = tuple(PRICE_KEY_FOR_FIELD)
 
 
 @dataclass
@@ -49,6 +55,8 @@ class ImportSummary:
     aliases: TableChanges = field(default_factory=TableChanges)
     fallback_chains: TableChanges = field(default_factory=TableChanges)
     routing_policy: TableChanges = field(default_factory=TableChanges)
+    client_keys: TableChanges = field(default_factory=TableChanges)
+    model_prices: TableChanges = field(default_factory=TableChanges)
     dry_run: bool = False
 
     def tables(self) -> list[tuple[str, TableChanges]]:
@@ -58,6 +66,8 @@ class ImportSummary:
             ("aliases", self.aliases),
             ("fallback chains", self.fallback_chains),
             ("routing policy", self.routing_policy),
+            ("client keys", self.client_keys),
+            ("model prices", self.model_prices),
         ]
 
     @property
@@ -148,7 +158,52 @@ def check_config(config: ConfigFile, *, replace: bool) -> list[str]:
                 in_context=False,
             )
     problems += _check_aliases_and_chains(config, replace=replace)
+    for key_entry in config.keys:
+        key = _only_key(key_entry, problems)
+        if key is not None:
+            _assign(key, key_entry.values)
+            _clean(
+                key,
+                problems,
+                key_entry.path,
+                KEY_KEY_FOR_FIELD,
+                exclude=key_entry.invalid,
+                in_context=False,
+            )
+    for price_entry in config.prices:
+        price = ModelPrice(model=price_entry.model, **price_entry.values)
+        _clean(
+            price,
+            problems,
+            price_entry.path,
+            PRICE_KEY_FOR_FIELD,
+            exclude=price_entry.invalid,
+            in_context=False,
+        )
     return problems
+
+
+def _only_key(entry: KeyEntry, problems: list[str]) -> ApiKey | None:
+    """The one stored key the entry names, or None with the problem recorded.
+
+    A file sets the limits of keys that exist: keys are created with
+    nexus_create_key, the admin or the API, which show the secret once.
+    """
+    keys = list(ApiKey.objects.filter(name=entry.name)[:2])
+    if not keys:
+        problems.append(
+            f"{entry.path}.name: no client key is named {format_string(entry.name)}; "
+            "create it with `manage.py nexus_create_key`, the admin or the API "
+            "(a configuration file never holds secrets)"
+        )
+        return None
+    if len(keys) > 1:
+        problems.append(
+            f"{entry.path}.name: several client keys are named "
+            f"{format_string(entry.name)}; give them distinct names first"
+        )
+        return None
+    return keys[0]
 
 
 def _check_aliases_and_chains(config: ConfigFile, *, replace: bool) -> list[str]:
@@ -213,6 +268,9 @@ class _Importer:
         self._apply_aliases()
         for chain_entry in self.config.fallbacks:
             self._apply_chain(chain_entry)
+        for key_entry in self.config.keys:
+            self._apply_key(key_entry)
+        self._apply_prices()
 
     def _delete_unmentioned(self) -> None:
         config = self.config
@@ -233,6 +291,11 @@ class _Importer:
         self.summary.fallback_chains.deleted += deleted.get(
             FallbackChain._meta.label, 0
         )
+        # Client keys are credentials, not configuration: never deleted here.
+        _, deleted = ModelPrice.objects.exclude(
+            model__in=[entry.model for entry in config.prices]
+        ).delete()
+        self.summary.model_prices.deleted += deleted.get(ModelPrice._meta.label, 0)
 
     def _apply_policy(self) -> None:
         if not self.config.policy and not self.replace:
@@ -296,6 +359,32 @@ class _Importer:
             alias.target = entry.target
             if self._clean(alias, entry.path, {}):
                 _save(alias, before, ("target",), self.summary.aliases)
+
+    def _apply_key(self, entry: KeyEntry) -> None:
+        key = _only_key(entry, self.problems)
+        if key is None:
+            return
+        before = _values(key, KEY_FIELDS)
+        _assign(key, entry.values)
+        if not self._clean(key, entry.path, KEY_KEY_FOR_FIELD):
+            return
+        assert before is not None
+        changed = [name for name in KEY_FIELDS if getattr(key, name) != before[name]]
+        if changed:
+            key.save(update_fields=changed)
+            self.summary.client_keys.updated += 1
+        else:
+            self.summary.client_keys.unchanged += 1
+
+    def _apply_prices(self) -> None:
+        existing = {price.model: price for price in ModelPrice.objects.all()}
+        for entry in self.config.prices:
+            stored = existing.get(entry.model)
+            before = _values(stored, PRICE_FIELDS)
+            price = stored or ModelPrice(model=entry.model)
+            _assign(price, entry.values)
+            if self._clean(price, entry.path, PRICE_KEY_FOR_FIELD):
+                _save(price, before, PRICE_FIELDS, self.summary.model_prices)
 
     def _apply_chain(self, entry: ChainEntry) -> None:
         stored = (

@@ -14,6 +14,7 @@ import difflib
 import math
 import tomllib
 from collections.abc import Collection, Mapping
+from decimal import Decimal
 from typing import Any
 
 from backends.models import Backend, BackendModel
@@ -25,21 +26,30 @@ from routing.config_file.schema import (
     AUTO,
     BACKEND_KEYS,
     BACKEND_SETTINGS,
+    KEY_BUDGET_USD,
+    KEY_EXPIRES,
+    KEY_KEYS,
+    KEY_MODELS,
+    KEY_SETTINGS,
     MODEL_KEYS,
     MODEL_SETTINGS,
     MODEL_WEIGHTS_FIELD,
     MODEL_WEIGHTS_KEY,
     POLICY_SETTINGS,
+    PRICE_KEYS,
     ROUTING_KEYS,
     WEIGHT_SETTINGS,
     AliasEntry,
     BackendEntry,
     ChainEntry,
     ConfigFile,
+    KeyEntry,
     ModelEntry,
+    PriceEntry,
     Setting,
     get_field_default,
 )
+from usage.models import ApiKey
 
 SYNTAX_POSITION = " (at line "
 END_OF_DOCUMENT = " (at end of document)"
@@ -85,7 +95,7 @@ class _Reader:
 
     def read_document(self, data: dict[str, Any]) -> ConfigFile:
         self._reject_nul_characters(data, "")
-        self._reject_unknown_keys(data, "", ("routing", "backends"))
+        self._reject_unknown_keys(data, "", ("routing", "backends", "keys", "prices"))
         policy: dict[str, Any] = {}
         policy_invalid: set[str] = set()
         aliases: tuple[AliasEntry, ...] = ()
@@ -119,6 +129,8 @@ class _Reader:
             aliases=aliases,
             fallbacks=fallbacks,
             backends=backends,
+            keys=self._read_keys(data.get("keys")),
+            prices=self._read_prices(data.get("prices")),
             policy_invalid=frozenset(policy_invalid),
             problems=tuple(self.problems),
         )
@@ -344,6 +356,103 @@ class _Reader:
                 )
         return tuple(entries)
 
+    def _read_keys(self, value: object) -> tuple[KeyEntry, ...]:
+        entries = []
+        seen: dict[str, str] = {}
+        for index, table in enumerate(
+            self._read_array_of_tables(value, "keys", "keys")
+        ):
+            path = _entry_path(f"keys[{index}]", table.get("name"))
+            self._reject_unknown_keys(table, path, KEY_KEYS)
+            values, invalid = self._read_settings(table, path, KEY_SETTINGS)
+            if KEY_MODELS in table:
+                models = table[KEY_MODELS]
+                if isinstance(models, list) and all(isinstance(m, str) for m in models):
+                    values["allowed_models"] = ",".join(m.strip() for m in models)
+                else:
+                    self.add(
+                        _join(path, KEY_MODELS),
+                        "expected an array of model names or glob patterns, got "
+                        + _describe(models),
+                    )
+                    invalid.add("allowed_models")
+            if KEY_EXPIRES in table:
+                expires = _moment(table[KEY_EXPIRES])
+                if expires is None:
+                    self.add(
+                        _join(path, KEY_EXPIRES),
+                        "expected a date (2027-01-31) or a date-time with its "
+                        "offset (2027-01-31T18:00:00Z), got "
+                        + _describe(table[KEY_EXPIRES]),
+                    )
+                    invalid.add("expires_at")
+                else:
+                    values["expires_at"] = expires
+            if KEY_BUDGET_USD in table:
+                usd = _coerce(table[KEY_BUDGET_USD], float)
+                if usd is None:
+                    self.add(
+                        _join(path, KEY_BUDGET_USD),
+                        "expected a number of USD, got "
+                        + _describe(table[KEY_BUDGET_USD]),
+                    )
+                    invalid.add("budget_usd")
+                else:
+                    values["budget_usd"] = Decimal(str(usd))
+            if "name" not in values:
+                continue
+            name = values.pop("name").strip()
+            if self._is_first(name, f"{path}.name", seen, "key name"):
+                defaults = {
+                    field: get_field_default(ApiKey, field) for field in _KEY_FIELDS
+                }
+                entries.append(
+                    KeyEntry(path, name, defaults | values, frozenset(invalid))
+                )
+        return tuple(entries)
+
+    def _read_prices(self, value: object) -> tuple[PriceEntry, ...]:
+        table = self._read_table(value, "prices")
+        if table is None:
+            return ()
+        entries = []
+        for model, price in table.items():
+            path = f"prices.{format_key(model)}"
+            if not isinstance(price, dict):
+                self.add(
+                    path,
+                    "expected { input = USD, output = USD } per million tokens, "
+                    f"got {_describe(price)}",
+                )
+                continue
+            self._reject_unknown_keys(price, path, PRICE_KEYS)
+            values: dict[str, Any] = {}
+            invalid: set[str] = set()
+            for key, field in (
+                ("input", "input_per_million"),
+                ("output", "output_per_million"),
+            ):
+                if key not in price:
+                    continue
+                number = _coerce(price[key], float)
+                if number is None:
+                    self.add(
+                        f"{path}.{key}",
+                        "expected a number of USD per million tokens, got "
+                        + _describe(price[key]),
+                    )
+                    invalid.add(field)
+                else:
+                    values[field] = Decimal(str(number))
+            defaults = {
+                "input_per_million": Decimal(0),
+                "output_per_million": Decimal(0),
+            }
+            entries.append(
+                PriceEntry(path, model.strip(), defaults | values, frozenset(invalid))
+            )
+        return tuple(entries)
+
     def _read_api_key(
         self, table: dict[str, Any], path: str, invalid: set[str]
     ) -> str | None:
@@ -409,6 +518,23 @@ def _with_defaults(
         if s.field != "name"
     }
     return complete | values
+
+
+_KEY_FIELDS = (
+    *(s.field for s in KEY_SETTINGS if s.field != "name"),
+    "allowed_models",
+    "expires_at",
+    "budget_usd",
+)
+
+
+def _moment(value: object) -> datetime.datetime | None:
+    """A TOML date (midnight UTC) or offset date-time; None for anything else."""
+    if isinstance(value, datetime.datetime):
+        return value if value.tzinfo is not None else None
+    if isinstance(value, datetime.date):
+        return datetime.datetime.combine(value, datetime.time(), datetime.UTC)
+    return None
 
 
 def _coerce(value: object, value_type: type) -> object | None:

@@ -97,6 +97,28 @@ MODEL_SETTINGS = (
     Setting("enabled", "enabled", bool, "true or false"),
 )
 
+# [[keys]]: settings of client keys that exist (a file never holds secrets).
+KEY_SETTINGS = (
+    Setting("name", "name", str, "a string", required=True),
+    Setting("rpm", "rpm_limit", int, "a positive integer"),
+    Setting("tpm", "tpm_limit", int, "a positive integer"),
+    Setting("max_concurrency", "max_concurrency", int, "a positive integer"),
+    Setting("budget_period", "budget_period", str, '"day", "month" or "total"'),
+    Setting("budget_tokens", "budget_tokens", int, "a positive integer"),
+    Setting("weight", "admission_weight", float, "a positive number"),
+    Setting(
+        "max_criticality",
+        "max_criticality",
+        str,
+        '"critical", "default" or "sheddable"',
+    ),
+)
+KEY_MODELS = "models"
+KEY_EXPIRES = "expires"
+KEY_BUDGET_USD = "budget_usd"
+KEY_KEYS = (*(s.key for s in KEY_SETTINGS), KEY_MODELS, KEY_EXPIRES, KEY_BUDGET_USD)
+PRICE_KEYS = ("input", "output")  # USD per million tokens
+
 ROUTING_KEYS = (
     "strategy",
     "max_retries",
@@ -120,6 +142,12 @@ BACKEND_KEY_FOR_FIELD = {s.field: s.key for s in BACKEND_SETTINGS} | {
     "api_key": "api_key"
 }
 MODEL_KEY_FOR_FIELD = {s.field: s.key for s in MODEL_SETTINGS}
+KEY_KEY_FOR_FIELD = {s.field: s.key for s in KEY_SETTINGS} | {
+    "allowed_models": KEY_MODELS,
+    "expires_at": KEY_EXPIRES,
+    "budget_usd": KEY_BUDGET_USD,
+}
+PRICE_KEY_FOR_FIELD = {"input_per_million": "input", "output_per_million": "output"}
 
 
 @dataclass(frozen=True)
@@ -167,6 +195,27 @@ class ChainEntry:
 
 
 @dataclass(frozen=True)
+class KeyEntry:
+    """One ``[[keys]]`` table: the limits of the stored client key it names."""
+
+    path: str
+    name: str
+    # Every setting; keys the file leaves out hold the default (no limit).
+    values: Mapping[str, Any]
+    invalid: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class PriceEntry:
+    """One ``model = { input = ..., output = ... }`` line of ``[prices]``."""
+
+    path: str
+    model: str
+    values: Mapping[str, Any]
+    invalid: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
 class ConfigFile:
     """A parsed configuration file and the problems found in its shape.
 
@@ -179,6 +228,8 @@ class ConfigFile:
     aliases: tuple[AliasEntry, ...]
     fallbacks: tuple[ChainEntry, ...]
     backends: tuple[BackendEntry, ...]
+    keys: tuple[KeyEntry, ...] = ()
+    prices: tuple[PriceEntry, ...] = ()
     policy_invalid: frozenset[str] = frozenset()
     problems: tuple[str, ...] = ()
 

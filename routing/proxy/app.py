@@ -25,6 +25,7 @@ from routing.admission import AdmissionError
 from routing.admission.gate import BadAdmissionHeader
 from routing.core import RequestRequirements, RoutingError
 from routing.metrics import UNKNOWN
+from routing.proxy import limits
 from routing.proxy.errors import (
     ProxyError,
     bad_request,
@@ -50,6 +51,7 @@ from routing.state import GatewayState
 from routing.translate import anthropic as anthropic_translate
 from routing.translate.base import loads
 from usage.buffer import UsageEvent, new_event_id
+from usage.limits.policy import FREE, KeyPolicy
 
 if TYPE_CHECKING:
     from routing.gateway import Gateway
@@ -82,6 +84,7 @@ class ProxyApp:
         self.max_body = gateway.config.max_body_bytes
         self.auth_required = gateway.config.auth_required
         self.access_log = gateway.config.access_log
+        self.default_completion = gateway.config.default_completion_tokens
         self.models = ModelsList()
         self.ollama_catalog = OllamaCatalog()
 
@@ -144,9 +147,12 @@ class ProxyApp:
             if api_key is not None and surface.accepts_x_api_key:
                 authorization = b"Bearer " + api_key
             key_prefix = self._authenticate(state, authorization, surface)
+            policy = state.policies.get(key_prefix) if key_prefix else None
+            if policy is not None and policy.expires_at is not None:
+                limits.check_expiry(policy, time.time(), self.gateway.metrics)
             if endpoint == "count_tokens":
                 self._check_length(content_length)
-                await self._count_tokens(state, headers, receive, send)
+                await self._count_tokens(state, policy, headers, receive, send)
             elif surface is not OPENAI and endpoint is not None:
                 self._check_length(content_length)
                 await self._translated(
@@ -166,10 +172,11 @@ class ProxyApp:
                     state, endpoint, scope, key_prefix, rid, headers, receive, send
                 )
             elif path == MODELS_PATH:
-                await _send_json(send, 200, self.models.body(state.routes), headers)
+                body = self.models.body(state.routes, policy)
+                await _send_json(send, 200, body, headers)
             else:
                 model_id = path[len(MODELS_PATH) + 1 :]
-                entry = self.models.entry(state.routes, model_id)
+                entry = self.models.entry(state.routes, model_id, policy)
                 if entry is None:
                     raise ProxyError(
                         404,
@@ -265,6 +272,20 @@ class ProxyApp:
             prompt = estimated_prompt
             completion = -(-exchange.completion_chars // 4)  # ceil(chars / 4)
         total = _token_count(usage.get("total_tokens")) if reported else None
+        if not isinstance(total, int):
+            total = prompt + completion
+        cost = 0
+        if exchange.backend and state is not None:
+            price = state.prices.get(exchange.served_model, FREE)
+            cost = price.cost(prompt, completion)
+        gateway = self.gateway
+        if exchange.limit_ticket is not None:
+            gateway.limiter.settle(exchange.limit_ticket, total, cost)
+            exchange.limit_ticket = None
+        if cost:
+            gateway.metrics.observe_spend(key_prefix, cost)
+        if exchange.error == "budget_exceeded":
+            gateway.metrics.budget_cutoffs.inc()
         now = time.perf_counter()
         event = UsageEvent(
             request_id=exchange.request_id,
@@ -275,14 +296,14 @@ class ProxyApp:
             served_model=exchange.served_model,
             prompt_tokens=prompt,
             completion_tokens=completion,
-            total_tokens=total if isinstance(total, int) else prompt + completion,
+            total_tokens=total,
             estimated=not reported,
             latency_ms=(now - exchange.started) * 1000,
             status=exchange.status,
             streamed=exchange.stream,
             error=exchange.error,
+            cost_nanos=cost,
         )
-        gateway = self.gateway
         gateway.buffer.append(event)
         gateway.live_usage.record(event)
         model = exchange.served_model or (
@@ -417,8 +438,13 @@ class ProxyApp:
             raise _routing_error(error) from error
         if inbound.ready is not None:
             # Nothing for a backend to do (Ollama's "load the model"): answered
-            # here once some backend could serve the model.
+            # here once some backend could serve the model (and the key may).
             gateway = self.gateway
+            policy = state.policies.get(key_prefix) if key_prefix else None
+            if policy is not None:
+                limits.check_model(
+                    policy, state.routes, requirements.model, gateway.metrics
+                )
             decision = gateway.router.explain(requirements, state.routes, gateway.stats)
             if decision.error is not None:
                 raise _routing_error(decision.error)
@@ -493,18 +519,21 @@ class ProxyApp:
             await _send_json(send, 200, OLLAMA_VERSION, headers)
             return
         state = await self._gateway_state()
-        self._authenticate(state, authorization, surface)
+        key_prefix = self._authenticate(state, authorization, surface)
+        policy = state.policies.get(key_prefix) if key_prefix else None
+        if policy is not None and policy.expires_at is not None:
+            limits.check_expiry(policy, time.time(), self.gateway.metrics)
         catalog = self.ollama_catalog
         if path == "/api/tags":
-            await _send_json(send, 200, catalog.tags(state.routes), headers)
+            await _send_json(send, 200, catalog.tags(state.routes, policy), headers)
         elif path == "/api/ps":
-            await _send_json(send, 200, catalog.ps(state.routes), headers)
+            await _send_json(send, 200, catalog.ps(state.routes, policy), headers)
         else:
             payload = _parse_object(await _read_body(receive, self.max_body))
             model = payload.get("model") or payload.get("name")
             if not isinstance(model, str) or not model:
                 raise bad_request("model is required", param="model")
-            shown = catalog.show(state.routes, model)
+            shown = catalog.show(state.routes, model, policy)
             if shown is None:
                 raise ProxyError(
                     404, f"model '{model}' not found", code="model_not_found"
@@ -512,7 +541,12 @@ class ProxyApp:
             await _send_json(send, 200, shown, headers)
 
     async def _count_tokens(
-        self, state: GatewayState, headers: Headers, receive: Receive, send: Send
+        self,
+        state: GatewayState,
+        policy: KeyPolicy | None,
+        headers: Headers,
+        receive: Receive,
+        send: Send,
     ) -> None:
         """Anthropic's count_tokens, estimated (characters / 4; see the README)."""
         raw = await _read_body(receive, self.max_body)
@@ -525,6 +559,10 @@ class ProxyApp:
         except RoutingError as error:
             raise _routing_error(error) from error
         gateway = self.gateway
+        if policy is not None:
+            limits.check_model(
+                policy, state.routes, requirements.model, gateway.metrics
+            )
         decision = gateway.router.explain(requirements, state.routes, gateway.stats)
         if decision.error is not None:
             raise _routing_error(decision.error)
@@ -582,13 +620,22 @@ class ProxyApp:
         receive: Receive,
         send: Send,
     ) -> None:
-        """Wait for admission, route and forward; a client that hangs up cancels.
+        """Check the key, wait for admission, route and forward; a client that
+        hangs up cancels.
 
-        The admission ticket is released in every outcome (answer, error,
-        retries, a stream cut short, the client gone while waiting or while
-        served), which is what brings the stock back to 0.
+        Every surface comes through here: the key's allow-list, rate limits,
+        concurrency and budget are checked first (a refusal costs no place in
+        a queue), then admission control. The key's ticket is settled by
+        ``_record``; the admission ticket is released in every outcome
+        (answer, error, retries, a stream cut short, the client gone while
+        waiting or while served), which is what brings the stock back to 0.
         """
         gateway = self.gateway
+        policy = state.policies.get(key_prefix) if key_prefix else None
+        if policy is not None:
+            await self._check_key(
+                state, policy, exchange, requirements, call, payload, headers
+            )
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.get_running_loop().create_task(
@@ -622,6 +669,51 @@ class ProxyApp:
         finally:
             watcher.cancel()
             gateway.admission.release(ticket)
+
+    async def _check_key(
+        self,
+        state: GatewayState,
+        policy: KeyPolicy,
+        exchange: Exchange,
+        requirements: RequestRequirements,
+        call: Call | None,
+        payload: dict[str, Any],
+        headers: Headers,
+    ) -> None:
+        """Refuse what the key may not do, or take its share of its limits.
+
+        The rate-limit headers go onto `headers` (the answer's, or the
+        refusal's); a budgeted stream gets a meter that may cut it short.
+        """
+        gateway = self.gateway
+        metrics = gateway.metrics
+        model = requirements.model
+        limits.check_model(policy, state.routes, model, metrics)
+        if not policy.is_limited:
+            return
+        prompt = requirements.estimated_tokens
+        if call is None:
+            canonical, endpoint = payload, exchange.endpoint
+        else:
+            canonical = call.inbound.canonical
+            endpoint = call.inbound.canonical_endpoint
+        completion = limits.completion_estimate(
+            canonical, endpoint == "embeddings", self.default_completion
+        )
+        price = limits.price_estimate(state.prices, state.routes, model)
+        ticket = await limits.admit(
+            gateway.limiter,
+            policy,
+            prompt + completion,
+            price.cost(prompt, completion),
+            headers,
+            metrics,
+        )
+        exchange.limit_ticket = ticket
+        if exchange.stream and policy.has_budget:
+            exchange.meter = limits.BudgetMeter(
+                gateway.limiter, ticket, state.prices, model, prompt
+            )
 
 
 def _admission_error(

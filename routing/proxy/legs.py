@@ -20,8 +20,15 @@ from typing import TYPE_CHECKING, Any
 from routing.core import Target
 from routing.proxy.errors import ProxyError
 from routing.proxy.outbound import BackendAdapter, MalformedReply
+from routing.proxy.sse import text_of_chunk
 from routing.proxy.surfaces import OPENAI, Inbound, Surface, translation_error
-from routing.translate.base import StreamFailed, TranslationError, dumps, loads
+from routing.translate.base import (
+    BROKEN,
+    StreamFailed,
+    TranslationError,
+    dumps,
+    loads,
+)
 
 if TYPE_CHECKING:
     from routing.proxy.upstream import Exchange
@@ -141,6 +148,10 @@ class LegStream:
     events only); ``finish`` the closing bytes when the backend's stream ended;
     ``fail`` the client protocol's error event. ``feed`` and ``finish`` raise
     StreamFailed when the backend reported an error or broke its protocol.
+
+    ``feed_counted`` and ``finish_counted`` return the same bytes cut per
+    source event, each with the characters of generated text it carries (a
+    budgeted stream is metered, and may be cut, event by event).
     """
 
     __slots__ = (
@@ -151,6 +162,7 @@ class LegStream:
         "_reader",
         "_seen",
         "_split",
+        "_surface",
         "_writer",
         "chars",
         "usage",
@@ -161,6 +173,7 @@ class LegStream:
         self._max_event = max_event
         self._adapter = leg.adapter
         self._native = leg.native
+        self._surface = call.surface
         self._marker = leg.adapter.usage_marker
         self._split = leg.adapter.splitter(leg.native)
         self._reader = (
@@ -202,8 +215,48 @@ class LegStream:
         out += self._writer.finish()
         return b"".join(out)
 
-    def fail(self, message: str) -> bytes:
-        return b"".join(self._writer.fail(message))
+    def fail(self, message: str, code: str = BROKEN) -> bytes:
+        return b"".join(self._writer.fail(message, code))
+
+    def feed_counted(self, data: bytes) -> list[tuple[bytes, int]]:
+        events = self._split.feed(data)
+        self._check_pending()
+        if not events:
+            return []
+        pieces: list[tuple[bytes, int]] = []
+        if self._native:
+            text_of_event = self._surface.text_of_event
+            for event in events:
+                parsed = self._parse(event)
+                chars = 0
+                if parsed is not None:
+                    if self._marker in event:
+                        found = self._adapter.usage_of_event(parsed, self._seen)
+                        self.usage = found or self.usage
+                    chars = text_of_event(parsed)
+                pieces.append((event, chars))
+            return pieces
+        assert self._reader is not None
+        for event in events:
+            parsed = self._parse(event)
+            if parsed is not None:
+                pieces.append(self._write_counted(self._reader.feed(parsed)))
+        return pieces
+
+    def finish_counted(self) -> list[tuple[bytes, int]]:
+        if self._native:
+            return [(self._split.rest(), 0)]
+        assert self._reader is not None
+        piece = self._write_counted(self._reader.finish())
+        return [piece, (b"".join(self._writer.finish()), 0)]
+
+    def _write_counted(self, chunks: list[dict[str, Any]]) -> tuple[bytes, int]:
+        out: list[bytes] = []
+        chars = 0
+        for chunk in chunks:
+            chars += text_of_chunk(chunk)
+            out += self._write_chunk(chunk)
+        return b"".join(out), chars
 
     def _write(self, event: dict[str, Any]) -> list[bytes]:
         assert self._reader is not None

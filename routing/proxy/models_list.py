@@ -1,4 +1,8 @@
-"""``GET /v1/models``: what this gateway serves, in OpenAI's list format."""
+"""``GET /v1/models``: what this gateway serves, in OpenAI's list format.
+
+A key with an allow-list sees only the models and aliases it may use; each
+key's list is serialised once per snapshot.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import time
 from typing import Any
 
 from routing.core import RouterSnapshot
+from usage.limits.policy import KeyPolicy
 
 
 class ModelsList:
@@ -16,15 +21,38 @@ class ModelsList:
         self._snapshot: RouterSnapshot | None = None
         self._entries: dict[str, dict[str, Any]] = {}
         self._body = b""
+        # Key prefix -> its filtered list, for keys with an allow-list.
+        self._bodies: dict[str, bytes] = {}
 
-    def body(self, snapshot: RouterSnapshot) -> bytes:
+    def body(self, snapshot: RouterSnapshot, policy: KeyPolicy | None = None) -> bytes:
         self._refresh(snapshot)
-        return self._body
+        if policy is None or not policy.allowed_models:
+            return self._body
+        body = self._bodies.get(policy.prefix)
+        if body is None:
+            data = [
+                entry
+                for name, entry in self._entries.items()
+                if _is_allowed(policy, snapshot, name)
+            ]
+            body = json.dumps({"object": "list", "data": data}).encode()
+            if len(self._bodies) < 10_000:
+                self._bodies[policy.prefix] = body
+        return body
 
-    def entry(self, snapshot: RouterSnapshot, model_id: str) -> bytes | None:
+    def entry(
+        self,
+        snapshot: RouterSnapshot,
+        model_id: str,
+        policy: KeyPolicy | None = None,
+    ) -> bytes | None:
         self._refresh(snapshot)
         entry = self._entries.get(model_id)
-        return None if entry is None else json.dumps(entry).encode()
+        if entry is None or (
+            policy is not None and not _is_allowed(policy, snapshot, model_id)
+        ):
+            return None
+        return json.dumps(entry).encode()
 
     def _refresh(self, snapshot: RouterSnapshot) -> None:
         if snapshot is self._snapshot:
@@ -54,4 +82,10 @@ class ModelsList:
         self._body = json.dumps(
             {"object": "list", "data": list(entries.values())}
         ).encode()
+        self._bodies = {}
         self._snapshot = snapshot
+
+
+def _is_allowed(policy: KeyPolicy, snapshot: RouterSnapshot, name: str) -> bool:
+    target = snapshot.aliases.get(name)
+    return policy.allows(name) if target is None else policy.allows(name, target)

@@ -18,6 +18,8 @@ from typing import Any
 
 from routing.core import RouterSnapshot
 from routing.core.types import ModelRoutes
+from routing.proxy.limits import is_model_allowed
+from usage.limits.policy import KeyPolicy
 
 OLLAMA_KIND = "ollama"
 # What a model's details say when Nexus does not know (it has no weights).
@@ -39,19 +41,55 @@ class OllamaCatalog:
         self._tags = b""
         self._ps = b""
         self._show: dict[str, bytes] = {}
+        self._entries: dict[str, dict[str, Any]] = {}
+        self._running: list[dict[str, Any]] = []
+        # Key prefix -> (tags, ps) filtered by its allow-list, once per snapshot.
+        self._filtered: dict[str, tuple[bytes, bytes]] = {}
 
-    def tags(self, snapshot: RouterSnapshot) -> bytes:
+    def tags(self, snapshot: RouterSnapshot, policy: KeyPolicy | None = None) -> bytes:
         self._refresh(snapshot)
-        return self._tags
+        if policy is None or not policy.allowed_models:
+            return self._tags
+        return self._for_key(snapshot, policy)[0]
 
-    def ps(self, snapshot: RouterSnapshot) -> bytes:
+    def ps(self, snapshot: RouterSnapshot, policy: KeyPolicy | None = None) -> bytes:
         self._refresh(snapshot)
-        return self._ps
+        if policy is None or not policy.allowed_models:
+            return self._ps
+        return self._for_key(snapshot, policy)[1]
 
-    def show(self, snapshot: RouterSnapshot, model: str) -> bytes | None:
-        """The ``/api/show`` body of a model or alias, None when unknown."""
+    def show(
+        self, snapshot: RouterSnapshot, model: str, policy: KeyPolicy | None = None
+    ) -> bytes | None:
+        """The ``/api/show`` body of a model or alias, None when unknown (or
+        outside the key's allow-list: a key learns nothing beyond it)."""
         self._refresh(snapshot)
+        if policy is not None and not is_model_allowed(policy, snapshot, model):
+            return None
         return self._show.get(model)
+
+    def _for_key(
+        self, snapshot: RouterSnapshot, policy: KeyPolicy
+    ) -> tuple[bytes, bytes]:
+        bodies = self._filtered.get(policy.prefix)
+        if bodies is None:
+            tags = [
+                entry
+                for name, entry in self._entries.items()
+                if is_model_allowed(policy, snapshot, name)
+            ]
+            running = [
+                entry
+                for entry in self._running
+                if is_model_allowed(policy, snapshot, entry["name"])
+            ]
+            bodies = (
+                json.dumps({"models": tags}).encode(),
+                json.dumps({"models": running}).encode(),
+            )
+            if len(self._filtered) < 10_000:
+                self._filtered[policy.prefix] = bodies
+        return bodies
 
     def _refresh(self, snapshot: RouterSnapshot) -> None:
         if snapshot is self._snapshot:
@@ -85,6 +123,9 @@ class OllamaCatalog:
         self._tags = json.dumps({"models": list(entries.values())}).encode()
         self._ps = json.dumps({"models": running}).encode()
         self._show = {name: json.dumps(body).encode() for name, body in shows.items()}
+        self._entries = entries
+        self._running = running
+        self._filtered = {}
         self._snapshot = snapshot
 
 

@@ -271,24 +271,44 @@ def text_of_events(events: list[bytes]) -> int:
             payload = json.loads(data)
         except ValueError:
             continue
-        for choice in payload.get("choices") or () if isinstance(payload, dict) else ():
-            if not isinstance(choice, dict):
-                continue
-            delta = choice.get("delta")
-            text = (
-                delta.get("content") if isinstance(delta, dict) else choice.get("text")
-            )
-            if isinstance(text, str):
-                total += len(text)
+        if isinstance(payload, dict):
+            total += text_of_chunk(payload)
     return total
 
 
-def error_event(message: str, code: str) -> bytes:
+def text_of_chunk(payload: dict[str, Any]) -> int:
+    """Characters of generated text in one parsed chat or completion chunk."""
+    total = 0
+    for choice in payload.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+        if isinstance(text, str):
+            total += len(text)
+    return total
+
+
+def counted_events(complete: bytes) -> list[tuple[bytes, int]]:
+    """Complete events (as ``StreamRelay.feed`` returns them), each with the
+    characters of generated text it carries."""
+    pieces: list[tuple[bytes, int]] = []
+    start = 0
+    for match in _EVENT_END.finditer(complete):
+        event = complete[start : match.end()]
+        pieces.append((event, text_of_events([event])))
+        start = match.end()
+    if start < len(complete):
+        pieces.append((complete[start:], 0))
+    return pieces
+
+
+def error_event(message: str, code: str, error_type: str = "server_error") -> bytes:
     """An OpenAI-style error event for a stream that cannot go on."""
     payload = {
         "error": {
             "message": message,
-            "type": "server_error",
+            "type": error_type,
             "param": None,
             "code": code,
         }

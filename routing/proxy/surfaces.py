@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from routing.proxy import sse
 from routing.proxy.errors import ProxyError
 from routing.translate import anthropic, ollama, responses
 from routing.translate.anthropic.wire import encode
@@ -94,6 +95,11 @@ class Surface:
         """The body of an error answer in this protocol's shape."""
         return error.body()
 
+    def text_of_event(self, event: dict[str, Any]) -> int:
+        """Characters of generated text in one parsed event of this protocol's
+        stream (to meter a passed-through stream against a budget)."""
+        return sse.text_of_chunk(event)
+
 
 class AnthropicSurface(Surface):
     """Anthropic's Messages API (``POST /v1/messages``)."""
@@ -126,6 +132,13 @@ class AnthropicSurface(Surface):
 
     def error_body(self, error: ProxyError) -> bytes:
         return anthropic.error_body(error.status, error.message)
+
+    def text_of_event(self, event: dict[str, Any]) -> int:
+        delta = (
+            event.get("delta") if event.get("type") == "content_block_delta" else None
+        )
+        text = delta.get("text") if isinstance(delta, dict) else None
+        return len(text) if isinstance(text, str) else 0
 
 
 class ResponsesSurface(Surface):
@@ -190,6 +203,13 @@ class OllamaSurface(Surface):
     def __init__(self, path: str) -> None:
         self.native_path = path
         self._parse = _OLLAMA_PARSERS[path]
+
+    def text_of_event(self, event: dict[str, Any]) -> int:
+        message = event.get("message")
+        text = message.get("content") if isinstance(message, dict) else None
+        if text is None:
+            text = event.get("response")  # /api/generate
+        return len(text) if isinstance(text, str) else 0
 
     def to_canonical(self, payload: dict[str, Any]) -> Inbound:
         try:

@@ -22,10 +22,12 @@ from routing.proxy import checks, sse
 from routing.proxy.errors import ProxyError
 from routing.proxy.legs import Call, Leg, LegStream, Unservable, openai_call
 from routing.proxy.outbound import OPENAI_ADAPTER, adapter_for
-from routing.translate.base import StreamFailed
+from routing.translate.base import BUDGET, StreamFailed
 
 if TYPE_CHECKING:
     from routing.gateway import Gateway
+    from routing.proxy.limits import BudgetMeter
+    from usage.limits.limiter import Ticket
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -57,6 +59,10 @@ class Exchange:
     # Bytes sent that the client has not read yet, where the server tells
     # (Daphne, through nexus_site.daphne_limits); None elsewhere.
     unsent_bytes: Callable[[], int] | None = None
+    # What the key's limits took for this request (settled with its usage).
+    limit_ticket: Ticket | None = None
+    # Set for a budgeted stream: counts it as it goes and may cut it short.
+    meter: BudgetMeter | None = None
 
 
 class UpstreamClient:
@@ -222,6 +228,16 @@ async def forward(
         if not stats.try_begin(backend, model):
             failures.append(f"{backend.name}: at max concurrency")
             continue
+        lease: str | None = None
+        if backend.max_concurrency and gateway.limiter.shared:
+            # Gateway-wide: the other serving processes' requests count too.
+            lease = await gateway.limiter.acquire_backend(
+                backend.name, backend.capacity
+            )
+            if lease is None:
+                stats.end(backend.name, model)
+                failures.append(f"{backend.name}: at max concurrency")
+                continue
         gateway.live_usage.touch()
         if failures:
             exchange.retries += 1
@@ -290,8 +306,11 @@ async def forward(
                             )
                         else:
                             leg_stream = leg.stream(limits.max_event)
-                            first = await _first_leg_events(
-                                response, leg_stream, leg.call.surface.is_ndjson
+                            first_pieces = await _first_leg_events(
+                                response,
+                                leg_stream,
+                                leg.call.surface.is_ndjson,
+                                exchange.meter is not None,
                             )
                     else:
                         body = await checks.read_capped(response, limits.max_reply)
@@ -321,6 +340,8 @@ async def forward(
                 breaker.record_success(backend.name)
             exchange.backend = backend.name
             exchange.served_model = model
+            if exchange.meter is not None:
+                exchange.meter.use_model(model)
             response_headers += (
                 (b"x-nexus-backend", backend.name.encode()),
                 (b"x-nexus-model", model.encode()),
@@ -334,7 +355,7 @@ async def forward(
                         send,
                         response_headers,
                         leg_stream,
-                        first,
+                        first_pieces,
                         backend.request_timeout,
                         limits.max_unsent,
                     )
@@ -364,6 +385,8 @@ async def forward(
                 # short (client gone, error) must not go back to the pool.
                 response.close()
             stats.end(backend.name, model)
+            if lease is not None:
+                gateway.limiter.release_backend(backend.name, lease)
     _raise_exhausted(exchange, failures, last_timeout, last_fault)
 
 
@@ -527,25 +550,34 @@ async def _relay_stream(
             "headers": [*_STREAM_HEADERS, *headers],
         }
     )
-    exchange.first_byte = time.perf_counter()
-    await send({"type": "http.response.body", "body": first, "more_body": True})
+    meter = exchange.meter
+    goes_on = True
     unsent = exchange.unsent_bytes
     loop = asyncio.get_running_loop()
     tail = b""
     try:
+        if meter is not None:
+            first, goes_on = await meter.take(sse.counted_events(first))
+        exchange.first_byte = time.perf_counter()
+        await send({"type": "http.response.body", "body": first, "more_body": True})
         async with asyncio.timeout_at(loop.time() + event_timeout) as deadline:
-            async for data in response.content.iter_any():
+            while goes_on:
+                data = await response.content.readany()
+                if not data:
+                    tail = relay.rest()
+                    break
                 out = relay.feed(data)
                 if out:
                     deadline.reschedule(loop.time() + event_timeout)
+                    if meter is not None:
+                        # Cut after the event that crossed the budget.
+                        out, goes_on = await meter.take(sse.counted_events(out))
                     await send(
                         {"type": "http.response.body", "body": out, "more_body": True}
                     )
                     if unsent is not None and unsent() > max_unsent:
                         exchange.error = "client_stalled"
                         break
-            else:
-                tail = relay.rest()
     except sse.EventTooLarge as error:
         exchange.error = "upstream_event_too_large"
         tail = sse.error_event(
@@ -560,10 +592,26 @@ async def _relay_stream(
             "the response is incomplete."
         )
         tail = sse.error_event(message, "upstream_stream_broken")
-    exchange.usage = relay.usage
-    if relay.usage is None:
-        exchange.completion_chars = relay.text_length()
+    finally:
+        # Also when the client left mid-stream: billed for what was relayed.
+        if not goes_on:
+            _cut_for_budget(exchange)
+        else:
+            exchange.usage = relay.usage
+            if relay.usage is None:
+                exchange.completion_chars = relay.text_length()
+    if meter is not None and not goes_on:
+        cut = meter.cut_error()
+        tail = sse.error_event(cut.message, BUDGET, cut.error_type)
     await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+def _cut_for_budget(exchange: Exchange) -> None:
+    """A stream cut for its key's budget is billed as its meter counted it (a
+    usage block read with the last events was not relayed)."""
+    exchange.error = "budget_exceeded"
+    exchange.usage = None
+    exchange.completion_chars = exchange.meter.chars if exchange.meter else 0
 
 
 async def _send_leg_body(
@@ -634,21 +682,31 @@ def _leg_answer(
 
 
 async def _first_leg_events(
-    response: aiohttp.ClientResponse, stream: LegStream, ndjson: bool = False
-) -> bytes:
+    response: aiohttp.ClientResponse,
+    stream: LegStream,
+    ndjson: bool = False,
+    counted: bool = False,
+) -> list[tuple[bytes, int]]:
     """A leg's first bytes for the client, once they exist; or UpstreamFault.
 
     ``ndjson``: the client's stream is JSON lines (Ollama's), not SSE.
+    ``counted``: cut per event with their characters of text (for a meter);
+    else one piece.
     """
     check = checks.check_first_line if ndjson else checks.check_first_event
-    sent: list[bytes] = []
+    sent: list[tuple[bytes, int]] = []
     try:
         async for data in response.content.iter_any():
-            out = stream.feed(data)
-            if out:
-                sent.append(out)
-                if check(out):
-                    return b"".join(sent)
+            if counted:
+                pieces = stream.feed_counted(data)
+                out = b"".join([piece for piece, _ in pieces])
+                sent += pieces
+            else:
+                out = stream.feed(data)
+                if out:
+                    sent.append((out, 0))
+            if out and check(out):
+                return sent
     except StreamFailed as error:
         raise checks.invalid(error.message) from None
     raise checks.invalid("ended its stream before the first event")
@@ -661,7 +719,7 @@ async def _relay_leg_stream(
     send: Send,
     headers: list[tuple[bytes, bytes]],
     stream: LegStream,
-    first: bytes,
+    first_pieces: list[tuple[bytes, int]],
     event_timeout: float,
     max_unsent: int,
 ) -> None:
@@ -678,15 +736,31 @@ async def _relay_leg_stream(
             ],
         }
     )
-    exchange.first_byte = time.perf_counter()
-    await send({"type": "http.response.body", "body": first, "more_body": True})
+    meter = exchange.meter
+    goes_on = True
     unsent = exchange.unsent_bytes
     loop = asyncio.get_running_loop()
     tail = b""
     try:
+        if meter is None:
+            first = b"".join([piece for piece, _ in first_pieces])
+        else:
+            first, goes_on = await meter.take(first_pieces)
+        exchange.first_byte = time.perf_counter()
+        await send({"type": "http.response.body", "body": first, "more_body": True})
         async with asyncio.timeout_at(loop.time() + event_timeout) as deadline:
-            async for data in response.content.iter_any():
-                out = stream.feed(data)
+            while goes_on:
+                data = await response.content.readany()
+                if not data:
+                    if meter is None:
+                        tail = stream.finish()
+                    else:
+                        tail, goes_on = await meter.take(stream.finish_counted())
+                    break
+                if meter is None:
+                    out = stream.feed(data)
+                else:
+                    out, goes_on = await meter.take(stream.feed_counted(data))
                 if out:
                     deadline.reschedule(loop.time() + event_timeout)
                     await send(
@@ -695,8 +769,6 @@ async def _relay_leg_stream(
                     if unsent is not None and unsent() > max_unsent:
                         exchange.error = "client_stalled"
                         break
-            else:
-                tail = stream.finish()
     except _TRANSPORT_ERRORS as error:
         exchange.error = "upstream_stream_broken"
         tail = stream.fail(
@@ -709,9 +781,16 @@ async def _relay_leg_stream(
             f"Backend '{exchange.backend}' failed mid-stream ({error.message}); "
             "the response is incomplete."
         )
-    exchange.usage = stream.usage
-    if stream.usage is None:
-        exchange.completion_chars = stream.chars
+    finally:
+        # Also when the client left mid-stream: billed for what was relayed.
+        if not goes_on:
+            _cut_for_budget(exchange)
+        else:
+            exchange.usage = stream.usage
+            if stream.usage is None:
+                exchange.completion_chars = stream.chars
+    if meter is not None and not goes_on:
+        tail += stream.fail(meter.cut_error().message, BUDGET)
     await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 

@@ -56,6 +56,11 @@ class TranslationError(Exception):
         self.code = code
 
 
+# Why a stream is failed (StreamTranslator.fail's code).
+BROKEN = "upstream_stream_broken"
+BUDGET = "budget_exceeded"
+
+
 class StreamTranslator(Protocol):
     """An incremental translator of one stream: never buffers a whole answer.
 
@@ -64,13 +69,15 @@ class StreamTranslator(Protocol):
     their blank line, or NDJSON lines with their newline). ``finish`` is called
     once when the source ended normally, ``fail`` once when it broke off; both
     return the closing events (usage, stop reason, the protocol's error event).
+    ``fail``'s ``code`` is ``BROKEN`` (the backend failed) or ``BUDGET`` (the
+    gateway cut the stream: the key's budget ran out).
     """
 
     def feed(self, event: dict[str, Any]) -> list[bytes]: ...
 
     def finish(self) -> list[bytes]: ...
 
-    def fail(self, message: str) -> list[bytes]: ...
+    def fail(self, message: str, code: str = ...) -> list[bytes]: ...
 
 
 class StreamFailed(Exception):

@@ -46,7 +46,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from routing.translate.base import TranslationError, dumps
+from routing.translate.base import BROKEN, TranslationError, dumps
 
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 # options -> canonical fields with the same meaning.
@@ -339,7 +339,8 @@ class OllamaStreamTranslator:
         out.append(_line(head))
         return out
 
-    def fail(self, message: str) -> list[bytes]:
+    def fail(self, message: str, code: str = BROKEN) -> list[bytes]:
+        # Ollama's errors are a message only.
         return [error_body(message) + b"\n"]
 
     def _head(self) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from routing.translate.base import StreamFailed, dumps
+from routing.translate.base import BROKEN, BUDGET, StreamFailed, dumps
 
 DONE = b"data: [DONE]\n\n"
 
@@ -65,11 +65,11 @@ class ChatStreamWriter:
     def finish(self) -> list[bytes]:
         return [DONE]
 
-    def fail(self, message: str) -> list[bytes]:
+    def fail(self, message: str, code: str = BROKEN) -> list[bytes]:
         error = {
             "message": message,
-            "type": "server_error",
+            "type": "insufficient_quota" if code == BUDGET else "server_error",
             "param": None,
-            "code": "upstream_stream_broken",
+            "code": code,
         }
         return [chat_event({"error": error})]

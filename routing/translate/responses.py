@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from routing.translate.base import TranslationError, dumps
+from routing.translate.base import BROKEN, BUDGET, TranslationError, dumps
 
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 _STATEFUL = {
@@ -317,17 +317,14 @@ class ResponsesStreamTranslator:
         out.append(self._event(f"response.{status}", {"response": response}))
         return out
 
-    def fail(self, message: str) -> list[bytes]:
+    def fail(self, message: str, code: str = BROKEN) -> list[bytes]:
+        code = code if code == BUDGET else "server_error"
         out = self._start()
         out += self._close_items(status="incomplete")
         out.append(
-            self._event(
-                "error", {"code": "server_error", "message": message, "param": None}
-            )
+            self._event("error", {"code": code, "message": message, "param": None})
         )
-        response = self._snapshot(
-            "failed", error={"code": "server_error", "message": message}
-        )
+        response = self._snapshot("failed", error={"code": code, "message": message})
         out.append(self._event("response.failed", {"response": response}))
         return out
 

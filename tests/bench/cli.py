@@ -129,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Instead: admission control's benchmark (two tenants on a fleet "
         "of 2 mocks x 4 slots, admission off and on, and the bypass cost).",
     )
+    parser.add_argument(
+        "--limits",
+        action="store_true",
+        help="Instead: what keys' limits and budgets cost (a key without limits "
+        "and one with all of them: raw p50 at c=1 and wrk throughput).",
+    )
     parser.add_argument("--wrk", default="wrk", help="The wrk executable.")
     parser.add_argument(
         "--json",
@@ -148,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = parser.parse_args(argv)
     if options.admission:
         return _admission(options)
+    if options.limits:
+        return _limits(options)
     if options.duration < 1:
         parser.error("--duration must be at least 1 second.")
     if not 2 <= options.workers <= 64:
@@ -226,6 +234,32 @@ def _admission(options: argparse.Namespace) -> int:
         return 1
     (options.output / "admission.json").write_text(json.dumps(results, indent=2))
     sys.stdout.write(format_admission_report(results) + "\n")
+    return 0
+
+
+def _limits(options: argparse.Namespace) -> int:
+    from nexus_site.mock_backend import spawn_mock_backend
+    from tests.bench.limits import format_limits_report, run_limits_benchmark
+
+    ensure_database()
+    call_command("migrate", interactive=False, verbosity=0)
+    logs = options.output / "limits-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    seconds = max(6.0, 3.0 * options.duration)
+    try:
+        results = run_limits_benchmark(
+            child_environment(),
+            spawn_mock_backend,
+            logs,
+            seconds,
+            options.wrk,
+            _progress,
+        )
+    except BenchError as error:
+        sys.stderr.write(f"The benchmark failed: {error}\n")
+        return 1
+    (options.output / "limits.json").write_text(json.dumps(results, indent=2))
+    sys.stdout.write(format_limits_report(results) + "\n")
     return 0
 
 

@@ -1249,3 +1249,111 @@ def test_admission_problems_name_the_keys(write: Writer) -> None:
         "routing.admission.lower_bound_per_backend: lower_bound_per_backend (5) "
         "cannot be above upper_bound_per_backend (3)"
     ) in message
+
+
+KEYS_TOML = """
+[prices]
+"llama3:*" = { input = 0.2, output = 0.6 }
+"gpt-4o" = { output = 10 }
+
+[[keys]]
+name = "team-a"
+models = ["llama3:*", "gpt-4"]
+rpm = 60
+tpm = 100000
+max_concurrency = 4
+budget_period = "day"
+budget_tokens = 1000000
+budget_usd = 12.5
+expires = 2030-01-31
+weight = 2.0
+"""
+
+
+@pytest.mark.django_db
+def test_key_limits_and_prices_import_and_export_round_trip(write: Writer) -> None:
+    from datetime import UTC, datetime
+    from decimal import Decimal
+
+    from usage.models import ApiKey, ModelPrice
+
+    key, _ = ApiKey.objects.create_key("team-a")
+    untouched, _ = ApiKey.objects.create_key("team-b", rpm_limit=5)
+
+    run_import(write(KEYS_TOML))
+
+    key.refresh_from_db()
+    assert key.model_patterns == ("llama3:*", "gpt-4")
+    assert (key.rpm_limit, key.tpm_limit, key.max_concurrency) == (60, 100_000, 4)
+    assert (key.budget_period, key.budget_tokens, key.budget_usd) == (
+        "day",
+        1_000_000,
+        Decimal("12.5"),
+    )
+    assert key.expires_at == datetime(2030, 1, 31, tzinfo=UTC)
+    assert key.admission_weight == 2.0
+    untouched.refresh_from_db()
+    assert untouched.rpm_limit == 5  # a key the file does not name keeps its limits
+    prices = {
+        p.model: (p.input_per_million, p.output_per_million)
+        for p in ModelPrice.objects.all()
+    }
+    assert prices == {
+        "llama3:*": (Decimal("0.2"), Decimal("0.6")),
+        "gpt-4o": (Decimal(0), Decimal(10)),
+    }
+
+    exported = run_export()
+    assert '"llama3:*" = { input = 0.2, output = 0.6 }' in exported
+    assert 'models = ["llama3:*", "gpt-4"]' in exported
+    assert "secret" not in exported.lower().replace("secrets are never", "")
+    before = (
+        list(ApiKey.objects.order_by("name").values()),
+        list(
+            ModelPrice.objects.order_by("model").values_list(
+                "model", "input_per_million", "output_per_million"
+            )
+        ),
+    )
+    run_import(write(exported, "again.toml"))
+    after = (
+        list(ApiKey.objects.order_by("name").values()),
+        list(
+            ModelPrice.objects.order_by("model").values_list(
+                "model", "input_per_million", "output_per_million"
+            )
+        ),
+    )
+    assert after == before
+
+    # A key the file leaves a limit out of gets no limit there.
+    run_import(write('[[keys]]\nname = "team-a"\nrpm = 10\n', "less.toml"))
+    key.refresh_from_db()
+    assert (key.rpm_limit, key.tpm_limit, key.budget_usd, key.allowed_models) == (
+        10,
+        None,
+        None,
+        "",
+    )
+
+
+@pytest.mark.django_db
+def test_key_and_price_problems_name_their_place(write: Writer) -> None:
+    from usage.models import ApiKey
+
+    ApiKey.objects.create_key("twin")
+    ApiKey.objects.create_key("twin")
+    message = import_error(
+        write(
+            '[prices]\n"bad name" = { input = -1 }\nm = 3\n'
+            '[[keys]]\nname = "nobody"\n'
+            '[[keys]]\nname = "twin"\n'
+            '[[keys]]\nname = "x"\nrpm = 0\nmodels = "all"\nexpires = 2030-01-01T00:00:00\n'
+        )
+    )
+    assert 'keys[0] ("nobody").name: no client key is named "nobody"' in message
+    assert 'several client keys are named "twin"' in message
+    assert 'keys[2] ("x").models: expected an array of model names' in message
+    assert 'keys[2] ("x").expires: expected a date' in message
+    assert "prices.m: expected { input = USD, output = USD }" in message
+    assert 'prices."bad name"' in message

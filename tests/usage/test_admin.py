@@ -54,17 +54,47 @@ def test_api_key_pages_render_for_a_superuser(admin_client: Client) -> None:
         assert admin_client.get(url).status_code == 200, url
 
 
-def test_add_form_asks_only_for_a_name(admin_client: Client) -> None:
+def test_add_form_asks_for_a_name_and_the_keys_limits(admin_client: Client) -> None:
     form = admin_client.get(KEY_ADD).context["adminform"].form
 
-    assert list(form.fields) == ["name"]
+    assert list(form.fields) == [
+        "name",
+        "allowed_models",
+        "expires_at",
+        "rpm_limit",
+        "tpm_limit",
+        "max_concurrency",
+        "budget_period",
+        "budget_tokens",
+        "budget_usd",
+    ]
+
+
+def test_a_key_is_created_with_its_limits(admin_client: Client) -> None:
+    admin_client.post(
+        KEY_ADD,
+        {
+            "name": "limited",
+            "allowed_models": "llama3:*, gpt-4",
+            "rpm_limit": "60",
+            "budget_period": "day",
+            "budget_usd": "2.5",
+        },
+    )
+
+    key = ApiKey.objects.get(name="limited")
+    assert key.model_patterns == ("llama3:*", "gpt-4")
+    assert key.rpm_limit == 60 and key.budget_period == "day"
+    assert key.budget_nanos == 2_500_000_000
 
 
 def test_new_key_is_shown_once_and_only_its_hash_is_stored(
     admin_client: Client,
 ) -> None:
     response = admin_client.post(
-        KEY_ADD, {"name": "ci-runner", "_continue": "1"}, follow=True
+        KEY_ADD,
+        {"name": "ci-runner", "budget_period": "month", "_continue": "1"},
+        follow=True,
     )
 
     assert response.status_code == 200
@@ -101,6 +131,7 @@ def test_prefix_and_hash_cannot_be_changed(admin_client: Client) -> None:
         {
             "name": "renamed",
             "is_active": "on",
+            "budget_period": "month",
             "prefix": "nx-evil0000",
             "hashed_key": "0" * 64,
             "admission_weight": "1",
@@ -117,7 +148,12 @@ def test_a_keys_fair_share_and_highest_criticality_are_edited(
     admin_client: Client,
 ) -> None:
     key = ApiKeyFactory(name="batch")
-    form = {"name": "batch", "is_active": "on", "admission_weight": "3"}
+    form = {
+        "name": "batch",
+        "is_active": "on",
+        "admission_weight": "3",
+        "budget_period": "month",
+    }
 
     response = admin_client.post(
         key_change_url(key), {**form, "max_criticality": "critical"}
@@ -160,7 +196,7 @@ def test_key_page_shows_its_usage(admin_client: Client) -> None:
 
     assert "llama3:8b" in html and "phi3" in html
     assert "qwen2" not in html
-    assert "10 requests, 0 errors, 84 tokens in all" in html
+    assert "10 requests, 0 errors, 84 tokens, $0.0000 in all" in html
     link = re.search(r'href="([^"]*api_key_prefix=[^"]*)"', html)
     assert link
     usage = admin_client.get(link.group(1).replace("&amp;", "&"))

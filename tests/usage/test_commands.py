@@ -110,10 +110,23 @@ def test_usage_prints_a_table_per_model_for_the_last_day() -> None:
         "prompt",
         "completion",
         "total",
+        "cost",
+        "(USD)",
         "estimated",
     ]
-    assert lines[3].split() == ["llama3:8b", "5", "1", "350", "150", "500", "20%"]
-    assert lines[-1].split() == ["total", "5", "1", "350", "150", "500", "20%"]
+    assert lines[3].split() == [
+        "llama3:8b", "5", "1", "350", "150", "500", "0.0000", "20%"
+    ]  # fmt: skip
+    assert lines[-1].split() == [
+        "total",
+        "5",
+        "1",
+        "350",
+        "150",
+        "500",
+        "0.0000",
+        "20%",
+    ]
     assert "mistral" not in output  # three days old
 
 
@@ -171,3 +184,41 @@ def test_usage_mentions_requests_not_rolled_up_yet() -> None:
 def test_usage_rejects_a_bad_period() -> None:
     with pytest.raises(CommandError, match="not a duration back from now"):
         run("nexus_usage", "--since", "yesterday")
+
+
+@pytest.mark.django_db
+def test_create_key_sets_allow_list_limits_budgets_and_expiry() -> None:
+    from usage.models import ApiKey
+
+    out = StringIO()
+    call_command(
+        "nexus_create_key",
+        "team-a",
+        "--models=llama3:*,gpt-4",
+        "--rpm=60",
+        "--tpm=10000",
+        "--max-concurrency=4",
+        "--budget-tokens=1000000",
+        "--budget-usd=12.5",
+        "--budget-period=day",
+        "--expires=2030-01-31",
+        "--json",
+        stdout=out,
+    )
+
+    key = ApiKey.objects.get(prefix=json.loads(out.getvalue())["prefix"])
+    assert key.model_patterns == ("llama3:*", "gpt-4")
+    assert (key.rpm_limit, key.tpm_limit, key.max_concurrency) == (60, 10000, 4)
+    assert key.budget_tokens == 1_000_000 and key.budget_period == "day"
+    assert key.budget_nanos == 12_500_000_000
+    assert key.expires_at is not None and key.expires_at.isoformat() == (
+        "2030-01-31T00:00:00+00:00"
+    )
+
+
+@pytest.mark.django_db
+def test_create_key_refuses_a_bad_limit_with_a_message() -> None:
+    with pytest.raises(CommandError, match="rpm_limit"):
+        call_command("nexus_create_key", "bad", "--rpm=0", stdout=StringIO())
+    with pytest.raises(CommandError, match="--expires"):
+        call_command("nexus_create_key", "bad", "--expires=soon", stdout=StringIO())

@@ -11,6 +11,7 @@ from django.test import Client
 from django.utils import timezone
 
 from tests.factories import UsageBucketFactory
+from usage.models import ApiKey, KeySpend
 
 pytestmark = pytest.mark.django_db
 
@@ -115,3 +116,40 @@ def test_the_charting_library_is_served_by_nexus_not_a_cdn(
         assert b"plotly.js" in bundle.read(200)
     # Only that file of the plotly package is published as a static file.
     assert finders.find("vendor/plotly/widgetbundle.js") is None
+
+
+def test_dashboard_shows_spend_per_key_this_month(
+    admin_client: Client, django_assert_max_num_queries
+) -> None:
+    today = timezone.now().date()
+    cheap, _ = ApiKey.objects.create_key("cheap-team")
+    dear, _ = ApiKey.objects.create_key(
+        "dear-team", budget_usd="50", budget_period="month"
+    )
+    for key, nanos in ((cheap, 1_000_000), (dear, 2_500_000_000)):
+        KeySpend.objects.create(
+            api_key_prefix=key.prefix,
+            day=today,
+            requests=3,
+            total_tokens=1234,
+            cost_nanos=nanos,
+        )
+    # Last month's spend is not in this month's table.
+    KeySpend.objects.create(
+        api_key_prefix=cheap.prefix,
+        day=today.replace(day=1) - timedelta(days=1),
+        requests=1,
+        total_tokens=1,
+        cost_nanos=10**12,
+    )
+
+    with django_assert_max_num_queries(8):
+        page = admin_client.get("/dashboard/").content.decode()
+
+    table = page[page.index('id="spend"') :]
+    table = table[: table.index("</table>")]
+    # Most cost first, with the budget beside it.
+    assert table.index("dear-team") < table.index("cheap-team")
+    assert "2.5000" in table and "0.0010" in table
+    assert "$50.0000 per UTC month" in table
+    assert "1000.0000" not in table

@@ -9,7 +9,14 @@ from typing import Any, ClassVar
 from rest_framework import serializers
 
 from backends.api.serializers import ModelCleanSerializer
-from usage.models import ANONYMOUS, USAGE_DIMENSIONS, ApiKey
+from usage.models import (
+    ANONYMOUS,
+    SETTING_FIELDS,
+    USAGE_DIMENSIONS,
+    ApiKey,
+    ModelPrice,
+    nanos_to_usd,
+)
 from usage.periods import PERIOD_HELP, parse_moment
 
 
@@ -187,6 +194,7 @@ class ApiKeySerializer(ModelCleanSerializer[ApiKey]):
             "is_active",
             "created_at",
             "last_used_at",
+            *SETTING_FIELDS,
         )
         read_only_fields = ("prefix", "is_active", "created_at", "last_used_at")
 
@@ -202,3 +210,55 @@ class NewApiKeySerializer(ApiKeySerializer):
 
     class Meta(ApiKeySerializer.Meta):
         fields = (*ApiKeySerializer.Meta.fields, "key")
+
+
+class SpendSerializer(serializers.Serializer[Any]):
+    requests = serializers.IntegerField()
+    total_tokens = serializers.IntegerField()
+    cost_usd = serializers.SerializerMethodField(
+        help_text="At the model prices of the time, in USD (exact: counted in "
+        "nano-USD)."
+    )
+
+    def get_cost_usd(self, row: dict[str, Any]) -> str:
+        return f"{nanos_to_usd(row['cost_nanos']):.9f}"
+
+
+class PeriodSpendSerializer(SpendSerializer):
+    period = serializers.CharField(
+        help_text='The budget period that holds now: "d20261124" (UTC day), '
+        '"m202611" (UTC month) or "all".'
+    )
+    remaining_tokens = serializers.IntegerField(
+        allow_null=True, help_text="What is left of budget_tokens (null: no budget)."
+    )
+    remaining_usd = serializers.SerializerMethodField(
+        help_text="What is left of budget_usd (null: no budget)."
+    )
+
+    def get_remaining_usd(self, row: dict[str, Any]) -> str | None:
+        nanos = row["remaining_nanos"]
+        return None if nanos is None else f"{nanos_to_usd(nanos):.9f}"
+
+
+class ApiKeyUsageSerializer(serializers.Serializer[Any]):
+    """A key's rolled-up usage and spend (requests of the last seconds are not
+    in yet: the rollup runs every 10 s by default)."""
+
+    period = PeriodSpendSerializer()
+    all_time = SpendSerializer()
+
+
+class ModelPriceSerializer(ModelCleanSerializer[ModelPrice]):
+    """What a model costs per million tokens, in and out (USD)."""
+
+    class Meta:
+        model = ModelPrice
+        fields = (
+            "id",
+            "model",
+            "input_per_million",
+            "output_per_million",
+            "updated_at",
+        )
+        read_only_fields = ("updated_at",)

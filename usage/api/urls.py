@@ -3,10 +3,16 @@ from __future__ import annotations
 from django.urls import path
 from rest_framework.routers import SimpleRouter
 
-from usage.api.views import ApiKeyViewSet, TokenUsageView, UsageStatsView
+from usage.api.views import (
+    ApiKeyViewSet,
+    ModelPriceViewSet,
+    TokenUsageView,
+    UsageStatsView,
+)
 
 router = SimpleRouter(trailing_slash=False)
 router.register("keys", ApiKeyViewSet, basename="api-key")
+router.register("prices", ModelPriceViewSet, basename="model-price")
 
 urlpatterns = [
     path("usage/tokens", TokenUsageView.as_view(), name="usage-tokens"),

@@ -17,6 +17,8 @@ from rest_framework.views import APIView
 
 from usage.api.serializers import (
     ApiKeySerializer,
+    ApiKeyUsageSerializer,
+    ModelPriceSerializer,
     NewApiKeySerializer,
     StatsQuerySerializer,
     TokenQuerySerializer,
@@ -24,8 +26,10 @@ from usage.api.serializers import (
     UsageStatsSerializer,
 )
 from usage.models import (
+    SETTING_FIELDS,
     ApiKey,
     ApiKeyQuerySet,
+    ModelPrice,
     UsageCountersQuerySet,
     UsageRecord,
     select_usage_rows,
@@ -106,9 +110,11 @@ class ApiKeyViewSet(
     mixins.UpdateModelMixin,
     viewsets.GenericViewSet[ApiKey],
 ):
-    """Client API keys for the gateway (/v1): create, list, rename, revoke.
+    """Client API keys for the gateway (/v1): create, list, change, revoke.
 
-    Only a hash of each secret is stored: the secret is in the answer to the
+    A key carries its allowed models, expiry, rate and concurrency limits,
+    budgets and fair-queue settings (see the README, "Keys, limits and
+    budgets"); empty (null) limits mean no limit. Only a hash of each secret is stored: the secret is in the answer to the
     create request and nowhere else. A revoked key is refused by every serving
     process within a second or so, and stays revoked (create a new one).
     """
@@ -116,7 +122,7 @@ class ApiKeyViewSet(
     queryset = ApiKey.objects.all()
     serializer_class = ApiKeySerializer
     permission_classes = (IsAdminUser,)
-    filterset_fields = ("name", "prefix", "is_active")
+    filterset_fields = ("name", "prefix", "is_active", "budget_period")
     ordering_fields = ("name", "created_at", "last_used_at")
     ordering = ("name", "created_at")
 
@@ -124,7 +130,9 @@ class ApiKeyViewSet(
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         serializer = self.get_serializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        key, raw = ApiKey.objects.create_key(serializer.validated_data["name"])
+        data = serializer.validated_data
+        settings = {name: data[name] for name in SETTING_FIELDS if name in data}
+        key, raw = ApiKey.objects.create_key(data["name"], **settings)
         # The secret is in this answer and nowhere else (NewApiKeySerializer).
         data = {**ApiKeySerializer(key).data, "key": raw}
         return Response(data, status=status.HTTP_201_CREATED)
@@ -139,3 +147,28 @@ class ApiKeyViewSet(
         keys.deactivate()
         key.refresh_from_db()
         return Response(self.get_serializer(key).data)
+
+    @extend_schema(responses=ApiKeyUsageSerializer)
+    @action(detail=True, methods=["get"])
+    def usage(self, request: Request, pk: str | None = None) -> Response:
+        """This key's rolled-up requests, tokens and cost: the current budget
+        period (with what is left of its budgets) and all time."""
+        key = self.get_object()
+        return Response(ApiKeyUsageSerializer(key.spend()).data)
+
+
+class ModelPriceViewSet(viewsets.ModelViewSet[ModelPrice]):
+    """Model prices (USD per million tokens, in and out) for costs and budgets.
+
+    ``model`` is a served model's name or a glob pattern (``llama3:*``): an
+    exact name wins, then the longest matching pattern. Every serving process
+    uses a change within a second or so; costs already recorded keep the
+    price of their time.
+    """
+
+    queryset = ModelPrice.objects.all()
+    serializer_class = ModelPriceSerializer
+    permission_classes = (IsAdminUser,)
+    filterset_fields = ("model",)
+    ordering_fields = ("model", "updated_at")
+    ordering = ("model",)

@@ -18,7 +18,7 @@ from routing.translate.anthropic.wire import (
     sse_event,
     usage_from_canonical,
 )
-from routing.translate.base import TranslationError
+from routing.translate.base import BROKEN, BUDGET, TranslationError
 
 UNSUPPORTED = "unsupported_content"
 # Blocks that carry nothing a chat model needs to see again.
@@ -445,12 +445,14 @@ class MessageStreamWriter:
         out.append(sse_event({"type": "message_stop"}))
         return out
 
-    def fail(self, message: str) -> list[bytes]:
+    def fail(self, message: str, code: str = BROKEN) -> list[bytes]:
+        # Anthropic's errors have a type and no code: a budget cut is a 429's.
+        status = 429 if code == BUDGET else 502
         return [
             sse_event(
                 {
                     "type": "error",
-                    "error": {"type": error_type_for(502), "message": message},
+                    "error": {"type": error_type_for(status), "message": message},
                 }
             )
         ]

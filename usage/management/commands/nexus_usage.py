@@ -28,8 +28,8 @@ COLUMNS = (
 
 class Command(BaseCommand):
     help = (
-        "Print requests, errors and tokens per model, backend or client key, from "
-        "the rolled-up usage. Estimated is the share of tokens Nexus estimated "
+        "Print requests, errors, tokens and cost per model, backend or client key, "
+        "from the rolled-up usage. Estimated is the share of tokens Nexus estimated "
         "because the backend reported none."
     )
 
@@ -93,7 +93,7 @@ class Command(BaseCommand):
     def _print_table(
         self, by: str, rows: list[dict[str, Any]], totals: dict[str, Any]
     ) -> None:
-        header = [by, *(title for _, title in COLUMNS), "estimated"]
+        header = [by, *(title for _, title in COLUMNS), "cost (USD)", "estimated"]
         labelled = [(_label(by, row), row) for row in rows] + [("total", totals)]
         table = [header]
         for label, row in labelled:
@@ -101,6 +101,7 @@ class Command(BaseCommand):
                 [
                     label,
                     *(f"{row[name]:,}" for name, _ in COLUMNS),
+                    f"{row['cost_usd']:,.4f}",
                     f"{row['estimated_share']:.0%}",
                 ]
             )
@@ -119,6 +120,7 @@ class Command(BaseCommand):
 def _scripted(by: str, row: dict[str, Any]) -> dict[str, Any]:
     """A report row as --json prints it: the mean latency, not the sum."""
     row = {name: value for name, value in row.items() if name != "latency_ms_sum"}
+    row["cost_usd"] = str(row["cost_usd"])
     if by == "key":
         row["key"] = row.pop("api_key_prefix")
     return row

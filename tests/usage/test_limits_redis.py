@@ -1,0 +1,155 @@
+"""The Redis limiter (production mode): one counter per key for every process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+from django.conf import settings
+
+from usage.limits.limiter import BUDGET, CONCURRENCY, REQUESTS, TOKENS, UNAVAILABLE
+from usage.limits.policy import KeyPolicy, period_id
+from usage.limits.shared import RedisLimiter, budget_key
+
+pytestmark = pytest.mark.skipif(
+    not settings.REDIS_URL, reason="the embedded default has no Redis"
+)
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    for key in client.scan_iter("nx:*"):
+        client.delete(key)
+    yield settings.REDIS_URL
+    for key in client.scan_iter("nx:*"):
+        client.delete(key)
+    client.close()
+
+
+def run(coroutine_function, *limiters: RedisLimiter):
+    """Run a coroutine with the limiters started on its loop, then stop them."""
+
+    async def main():
+        for limiter in limiters:
+            limiter.start()
+        try:
+            return await coroutine_function()
+        finally:
+            for limiter in limiters:
+                await limiter.stop()
+
+    return asyncio.run(main())
+
+
+def test_two_processes_share_one_rpm_bucket(redis_url: str) -> None:
+    one, two = RedisLimiter(redis_url), RedisLimiter(redis_url)
+    policy = KeyPolicy("nx-shared1", rpm=10)
+
+    async def main():
+        decisions = []
+        for index in range(14):
+            limiter = one if index % 2 else two
+            decisions.append(await limiter.admit(policy, 1, 0))
+        return decisions
+
+    decisions = run(main, one, two)
+
+    assert sum(d.allowed for d in decisions) == 10
+    refused = decisions[-1]
+    assert refused.reason == REQUESTS
+    assert 5.5 < refused.retry_after <= 6.0
+    assert dict(refused.headers)[b"x-ratelimit-remaining-requests"] == b"0"
+
+
+def test_tpm_settles_to_what_was_used(redis_url: str) -> None:
+    limiter = RedisLimiter(redis_url)
+    policy = KeyPolicy("nx-tpm1", tpm=1000)
+
+    async def main():
+        first = await limiter.admit(policy, 900, 0)
+        second = await limiter.admit(policy, 200, 0)
+        limiter.settle(first.ticket, 100, 0)
+        await limiter._flush_settles()
+        third = await limiter.admit(policy, 200, 0)
+        return first, second, third
+
+    first, second, third = run(main, limiter)
+
+    assert first.allowed and second.reason == TOKENS and third.allowed
+    assert dict(third.headers)[b"x-ratelimit-remaining-tokens"] == b"700"
+
+
+def test_concurrency_is_shared_and_freed_on_settle(redis_url: str) -> None:
+    one, two = RedisLimiter(redis_url), RedisLimiter(redis_url)
+    policy = KeyPolicy("nx-conc1", max_concurrency=2)
+
+    async def main():
+        a = await one.admit(policy, 0, 0)
+        b = await two.admit(policy, 0, 0)
+        c = await one.admit(policy, 0, 0)
+        one.settle(a.ticket, 0, 0)
+        await one._flush_settles()
+        d = await two.admit(policy, 0, 0)
+        return a, b, c, d
+
+    a, b, c, d = run(main, one, two)
+
+    assert a.allowed and b.allowed and d.allowed
+    assert c.reason == CONCURRENCY
+
+
+def test_budget_holds_spend_and_cover_across_processes(redis_url: str) -> None:
+    one, two = RedisLimiter(redis_url), RedisLimiter(redis_url)
+    policy = KeyPolicy("nx-budget1", budget_period="day", budget_tokens=1000)
+
+    async def main():
+        a = await one.admit(policy, 600, 0)
+        b = await two.admit(policy, 600, 0)  # 400 left to hold
+        holds = (a.ticket.held_tokens, b.ticket.held_tokens)
+        c = await one.admit(policy, 1, 0)
+        grown = await one.cover(a.ticket, (700, 0), (800, 0))  # nothing left
+        two.settle(b.ticket, 100, 0)
+        await two._flush_settles()
+        regrown = await one.cover(a.ticket, (700, 0), (800, 0))
+        holds += (a.ticket.held_tokens,)
+        one.settle(a.ticket, 700, 0)
+        await one._flush_settles()
+        d = await two.admit(policy, 500, 0)
+        return holds, c, grown, regrown, d
+
+    holds, c, grown, regrown, d = run(main, one, two)
+
+    assert holds == (600, 400, 800)
+    assert c.reason == BUDGET
+    assert not grown and regrown
+    assert d.ticket.held_tokens == 200  # 1000 - 100 - 700
+    client = redis.Redis.from_url(redis_url)
+    stored = client.hgetall(budget_key("nx-budget1", d.ticket.period))
+    client.close()
+    assert int(stored[b"st"]) == 800
+    assert d.ticket.period == period_id("day", time.time())
+
+
+def test_an_unreachable_redis_fails_open_or_closed_as_configured() -> None:
+    errors: list[int] = []
+    url = "redis://127.0.0.1:9/0"  # nothing listens on the discard port
+    open_limiter = RedisLimiter(url, on_error=lambda: errors.append(1))
+    closed = RedisLimiter(url, fail_open=False)
+    policy = KeyPolicy("nx-down1", rpm=1)
+
+    async def main():
+        return (
+            await open_limiter.admit(policy, 1, 0),
+            await open_limiter.admit(policy, 1, 0),  # within the back-off: no call
+            await closed.admit(policy, 1, 0),
+        )
+
+    first, second, third = run(main, open_limiter, closed)
+
+    assert first.allowed and first.ticket.unchecked and second.allowed
+    assert errors  # counted (the metric nexus_limiter_errors_total)
+    assert third.reason == UNAVAILABLE

@@ -1,0 +1,8 @@
+"""Client keys' limits and budgets, and model prices, as the gateway enforces them.
+
+``policy`` holds the frozen values the snapshot carries (no Django);
+``limiter`` the in-process limiter of the embedded default and the shared
+interface; ``shared`` the Redis limiter of production mode (one round trip per
+admission, gateway-wide); ``spend`` reads the budgets' truth from the usage
+tables and reconciles the fast counters with it.
+"""

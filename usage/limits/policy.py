@@ -1,0 +1,169 @@
+"""What a client key may do, and what a model costs: frozen values, no Django.
+
+The snapshot (routing/state.py) builds one ``KeyPolicy`` per active key and
+one ``Price`` per served model; the gateway reads only these on the request
+path. Money is counted in integer nano-USD (1e-9 USD) so that sums are exact:
+a price of $X per million tokens is X*1000 nano-USD per token.
+"""
+
+from __future__ import annotations
+
+import enum
+import fnmatch
+import re
+from calendar import monthrange
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+NANOS_PER_USD = 1_000_000_000
+# A model name or a glob pattern over one: no spaces, commas or control bytes.
+_PATTERN = re.compile(r"[^\s,\x00-\x1f]{1,200}")
+
+
+class BudgetPeriod(enum.StrEnum):
+    DAY = "day"
+    MONTH = "month"
+    TOTAL = "total"
+
+    @classmethod
+    def choices(cls) -> list[tuple[str, str]]:
+        return [
+            (cls.DAY, "per UTC day"),
+            (cls.MONTH, "per UTC month"),
+            (cls.TOTAL, "all time"),
+        ]
+
+
+def split_patterns(text: str) -> tuple[str, ...]:
+    """Split a comma-separated allow-list (blanks and duplicates dropped)."""
+    seen: dict[str, None] = {}
+    for part in text.split(","):
+        part = part.strip()
+        if part:
+            seen[part] = None
+    return tuple(seen)
+
+
+def is_valid_pattern(pattern: str) -> bool:
+    return _PATTERN.fullmatch(pattern) is not None
+
+
+def is_glob(pattern: str) -> bool:
+    return any(char in pattern for char in "*?[")
+
+
+def period_id(period: str, now: float) -> str:
+    """The budget period that holds at Unix time `now` ("d20261124", ...)."""
+    if period == BudgetPeriod.TOTAL:
+        return "all"
+    moment = datetime.fromtimestamp(now, UTC)
+    if period == BudgetPeriod.DAY:
+        return f"d{moment:%Y%m%d}"
+    return f"m{moment:%Y%m}"
+
+
+def period_end(period: str, now: float) -> float | None:
+    """Unix time when the budget period holding at `now` ends (None: never)."""
+    if period == BudgetPeriod.TOTAL:
+        return None
+    moment = datetime.fromtimestamp(now, UTC)
+    start = moment.replace(hour=0, minute=0, second=0, microsecond=0)
+    if period == BudgetPeriod.DAY:
+        return start.timestamp() + 86_400
+    days = monthrange(moment.year, moment.month)[1]
+    return start.replace(day=1).timestamp() + days * 86_400
+
+
+@dataclass(frozen=True, slots=True)
+class Price:
+    """A model's price in nano-USD per token, in and out."""
+
+    input_nanos: int = 0
+    output_nanos: int = 0
+
+    def cost(self, prompt_tokens: int, completion_tokens: int) -> int:
+        """Return the cost of a request in nano-USD (exact)."""
+        return prompt_tokens * self.input_nanos + completion_tokens * self.output_nanos
+
+
+FREE = Price()
+
+
+@dataclass(frozen=True, slots=True)
+class KeyPolicy:
+    """One client key's allow-list, expiry, limits and budgets (None: no limit)."""
+
+    prefix: str
+    allowed_models: tuple[str, ...] = ()
+    expires_at: float | None = None  # Unix time
+    max_concurrency: int | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+    budget_period: str = BudgetPeriod.MONTH
+    budget_tokens: int | None = None
+    budget_nanos: int | None = None
+    _exact: frozenset[str] = field(init=False, repr=False, compare=False)
+    _glob: re.Pattern[str] | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        exact = frozenset(p for p in self.allowed_models if not is_glob(p))
+        globs = [fnmatch.translate(p) for p in self.allowed_models if is_glob(p)]
+        object.__setattr__(self, "_exact", exact)
+        object.__setattr__(
+            self, "_glob", re.compile("|".join(globs)) if globs else None
+        )
+
+    @property
+    def has_budget(self) -> bool:
+        return self.budget_tokens is not None or self.budget_nanos is not None
+
+    @property
+    def is_limited(self) -> bool:
+        """Whether admission must ask the limiter (any limit or budget set)."""
+        return (
+            self.rpm is not None
+            or self.tpm is not None
+            or self.max_concurrency is not None
+            or self.has_budget
+        )
+
+    def is_expired(self, now: float) -> bool:
+        return self.expires_at is not None and now >= self.expires_at
+
+    def allows(self, *names: str) -> bool:
+        """Whether the allow-list admits any of `names` (a model, its alias target)."""
+        if not self.allowed_models:
+            return True
+        for name in names:
+            if name in self._exact:
+                return True
+            if self._glob is not None and self._glob.fullmatch(name):
+                return True
+        return False
+
+
+UNLIMITED_KEY = KeyPolicy(prefix="")
+
+
+def resolve_prices(
+    prices: dict[str, Price], models: list[str] | tuple[str, ...] | set[str]
+) -> dict[str, Price]:
+    """Map every model name to its price: the exact entry, else the longest pattern.
+
+    `prices` maps names or glob patterns to prices; models without any match
+    are left out (free).
+    """
+    patterns = sorted(
+        ((p, price) for p, price in prices.items() if is_glob(p)),
+        key=lambda item: -len(item[0]),
+    )
+    resolved: dict[str, Price] = {}
+    for model in models:
+        if model in prices:
+            resolved[model] = prices[model]
+            continue
+        for pattern, price in patterns:
+            if fnmatch.fnmatchcase(model, pattern):
+                resolved[model] = price
+                break
+    return resolved
