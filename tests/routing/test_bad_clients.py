@@ -93,20 +93,28 @@ def setup(django_db_setup: None, django_db_blocker) -> Iterator[Setup]:
     global _blocker
     _blocker = django_db_blocker
     mock = start_mock_backend("--models", MODEL, "--name", "mock-bad-clients")
-    with django_db_blocker.unblock():
-        backend = Backend.objects.create(
-            name="mock-bad-clients", base_url=mock.base_url, status=HealthStatus.HEALTHY
+    try:
+        with django_db_blocker.unblock():
+            backend = Backend.objects.create(
+                name="mock-bad-clients",
+                base_url=mock.base_url,
+                status=HealthStatus.HEALTHY,
+            )
+            BackendModel.objects.create(backend=backend, name=MODEL)
+            _, key = ApiKey.objects.create_key("bad-clients")
+            staff = get_user_model().objects.create_user(
+                "bad-clients-ops", is_staff=True
+            )
+            token = Token.objects.create(user=staff).key
+        nexus = start_nexus_server(
+            NEXUS_MAX_BODY_BYTES=str(MAX_BODY),
+            NEXUS_BREAKER_FAILURES="1000000",
+            NEXUS_USAGE_FLUSH_INTERVAL="0.1",
+            NEXUS_USAGE_SHIP_INTERVAL="0.01",
         )
-        BackendModel.objects.create(backend=backend, name=MODEL)
-        _, key = ApiKey.objects.create_key("bad-clients")
-        staff = get_user_model().objects.create_user("bad-clients-ops", is_staff=True)
-        token = Token.objects.create(user=staff).key
-    nexus = start_nexus_server(
-        NEXUS_MAX_BODY_BYTES=str(MAX_BODY),
-        NEXUS_BREAKER_FAILURES="1000000",
-        NEXUS_USAGE_FLUSH_INTERVAL="0.1",
-        NEXUS_USAGE_SHIP_INTERVAL="0.01",
-    )
+    except BaseException:
+        mock.stop()  # set up half-way: leave no process behind
+        raise
     try:
         yield Setup(nexus, mock, key, token)
     finally:

@@ -85,31 +85,35 @@ def setup(django_db_setup: None, django_db_blocker) -> Iterator[Setup]:
     hostile = spawn_mock_backend(
         "--size", str(HUGE), module="nexus_site.mock_backend.hostile"
     )
-    with django_db_blocker.unblock():
-        backend = Backend.objects.create(
-            name=BACKEND,
-            base_url=hostile.base_url,
-            status=HealthStatus.HEALTHY,
-            request_timeout=1.0,  # the hanging and dripping modes
+    try:
+        with django_db_blocker.unblock():
+            backend = Backend.objects.create(
+                name=BACKEND,
+                base_url=hostile.base_url,
+                status=HealthStatus.HEALTHY,
+                request_timeout=1.0,  # the hanging and dripping modes
+            )
+            for mode in MODES:
+                BackendModel.objects.create(backend=backend, name=f"hostile-{mode}")
+            policy = RoutingPolicy.load()
+            policy.max_retries = 0
+            policy.save()
+            _, key = ApiKey.objects.create_key("hostile-tests")
+            staff = get_user_model().objects.create_user("hostile-ops", is_staff=True)
+            token = Token.objects.create(user=staff).key
+        nexus = start_nexus_server(
+            NEXUS_UPSTREAM_MAX_REPLY_BYTES=str(MAX_REPLY),
+            NEXUS_UPSTREAM_MAX_EVENT_BYTES=str(MAX_EVENT),
+            NEXUS_STREAM_MAX_UNSENT_BYTES=str(MAX_UNSENT),
+            # Every case fails the same backend on purpose: keep it in service.
+            NEXUS_BREAKER_FAILURES="1000000",
+            NEXUS_BREAKER_PERSIST="0",
+            NEXUS_USAGE_FLUSH_INTERVAL="0.1",
+            NEXUS_USAGE_SHIP_INTERVAL="0.01",
         )
-        for mode in MODES:
-            BackendModel.objects.create(backend=backend, name=f"hostile-{mode}")
-        policy = RoutingPolicy.load()
-        policy.max_retries = 0
-        policy.save()
-        _, key = ApiKey.objects.create_key("hostile-tests")
-        staff = get_user_model().objects.create_user("hostile-ops", is_staff=True)
-        token = Token.objects.create(user=staff).key
-    nexus = start_nexus_server(
-        NEXUS_UPSTREAM_MAX_REPLY_BYTES=str(MAX_REPLY),
-        NEXUS_UPSTREAM_MAX_EVENT_BYTES=str(MAX_EVENT),
-        NEXUS_STREAM_MAX_UNSENT_BYTES=str(MAX_UNSENT),
-        # Every case fails the same backend on purpose: keep it in service.
-        NEXUS_BREAKER_FAILURES="1000000",
-        NEXUS_BREAKER_PERSIST="0",
-        NEXUS_USAGE_FLUSH_INTERVAL="0.1",
-        NEXUS_USAGE_SHIP_INTERVAL="0.01",
-    )
+    except BaseException:
+        hostile.stop()  # set up half-way: leave no process behind
+        raise
     try:
         yield Setup(nexus, hostile, key, token)
     finally:
