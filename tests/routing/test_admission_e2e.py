@@ -117,8 +117,10 @@ def test_a_light_key_is_served_while_a_flooding_key_waits(
         return flood_done_then, len(replies), [light_latency]
 
     flood_done_then, flood_served, _ = asyncio.run(scenario())
-    # The light key waited behind at most a request or two, not the flood.
-    assert flood_done_then <= 6
+    # The light key waited behind the requests in flight and a turn or two,
+    # not the flood: served in FIFO order it would come after 13 or more of
+    # them. (Half the flood leaves room for a loaded machine's scheduling.)
+    assert flood_done_then <= 8
     assert flood_served == 16
     stats = _stats(slotted)
     assert stats["peak_outstanding"] <= 3  # the band, not the flood, reached it
