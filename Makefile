@@ -16,9 +16,9 @@ PRODUCTION := env -u PYTHONDONTWRITEBYTECODE NEXUS_TEST_MODE=production \
 # Each mode runs on TEST_WORKERS pytest-xdist workers, a whole test file to a
 # worker (module-scoped servers start once). tests/worker_isolation.py gives each
 # worker Redis databases of its own: two each, counting up from TEST_REDIS_URL's
-# (databases 1 to 4 by default). PostgreSQL test databases get pytest-django's
+# (databases 1 to 6 by default). PostgreSQL test databases get pytest-django's
 # per-worker suffix (test_test_gw0...).
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 PYTEST := $(BIN)/python -m pytest -p tests.worker_isolation \
 	-n $(TEST_WORKERS) --dist loadfile
 
