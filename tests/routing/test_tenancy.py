@@ -328,7 +328,14 @@ def test_cancelled_streams_are_billed_for_what_was_relayed(setup: Setup) -> None
     records = _records(setup.keys["cancel"][:11], streams, limit=60)
     billed = {r.request_id: r for r in records}
     assert len(billed) == streams
+    exact = 0
     for request_id, text in received.items():
         record = billed[request_id]
         assert record.status == 499 and record.error == "client_closed"
-        assert record.completion_tokens == -(-len(text) // 4), request_id
+        read = -(-len(text) // 4)
+        # Billed is what Nexus wrote to the socket before it saw the hang-up: at
+        # least what the client read and, on a loaded machine, the few chunks
+        # (150 ms apart) it had not read yet when it hung up.
+        assert read <= record.completion_tokens <= read + 8, request_id
+        exact += record.completion_tokens == read
+    assert exact >= 0.9 * streams
