@@ -30,6 +30,28 @@ def pytest_configure(config: pytest.Config) -> None:
         )
 
 
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    """Run the `mode_independent` tests in the embedded mode only.
+
+    They touch neither a database nor Redis nor a server of the mode under
+    test (pure cores, translators, parsers, and commands run on a scratch
+    SQLite file whatever the mode), so a production run would repeat them
+    exactly; `make test` runs both modes and so still runs each of them once.
+    """
+    if os.environ.get("NEXUS_TEST_MODE") != "production":
+        return
+    kept = [item for item in items if not item.get_closest_marker("mode_independent")]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(
+            items=[
+                item for item in items if item.get_closest_marker("mode_independent")
+            ]
+        )
+        items[:] = kept
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _assert_test_mode(django_db_setup: None) -> None:
     """Fail loudly if the suite is not running in the mode it was asked to run in.

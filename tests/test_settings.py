@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
+pytestmark = pytest.mark.mode_independent
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -20,6 +20,8 @@ from backends.kinds import (
 from backends.models import BackendKind
 from tests.backends.mock_fleet import KindMock, closed_port_url, running_mocks
 
+pytestmark = pytest.mark.mode_independent
+
 OPENAI_KEY = "sk-openai-Zq8v3LmT0pXw"
 ANTHROPIC_KEY = "sk-ant-api03-T0pXwZq8v3Lm"
 

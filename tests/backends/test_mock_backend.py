@@ -27,6 +27,8 @@ from nexus_site.mock_backend import (
 )
 from tests.conftest import REPO_ROOT
 
+pytestmark = pytest.mark.mode_independent
+
 MODELS = ["llama3:8b", "mistral:7b"]
 
 

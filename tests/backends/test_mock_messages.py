@@ -13,6 +13,8 @@ import pytest
 
 from tests.conftest import MockBackendProcess, start_mock_backend
 
+pytestmark = pytest.mark.mode_independent
+
 TOOL = {
     "name": "weather",
     "input_schema": {

@@ -11,6 +11,8 @@ import pytest
 
 from nexus_site.mock_backend import MockBackendProcess, spawn_mock_backend
 
+pytestmark = pytest.mark.mode_independent
+
 TOOLS = [
     {
         "type": "function",

@@ -25,6 +25,8 @@ from routing.admission import (
     error_of,
 )
 
+pytestmark = pytest.mark.mode_independent
+
 GO = (Outcome.BYPASSED, Outcome.DISPATCHED)
 
 

@@ -94,6 +94,9 @@ def test_a_light_key_is_served_while_a_flooding_key_waits(
     _, flood_key = ApiKey.objects.create_key("flood")
     _, light_key = ApiKey.objects.create_key("light")
     server = nexus_server_factory()
+    # A second a request: the queue stays long while a loaded machine's client
+    # is still sending the flood (at 300 ms it could drain below 10 first).
+    httpx.post(f"{slotted.base_url}/_mock/config", json={"latency_ms": 1000})
 
     async def scenario() -> tuple[int, int, list[float]]:
         flood_client, light_client = (

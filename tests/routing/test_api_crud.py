@@ -4,14 +4,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import schemathesis
 from django.contrib.staticfiles import finders
-from django.core.wsgi import get_wsgi_application
 from django.test import override_settings
-from hypothesis import HealthCheck, settings
-from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
-from schemathesis.checks import not_a_server_error
 
 from routing.core import STRATEGY_ENV
 from routing.models import Alias, FallbackChain, RoutingPolicy
@@ -440,51 +435,3 @@ def test_the_schema_describes_every_endpoint(admin_client: Any) -> None:
         assert path in paths
     backend = response.json()["components"]["schemas"]["BackendRequest"]
     assert backend["properties"]["api_key"]["writeOnly"] is True
-
-
-# --- Fuzzing the whole API against its schema -----------------------------------
-
-
-@pytest.fixture
-def fuzz_headers(transactional_db: None) -> dict[str, str]:
-    """An admin token, and data for the generated requests to find and change."""
-    token = Token.objects.create(user=StaffUserFactory(username="fuzzer"))
-    # Loopback, a port nothing listens on: nothing generated reaches a network.
-    backend = BackendFactory(
-        name="fuzz-gpu", api_key=SECRET, base_url="http://127.0.0.1:9"
-    )
-    BackendModelFactory(backend=backend, name="llama3:8b")
-    AliasFactory(name="gpt-4", target="llama3:8b")
-    ChainStepFactory(chain=FallbackChainFactory(model="gpt-4"), model="mistral:7b")
-    return {"Authorization": f"Token {token.key}"}
-
-
-@pytest.fixture
-def api_schema(fuzz_headers: dict[str, str]) -> Any:
-    return schemathesis.openapi.from_wsgi(
-        "/api/v1/schema/?format=json", get_wsgi_application(), headers=fuzz_headers
-    )
-
-
-# Undrain probes the backend at once, and generated backends may have any URL:
-# it is tested against a mock backend instead (tests/backends/test_api.py).
-fuzzed = schemathesis.pytest.from_fixture("api_schema").exclude(path_regex=r"/undrain$")
-
-
-# One test walks every operation of the schema: with both modes running at
-# once on xdist workers of a 2-core machine it can outlast the default 120 s.
-@pytest.mark.timeout(480)
-@fuzzed.parametrize()
-@settings(
-    max_examples=4,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-    derandomize=True,
-)
-def test_the_api_never_answers_500_to_generated_requests(
-    case: Any, fuzz_headers: dict[str, str]
-) -> None:
-    response = case.call(headers=fuzz_headers)
-
-    case.validate_response(response, checks=[not_a_server_error])
-    assert SECRET not in response.text

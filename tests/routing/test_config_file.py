@@ -1005,6 +1005,7 @@ def test_any_valid_configuration_survives_export_and_import(
 # As a real process
 
 
+@pytest.mark.mode_independent  # a scratch SQLite file whatever the mode
 def test_command_line_exit_status_and_messages(tmp_path: Path) -> None:
     env = {
         k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")

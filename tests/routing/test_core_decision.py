@@ -23,6 +23,8 @@ from routing.core import (
 )
 from tests.routing.core_builders import backend, model, select, snapshot
 
+pytestmark = pytest.mark.mode_independent
+
 NO_CAPS = {"vision": "no", "tools": "no", "json_mode": "no"}
 
 # The decision record

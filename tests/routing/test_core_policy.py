@@ -22,6 +22,8 @@ from routing.core import (
 )
 from routing.core import policy as policy_module
 
+pytestmark = pytest.mark.mode_independent
+
 
 @pytest.fixture(autouse=True)
 def _forget_warnings(monkeypatch: pytest.MonkeyPatch) -> None:

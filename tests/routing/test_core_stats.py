@@ -15,6 +15,8 @@ from routing.core import (
     RouterSnapshot,
 )
 
+pytestmark = pytest.mark.mode_independent
+
 
 class Clock:
     def __init__(self) -> None:

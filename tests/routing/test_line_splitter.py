@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from routing.proxy.sse import LineSplitter
+
+pytestmark = pytest.mark.mode_independent
 
 
 @settings(max_examples=200, deadline=None)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 
 import ollama
+import pytest
 
 from routing.core import RouterSnapshot
 from routing.proxy.ollama_catalog import OllamaCatalog
 from tests.routing.core_builders import backend, model, snapshot
+
+pytestmark = pytest.mark.mode_independent
 
 
 def fleet() -> RouterSnapshot:

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from routing.core import InvalidModel, InvalidRequest, RequestRequirements
 
+pytestmark = pytest.mark.mode_independent
+
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 
 

@@ -31,6 +31,8 @@ from routing.core import (
 )
 from tests.routing.core_builders import backend, model, select, snapshot
 
+pytestmark = pytest.mark.mode_independent
+
 
 def fail(snap: RouterSnapshot, model_name: str, **needs: Any) -> RoutingError:
     with pytest.raises(RoutingError) as caught:

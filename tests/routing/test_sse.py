@@ -6,6 +6,8 @@ import pytest
 
 from routing.proxy.sse import EventTooLarge, StreamRelay
 
+pytestmark = pytest.mark.mode_independent
+
 EVENTS = (
     b'data: {"choices": [{"delta": {"content": "one"}}]}\n\n'
     b'data: {"choices": [{"delta": {"content": "two"}}]}\r\n\r\n'

@@ -22,6 +22,8 @@ from routing.core import (
     score_backend,
 )
 
+pytestmark = pytest.mark.mode_independent
+
 MODEL = "llama3:8b"
 
 

@@ -26,6 +26,8 @@ from routing.translate.anthropic import (
 )
 from routing.translate.base import StreamFailed, TranslationError, dumps
 
+pytestmark = pytest.mark.mode_independent
+
 PNG = "iVBORw0KGgo="
 
 

@@ -28,6 +28,8 @@ from routing.translate.ollama import (
     usage_of_native,
 )
 
+pytestmark = pytest.mark.mode_independent
+
 USAGE = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
 PNG = "iVBORw0KGgoAAAANSUhEUg=="
 JPEG = "/9j/4AAQSkZJRg=="

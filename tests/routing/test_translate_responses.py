@@ -19,6 +19,8 @@ from routing.translate.responses import (
     responses_to_chat,
 )
 
+pytestmark = pytest.mark.mode_independent
+
 EVENTS = TypeAdapter(ResponseStreamEvent)
 USAGE = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
 

@@ -173,11 +173,18 @@ def test_dashboard_shows_a_chat_request_without_reload(
         expect(hour.locator(".point")).not_to_have_count(0)
         # Plotly's drag layer takes the pointer; the tooltip follows it.
         bar = hour.locator(".trace.bars").first.locator(".point path").last
-        bar.scroll_into_view_if_needed()  # the mouse moves within the viewport
-        box = bar.bounding_box()
-        assert box is not None
-        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] - 2)
         tooltip = hour.locator(".hoverlayer")
+        # The page redraws its charts every 10 s: a pointer that was already on
+        # the bar when it was redrawn shows nothing until it moves, so point again.
+        deadline = time.monotonic() + 20
+        while "requests: 1" not in (tooltip.text_content() or ""):
+            assert time.monotonic() < deadline, tooltip.text_content()
+            bar.scroll_into_view_if_needed()  # the mouse moves within the viewport
+            box = bar.bounding_box()
+            assert box is not None
+            page.mouse.move(0, 0)
+            page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] - 2)
+            page.wait_for_timeout(300)
         expect(tooltip).to_contain_text("requests: 1")  # the new request's minute
         expect(tooltip).to_contain_text(f"tokens: {reply.usage.total_tokens}")
 

@@ -25,6 +25,8 @@ from usage.limits.policy import (
     split_patterns,
 )
 
+pytestmark = pytest.mark.mode_independent
+
 NOW = datetime(2026, 11, 24, 13, 30, tzinfo=UTC).timestamp()
 
 
