@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.contrib.auth.hashers import PBKDF2PasswordHasher
@@ -17,6 +18,38 @@ from nexus_site.mock_backend import MockBackendProcess, spawn_mock_backend
 from tests.worker_isolation import SPARE_REDIS_URL, redis_urls_for_worker
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _share_the_default_ssl_context() -> None:
+    """Build httpx's default SSL context once per test process, not per client.
+
+    Every ``httpx.get()``, ``httpx.Client()`` and official SDK client loads
+    certifi's bundle into a new context: 22 ms of CPU each, and the tests make
+    thousands (a readiness poll every 100 ms, metrics read in wait loops). The
+    context is the same every time and contexts may be shared; nothing in the
+    tests speaks TLS to the internet anyway.
+    """
+    import functools
+
+    from httpx._transports import default
+
+    build = default.create_ssl_context
+
+    @functools.lru_cache(maxsize=1)
+    def shared() -> Any:
+        return build()
+
+    def create_ssl_context(
+        verify: Any = True, cert: Any = None, trust_env: bool = True
+    ) -> Any:
+        if verify is True and cert is None and trust_env:
+            return shared()
+        return build(verify=verify, cert=cert, trust_env=trust_env)
+
+    default.create_ssl_context = create_ssl_context  # type: ignore[assignment]
+
+
+_share_the_default_ssl_context()
 
 
 def pytest_configure(config: pytest.Config) -> None:
