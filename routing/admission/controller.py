@@ -49,6 +49,7 @@ class Pool:
     ready: int
     band: Band
     queue: FairRequestQueue
+    capacities: tuple[int, ...] = ()  # max_concurrency of ready backends that say
     stock: int = 0
     stock_by_model: dict[str, int] = field(default_factory=dict)
     queueing: bool = False  # enqueue mode (False: bypass mode)
@@ -97,7 +98,7 @@ class AdmissionController:
         self.settings = settings
         for pool in self.pools.values():
             self._apply_limits(pool.queue)
-            pool.band = settings.band(pool.ready, self.index, self.processes)
+            pool.band = self._band(pool)
         self.pump_all()
 
     def set_share(self, index: int, processes: int) -> None:
@@ -106,7 +107,7 @@ class AdmissionController:
             return
         self.index, self.processes = index, processes
         for pool in self.pools.values():
-            pool.band = self.settings.band(pool.ready, index, processes)
+            pool.band = self._band(pool)
         self.pump_all()
 
     def forget_idle_pools(self) -> None:
@@ -119,7 +120,13 @@ class AdmissionController:
 
     # Requests --------------------------------------------------------------
 
-    def admit(self, ticket: Ticket, pool_key: str, ready_backends: int) -> Ticket:
+    def admit(
+        self,
+        ticket: Ticket,
+        pool_key: str,
+        ready_backends: int,
+        capacities: tuple[int, ...] = (),
+    ) -> Ticket:
         """Let `ticket` through or queue it; return it.
 
         On return ``ticket.outcome`` is BYPASSED or DISPATCHED (go ahead) or
@@ -129,7 +136,7 @@ class AdmissionController:
         """
         counts = self.counts
         counts.arrived += 1
-        pool = self._pool(pool_key, ready_backends)
+        pool = self._pool(pool_key, ready_backends, capacities)
         ticket.pool = pool
         queue = pool.queue
         now = self.clock()
@@ -259,7 +266,7 @@ class AdmissionController:
 
     # Internals -------------------------------------------------------------
 
-    def _pool(self, key: str, ready: int) -> Pool:
+    def _pool(self, key: str, ready: int, capacities: tuple[int, ...]) -> Pool:
         pool = self.pools.get(key)
         if pool is None:
             queue = FairRequestQueue()
@@ -267,14 +274,20 @@ class AdmissionController:
             pool = self.pools[key] = Pool(
                 key=key,
                 ready=ready,
-                band=self.settings.band(ready, self.index, self.processes),
+                band=self.settings.band(ready, self.index, self.processes, capacities),
                 queue=queue,
+                capacities=capacities,
             )
-        elif pool.ready != ready:
-            pool.ready = ready
-            pool.band = self.settings.band(ready, self.index, self.processes)
+        elif pool.ready != ready or pool.capacities != capacities:
+            pool.ready, pool.capacities = ready, capacities
+            pool.band = self._band(pool)
             self.pump(pool)
         return pool
+
+    def _band(self, pool: Pool) -> Band:
+        return self.settings.band(
+            pool.ready, self.index, self.processes, pool.capacities
+        )
 
     def _apply_limits(self, queue: FairRequestQueue) -> None:
         settings = self.settings
