@@ -71,6 +71,20 @@ class Counts:
     rejected: int = 0
     dequeue_attempts: int = 0
     dequeue_successes: int = 0
+    refused: dict[str, int] = field(default_factory=dict)  # at the door, by code
+    preempted_by: dict[str, int] = field(default_factory=dict)  # by criticality
+
+    @property
+    def events(self) -> int:
+        """Moves whenever a queue's length or a refusal count changed."""
+        return (
+            self.arrived
+            + self.dispatched
+            + self.expired
+            + self.deadline
+            + self.cancelled
+            + self.preempted
+        )
 
 
 class AdmissionController:
@@ -147,13 +161,13 @@ class AdmissionController:
             counts.bypassed += 1
             self._let_through(pool, ticket, Outcome.BYPASSED, now)
             return ticket
-        if ticket.deadline is not None and ticket.deadline <= now:
-            counts.rejected += 1
-            raise DeadlineExceeded(_deadline_message(0.0))
         try:
+            if ticket.deadline is not None and ticket.deadline <= now:
+                raise DeadlineExceeded(_deadline_message(0.0))
             preempted = queue.push(ticket, now)
-        except AdmissionError:
+        except AdmissionError as error:
             counts.rejected += 1
+            counts.refused[error.code] = counts.refused.get(error.code, 0) + 1
             raise
         counts.enqueued += 1
         if not pool.queueing:
@@ -161,6 +175,8 @@ class AdmissionController:
             pool.mode_changes += 1
         for victim in preempted:
             counts.preempted += 1
+            level = victim.criticality.label
+            counts.preempted_by[level] = counts.preempted_by.get(level, 0) + 1
             self._decide(victim, Outcome.PREEMPTED, now)
         self.pump(pool)
         return ticket

@@ -38,11 +38,18 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from routing.admission.controller import AdmissionController, error_of
-from routing.admission.errors import AdmissionError
+from routing.admission.errors import (
+    AdmissionError,
+    ClientCancelled,
+    DeadlineExceeded,
+    Preempted,
+    QueueTTLExpired,
+)
 from routing.admission.queue import Ticket
 from routing.admission.vocabulary import Criticality, FlowKey, Outcome
 from routing.core import RequestRequirements
 from routing.core.types import UNLIMITED, PreparedTarget
+from usage.live import AdmissionLiveDict, AdmissionPoolDict
 
 if TYPE_CHECKING:
     from routing.metrics import GatewayMetrics
@@ -229,32 +236,50 @@ class AdmissionGate:
 
     # Views -----------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, Any]:
-        """What the dashboard shows: per pool stock and band, per flow waiting."""
-        pools = []
+    def snapshot(self) -> AdmissionLiveDict:
+        """What the dashboard shows: per pool stock and band, per flow waiting.
+
+        Off the request path (the usage publisher, twice a second at most).
+        """
+        models_of: dict[str, list[str]] = {}
+        for model, route in self._pools.items():
+            if route is not None:
+                models_of.setdefault(route.key, []).append(model)
+        pools: list[AdmissionPoolDict] = []
         for pool in self.controller.pools.values():
             band = pool.band
             pools.append(
                 {
-                    "pool": pool.key,
+                    "backends": pool.key.split("\n"),
+                    "models": sorted(models_of.get(pool.key, pool.stock_by_model)),
                     "stock": pool.stock,
                     "waiting": len(pool.queue),
                     "lower": band.lower,
                     "upper": band.upper,
+                    "watermark": band.watermark,
                     "dispatch_limit": band.dispatch_limit,
                     "bypass_limit": band.bypass_limit,
                     "flows": pool.queue.flow_lengths(),
                 }
             )
         counts = self.controller.counts
+        rejections = dict(counts.refused)
+        for code, count in (
+            (QueueTTLExpired.code, counts.expired),
+            (DeadlineExceeded.code, counts.deadline),
+            (Preempted.code, counts.preempted),
+            (ClientCancelled.code, counts.cancelled),
+        ):
+            if count:
+                rejections[code] = rejections.get(code, 0) + count
         return {
-            "processes": self.controller.processes,
+            "enabled": self.controller.settings.enabled,
             "pools": pools,
-            "rejected": counts.rejected,
-            "expired": counts.expired + counts.deadline,
-            "preempted": counts.preempted,
+            "rejections": rejections,
+            "preemptions": dict(counts.preempted_by),
             "bypassed": counts.bypassed,
             "dispatched": counts.dispatched,
+            "changes": counts.events,
         }
 
     def refresh_metrics(self) -> None:
