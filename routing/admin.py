@@ -158,6 +158,7 @@ class RoutingPolicyAdmin(RoutingPolicyAdminBase):
                     "admission_flow_key",
                     "admission_sizing",
                     "admission_default_output_tokens",
+                    "admission_model_output_tokens",
                     "admission_watermark_per_backend",
                     "admission_percentage_deviation_for_bounds",
                     "admission_lower_bound_per_backend",
@@ -172,7 +173,8 @@ class RoutingPolicyAdmin(RoutingPolicyAdminBase):
                 "serving a model) has more requests in flight than the band "
                 "allows, new requests wait in Nexus's fair queue instead of "
                 "piling up in the model servers. The band is the watermark per "
-                "ready backend ± the deviation, or the explicit bounds.",
+                "ready backend ± the deviation, or the explicit bounds; a "
+                "backend with a max concurrency counts exactly that.",
             },
         ),
         ("Record", {"fields": ("updated_at",)}),

@@ -163,8 +163,6 @@ class Gateway:
         self.breaker = CircuitBreaker(stats=self.stats, config=config.breaker)
         self.buffer = UsageBuffer(maxlen=config.usage_buffer_max)
         self.usage_sink = sink(config, self.buffer)
-        self.live_usage = LiveUsage(in_flight=lambda: self.stats.in_flight_by_model)
-        self.publisher = UsagePublisher(self.live_usage)
         self.upstream = UpstreamClient(
             max_connections=config.max_connections,
             connect_timeout=config.connect_timeout,
@@ -176,6 +174,12 @@ class Gateway:
         )
         self.metrics = GatewayMetrics()
         self.admission = AdmissionGate(self.metrics, share=config.admission_share)
+        self.live_usage = LiveUsage(
+            in_flight=lambda: self.stats.in_flight_by_model,
+            admission=self.admission.snapshot,
+            admission_changes=lambda: self.admission.controller.counts.events,
+        )
+        self.publisher = UsagePublisher(self.live_usage)
         self.limiter = _make_limiter(config, self.metrics.limiter_errors.inc)
         self.metrics_endpoint = MetricsEndpoint(
             self.metrics,

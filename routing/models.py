@@ -183,6 +183,7 @@ ADMISSION_FIELDS = (
     "watermark_per_backend",
     "percentage_deviation_for_bounds",
     "model_weights",
+    "model_output_tokens",
 )
 
 
@@ -266,8 +267,9 @@ class RoutingPolicy(models.Model):
     )
     admission_watermark_per_backend = models.FloatField(
         "watermark per backend",
-        default=2.0,
-        help_text="Requests in flight per ready backend that the queue aims at.",
+        default=4.0,
+        help_text="Requests in flight per ready backend that the queue aims at "
+        "(a backend with a max concurrency uses that instead).",
     )
     admission_percentage_deviation_for_bounds = models.FloatField(
         "band deviation",
@@ -294,6 +296,13 @@ class RoutingPolicy(models.Model):
         blank=True,
         help_text='Weights of models in the fair queue, e.g. {"llama3:70b": 2}; '
         "others weigh 1.",
+    )
+    admission_model_output_tokens = models.JSONField(
+        "output tokens per model",
+        default=dict,
+        blank=True,
+        help_text="A request's output size when it sets no max_tokens, for these "
+        'models, e.g. {"llama3:70b": 1024}; others use the default output tokens.',
     )
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -352,13 +361,10 @@ class RoutingPolicy(models.Model):
     def admission_problems(self) -> dict[str, str]:
         """What is wrong with the admission settings, by setting name."""
         weights = self.admission_model_weights
-        if not isinstance(weights, dict) or not all(
-            isinstance(name, str)
-            and isinstance(value, int | float)
-            and not isinstance(value, bool)
-            for name, value in weights.items()
-        ):
+        if not _maps_names_to(weights, int | float):
             return {"model_weights": "must map model names to numbers"}
+        if not _maps_names_to(self.admission_model_output_tokens, int):
+            return {"model_output_tokens": "must map model names to whole numbers"}
         values = self._admission_values()
         required = (values[name] for name in ADMISSION_FIELDS)
         if None in required:
@@ -380,6 +386,16 @@ class RoutingPolicy(models.Model):
         """Return the policy, creating it with defaults the first time."""
         policy, _ = cls.objects.get_or_create(pk=cls.SINGLETON_PK)
         return policy
+
+
+def _maps_names_to(value: object, kind: Any) -> bool:
+    """Whether `value` is a dict of model names to numbers of `kind`."""
+    return isinstance(value, dict) and all(
+        isinstance(name, str)
+        and isinstance(number, kind)
+        and not isinstance(number, bool)
+        for name, number in value.items()
+    )
 
 
 class ConfigVersion(models.Model):

@@ -23,7 +23,7 @@ from channels.generic.http import AsyncHttpConsumer
 from rest_framework.authtoken.models import Token
 
 from backends.health import BackendHealthDict, read_backend_health
-from usage.live import SeriesDict, SlotDict
+from usage.live import AdmissionLiveDict, SeriesDict, SlotDict
 from usage.publisher import (
     ClusterUsageDict,
     ModelLatencyDict,
@@ -54,6 +54,7 @@ class UsageStreamEventDict(TypedDict):
     backends: list[BackendLoadDict]
     slot_seconds: int
     recent: list[SlotDict]  # finished requests per time slot, last minutes
+    admission: AdmissionLiveDict | None  # None: no serving process reports one
 
 
 def _token_refusal(raw: str) -> int:
@@ -84,6 +85,7 @@ def build_stream_event(
         "backends": backends,
         "slot_seconds": usage["slot_seconds"],
         "recent": usage["recent"],
+        "admission": usage["admission"],
     }
 
 

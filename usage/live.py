@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 from usage.buffer import UsageEvent
 
@@ -47,6 +47,39 @@ class SlotDict(TypedDict):
     total_tokens: int
 
 
+class AdmissionPoolDict(TypedDict):
+    """One pool of admission control: its stock against its band, its queue.
+
+    ``dispatch_limit`` / ``bypass_limit`` are whole requests (a process's
+    share; merged, the gateway's); ``lower`` / ``upper`` / ``watermark`` the
+    gateway's band. ``flows`` counts the requests waiting per flow.
+    """
+
+    backends: list[str]
+    models: list[str]
+    stock: int
+    waiting: int
+    lower: float
+    upper: float
+    watermark: float
+    dispatch_limit: int
+    bypass_limit: int
+    flows: dict[str, int]
+
+
+class AdmissionLiveDict(TypedDict):
+    """A process's admission control, for the dashboard (totals only grow)."""
+
+    enabled: bool
+    pools: list[AdmissionPoolDict]
+    # Requests not sent to a backend, by error code (queue_full, ...).
+    rejections: dict[str, int]
+    preemptions: dict[str, int]  # by the preempted request's criticality
+    bypassed: int
+    dispatched: int
+    changes: int
+
+
 class LiveSnapshotDict(TypedDict):
     process: str
     taken_at: float
@@ -54,6 +87,8 @@ class LiveSnapshotDict(TypedDict):
     series: list[SeriesDict]
     latencies_ms: dict[str, list[float]]
     recent: list[SlotDict]
+    # Absent from a process of an older version.
+    admission: NotRequired[AdmissionLiveDict | None]
 
 
 @dataclass(slots=True)
@@ -69,17 +104,25 @@ def _nothing_in_flight() -> Mapping[tuple[str, str], int]:
     return {}
 
 
+def _no_admission() -> AdmissionLiveDict | None:
+    return None
+
+
 @dataclass
 class LiveUsage:
     """Counters per backend × model since this process started.
 
     ``in_flight`` returns the live count of requests in flight per
-    (backend, model); ``changes`` moves whenever a snapshot would differ.
+    (backend, model) and ``admission`` the admission control's state (both
+    injected by the gateway: usage may not import routing); ``version()``
+    moves whenever a snapshot would differ.
     Finished requests are also counted per SLOT_SECONDS slot of the last
     RECENT_SECONDS (a bounded dict; ``clock`` gives Unix time).
     """
 
     in_flight: Callable[[], Mapping[tuple[str, str], int]] = _nothing_in_flight
+    admission: Callable[[], AdmissionLiveDict | None] = _no_admission
+    admission_changes: Callable[[], int] = int
     clock: Callable[[], float] = time.time
     process: str = field(
         default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}"
@@ -95,6 +138,10 @@ class LiveUsage:
         if series is None:
             series = self._series[(backend, model)] = _Series()
         return series
+
+    def version(self) -> int:
+        """A number that moves whenever a snapshot would differ."""
+        return self.changes + self.admission_changes()
 
     def touch(self) -> None:
         """Note that something a snapshot shows changed (a request began)."""
@@ -138,7 +185,8 @@ class LiveUsage:
         return {
             "process": self.process,
             "taken_at": time.time(),
-            "changes": self.changes,
+            "changes": self.version(),
+            "admission": self.admission(),
             "series": [
                 {
                     "backend": backend,

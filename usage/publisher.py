@@ -32,7 +32,15 @@ from typing import Any, TypedDict
 
 from channels.layers import get_channel_layer
 
-from usage.live import SLOT_SECONDS, LiveSnapshotDict, LiveUsage, SeriesDict, SlotDict
+from usage.live import (
+    SLOT_SECONDS,
+    AdmissionLiveDict,
+    AdmissionPoolDict,
+    LiveSnapshotDict,
+    LiveUsage,
+    SeriesDict,
+    SlotDict,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +74,7 @@ class ClusterUsageDict(TypedDict):
     latency: list[ModelLatencyDict]
     slot_seconds: int
     recent: list[SlotDict]  # summed per slot, oldest first
+    admission: AdmissionLiveDict | None  # summed over the processes
 
 
 class Subscription:
@@ -158,7 +167,7 @@ class UsagePublisher:
             await asyncio.sleep(self.interval)
             now = time.monotonic()
             if (
-                self.live_usage.changes == last_changes
+                self.live_usage.version() == last_changes
                 and now - last_sent < HEARTBEAT_SECONDS
             ):
                 continue
@@ -214,6 +223,9 @@ def merge_snapshots(
             merged["in_flight"] += row["in_flight"]
         for model, values in snapshot["latencies_ms"].items():
             latencies.setdefault(model, []).extend(values)
+    admission = merge_admission(
+        [state for s in snapshots if (state := s.get("admission")) is not None]
+    )
     return {
         "taken_at": taken_at,
         "processes": sorted(snapshot["process"] for snapshot in snapshots),
@@ -229,7 +241,50 @@ def merge_snapshots(
         ],
         "slot_seconds": SLOT_SECONDS,
         "recent": [recent[start] for start in sorted(recent)],
+        "admission": admission,
     }
+
+
+def merge_admission(states: list[AdmissionLiveDict]) -> AdmissionLiveDict | None:
+    """The gateway's admission control from its processes' (None: no process).
+
+    A pool (the same backends) in several processes: stocks, queues and the
+    processes' shares of the band add up; the band's bounds are the
+    gateway's already.
+    """
+    if not states:
+        return None
+    pools: dict[tuple[str, ...], AdmissionPoolDict] = {}
+    rejections: dict[str, int] = {}
+    preemptions: dict[str, int] = {}
+    for state in states:
+        for pool in state["pools"]:
+            key = tuple(pool["backends"])
+            merged = pools.get(key)
+            if merged is None:
+                pools[key] = {**pool, "flows": dict(pool["flows"])}
+                continue
+            for name in ("stock", "waiting", "dispatch_limit", "bypass_limit"):
+                merged[name] += pool[name]
+            merged["models"] = sorted({*merged["models"], *pool["models"]})
+            for flow, waiting in pool["flows"].items():
+                merged["flows"][flow] = merged["flows"].get(flow, 0) + waiting
+        _add_counts(rejections, state["rejections"])
+        _add_counts(preemptions, state["preemptions"])
+    return {
+        "enabled": any(state["enabled"] for state in states),
+        "pools": [pools[key] for key in sorted(pools)],
+        "rejections": rejections,
+        "preemptions": preemptions,
+        "bypassed": sum(state["bypassed"] for state in states),
+        "dispatched": sum(state["dispatched"] for state in states),
+        "changes": sum(state["changes"] for state in states),
+    }
+
+
+def _add_counts(into: dict[str, int], counts: dict[str, int]) -> None:
+    for name, count in counts.items():
+        into[name] = into.get(name, 0) + count
 
 
 def _percentile(values: list[float], percent: float) -> float | None:

@@ -49,6 +49,7 @@ class Pool:
     ready: int
     band: Band
     queue: FairRequestQueue
+    capacities: tuple[int, ...] = ()  # max_concurrency of ready backends that say
     stock: int = 0
     stock_by_model: dict[str, int] = field(default_factory=dict)
     queueing: bool = False  # enqueue mode (False: bypass mode)
@@ -70,6 +71,20 @@ class Counts:
     rejected: int = 0
     dequeue_attempts: int = 0
     dequeue_successes: int = 0
+    refused: dict[str, int] = field(default_factory=dict)  # at the door, by code
+    preempted_by: dict[str, int] = field(default_factory=dict)  # by criticality
+
+    @property
+    def events(self) -> int:
+        """Moves whenever a queue's length or a refusal count changed."""
+        return (
+            self.arrived
+            + self.dispatched
+            + self.expired
+            + self.deadline
+            + self.cancelled
+            + self.preempted
+        )
 
 
 class AdmissionController:
@@ -97,7 +112,7 @@ class AdmissionController:
         self.settings = settings
         for pool in self.pools.values():
             self._apply_limits(pool.queue)
-            pool.band = settings.band(pool.ready, self.index, self.processes)
+            pool.band = self._band(pool)
         self.pump_all()
 
     def set_share(self, index: int, processes: int) -> None:
@@ -106,7 +121,7 @@ class AdmissionController:
             return
         self.index, self.processes = index, processes
         for pool in self.pools.values():
-            pool.band = self.settings.band(pool.ready, index, processes)
+            pool.band = self._band(pool)
         self.pump_all()
 
     def forget_idle_pools(self) -> None:
@@ -119,7 +134,13 @@ class AdmissionController:
 
     # Requests --------------------------------------------------------------
 
-    def admit(self, ticket: Ticket, pool_key: str, ready_backends: int) -> Ticket:
+    def admit(
+        self,
+        ticket: Ticket,
+        pool_key: str,
+        ready_backends: int,
+        capacities: tuple[int, ...] = (),
+    ) -> Ticket:
         """Let `ticket` through or queue it; return it.
 
         On return ``ticket.outcome`` is BYPASSED or DISPATCHED (go ahead) or
@@ -129,7 +150,7 @@ class AdmissionController:
         """
         counts = self.counts
         counts.arrived += 1
-        pool = self._pool(pool_key, ready_backends)
+        pool = self._pool(pool_key, ready_backends, capacities)
         ticket.pool = pool
         queue = pool.queue
         now = self.clock()
@@ -140,13 +161,13 @@ class AdmissionController:
             counts.bypassed += 1
             self._let_through(pool, ticket, Outcome.BYPASSED, now)
             return ticket
-        if ticket.deadline is not None and ticket.deadline <= now:
-            counts.rejected += 1
-            raise DeadlineExceeded(_deadline_message(0.0))
         try:
+            if ticket.deadline is not None and ticket.deadline <= now:
+                raise DeadlineExceeded(_deadline_message(0.0))
             preempted = queue.push(ticket, now)
-        except AdmissionError:
+        except AdmissionError as error:
             counts.rejected += 1
+            counts.refused[error.code] = counts.refused.get(error.code, 0) + 1
             raise
         counts.enqueued += 1
         if not pool.queueing:
@@ -154,6 +175,8 @@ class AdmissionController:
             pool.mode_changes += 1
         for victim in preempted:
             counts.preempted += 1
+            level = victim.criticality.label
+            counts.preempted_by[level] = counts.preempted_by.get(level, 0) + 1
             self._decide(victim, Outcome.PREEMPTED, now)
         self.pump(pool)
         return ticket
@@ -259,7 +282,7 @@ class AdmissionController:
 
     # Internals -------------------------------------------------------------
 
-    def _pool(self, key: str, ready: int) -> Pool:
+    def _pool(self, key: str, ready: int, capacities: tuple[int, ...]) -> Pool:
         pool = self.pools.get(key)
         if pool is None:
             queue = FairRequestQueue()
@@ -267,14 +290,20 @@ class AdmissionController:
             pool = self.pools[key] = Pool(
                 key=key,
                 ready=ready,
-                band=self.settings.band(ready, self.index, self.processes),
+                band=self.settings.band(ready, self.index, self.processes, capacities),
                 queue=queue,
+                capacities=capacities,
             )
-        elif pool.ready != ready:
-            pool.ready = ready
-            pool.band = self.settings.band(ready, self.index, self.processes)
+        elif pool.ready != ready or pool.capacities != capacities:
+            pool.ready, pool.capacities = ready, capacities
+            pool.band = self._band(pool)
             self.pump(pool)
         return pool
+
+    def _band(self, pool: Pool) -> Band:
+        return self.settings.band(
+            pool.ready, self.index, self.processes, pool.capacities
+        )
 
     def _apply_limits(self, queue: FairRequestQueue) -> None:
         settings = self.settings

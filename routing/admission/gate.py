@@ -13,9 +13,10 @@ queues once a second. If the dequeueing machinery fails, everything waiting
 is let through (fail-open); if enqueueing fails, the request gets an error
 (fail-closed).
 
-A pool is the set of ready backends that serve the requested model (its
-alias resolved); a model with no ready backend bypasses admission and gets
-the router's own error.
+A pool is the set of ready backends that will serve the requested model: the
+first of the name, its alias target and its fallbacks (the router's order)
+with a ready backend; a model with none bypasses admission and gets the
+router's own error.
 
 Several serving processes each run their own queue and take their share of
 each pool's band (``AdmissionSettings.band``): with Redis, from a registry of
@@ -33,14 +34,22 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from routing.admission.controller import AdmissionController, error_of
-from routing.admission.errors import AdmissionError
+from routing.admission.errors import (
+    AdmissionError,
+    ClientCancelled,
+    DeadlineExceeded,
+    Preempted,
+    QueueTTLExpired,
+)
 from routing.admission.queue import Ticket
 from routing.admission.vocabulary import Criticality, FlowKey, Outcome
 from routing.core import RequestRequirements
+from routing.core.types import UNLIMITED, PreparedTarget
+from usage.live import AdmissionLiveDict, AdmissionPoolDict
 
 if TYPE_CHECKING:
     from routing.metrics import GatewayMetrics
@@ -84,7 +93,7 @@ class AdmissionGate:
         self.share = share
         self.clock = clock
         self._state: GatewayState | None = None
-        self._pools: dict[str, tuple[str, int] | None] = {}
+        self._pools: dict[str, Pool | None] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._expiry: asyncio.TimerHandle | None = None
         self._expiry_at = math.inf
@@ -158,12 +167,18 @@ class AdmissionGate:
         return Ticket(
             flow=_flow(settings.flow_key, key_prefix, model),
             criticality=criticality,
-            size=settings.size_of(requirements.estimated_tokens, _max_tokens(payload)),
+            size=settings.size_of(
+                requirements.estimated_tokens,
+                _max_tokens(payload),
+                model,
+                state.routes.aliases.get(model, model),
+            ),
             weight=weight,
             model=model,
             deadline=None if deadline is None else self.clock() + deadline,
-            pool_key=pool[0],
-            ready=pool[1],
+            pool_key=pool.key,
+            ready=pool.ready,
+            capacities=pool.capacities,
         )
 
     async def admit(self, ticket: Ticket) -> None:
@@ -175,7 +190,9 @@ class AdmissionGate:
         """
         model = ticket.model
         try:
-            self.controller.admit(ticket, ticket.pool_key, ticket.ready)
+            self.controller.admit(
+                ticket, ticket.pool_key, ticket.ready, ticket.capacities
+            )
         except AdmissionError as error:
             if self.metrics is not None:
                 self.metrics.admission_refused(model, error.code)
@@ -219,32 +236,50 @@ class AdmissionGate:
 
     # Views -----------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, Any]:
-        """What the dashboard shows: per pool stock and band, per flow waiting."""
-        pools = []
+    def snapshot(self) -> AdmissionLiveDict:
+        """What the dashboard shows: per pool stock and band, per flow waiting.
+
+        Off the request path (the usage publisher, twice a second at most).
+        """
+        models_of: dict[str, list[str]] = {}
+        for model, route in self._pools.items():
+            if route is not None:
+                models_of.setdefault(route.key, []).append(model)
+        pools: list[AdmissionPoolDict] = []
         for pool in self.controller.pools.values():
             band = pool.band
             pools.append(
                 {
-                    "pool": pool.key,
+                    "backends": pool.key.split("\n"),
+                    "models": sorted(models_of.get(pool.key, pool.stock_by_model)),
                     "stock": pool.stock,
                     "waiting": len(pool.queue),
                     "lower": band.lower,
                     "upper": band.upper,
+                    "watermark": band.watermark,
                     "dispatch_limit": band.dispatch_limit,
                     "bypass_limit": band.bypass_limit,
                     "flows": pool.queue.flow_lengths(),
                 }
             )
         counts = self.controller.counts
+        rejections = dict(counts.refused)
+        for code, count in (
+            (QueueTTLExpired.code, counts.expired),
+            (DeadlineExceeded.code, counts.deadline),
+            (Preempted.code, counts.preempted),
+            (ClientCancelled.code, counts.cancelled),
+        ):
+            if count:
+                rejections[code] = rejections.get(code, 0) + count
         return {
-            "processes": self.controller.processes,
+            "enabled": self.controller.settings.enabled,
             "pools": pools,
-            "rejected": counts.rejected,
-            "expired": counts.expired + counts.deadline,
-            "preempted": counts.preempted,
+            "rejections": rejections,
+            "preemptions": dict(counts.preempted_by),
             "bypassed": counts.bypassed,
             "dispatched": counts.dispatched,
+            "changes": counts.events,
         }
 
     def refresh_metrics(self) -> None:
@@ -271,17 +306,29 @@ class AdmissionGate:
             self._guard(self.controller.configure, state.admission)
         self.controller.forget_idle_pools()
 
-    def _pool_of(self, state: GatewayState, model: str) -> tuple[str, int] | None:
+    def _pool_of(self, state: GatewayState, model: str) -> Pool | None:
+        """The pool of the backends that will serve `model`, cached per snapshot.
+
+        The router's order: the name itself, its alias target, then the
+        fallback chain; the first of them with a ready backend is the one the
+        router serves from, so its backends are the pool (an alias or a
+        fallback is counted with the model that actually runs it).
+        """
         routes = state.routes
-        name = routes.aliases.get(model, model)
-        model_routes = routes.routes.get(name)
-        if model_routes is None:
-            if model not in routes.aliases:
-                return None  # unknown: the router answers 404, nothing is cached
-            pool = None
-        else:
-            names = model_routes.backend_names
-            pool = ("\n".join(names), len(names)) if names else None
+        target = routes.aliases.get(model)
+        if (
+            model not in routes.routes
+            and target is None
+            and model not in routes.fallbacks
+        ):
+            return None  # unknown: the router answers 404, nothing is cached
+        tried = (model,) if target is None else (model, target)
+        pool = None
+        for name in (*tried, *routes.fallbacks_for(*tried)):
+            model_routes = routes.routes.get(name)
+            if model_routes is not None and model_routes.routable:
+                pool = _pool_from(model_routes.routable)
+                break
         self._pools[model] = pool
         return pool
 
@@ -365,6 +412,24 @@ class AdmissionGate:
             except Exception:  # it goes stale on its own within seconds
                 logger.warning("Could not leave the process registry", exc_info=True)
             await client.aclose()
+
+
+class Pool(NamedTuple):
+    """Which backends a model's requests are admitted against."""
+
+    key: str  # the backends' names, one a line
+    ready: int
+    capacities: tuple[int, ...]  # max_concurrency of those that declare one
+
+
+def _pool_from(routable: Sequence[PreparedTarget]) -> Pool:
+    return Pool(
+        key="\n".join(target.backend_name for target in routable),
+        ready=len(routable),
+        capacities=tuple(
+            target.capacity for target in routable if target.capacity != UNLIMITED
+        ),
+    )
 
 
 def _flow(flow_key: FlowKey, key_prefix: str, model: str) -> str:

@@ -58,6 +58,7 @@ class Ticket:
     pool: Any = field(default=None, repr=False)  # the controller's Pool
     pool_key: str = ""  # which pool, and its ready backends, to admit into
     ready: int = 0
+    capacities: tuple[int, ...] = ()
     seq: int = 0
     vfinish: float = 0.0
     queued: bool = False

@@ -18,6 +18,7 @@ MAX_CAPACITY = 1_000_000
 MAX_TTL_SECONDS = 3600.0
 MAX_PER_BACKEND = 100_000.0
 MAX_WEIGHT = 1000.0
+MAX_OUTPUT_TOKENS = 10_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +46,9 @@ class AdmissionSettings:
     that ``watermark_per_backend`` ± ``percentage_deviation_for_bounds`` gives
     when set (both or either). ``critical_reserved`` queue places are kept for
     critical requests; the others may fill ``total_capacity`` minus it.
-    ``model_weights`` multiply a flow's weight by the model's (default 1).
+    ``model_weights`` multiply a flow's weight by the model's (default 1);
+    ``model_output_tokens`` replace ``default_output_tokens`` for the models
+    they name (a request without max_tokens).
     """
 
     enabled: bool = True
@@ -56,11 +59,14 @@ class AdmissionSettings:
     flow_capacity: int = 100
     critical_reserved: int = 100
     queue_ttl: float = 30.0
-    watermark_per_backend: float = 2.0
+    watermark_per_backend: float = 4.0
     percentage_deviation_for_bounds: float = 0.1
     lower_bound_per_backend: float | None = None
     upper_bound_per_backend: float | None = None
     model_weights: Mapping[str, float] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    model_output_tokens: Mapping[str, int] = field(
         default_factory=lambda: MappingProxyType({})
     )
 
@@ -69,6 +75,11 @@ class AdmissionSettings:
         object.__setattr__(self, "sizing", Sizing(self.sizing))
         object.__setattr__(
             self, "model_weights", MappingProxyType(dict(self.model_weights))
+        )
+        object.__setattr__(
+            self,
+            "model_output_tokens",
+            MappingProxyType(dict(self.model_output_tokens)),
         )
         problems = self.problems()
         if problems:
@@ -122,10 +133,22 @@ class AdmissionSettings:
                 f"must be more than 0 and at most {MAX_TTL_SECONDS:g} seconds, "
                 f"got {self.queue_ttl:g}"
             )
-        if not 0 <= self.default_output_tokens <= 10_000_000:
+        if not 0 <= self.default_output_tokens <= MAX_OUTPUT_TOKENS:
             found["default_output_tokens"] = (
-                f"must be from 0 to 10000000, got {self.default_output_tokens}"
+                f"must be from 0 to {MAX_OUTPUT_TOKENS}, "
+                f"got {self.default_output_tokens}"
             )
+        for model, tokens in self.model_output_tokens.items():
+            if (
+                not isinstance(tokens, int)
+                or isinstance(tokens, bool)
+                or not 0 <= tokens <= MAX_OUTPUT_TOKENS
+            ):
+                found["model_output_tokens"] = (
+                    f"the output tokens of {model!r} must be a whole number from "
+                    f"0 to {MAX_OUTPUT_TOKENS}, got {tokens!r}"
+                )
+                break
         if not _finite_in(
             self.watermark_per_backend, 0, MAX_PER_BACKEND, low_open=True
         ):
@@ -170,19 +193,34 @@ class AdmissionSettings:
                 break
         return found
 
-    def band(self, ready_backends: int, index: int = 0, processes: int = 1) -> Band:
+    def band(
+        self,
+        ready_backends: int,
+        index: int = 0,
+        processes: int = 1,
+        capacities: tuple[int, ...] = (),
+    ) -> Band:
         """The band of a pool of `ready_backends`, this process's share of it.
 
-        The gateway's band is the per-backend bounds times the ready backends.
-        Its whole-request limits (a bypass admits while the stock is below the
+        `capacities` are the max_concurrency of the pool's ready backends that
+        declare one (the others use the policy's per-backend bounds). Such a
+        backend runs that many requests at once and the router sends it no
+        more, so its band is exactly that (lower = upper = max_concurrency):
+        a band above it would turn waiting into the router's "at capacity"
+        503, one below it would keep requests waiting while a slot is free.
+
+        The gateway's band is the sum over the ready backends. Its
+        whole-request limits (a bypass admits while the stock is below the
         upper bound, so the stock can reach its ceiling) are split between the
         `processes` serving processes, the remainder to the lowest indexes, so
         that the shares add up to the gateway's limits; every process keeps at
         least one request, or it could never send anything.
         """
-        lower = self.lower_per_backend * ready_backends
-        upper = self.upper_per_backend * ready_backends
-        watermark = self.watermark_per_backend * ready_backends
+        others = max(0, ready_backends - len(capacities))
+        slots = sum(capacities)
+        lower = self.lower_per_backend * others + slots
+        upper = self.upper_per_backend * others + slots
+        watermark = self.watermark_per_backend * others + slots
         return Band(
             lower=lower,
             upper=upper,
@@ -195,12 +233,33 @@ class AdmissionSettings:
         """The model's weight (1 unless the policy names it)."""
         return self.model_weights.get(model, 1.0)
 
-    def size_of(self, prompt_tokens: int, max_tokens: int | None) -> float:
-        """A request's size in the fair queue (tokens, or 1 with fixed sizing)."""
+    def output_tokens_of(self, *models: str) -> int:
+        """The output size assumed for a request without max_tokens.
+
+        The first of `models` (the requested name, then its alias target)
+        that ``model_output_tokens`` names, else ``default_output_tokens``.
+        """
+        per_model = self.model_output_tokens
+        if per_model:
+            for model in models:
+                tokens = per_model.get(model)
+                if tokens is not None:
+                    return tokens
+        return self.default_output_tokens
+
+    def size_of(
+        self, prompt_tokens: int, max_tokens: int | None, *models: str
+    ) -> float:
+        """A request's size in the fair queue (tokens, or 1 with fixed sizing).
+
+        The estimated prompt tokens plus max_tokens, or the output size of
+        the model (``output_tokens_of(*models)``) when the request sets none.
+        """
         if self.sizing is Sizing.FIXED:
             return 1.0
-        output = self.default_output_tokens if max_tokens is None else max_tokens
-        return float(max(1, prompt_tokens + output))
+        if max_tokens is None:
+            max_tokens = self.output_tokens_of(*models)
+        return float(max(1, prompt_tokens + max_tokens))
 
 
 def _share(limit: int, index: int, processes: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
@@ -85,8 +86,78 @@ class FallbackChainSerializer(ModelCleanSerializer[FallbackChain]):
         return chain
 
 
+ADMISSION_PREFIX = "admission_"
+
+
+class AdmissionPolicySerializer(serializers.Serializer[Any]):
+    """The policy's admission settings, named as in ``[routing.admission]``.
+
+    Every value is checked by the policy's own clean() (as in the admin and
+    the TOML importer), so the messages are the same: these fields only read
+    the JSON types. Keys it does not know are refused.
+    """
+
+    enabled = serializers.BooleanField(source="admission_enabled", required=False)
+    flow_key = serializers.CharField(source="admission_flow_key", required=False)
+    sizing = serializers.CharField(source="admission_sizing", required=False)
+    default_output_tokens = serializers.IntegerField(
+        source="admission_default_output_tokens", required=False
+    )
+    model_output_tokens = serializers.DictField(
+        child=serializers.IntegerField(),
+        source="admission_model_output_tokens",
+        required=False,
+        help_text="Output tokens assumed per model when a request sets no max_tokens.",
+    )
+    watermark_per_backend = serializers.FloatField(
+        source="admission_watermark_per_backend", required=False
+    )
+    percentage_deviation_for_bounds = serializers.FloatField(
+        source="admission_percentage_deviation_for_bounds", required=False
+    )
+    lower_bound_per_backend = serializers.FloatField(
+        source="admission_lower_bound_per_backend", required=False, allow_null=True
+    )
+    upper_bound_per_backend = serializers.FloatField(
+        source="admission_upper_bound_per_backend", required=False, allow_null=True
+    )
+    total_capacity = serializers.IntegerField(
+        source="admission_total_capacity", required=False
+    )
+    flow_capacity = serializers.IntegerField(
+        source="admission_flow_capacity", required=False
+    )
+    critical_reserved = serializers.IntegerField(
+        source="admission_critical_reserved", required=False
+    )
+    queue_ttl = serializers.FloatField(source="admission_queue_ttl", required=False)
+    model_weights = serializers.DictField(
+        child=serializers.FloatField(),
+        source="admission_model_weights",
+        required=False,
+        help_text="A model's weight in the fair queue (others weigh 1).",
+    )
+
+    def to_internal_value(self, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            unknown = {
+                str(name): ["Unknown field."]
+                for name in data
+                if name not in self.fields
+            }
+            if unknown:
+                raise serializers.ValidationError(unknown)
+        return super().to_internal_value(data)
+
+
 class RoutingPolicySerializer(ModelCleanSerializer[RoutingPolicy]):
-    """The global routing policy. Weights are used by the smart strategy."""
+    """The global routing policy. Weights are used by the smart strategy.
+
+    ``admission`` holds the admission control settings; an invalid one is
+    reported under ``admission`` by its name, in the admin's words.
+    """
+
+    admission = AdmissionPolicySerializer(source="*", required=False)
 
     class Meta:
         model = RoutingPolicy
@@ -96,8 +167,31 @@ class RoutingPolicySerializer(ModelCleanSerializer[RoutingPolicy]):
             "weight_load",
             "weight_latency",
             "max_retries",
+            "admission",
             "updated_at",
         )
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return super().validate(attrs)
+        except serializers.ValidationError as error:
+            raise serializers.ValidationError(_nest_admission(error.detail)) from None
+
+
+def _nest_admission(detail: Any) -> Any:
+    """Move the errors of ``admission_<name>`` fields under admission.<name>."""
+    if not isinstance(detail, Mapping):
+        return detail
+    nested: dict[str, Any] = {}
+    admission: dict[str, Any] = {}
+    for name, messages in detail.items():
+        if name.startswith(ADMISSION_PREFIX):
+            admission[name.removeprefix(ADMISSION_PREFIX)] = messages
+        else:
+            nested[name] = messages
+    if admission:
+        nested["admission"] = admission
+    return nested
 
 
 class ModelSpecSerializer(serializers.Serializer[Any]):

@@ -7,6 +7,7 @@ from datetime import UTC
 from backends.models import Backend
 from routing.config_file.literals import format_key, format_scalar, format_string
 from routing.config_file.schema import (
+    ADMISSION_MODEL_TABLES,
     ADMISSION_SETTINGS,
     AUTO,
     BACKEND_SETTINGS,
@@ -58,10 +59,11 @@ def export_config() -> str:
         "# Fair queuing in Nexus when backends are busy (README: Admission control).",
     ]
     lines += _settings(policy, ADMISSION_SETTINGS)
-    lines += ["", "[routing.admission.model_weights]"]
-    weights = policy.admission_model_weights or {}
-    for model in sorted(weights):
-        lines.append(f"{format_string(model)} = {format_scalar(weights[model])}")
+    for table, field, _, _ in ADMISSION_MODEL_TABLES:
+        lines += ["", f"[routing.admission.{table}]"]
+        numbers = getattr(policy, field) or {}
+        for model in sorted(numbers):
+            lines.append(f"{format_string(model)} = {format_scalar(numbers[model])}")
 
     lines += [
         "",

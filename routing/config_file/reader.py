@@ -22,6 +22,7 @@ from routing.config_file.literals import format_key, format_scalar, format_strin
 from routing.config_file.problems import ConfigError
 from routing.config_file.schema import (
     ADMISSION_KEYS,
+    ADMISSION_MODEL_TABLES,
     ADMISSION_SETTINGS,
     AUTO,
     BACKEND_KEYS,
@@ -33,8 +34,6 @@ from routing.config_file.schema import (
     KEY_SETTINGS,
     MODEL_KEYS,
     MODEL_SETTINGS,
-    MODEL_WEIGHTS_FIELD,
-    MODEL_WEIGHTS_KEY,
     POLICY_SETTINGS,
     PRICE_KEYS,
     ROUTING_KEYS,
@@ -225,25 +224,36 @@ class _Reader:
             return {}, set()
         self._reject_unknown_keys(table, path, ADMISSION_KEYS)
         values, invalid = self._read_settings(table, path, ADMISSION_SETTINGS)
-        weights_path = f"{path}.{MODEL_WEIGHTS_KEY}"
-        weights = self._read_table(table.get(MODEL_WEIGHTS_KEY), weights_path)
-        if MODEL_WEIGHTS_KEY in table and weights is None:
-            invalid.add(MODEL_WEIGHTS_FIELD)
-        elif weights is not None:
-            clean: dict[str, float] = {}
-            for model, weight in weights.items():
-                number = _coerce(weight, float)
-                if number is None:
-                    self.add(
-                        f"{weights_path}.{format_key(model)}",
-                        f"expected a positive number, got {_describe(weight)}",
-                    )
-                    invalid.add(MODEL_WEIGHTS_FIELD)
-                else:
-                    clean[model.strip()] = number  # type: ignore[assignment]
-            if MODEL_WEIGHTS_FIELD not in invalid:
-                values[MODEL_WEIGHTS_FIELD] = clean
+        for key, field, kind, expected in ADMISSION_MODEL_TABLES:
+            models = self._read_model_numbers(
+                table, f"{path}.{key}", key, kind, expected
+            )
+            if models is None:
+                invalid.add(field)
+            elif key in table:
+                values[field] = models
         return values, invalid
+
+    def _read_model_numbers(
+        self, table: dict[str, Any], path: str, key: str, kind: type, expected: str
+    ) -> dict[str, object] | None:
+        """A table of model name = number, or None if it is not one."""
+        models = self._read_table(table.get(key), path)
+        if models is None:
+            return None if key in table else {}
+        clean: dict[str, object] = {}
+        valid = True
+        for model, raw in models.items():
+            number = _coerce(raw, kind)
+            if number is None:
+                self.add(
+                    f"{path}.{format_key(model)}",
+                    f"expected {expected}, got {_describe(raw)}",
+                )
+                valid = False
+            else:
+                clean[model.strip()] = number
+        return clean if valid else None
 
     def _read_aliases(self, value: object) -> tuple[AliasEntry, ...]:
         table = self._read_table(value, "routing.aliases")

@@ -79,6 +79,14 @@ ADMISSION_SETTINGS = (
 )
 MODEL_WEIGHTS_KEY = "model_weights"
 MODEL_WEIGHTS_FIELD = "admission_model_weights"
+MODEL_OUTPUT_TOKENS_KEY = "model_output_tokens"
+MODEL_OUTPUT_TOKENS_FIELD = "admission_model_output_tokens"
+# [routing.admission.<key>] tables of model name = number: (key, field, type,
+# what a value must be).
+ADMISSION_MODEL_TABLES = (
+    (MODEL_WEIGHTS_KEY, MODEL_WEIGHTS_FIELD, float, "a positive number"),
+    (MODEL_OUTPUT_TOKENS_KEY, MODEL_OUTPUT_TOKENS_FIELD, int, "a non-negative integer"),
+)
 BACKEND_SETTINGS = (
     Setting("name", "name", str, "a string", required=True),
     Setting("url", "base_url", str, "a URL string", required=True),
@@ -127,7 +135,10 @@ ROUTING_KEYS = (
     "aliases",
     "fallbacks",
 )
-ADMISSION_KEYS = (*(s.key for s in ADMISSION_SETTINGS), MODEL_WEIGHTS_KEY)
+ADMISSION_KEYS = (
+    *(s.key for s in ADMISSION_SETTINGS),
+    *(key for key, _, _, _ in ADMISSION_MODEL_TABLES),
+)
 BACKEND_KEYS = (*(s.key for s in BACKEND_SETTINGS), "api_key", "api_key_env", "models")
 MODEL_KEYS = tuple(s.key for s in MODEL_SETTINGS)
 
@@ -136,7 +147,7 @@ POLICY_KEY_FOR_FIELD = (
     {s.field: s.key for s in POLICY_SETTINGS}
     | {s.field: f"weights.{s.key}" for s in WEIGHT_SETTINGS}
     | {s.field: f"admission.{s.key}" for s in ADMISSION_SETTINGS}
-    | {MODEL_WEIGHTS_FIELD: f"admission.{MODEL_WEIGHTS_KEY}"}
+    | {field: f"admission.{key}" for key, field, _, _ in ADMISSION_MODEL_TABLES}
 )
 BACKEND_KEY_FOR_FIELD = {s.field: s.key for s in BACKEND_SETTINGS} | {
     "api_key": "api_key"

@@ -411,3 +411,47 @@ def test_every_arrival_is_accounted_for_and_the_stock_returns_to_zero(
         == len(submitted)
     )
     assert went_through == sum(t.outcome in GO for t in submitted)
+
+
+def test_the_default_band_lets_an_idle_backend_run_a_few_at_once() -> None:
+    # No max_concurrency: 4 per backend ± 10 %, 5 straight through per backend.
+    band = AdmissionSettings().band(1)
+    assert (band.dispatch_limit, band.bypass_limit) == (4, 5)
+    assert AdmissionSettings().band(3).bypass_limit == 14
+
+
+def test_a_backend_with_max_concurrency_gets_exactly_its_slots() -> None:
+    settings_ = AdmissionSettings(watermark_per_backend=2)
+    # One backend says 8, one says nothing (2 ± 10 %): 8 + 2.2 -> 11 through.
+    band = settings_.band(2, capacities=(8,))
+    assert (band.lower, band.upper, band.watermark) == pytest.approx((9.8, 10.2, 10))
+    assert (band.dispatch_limit, band.bypass_limit) == (10, 11)
+    # Every slot is used, never more: the router would refuse the next one.
+    only = settings_.band(2, capacities=(8, 1))
+    assert (only.dispatch_limit, only.bypass_limit) == (9, 9)
+    halves = [settings_.band(2, index, 2, capacities=(8, 1)) for index in range(2)]
+    assert sum(b.bypass_limit for b in halves) == 9
+
+
+def test_an_idle_pool_of_max_concurrency_backends_never_queues() -> None:
+    sim = Sim(ready=1)
+    tickets = [Ticket(flow=f"t{n}") for n in range(9)]
+    for ticket in tickets:
+        sim.controller.admit(ticket, "pool", 1, (8,))
+    outcomes = [ticket.outcome for ticket in tickets]
+    assert outcomes[:8] == [Outcome.BYPASSED] * 8
+    assert outcomes[8] is None  # the ninth waits for a free slot
+
+
+def test_output_size_per_model_replaces_the_default() -> None:
+    settings_ = AdmissionSettings(
+        default_output_tokens=100, model_output_tokens={"big": 2000}
+    )
+    assert settings_.size_of(10, None, "big") == 2010
+    assert settings_.size_of(10, None, "alias", "big") == 2010  # its alias target
+    assert settings_.size_of(10, None, "small") == 110
+    assert settings_.size_of(10, 5, "big") == 15  # max_tokens wins
+    assert AdmissionSettings.check(model_output_tokens={"big": -1}) == {
+        "model_output_tokens": "the output tokens of 'big' must be a whole number "
+        "from 0 to 10000000, got -1"
+    }

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from backends.models import Backend, BackendModel, HealthStatus
-from routing.models import RoutingPolicy
+from routing.models import Alias, FallbackChain, RoutingPolicy
 from tests.conftest import MockBackendProcess, NexusServer
 from usage.models import ApiKey
 
@@ -277,3 +277,73 @@ def test_two_serving_processes_keep_the_gateways_in_flight_within_the_band(
     assert 4 <= stats["peak_outstanding"] <= 5
     for server in servers:
         _wait_until(lambda s=server: _metric(s, "nexus_admission_stock_level") == 0)
+
+
+@pytest.mark.parametrize(("max_concurrency", "bypassed"), [(8, 8), (None, 5)])
+def test_an_idle_backend_takes_its_max_concurrency_before_anything_waits(
+    mock_backend_factory: Callable[..., MockBackendProcess],
+    nexus_server_factory: Callable[..., NexusServer],
+    max_concurrency: int | None,
+    bypassed: int,
+) -> None:
+    # A server that runs 8 at once: with its max_concurrency said, 8 requests
+    # at once on an idle fleet all go straight through; without it, the
+    # default band (4 per backend + 10 %) lets 5 through and queues the rest.
+    mock = mock_backend_factory(
+        "--models", "m", "--name", "wide", "--slots", "8", "--latency-ms", "800"
+    )
+    backend = Backend.objects.create(
+        name="wide",
+        base_url=mock.base_url,
+        status=HealthStatus.HEALTHY,
+        max_concurrency=max_concurrency,
+    )
+    BackendModel.objects.create(backend=backend, name="m")
+    _, key = ApiKey.objects.create_key("eight")
+    server = nexus_server_factory()
+
+    async def scenario() -> None:
+        client = _client(server, key)
+        await asyncio.gather(
+            *(
+                client.chat.completions.create(model="m", messages=MESSAGES)
+                for _ in range(8)
+            )
+        )
+
+    asyncio.run(scenario())
+    assert _metric(server, "nexus_admission_bypass_total") == bypassed
+    assert _stats(mock)["peak_outstanding"] == bypassed
+
+
+def test_aliases_and_fallbacks_wait_in_the_pool_of_the_backend_that_serves(
+    slotted: MockBackendProcess,
+    nexus_server_factory: Callable[..., NexusServer],
+) -> None:
+    # "m" on the slotted backend, one at a time. "gone" is served only by a
+    # backend that is down, with "m" as its fallback; "alias" names "m".
+    _configure(lower_bound_per_backend=1.0, upper_bound_per_backend=1.0)
+    down = Backend.objects.create(
+        name="down", base_url="http://127.0.0.1:9", status=HealthStatus.UNHEALTHY
+    )
+    BackendModel.objects.create(backend=down, name="gone")
+    Alias.objects.create(name="alias", target="m")
+    FallbackChain.objects.create(model="gone").set_fallbacks(["m"])
+    _, key = ApiKey.objects.create_key("three-names")
+    server = nexus_server_factory()
+
+    async def scenario() -> None:
+        client = _client(server, key)
+        await asyncio.gather(
+            *(
+                client.chat.completions.create(model=name, messages=MESSAGES)
+                for name in ("m", "alias", "gone", "gone", "alias", "m")
+            )
+        )
+
+    asyncio.run(scenario())
+    stats = _stats(slotted)
+    assert stats["requests"]["/v1/chat/completions"] == 6
+    # One band for all three names: the backend never had two at once.
+    assert stats["peak_outstanding"] == 1
+    assert _metric(server, "nexus_admission_dequeue_successes_total") == 5

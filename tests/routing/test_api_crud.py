@@ -190,6 +190,22 @@ def test_policy_reads_defaults_until_saved_without_creating_it(api: APIClient) -
         "weight_load": 30,
         "weight_latency": 20,
         "max_retries": 2,
+        "admission": {
+            "enabled": True,
+            "flow_key": "key",
+            "sizing": "tokens",
+            "default_output_tokens": 256,
+            "model_output_tokens": {},
+            "watermark_per_backend": 4.0,
+            "percentage_deviation_for_bounds": 0.1,
+            "lower_bound_per_backend": None,
+            "upper_bound_per_backend": None,
+            "total_capacity": 1000,
+            "flow_capacity": 100,
+            "critical_reserved": 100,
+            "queue_ttl": 30.0,
+            "model_weights": {},
+        },
         "updated_at": None,
     }
     assert not RoutingPolicy.objects.exists()
@@ -241,6 +257,65 @@ def test_policy_rules_match_the_admin(
 
     assert response.status_code == 400
     assert message in " ".join(response.json()[field])
+    assert not RoutingPolicy.objects.exists()
+
+
+@pytest.mark.django_db
+def test_policy_admission_settings_round_trip(api: APIClient) -> None:
+    admission = {
+        "flow_key": "key+model",
+        "lower_bound_per_backend": 3.0,
+        "upper_bound_per_backend": 6.0,
+        "model_output_tokens": {"llama3:70b": 1024},
+        "model_weights": {"llama3:70b": 2},
+    }
+    response = api.patch("/api/v1/policy", {"admission": admission}, format="json")
+    assert response.status_code == 200, response.content
+    assert response.json()["admission"]["model_output_tokens"] == {"llama3:70b": 1024}
+    # A later PATCH of one setting leaves the others as they are.
+    response = api.patch(
+        "/api/v1/policy", {"admission": {"queue_ttl": 5}}, format="json"
+    )
+    assert response.status_code == 200, response.content
+    settings = RoutingPolicy.objects.get().admission_settings()
+    assert (settings.flow_key, settings.queue_ttl) == ("key+model", 5.0)
+    assert (settings.lower_per_backend, settings.upper_per_backend) == (3.0, 6.0)
+    assert settings.output_tokens_of("llama3:70b") == 1024
+    assert settings.weight_of("llama3:70b") == 2.0
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("admission", "field", "message"),
+    [
+        (
+            {"lower_bound_per_backend": 5, "upper_bound_per_backend": 3},
+            "lower_bound_per_backend",
+            "lower_bound_per_backend (5) cannot be above upper_bound_per_backend (3)",
+        ),
+        ({"flow_key": "team"}, "flow_key", "'team' is not a valid choice."),
+        ({"queue_ttl": 0}, "queue_ttl", "must be more than 0"),
+        (
+            {"flow_capacity": 20, "total_capacity": 10, "critical_reserved": 0},
+            "flow_capacity",
+            "cannot exceed total_capacity (10)",
+        ),
+        (
+            {"model_output_tokens": {"m": -1}},
+            "model_output_tokens",
+            "the output tokens of 'm' must be a whole number from 0",
+        ),
+        ({"queue_tll": 5}, "queue_tll", "Unknown field."),
+        ({"total_capacity": "lots"}, "total_capacity", "A valid integer is required."),
+    ],
+)
+def test_policy_admission_rules_match_the_admin(
+    api: APIClient, admission: dict[str, Any], field: str, message: str
+) -> None:
+    response = api.patch("/api/v1/policy", {"admission": admission}, format="json")
+
+    assert response.status_code == 400
+    assert message in " ".join(response.json()["admission"][field])
     assert not RoutingPolicy.objects.exists()
 
 

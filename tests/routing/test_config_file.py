@@ -1208,6 +1208,8 @@ flow_capacity = 50
 critical_reserved = 20
 [routing.admission.model_weights]
 "llama3:70b" = 2
+[routing.admission.model_output_tokens]
+"llama3:70b" = 1024
 """
 
 
@@ -1223,9 +1225,11 @@ def test_admission_settings_import_and_export_round_trip(write: Writer) -> None:
     assert (settings.lower_per_backend, settings.upper_per_backend) == (3.5, 4.4)
     assert (settings.total_capacity, settings.flow_capacity) == (500, 50)
     assert dict(settings.model_weights) == {"llama3:70b": 2.0}
+    assert dict(settings.model_output_tokens) == {"llama3:70b": 1024}
     exported = run_export()
     assert "[routing.admission]" in exported
     assert '"llama3:70b" = 2.0' in exported
+    assert '[routing.admission.model_output_tokens]\n"llama3:70b" = 1024' in exported
     before = db_state()
     run_import(write(exported, "again.toml"))
     assert db_state() == before
@@ -1239,6 +1243,7 @@ def test_admission_problems_name_the_keys(write: Writer) -> None:
             "[routing.admission]\nlower_bound_per_backend = 5\n"
             "upper_bound_per_backend = 3\nqueue_tll = 3\nflow_capacity = 'many'\n"
             "[routing.admission.model_weights]\nm = 'heavy'\n"
+            "[routing.admission.model_output_tokens]\nm = 2.5\nn = -3\n"
         )
     )
     assert 'routing.admission.queue_tll: unknown key; did you mean "queue_ttl"?' in (
@@ -1246,6 +1251,10 @@ def test_admission_problems_name_the_keys(write: Writer) -> None:
     )
     assert "routing.admission.flow_capacity: expected a positive integer" in message
     assert "routing.admission.model_weights.m: expected a positive number" in message
+    assert (
+        "routing.admission.model_output_tokens.m: expected a non-negative integer, "
+        "got 2.5"
+    ) in message
     assert (
         "routing.admission.lower_bound_per_backend: lower_bound_per_backend (5) "
         "cannot be above upper_bound_per_backend (3)"

@@ -7,11 +7,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from django.conf import settings
@@ -20,6 +22,7 @@ from django.utils import timezone
 from playwright.sync_api import Page, expect, sync_playwright
 
 from backends.models import Backend, BackendModel, HealthStatus
+from routing.models import RoutingPolicy
 from tests.conftest import REPO_ROOT, MockBackendProcess, NexusServer, server_env
 from tests.factories import UsageBucketFactory
 from usage.models import ApiKey
@@ -217,3 +220,101 @@ def _roll_up(env: dict[str, str]) -> None:
         capture_output=True,
         timeout=60,
     )
+
+
+def test_dashboard_shows_admission_queues_bands_and_refusals_live(
+    mock_backend_factory: Callable[..., MockBackendProcess],
+    nexus_server_factory: Callable[..., NexusServer],
+) -> None:
+    # One slot that stays busy; at most 1 in flight, 3 waiting, 2 per flow.
+    mock = mock_backend_factory(
+        "--models", MODEL, "--name", "one-slot", "--slots", "1", "--latency-ms", "60000"
+    )
+    backend = Backend.objects.create(
+        name="one-slot", base_url=mock.base_url, status=HealthStatus.HEALTHY
+    )
+    BackendModel.objects.create(backend=backend, name=MODEL)
+    policy = RoutingPolicy.load()
+    policy.admission_lower_bound_per_backend = 1.0
+    policy.admission_upper_bound_per_backend = 1.0
+    policy.admission_total_capacity = 3
+    policy.admission_flow_capacity = 2
+    policy.admission_critical_reserved = 0
+    policy.full_clean()
+    policy.save()
+    flood, flood_key = ApiKey.objects.create_key("flood")
+    light, light_key = ApiKey.objects.create_key("light")
+    User.objects.create_superuser(USERNAME, "dash@example.com", PASSWORD)
+    server = nexus_server_factory(WHITENOISE_USE_FINDERS="true")
+    workers = ThreadPoolExecutor(max_workers=6)
+
+    def send(key: str, criticality: str = "default") -> Future[httpx.Response]:
+        return workers.submit(
+            httpx.post,
+            f"{server.base_url}/v1/chat/completions",
+            headers={
+                "Authorization": f"Bearer {key}",
+                "X-Nexus-Criticality": criticality,
+            },
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+            timeout=90,
+        )
+
+    try:
+        with open_page() as page:
+            _log_in(page, server)
+            expect(page.locator("#connection")).to_have_text("live")
+            expect(page.locator("#admission-pools tbody")).to_contain_text(
+                "No admitted requests yet."
+            )
+            pool = page.locator('#admission-pools tbody tr[data-backends="one-slot"]')
+            flows = page.locator("#admission-flows tbody")
+
+            send(flood_key, "sheddable")  # straight through: the slot is busy
+            expect(pool.locator(".stock")).to_have_text("1")
+            expect(pool).to_contain_text(MODEL)
+            expect(pool).to_contain_text("1.0–1.0")
+            expect(pool.locator("meter")).to_have_attribute("value", "1")
+            queued = [send(flood_key, "sheddable") for _ in range(2)]
+            expect(flows.locator(f'tr[data-flow="{flood.prefix}"]')).to_contain_text(
+                "2"
+            )
+            over = send(flood_key, "sheddable").result(timeout=30)
+            assert over.json()["error"]["code"] == "flow_queue_full"
+            send(light_key)  # the queue is full now (3)...
+            expect(pool.locator(".waiting")).to_have_text("3")
+            send(light_key)  # ...so this one sheds the flood's newest request
+            # (Sent at once, either of the two may be the newer.)
+            done, _ = wait(queued, timeout=30, return_when=FIRST_COMPLETED)
+            assert [f.result().json()["error"]["code"] for f in done] == ["preempted"]
+
+            expect(flows.locator(f'tr[data-flow="{light.prefix}"]')).to_contain_text(
+                "2"
+            )
+            expect(flows.locator(f'tr[data-flow="{flood.prefix}"]')).to_contain_text(
+                "1"
+            )
+            expect(pool.locator(".waiting")).to_have_text("3")
+            refusals = page.locator("#admission-rejections tbody")
+            expect(
+                refusals.locator('tr[data-reason="flow_queue_full"]')
+            ).to_contain_text("flow's queue full (503)1")
+            expect(refusals.locator('tr[data-reason="preempted"]')).to_contain_text("1")
+            expect(
+                page.locator('#admission-preemptions tr[data-reason="sheddable"]')
+            ).to_contain_text("1")
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.locator("#admission").screenshot(
+                path=str(ARTIFACTS / "dashboard-admission.png")
+            )
+    finally:
+        # The requests still held by the mock end with the servers.
+        workers.shutdown(wait=False, cancel_futures=True)
+
+
+def _log_in(page: Page, server: NexusServer) -> None:
+    page.goto(f"{server.base_url}/dashboard/")
+    page.fill("#id_username", USERNAME)
+    page.fill("#id_password", PASSWORD)
+    page.click("input[type=submit]")
+    expect(page).to_have_url(f"{server.base_url}/dashboard/")

@@ -153,3 +153,31 @@ def test_an_unreachable_redis_fails_open_or_closed_as_configured() -> None:
     assert first.allowed and first.ticket.unchecked and second.allowed
     assert errors  # counted (the metric nexus_limiter_errors_total)
     assert third.reason == UNAVAILABLE
+
+
+def test_a_backend_slot_freed_here_is_taken_over_before_its_release_is_sent(
+    redis_url: str,
+) -> None:
+    # Admission control sends a waiting request the moment the one before it
+    # ends: its acquire must not race the release still queued behind it.
+    one, other = RedisLimiter(redis_url), RedisLimiter(redis_url)
+
+    async def main():
+        first = await one.acquire_backend("gpu", 1)
+        one.release_backend("gpu", first)
+        # The settle task has not written the release yet; the slot is free.
+        taken_over = await one.acquire_backend("gpu", 1)
+        await asyncio.sleep(0)
+        await one._flush_settles()
+        # Still held (by the new request): nobody else gets it...
+        refused = await other.acquire_backend("gpu", 1)
+        one.release_backend("gpu", taken_over)
+        await one._flush_settles()
+        # ...until it is released for good.
+        return first, taken_over, refused, await other.acquire_backend("gpu", 1)
+
+    first, taken_over, refused, later = run(main, one, other)
+
+    assert first is not None and taken_over == first
+    assert refused is None
+    assert later is not None

@@ -306,6 +306,9 @@ class RedisLimiter:
             )
         }
         self._leases: dict[str, str] = {}  # lease -> concurrency set key
+        # Backend leases released here whose release is not yet written to
+        # Redis: the next request for that backend takes one over.
+        self._released: dict[str, list[str]] = {}  # backend set key -> leases
         self._settles: deque[tuple[list[str], list[Any]]] = deque()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
@@ -461,10 +464,23 @@ class RedisLimiter:
         self._wake.set()
 
     async def acquire_backend(self, backend: str, limit: int) -> str | None:
+        key = backend_key(backend)
+        released = self._released.get(key)
+        if released:
+            # A slot this process just freed and has not yet told Redis about:
+            # take it over rather than race its release (the release is
+            # queued behind the settles; an acquire written before it would
+            # find the backend full, though one of its slots is free). This
+            # is what lets admission control send a waiting request into the
+            # slot the request before it left.
+            lease = released.pop()
+            if not released:
+                del self._released[key]
+            self._leases[lease] = key
+            return lease
         if time.monotonic() < self._down_until:
             return "unchecked" if self.fail_open else None
         lease = new_lease()
-        key = backend_key(backend)
         try:
             taken = await self._run(
                 "acquire", [key], [limit, lease, LEASE_SECONDS * 1000]
@@ -480,9 +496,9 @@ class RedisLimiter:
     def release_backend(self, backend: str, lease: str) -> None:
         if lease == "unchecked" or self._leases.pop(lease, None) is None:
             return
-        self._settles.append(
-            (["", backend_key(backend), ""], [0, 0, lease, "", 0, 0, 0, 0, 0])
-        )
+        key = backend_key(backend)
+        self._released.setdefault(key, []).append(lease)
+        self._settles.append((["", key, ""], [0, 0, lease, "", 0, 0, 0, 0, 0]))
         self._wake.set()
 
     # Background ----------------------------------------------------------------
@@ -502,7 +518,7 @@ class RedisLimiter:
             script = self._scripts["settle"]
             # Written back to back on the one connection: pipelined.
             results = await asyncio.gather(
-                *(redis.run(script, keys, args) for keys, args in batch),
+                *(self._send_settle(redis, script, keys, args) for keys, args in batch),
                 return_exceptions=True,
             )
             for result in results:
@@ -513,6 +529,18 @@ class RedisLimiter:
                     return
                 if isinstance(result, BaseException):
                     raise result
+
+    async def _send_settle(
+        self, redis: RespConnection, script: Script, keys: list[str], args: list[Any]
+    ) -> Any:
+        if not keys[0]:  # a backend lease's release (release_backend)
+            released = self._released.get(keys[1], [])
+            if args[2] not in released:
+                return None  # taken over by a request since: nothing to free
+            released.remove(args[2])
+            if not released:
+                del self._released[keys[1]]
+        return await redis.run(script, keys, args)
 
     async def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
         if self._redis is None:

@@ -367,6 +367,97 @@
       return tr;
     });
     fillTable("backends", backendRows, "No backends configured.", 5);
+    renderAdmission(latest.admission);
+  }
+
+  // Admission control's codes, in the words of the README's error list.
+  const REFUSALS = {
+    queue_full: "queue full (503)",
+    flow_queue_full: "flow's queue full (503)",
+    queue_ttl_expired: "waited longer than queue_ttl (503)",
+    preempted: "preempted (503)",
+    deadline_exceeded: "client deadline passed (504)",
+    client_closed: "client left while waiting (499)",
+  };
+
+  function countRows(counts, label) {
+    return Object.keys(counts)
+      .filter((name) => counts[name] > 0)
+      .sort()
+      .map(function (name) {
+        const tr = document.createElement("tr");
+        tr.dataset.reason = name;
+        tr.append(cell(label(name)), cell(format(counts[name]), "num"));
+        return tr;
+      });
+  }
+
+  function bandCell(pool) {
+    const td = cell("");
+    const meter = document.createElement("meter");
+    meter.min = 0;
+    meter.max = Math.max(pool.bypass_limit, pool.stock, 1);
+    meter.low = pool.lower;
+    meter.high = pool.upper;
+    meter.value = pool.stock;
+    td.append(meter, " " + format(pool.lower, 1) + "–" + format(pool.upper, 1));
+    td.title =
+      "Straight through while fewer than " + pool.bypass_limit + " are in flight " +
+      "and none wait; waiting requests are sent while fewer than " +
+      pool.dispatch_limit + " are.";
+    return td;
+  }
+
+  function renderAdmission(admission) {
+    const state = $("admission-state");
+    if (!admission) {
+      state.textContent = "(no serving process reports it)";
+      return;
+    }
+    state.textContent = admission.enabled
+      ? "(" + format(admission.bypassed) + " straight through, " +
+        format(admission.dispatched) + " sent after waiting)"
+      : "(off)";
+    const pools = admission.pools.map(function (pool) {
+      const tr = document.createElement("tr");
+      tr.dataset.backends = pool.backends.join(",");
+      tr.append(
+        cell(pool.backends.join(", ")),
+        cell(pool.models.join(", ") || "–"),
+        cell(format(pool.stock), "num stock"),
+        bandCell(pool),
+        cell(format(pool.waiting), "num waiting")
+      );
+      return tr;
+    });
+    fillTable("admission-pools", pools, "No admitted requests yet.", 5);
+    const flows = [];
+    for (const pool of admission.pools) {
+      for (const flow of Object.keys(pool.flows).sort()) {
+        if (!pool.flows[flow]) continue;
+        const tr = document.createElement("tr");
+        tr.dataset.flow = flow;
+        tr.append(
+          cell(flow),
+          cell(pool.backends.join(", ")),
+          cell(format(pool.flows[flow]), "num")
+        );
+        flows.push(tr);
+      }
+    }
+    fillTable("admission-flows", flows, "Nothing waiting.", 3);
+    fillTable(
+      "admission-rejections",
+      countRows(admission.rejections, (name) => REFUSALS[name] || name),
+      "None.",
+      2
+    );
+    fillTable(
+      "admission-preemptions",
+      countRows(admission.preemptions, (name) => name),
+      "None.",
+      2
+    );
   }
 
   async function loadHistory(range) {
