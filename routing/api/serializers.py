@@ -8,7 +8,7 @@ from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers
 
 from backends.api.serializers import ModelCleanSerializer, saving
-from routing.core import BackendSpec
+from routing.core import FLEET_SETTING_NAMES, BackendSpec
 from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
 
 
@@ -86,7 +86,8 @@ class FallbackChainSerializer(ModelCleanSerializer[FallbackChain]):
 
 
 class RoutingPolicySerializer(ModelCleanSerializer[RoutingPolicy]):
-    """The global routing policy. Weights are used by the smart strategy."""
+    """The global routing policy. Weights are used by the smart strategy, the
+    fleet settings (points table, queues) by the fleet strategy."""
 
     class Meta:
         model = RoutingPolicy
@@ -96,6 +97,7 @@ class RoutingPolicySerializer(ModelCleanSerializer[RoutingPolicy]):
             "weight_load",
             "weight_latency",
             "max_retries",
+            *FLEET_SETTING_NAMES,
             "updated_at",
         )
 
@@ -108,6 +110,11 @@ class ModelSpecSerializer(serializers.Serializer[Any]):
     supports_json_mode = serializers.BooleanField(allow_null=True)
     loaded = serializers.BooleanField()
     enabled = serializers.BooleanField()
+    size_gb = serializers.FloatField(allow_null=True)
+    vram_gb = serializers.FloatField(allow_null=True)
+    loaded_context = serializers.IntegerField(allow_null=True)
+    parameters_b = serializers.FloatField(allow_null=True)
+    max_concurrency = serializers.IntegerField(allow_null=True)
 
 
 class BackendSpecSerializer(serializers.Serializer[Any]):
@@ -124,6 +131,9 @@ class BackendSpecSerializer(serializers.Serializer[Any]):
     request_timeout = serializers.FloatField()
     status = serializers.CharField()
     avg_latency_ms = serializers.FloatField(allow_null=True)
+    memory_ceiling_gb = serializers.FloatField(allow_null=True)
+    memory_used_gb = serializers.FloatField(allow_null=True)
+    tier = serializers.CharField()
     models = ModelSpecSerializer(many=True)
 
     def get_has_api_key(self, backend: BackendSpec) -> bool:
@@ -140,6 +150,11 @@ class EffectivePolicySerializer(serializers.Serializer[Any]):
     strategy = serializers.CharField()
     weights = WeightsSerializer()
     max_retries = serializers.IntegerField()
+    fleet = serializers.DictField(
+        child=serializers.FloatField(),
+        help_text="The fleet strategy's settings in force (hold_seconds with the "
+        "strategy's preset applied).",
+    )
     overrides = serializers.DictField(
         child=serializers.CharField(),
         help_text="Environment variables that override the stored policy.",

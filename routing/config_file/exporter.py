@@ -10,6 +10,7 @@ from routing.config_file.schema import (
     ADMISSION_SETTINGS,
     AUTO,
     BACKEND_SETTINGS,
+    FLEET_TOML_SETTINGS,
     KEY_SETTINGS,
     MODEL_SETTINGS,
     POLICY_SETTINGS,
@@ -62,6 +63,14 @@ def export_config() -> str:
     weights = policy.admission_model_weights or {}
     for model in sorted(weights):
         lines.append(f"{format_string(model)} = {format_scalar(weights[model])}")
+
+    lines += [
+        "",
+        "[routing.fleet]",
+        "# The fleet strategy's points and queues (README: Fleet scheduling);",
+        "# without hold_seconds: 30 under the fleet strategy, 0 otherwise.",
+    ]
+    lines += _settings(policy, FLEET_TOML_SETTINGS)
 
     lines += [
         "",

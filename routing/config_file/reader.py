@@ -26,6 +26,7 @@ from routing.config_file.schema import (
     AUTO,
     BACKEND_KEYS,
     BACKEND_SETTINGS,
+    FLEET_TOML_SETTINGS,
     KEY_BUDGET_USD,
     KEY_EXPIRES,
     KEY_KEYS,
@@ -121,6 +122,16 @@ class _Reader:
             )
             policy |= admission_values
             policy_invalid |= admission_invalid
+            fleet = self._read_table(routing.get("fleet"), "routing.fleet")
+            if fleet is not None:
+                self._reject_unknown_keys(
+                    fleet, "routing.fleet", [s.key for s in FLEET_TOML_SETTINGS]
+                )
+                fleet_values, fleet_invalid = self._read_settings(
+                    fleet, "routing.fleet", FLEET_TOML_SETTINGS
+                )
+                policy |= fleet_values
+                policy_invalid |= fleet_invalid
             aliases = self._read_aliases(routing.get("aliases"))
             fallbacks = self._read_fallbacks(routing.get("fallbacks"))
         backends = self._read_backends(data.get("backends"))
