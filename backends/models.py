@@ -351,9 +351,10 @@ class BackendModelQuerySet(models.QuerySet["BackendModel"]):
         ``details`` (Ollama's /api/ps) gives each loaded model's memory, context
         window and keep_alive expiry. A model loading or unloading gets
         ``last_loaded_at`` now (the fleet strategy's "warm"). Returns whether
-        anything routing reads changed (the caller announces the change); an
-        expiry that only moved forward by less than EXPIRY_SLACK does not count,
-        so a busy model's refreshed keep_alive does not rebuild every snapshot.
+        anything routing reads changed (the caller announces the change). An
+        expiry that only moved forward by less than EXPIRY_SLACK is not even
+        stored, so a busy model's refreshed keep_alive costs no write and no
+        snapshot rebuild each round; the stored one is at most that much early.
         """
         names = set(loaded)
         details = details or {}
@@ -382,10 +383,11 @@ class BackendModelQuerySet(models.QuerySet["BackendModel"]):
             )
             if was != (row.loaded, row.vram_bytes, row.loaded_context_length) or moved:
                 changed = True
-                row.save(update_fields=["loaded", "last_loaded_at", *LOADED_FIELDS])
-            elif row.expires_at != expires:
-                # Stored quietly: the snapshot catches up with the next change.
-                type(row).objects.filter(pk=row.pk).update(expires_at=row.expires_at)
+                # update(), not save(): no per-row signals; the caller announces.
+                self.filter(pk=row.pk).update(
+                    loaded=row.loaded,
+                    **{name: getattr(row, name) for name in LOADED_FIELDS},
+                )
         return changed
 
 

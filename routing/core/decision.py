@@ -473,6 +473,10 @@ def _target_dict(target: Target) -> TargetDict:
     return {"backend": target.backend.name, "model": target.model.name}
 
 
+def _gb(value: float | None) -> str:
+    return "?" if value is None else f"{value:.2f}"
+
+
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
@@ -492,16 +496,13 @@ def _describe(
                 f"~{requirements.estimated_tokens} tokens estimated"
             )
         elif reason is Reason.NO_MEMORY:
-            ratio = (
-                "?"
-                if fleet is None or fleet.fit_ratio is None
-                else (f"{fleet.fit_ratio:.2f}")
-            )
+            backend = target.backend
+            ratio = None if fleet is None else fleet.fit_ratio
             parts.append(
                 f"not loaded, and it does not fit in free memory (fit ratio "
-                f"{ratio}: memory ceiling {target.backend.memory_ceiling_gb} GB, "
-                f"{target.backend.memory_used_gb} GB in use, model "
-                f"{target.model.memory_gb} GB)"
+                f"{_gb(ratio)}: ceiling {_gb(backend.memory_ceiling_gb)} GB, "
+                f"{_gb(backend.memory_used_gb)} GB in use, model "
+                f"{_gb(target.model.memory_gb)} GB)"
             )
         elif reason is Reason.AT_CAPACITY:
             parts.append(

@@ -7,6 +7,7 @@ recorded is explained as the gateway would route it.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from io import StringIO
@@ -35,9 +36,17 @@ from routing.core import (
 from routing.core.decision import Decision
 from routing.models import RoutingPolicy
 from routing.snapshot import build_snapshot
+from routing.versioning import read_config_version
 from tests.backends.mock_fleet import KindMock, running_mocks
-from tests.factories import RoutingPolicyFactory
+from tests.conftest import MockBackendProcess
+from tests.factories import (
+    BackendFactory,
+    BackendModelFactory,
+    RoutingPolicyFactory,
+)
+from tests.routing.test_proxy_hot_path import make_gateway, serve
 from tests.test_settings import _load_settings
+from usage.models import ApiKey
 
 MOCK_MODEL_BYTES = 4_661_224_676  # what the mock reports for every model
 
@@ -144,6 +153,27 @@ def test_a_cold_model_that_does_not_fit_is_not_routed_there(
     assert fleet_decision("llama3:8b").chosen is not None
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_refreshed_keep_alive_does_not_bump_the_version_but_unloading_does() -> None:
+    with running_mocks(("ollama", "--models", "a,b", "--loaded-models", "a")) as (
+        mock,
+    ):
+        backend = mock.register("ollama-1", status="healthy")
+        BackendModelFactory(backend=backend, name="a", discovered=True)
+        BackendModelFactory(backend=backend, name="b", discovered=True)
+        check_all()
+        before = read_config_version()
+
+        check_all()  # the same models loaded; keep_alive a moment later
+        unchanged = read_config_version()
+        mock.configure(loaded_models=["b"])
+        check_all()
+
+    assert unchanged == before
+    assert read_config_version() > before
+    assert BackendModel.objects.get(name="a").last_loaded_at is not None
+
+
 @pytest.mark.django_db
 def test_llamacpp_and_vllm_models_are_always_hot(mocks: dict[str, KindMock]) -> None:
     mocks["llamacpp"].register("llamacpp-1")
@@ -179,8 +209,6 @@ def test_nexus_route_explain_shows_the_signals(mocks: dict[str, KindMock]) -> No
 
 @pytest.mark.django_db
 def test_the_explain_api_shows_the_signals_per_candidate() -> None:
-    from tests.factories import BackendFactory, BackendModelFactory
-
     RoutingPolicyFactory(strategy="fleet")
     hot = BackendFactory(name="hot", kind="ollama", priority=50)
     BackendModelFactory(backend=hot, name="m", loaded=True, discovered=True)
@@ -374,3 +402,41 @@ def test_env_overrides_reach_the_snapshot(settings: Any) -> None:
     policy = build_snapshot().policy
 
     assert (policy.fleet.hot_points, policy.hold_seconds) == (99, 0.0)
+
+
+@pytest.mark.django_db
+def test_a_backend_that_answered_a_request_is_hot_for_the_next_decision(
+    mock_backend: MockBackendProcess,
+) -> None:
+    RoutingPolicyFactory(strategy="fleet")
+    for name, priority in (("first", 1), ("second", 2)):
+        backend = BackendFactory(
+            name=name, base_url=mock_backend.base_url, priority=priority
+        )
+        BackendModelFactory(backend=backend, name="llama3:8b")
+    _, key = ApiKey.objects.create_key("fleet")
+    gateway = make_gateway()
+    requirements = RequestRequirements(model="llama3:8b")
+
+    def thermal() -> dict[str, str]:
+        routes = gateway.snapshots.snapshot.routes
+        found = fleet_signals(
+            gateway.router.explain(requirements, routes, gateway.stats)
+        )
+        return {name: s["thermal"]["value"] for name, s in found.items()}
+
+    assert thermal() == {"first": "on_disk", "second": "on_disk"}
+    (response,) = asyncio.run(
+        serve(
+            gateway,
+            json={
+                "model": "llama3:8b",
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+            headers={"authorization": f"Bearer {key}"},
+        )
+    )
+
+    assert response.status_code == 200
+    assert response.headers["x-nexus-backend"] == "first"  # equal scores: priority
+    assert thermal() == {"first": "hot", "second": "on_disk"}
