@@ -51,7 +51,7 @@ def render_decision(
     req = decision["requirements"]
     needs = [name for name in ("vision", "tools", "json_mode") if req[f"needs_{name}"]]  # type: ignore[literal-required]
     weighted = ""
-    if weights is not None:
+    if weights is not None and decision["strategy"] != "fleet":
         weighted = (
             " (weights: "
             + ", ".join(f"{name} {weights[name]}" for name in WEIGHT_NAMES)

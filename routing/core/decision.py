@@ -436,11 +436,11 @@ def fleet_signals_dict(score: FleetScore) -> FleetSignalsDict:
     return {
         "thermal": {"value": str(score.thermal), "points": score.thermal_points},
         "memory_fit": {"value": _round(score.fit_ratio), "points": score.fit_points},
-        "queue_depth": {"value": score.depth, "points": -score.queue_points},
+        "queue_depth": {"value": score.depth, "points": _penalty(score.queue_points)},
         "estimated_wait": {
             "value": round(score.est_wait_s, 2),
             "source": "p75" if score.wait_from_samples else "heuristic",
-            "points": -round(score.wait_points, 2),
+            "points": _penalty(round(score.wait_points, 2)),
         },
         "role_affinity": {
             "value": {"parameters_b": score.parameters_b, "tier": score.tier or None},
@@ -471,6 +471,11 @@ def _tri_state(value: bool | None) -> str:
 
 def _target_dict(target: Target) -> TargetDict:
     return {"backend": target.backend.name, "model": target.model.name}
+
+
+def _penalty(points: float) -> float:
+    """Points taken away, as a negative number (0, not -0, for none)."""
+    return -points if points else 0.0
 
 
 def _gb(value: float | None) -> str:
