@@ -117,6 +117,14 @@ class LlamaCppKind(BackendKindAdapter):
         return props if isinstance(props, dict) else {}
 
 
+# /api/show requests one discovery run has open at once, per backend. It runs
+# only in discovery (every few minutes), never in a health round.
+SHOW_CONCURRENCY = 8
+
+_Shown = tuple[int | None, bool | None, bool | None, float | None]
+_UNKNOWN: _Shown = (None, None, None, None)
+
+
 class OllamaKind(BackendKindAdapter):
     kind = "ollama"
     server_json_mode = True
@@ -139,8 +147,9 @@ class OllamaKind(BackendKindAdapter):
         sizes = _ollama_field(tags, "size")
         ps, _ = await self._get_json(client, endpoint, "/api/ps")
         loaded = set(_ollama_names(ps, "/api/ps"))
+        limit = asyncio.Semaphore(SHOW_CONCURRENCY)
         shown = await asyncio.gather(
-            *(self._show(client, endpoint, name) for name in names)
+            *(self._show_limited(client, endpoint, name, limit) for name in names)
         )
         return [
             ModelInfo(
@@ -158,20 +167,31 @@ class OllamaKind(BackendKindAdapter):
             )
         ]
 
+    async def _show_limited(
+        self,
+        client: httpx.AsyncClient,
+        endpoint: Endpoint,
+        name: str,
+        limit: asyncio.Semaphore,
+    ) -> _Shown:
+        async with limit:
+            shown = await self._show(client, endpoint, name)
+        return _UNKNOWN if shown is None else shown
+
     async def _show(
         self, client: httpx.AsyncClient, endpoint: Endpoint, name: str
-    ) -> tuple[int | None, bool | None, bool | None, float | None]:
+    ) -> _Shown | None:
         """Return (context length, vision, tools, parameters in billions) of one
-        model, None where unknown."""
+        model, None where unknown; None when /api/show failed (not cached)."""
         try:
             info, _ = await self._get_json(
                 client, endpoint, "/api/show", method="POST", body={"model": name}
             )
         except ProbeFailed:
             # One broken manifest should not hide the backend's other models.
-            return None, None, None, None
+            return None
         if not isinstance(info, dict):
-            return None, None, None, None
+            return None
         details = info.get("details")
         size_text = details.get("parameter_size") if isinstance(details, dict) else None
         billions = (
