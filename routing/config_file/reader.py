@@ -107,31 +107,18 @@ class _Reader:
             policy, policy_invalid = self._read_settings(
                 routing, "routing", POLICY_SETTINGS
             )
-            weights = self._read_table(routing.get("weights"), "routing.weights")
-            if weights is not None:
-                self._reject_unknown_keys(
-                    weights, "routing.weights", [s.key for s in WEIGHT_SETTINGS]
-                )
-                weight_values, weights_invalid = self._read_settings(
-                    weights, "routing.weights", WEIGHT_SETTINGS
-                )
-                policy |= weight_values
-                policy_invalid |= weights_invalid
+            for key, settings in (
+                ("weights", WEIGHT_SETTINGS),
+                ("fleet", FLEET_TOML_SETTINGS),
+            ):
+                values, invalid = self._read_settings_table(routing, key, settings)
+                policy |= values
+                policy_invalid |= invalid
             admission_values, admission_invalid = self._read_admission(
                 routing.get("admission")
             )
             policy |= admission_values
             policy_invalid |= admission_invalid
-            fleet = self._read_table(routing.get("fleet"), "routing.fleet")
-            if fleet is not None:
-                self._reject_unknown_keys(
-                    fleet, "routing.fleet", [s.key for s in FLEET_TOML_SETTINGS]
-                )
-                fleet_values, fleet_invalid = self._read_settings(
-                    fleet, "routing.fleet", FLEET_TOML_SETTINGS
-                )
-                policy |= fleet_values
-                policy_invalid |= fleet_invalid
             aliases = self._read_aliases(routing.get("aliases"))
             fallbacks = self._read_fallbacks(routing.get("fallbacks"))
         backends = self._read_backends(data.get("backends"))
@@ -228,6 +215,17 @@ class _Reader:
             else:
                 values[setting.field] = value
         return values, invalid
+
+    def _read_settings_table(
+        self, routing: dict[str, Any], key: str, settings: tuple[Setting, ...]
+    ) -> tuple[dict[str, Any], set[str]]:
+        """Read ``[routing.<key>]``, a table of scalar settings only."""
+        path = f"routing.{key}"
+        table = self._read_table(routing.get(key), path)
+        if table is None:
+            return {}, set()
+        self._reject_unknown_keys(table, path, [s.key for s in settings])
+        return self._read_settings(table, path, settings)
 
     def _read_admission(self, value: object) -> tuple[dict[str, Any], set[str]]:
         path = "routing.admission"
