@@ -25,6 +25,8 @@ from routing.core.decision import Decision
 from routing.core.stats import MIN_LATENCY_SAMPLES
 from routing.explain import render_decision
 
+pytestmark = pytest.mark.mode_independent
+
 NOW = 1_700_000_000.0  # wall clock (epoch seconds)
 GB = 1.0
 

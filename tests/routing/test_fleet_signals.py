@@ -231,6 +231,7 @@ def test_the_explain_api_shows_the_signals_per_candidate() -> None:
 # Parsing what Ollama reports.
 
 
+@pytest.mark.mode_independent
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
@@ -253,6 +254,7 @@ def test_ollama_expiry_is_parsed_to_the_microsecond(
     assert parse_expiry(text) == expected
 
 
+@pytest.mark.mode_independent
 @pytest.mark.parametrize(
     ("text", "billions"),
     [
@@ -370,6 +372,7 @@ def test_toml_range_problems_name_the_fleet_key(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.mode_independent
 def test_env_overrides_are_range_checked_at_startup(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
