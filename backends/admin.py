@@ -18,6 +18,8 @@ from backends.health import CheckReport, check_all
 from backends.models import (
     CAPABILITY_FIELDS,
     HEALTH_FIELDS,
+    LOADED_FIELDS,
+    SIZE_FIELDS,
     Backend,
     BackendModel,
     BackendQuerySet,
@@ -136,6 +138,16 @@ class BackendAdmin(BackendAdminBase):
             (None, {"fields": ("name", "base_url", "kind", "enabled", "priority")}),
             ("Credentials", {"fields": credentials}),
             ("Limits", {"fields": ("max_concurrency", "request_timeout")}),
+            (
+                "Fleet strategy",
+                {
+                    "fields": ("memory_ceiling_gb", "tier"),
+                    "description": "What the fleet routing strategy weighs: a "
+                    "model that is not loaded and does not fit under the memory "
+                    "ceiling is not sent here; the tier matches model sizes to "
+                    "machines.",
+                },
+            ),
         )
         if obj is None:
             return settings
@@ -338,12 +350,21 @@ class BackendModelAdmin(BackendModelAdminBase):
     search_fields = ("name", "backend__name")
     list_select_related = ("backend",)
     autocomplete_fields = ("backend",)
-    readonly_fields = ("discovered", "manual_fields", "created_at", "updated_at")
+    readonly_fields = (
+        "discovered",
+        "manual_fields",
+        *LOADED_FIELDS,
+        "created_at",
+        "updated_at",
+    )
     fields = (
         "backend",
         "name",
         *CAPABILITY_FIELDS,
+        *SIZE_FIELDS,
+        "max_concurrency",
         "loaded",
+        *LOADED_FIELDS,
         "enabled",
         "discovered",
         "manual_fields",

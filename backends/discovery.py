@@ -32,7 +32,7 @@ from django.db import transaction
 
 from backends.kinds import BackendKindAdapter, Endpoint, ModelInfo
 from backends.kinds.calls import call_backends
-from backends.models import CAPABILITY_FIELDS, OPERATOR_FIELDS, Backend, BackendModel
+from backends.models import DISCOVERED_FIELDS, OPERATOR_FIELDS, Backend, BackendModel
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ def _apply(report: DiscoveryReport, listing: list[ModelInfo]) -> None:
 def _new_row(backend_id: int, info: ModelInfo) -> BackendModel:
     values: dict[str, Any] = {
         name: getattr(info, name)
-        for name in CAPABILITY_FIELDS
+        for name in DISCOVERED_FIELDS
         if getattr(info, name) is not None
     }
     return BackendModel(
@@ -234,7 +234,7 @@ def _update_row(row: BackendModel, info: ModelInfo, report: DiscoveryReport) -> 
         changed = True
     manual = set(row.manual_fields)
     updated = False
-    for name in CAPABILITY_FIELDS:
+    for name in DISCOVERED_FIELDS:
         value = getattr(info, name)
         if value is not None and name not in manual and getattr(row, name) != value:
             setattr(row, name, value)

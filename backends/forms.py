@@ -56,6 +56,8 @@ class BackendAdminForm(BackendModelForm):
             "api_key",
             "max_concurrency",
             "request_timeout",
+            "memory_ceiling_gb",
+            "tier",
         )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -340,7 +340,7 @@ def _record(
                 if result.loaded_models is not None:
                     changed |= BackendModel.objects.filter(
                         backend_id=row.pk
-                    ).set_loaded(result.loaded_models)
+                    ).set_loaded(result.loaded_models, result.loaded_details)
             reports.append(
                 CheckReport(
                     backend_id=row.pk,

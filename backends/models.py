@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 from urllib.parse import urlsplit
 
@@ -13,7 +13,7 @@ from django.db import models, transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 
-from backends.kinds import Endpoint
+from backends.kinds import Endpoint, LoadedModel
 from backends.signals import backends_changed
 from backends.vocabulary import HealthStatus
 
@@ -40,6 +40,11 @@ HEALTH_FIELDS = (
 STALE_AFTER_INTERVALS = 3
 
 
+# A keep_alive expiry moving forward by less than this is stored without
+# announcing a change (it moves with every request to a busy model).
+EXPIRY_SLACK = timedelta(seconds=60)
+
+
 def health_stale_after() -> timedelta:
     """How old a backend's last health result may be before it stops counting."""
     return timedelta(seconds=STALE_AFTER_INTERVALS * settings.NEXUS_HEALTH_INTERVAL)
@@ -56,8 +61,21 @@ CAPABILITY_HELP = (
     "Unknown: requests needing it are sent and the backend decides. "
     "No: such requests go elsewhere. Yes: preferred for them."
 )
+# Sizes discovery reads for the fleet strategy (an operator may set them too).
+SIZE_FIELDS = ("size_bytes", "parameters_b")
+DISCOVERED_FIELDS = (*CAPABILITY_FIELDS, *SIZE_FIELDS)
 # Fields discovery may set and an operator may claim (BackendModel.manual_fields).
-OPERATOR_FIELDS = (*CAPABILITY_FIELDS, "enabled")
+OPERATOR_FIELDS = (*DISCOVERED_FIELDS, "enabled")
+# What health probes record about a loaded model (Ollama's /api/ps); read-only.
+LOADED_FIELDS = ("vram_bytes", "loaded_context_length", "expires_at", "last_loaded_at")
+
+
+class BackendTier(models.TextChoices):
+    """A backend's size class, for the fleet strategy's role affinity."""
+
+    LARGE = "large", "Large (big models belong here)"
+    MEDIUM = "medium", "Medium"
+    SMALL = "small", "Small (keeps big machines free)"
 
 
 class BackendQuerySet(models.QuerySet["Backend"]):
@@ -193,6 +211,22 @@ class Backend(models.Model):
         validators=[MinValueValidator(0.1)],
         help_text="Seconds to wait for the backend before giving up on a request.",
     )
+    memory_ceiling_gb = models.FloatField(
+        "memory ceiling (GB)",
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0.1)],
+        help_text="Memory the backend may fill with models (fleet strategy); "
+        "empty: unknown, models are never ruled out for memory.",
+    )
+    tier = models.CharField(
+        max_length=8,
+        choices=BackendTier.choices,
+        blank=True,
+        default="",
+        help_text="Size class for the fleet strategy's role affinity; empty: "
+        "no affinity.",
+    )
     is_demo = models.BooleanField(
         "demo",
         default=False,
@@ -231,6 +265,10 @@ class Backend(models.Model):
             ),
             models.CheckConstraint(
                 condition=Q(request_timeout__gt=0), name="backend_timeout_positive"
+            ),
+            models.CheckConstraint(
+                condition=Q(tier__in=["", *BackendTier.values]),
+                name="backend_tier_valid",
             ),
         )
 
@@ -303,17 +341,54 @@ class BackendModelQuerySet(models.QuerySet["BackendModel"]):
         """
         backends_changed.send(sender=self.model, using=self.db)
 
-    def set_loaded(self, loaded: Iterable[str]) -> bool:
+    def set_loaded(
+        self,
+        loaded: Iterable[str],
+        details: Mapping[str, LoadedModel] | None = None,
+    ) -> bool:
         """Mark these models loaded when named in `loaded`, else not loaded.
 
-        Returns whether any row changed (the caller announces the change).
+        ``details`` (Ollama's /api/ps) gives each loaded model's memory, context
+        window and keep_alive expiry. A model loading or unloading gets
+        ``last_loaded_at`` now (the fleet strategy's "warm"). Returns whether
+        anything routing reads changed (the caller announces the change). An
+        expiry that only moved forward by less than EXPIRY_SLACK is not even
+        stored, so a busy model's refreshed keep_alive costs no write and no
+        snapshot rebuild each round; the stored one is at most that much early.
         """
-        names = list(loaded)
-        now_loaded = self.filter(name__in=names, loaded=False).update(loaded=True)
-        now_unloaded = (
-            self.exclude(name__in=names).filter(loaded=True).update(loaded=False)
-        )
-        return bool(now_loaded or now_unloaded)
+        names = set(loaded)
+        details = details or {}
+        now = timezone.now()
+        changed = False
+        rows = list(self.filter(Q(name__in=names) | Q(loaded=True)))
+        for row in rows:
+            was = (row.loaded, row.vram_bytes, row.loaded_context_length)
+            expires = row.expires_at
+            if row.name in names:
+                info = details.get(row.name, LoadedModel())
+                if not row.loaded:
+                    row.last_loaded_at = now
+                row.loaded = True
+                row.vram_bytes = info.vram_bytes
+                row.loaded_context_length = info.context_length
+                row.expires_at = info.expires_at
+            else:
+                row.loaded = False
+                row.last_loaded_at = now
+                row.vram_bytes = row.loaded_context_length = row.expires_at = None
+            moved = row.expires_at != expires and not (
+                row.expires_at is not None
+                and expires is not None
+                and timedelta(0) <= row.expires_at - expires < EXPIRY_SLACK
+            )
+            if was != (row.loaded, row.vram_bytes, row.loaded_context_length) or moved:
+                changed = True
+                # update(), not save(): no per-row signals; the caller announces.
+                self.filter(pk=row.pk).update(
+                    loaded=row.loaded,
+                    **{name: getattr(row, name) for name in LOADED_FIELDS},
+                )
+        return changed
 
 
 class BackendModel(models.Model):
@@ -342,6 +417,47 @@ class BackendModel(models.Model):
     )
     loaded = models.BooleanField(
         default=False, help_text="Currently loaded in the backend's memory."
+    )
+    size_bytes = models.PositiveBigIntegerField(
+        "size (bytes)",
+        null=True,
+        blank=True,
+        help_text="The model's size on disk (Ollama's /api/tags); empty: unknown.",
+    )
+    parameters_b = models.FloatField(
+        "parameters (billions)",
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0.0)],
+        help_text="Parameter count in billions (e.g. 70.6), for the fleet "
+        "strategy's role affinity; empty: unknown.",
+    )
+    max_concurrency = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Requests for this model in flight on this backend at most "
+        "(fleet strategy); empty for the backend's limit only.",
+    )
+    vram_bytes = models.PositiveBigIntegerField(
+        "memory in use (bytes)",
+        null=True,
+        blank=True,
+        help_text="What the loaded model takes in memory (Ollama's size_vram).",
+    )
+    loaded_context_length = models.PositiveIntegerField(
+        null=True, blank=True, help_text="The context window it is loaded with."
+    )
+    expires_at = models.DateTimeField(
+        "unloads at",
+        null=True,
+        blank=True,
+        help_text="When the backend unloads it (Ollama's keep_alive).",
+    )
+    last_loaded_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="When it was last seen loading or unloading.",
     )
     discovered = models.BooleanField(
         default=False, help_text="Found by model discovery rather than added by hand."

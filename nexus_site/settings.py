@@ -30,6 +30,9 @@ from typing import TypeVar
 import environ
 from django.core.exceptions import ImproperlyConfigured
 
+# Pure Python (no Django): the one table of the fleet strategy's settings.
+from routing.core.fleet_policy import FLEET_SETTINGS
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 env = environ.Env()
@@ -38,6 +41,7 @@ if (BASE_DIR / ".env").is_file():
 
 # An int setting's default: a number, or None for "not set".
 _Default = TypeVar("_Default", int, None)
+_FloatDefault = TypeVar("_FloatDefault", float, None)
 
 
 def _bounded_int(name: str, default: _Default, low: int, high: int) -> int | _Default:
@@ -59,7 +63,9 @@ def _bounded_int(name: str, default: _Default, low: int, high: int) -> int | _De
     return value
 
 
-def _bounded_float(name: str, default: float, low: float, high: float) -> float:
+def _bounded_float(
+    name: str, default: _FloatDefault, low: float, high: float
+) -> float | _FloatDefault:
     """Read a number from ``low`` to ``high``; unset or empty gives ``default``.
 
     Raises ImproperlyConfigured, naming the variable, on anything else
@@ -458,6 +464,20 @@ NEXUS_CONFIG_POLL_INTERVAL = _bounded_float(
 # means smart, with a warning (routing.core.policy.apply_overrides).
 NEXUS_ROUTING_STRATEGY = env.str("NEXUS_ROUTING_STRATEGY", default="").strip()
 NEXUS_ROUTING_MAX_RETRIES = _bounded_int("NEXUS_ROUTING_MAX_RETRIES", None, 0, 10)
+# NEXUS_ROUTING_FLEET_<SETTING> overrides one fleet strategy setting (names and
+# ranges: routing.core.fleet_policy.FLEET_SETTINGS); only the variables set.
+NEXUS_ROUTING_FLEET: dict[str, float] = {
+    setting.name: value
+    for setting in FLEET_SETTINGS
+    if (
+        value := (
+            _bounded_int(setting.env_name, None, int(setting.low), int(setting.high))
+            if setting.kind is int
+            else _bounded_float(setting.env_name, None, setting.low, setting.high)
+        )
+    )
+    is not None
+}
 # One structured log line per /v1 request, on the "nexus.access" logger.
 NEXUS_ACCESS_LOG = env.bool("NEXUS_ACCESS_LOG", default=True)
 # Who may read /metrics: clients in these networks, or anyone presenting

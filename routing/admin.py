@@ -14,6 +14,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import reverse
 
 from backends.models import BackendModel
+from routing.core import FLEET_SETTING_NAMES
 from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
 
 if TYPE_CHECKING:
@@ -175,6 +176,19 @@ class RoutingPolicyAdmin(RoutingPolicyAdminBase):
                 "piling up in the model servers. The band is the watermark per "
                 "ready backend ± the deviation, or the explicit bounds; a "
                 "backend with a max concurrency counts exactly that.",
+            },
+        ),
+        (
+            "Fleet strategy",
+            {
+                "fields": FLEET_SETTING_NAMES,
+                "classes": ("collapse",),
+                "description": "Used by the fleet strategy: the points each of "
+                "the seven signals gives (thermal state, memory fit, queue depth, "
+                "estimated wait, role affinity, availability trend, context fit) "
+                "and the fleet queues' settings. An empty hold seconds means 30 "
+                "under the fleet strategy and 0 under the others. Environment "
+                "variables NEXUS_ROUTING_FLEET_<SETTING> override these.",
             },
         ),
         ("Record", {"fields": ("updated_at",)}),

@@ -5,7 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from routing.core import ScoringWeights
-from routing.core.shapes import AttemptDict, CapabilitiesDict, DecisionDict
+from routing.core.shapes import (
+    AttemptDict,
+    CandidateDict,
+    CapabilitiesDict,
+    DecisionDict,
+)
 
 WEIGHT_NAMES = ("priority", "load", "latency")
 
@@ -46,7 +51,7 @@ def render_decision(
     req = decision["requirements"]
     needs = [name for name in ("vision", "tools", "json_mode") if req[f"needs_{name}"]]  # type: ignore[literal-required]
     weighted = ""
-    if weights is not None:
+    if weights is not None and decision["strategy"] != "fleet":
         weighted = (
             " (weights: "
             + ", ".join(f"{name} {weights[name]}" for name in WEIGHT_NAMES)
@@ -84,7 +89,9 @@ def _render_attempt(
     attempt: AttemptDict, outcome: str, weights: Mapping[str, int] | None
 ) -> list[str]:
     lines = ["", f"{attempt['model']} ({attempt['role']}): {outcome}"]
-    if attempt["candidates"]:
+    if attempt["candidates"] and "fleet" in attempt["candidates"][0]:
+        lines += _render_fleet_candidates(attempt["candidates"])
+    elif attempt["candidates"]:
         of = {name: f"×{weights[name]}%" if weights else "" for name in WEIGHT_NAMES}
         lines.append(
             f"  {'candidate':<24} {'prio':>4} {'load':>4} "
@@ -107,6 +114,35 @@ def _render_attempt(
             f"({_render_capabilities(excluded['capabilities'])})"
         )
     return lines
+
+
+def _render_fleet_candidates(candidates: list[CandidateDict]) -> list[str]:
+    """One line per candidate: each fleet signal's raw value and its points."""
+    header = "thermal | memory fit | queue | est. wait | affinity | trend | context"
+    lines = [f"  {'candidate':<20} {'total':>7}  {header}"]
+    for c in candidates:
+        f = c["fleet"]
+        fit = f["memory_fit"]["value"]
+        wait = f["estimated_wait"]
+        role = f["role_affinity"]["value"]
+        params = "?" if role["parameters_b"] is None else f"{role['parameters_b']:g}B"
+        context = f["context_fit"]["value"]
+        window = "?" if context["window"] is None else context["window"]
+        parts = [
+            f"{f['thermal']['value']} {_points(f['thermal']['points'])}",
+            f"{'?' if fit is None else f'{fit:g}x'} {_points(f['memory_fit']['points'])}",
+            f"{f['queue_depth']['value']} {_points(f['queue_depth']['points'])}",
+            f"{wait['value']:g}s ({wait['source']}) {_points(wait['points'])}",
+            f"{params}/{role['tier'] or '?'} {_points(f['role_affinity']['points'])}",
+            f"{f['trend']['value']} {_points(f['trend']['points'])}",
+            f"{context['tokens']}/{window} {_points(f['context_fit']['points'])}",
+        ]
+        lines.append(f"  {c['backend']:<20} {f['total']:>7g}  " + " | ".join(parts))
+    return lines
+
+
+def _points(points: float) -> str:
+    return f"{points:+g}"
 
 
 def _render_capabilities(capabilities: CapabilitiesDict) -> str:

@@ -12,7 +12,8 @@ from django.db.models import BaseConstraint, F, Q
 from django.db.models.lookups import Exact
 
 from routing.admission import AdmissionSettings, FlowKey, Sizing
-from routing.core import Strategy
+from routing.core import FLEET_SETTINGS, FleetPolicy, Strategy
+from routing.core.fleet_policy import SETTINGS_BY_NAME
 
 
 class Alias(models.Model):
@@ -166,7 +167,30 @@ STRATEGY_LABELS: dict[Strategy, str] = {
     Strategy.ROUND_ROBIN: "Round robin",
     Strategy.PRIORITY_ONLY: "Priority only",
     Strategy.RANDOM: "Random",
+    Strategy.FLEET: "Fleet (loaded models, memory, queues)",
 }
+
+
+def fleet_field(name: str) -> models.Field[Any, Any]:
+    """The policy field of one fleet setting, with its default and range."""
+    setting = SETTINGS_BY_NAME[name]
+    validators = [MinValueValidator(setting.low), MaxValueValidator(setting.high)]
+    label = name.replace("_", " ")
+    if setting.kind is int:
+        return models.PositiveIntegerField(
+            label,
+            default=setting.default,
+            validators=validators,
+            help_text=setting.label,
+        )
+    return models.FloatField(
+        label,
+        default=setting.default,
+        null=setting.default is None,
+        blank=setting.default is None,
+        validators=validators,
+        help_text=setting.label[:1].upper() + setting.label[1:] + ".",
+    )
 
 
 # The admission settings stored as ``admission_<name>`` fields that cannot be
@@ -304,6 +328,32 @@ class RoutingPolicy(models.Model):
         help_text="A request's output size when it sets no max_tokens, for these "
         'models, e.g. {"llama3:70b": 1024}; others use the default output tokens.',
     )
+    # The fleet strategy's settings (routing.core.fleet_policy.FLEET_SETTINGS).
+    hot_points = fleet_field("hot_points")
+    warm_points = fleet_field("warm_points")
+    on_disk_points = fleet_field("on_disk_points")
+    warm_window_seconds = fleet_field("warm_window_seconds")
+    served_hot_seconds = fleet_field("served_hot_seconds")
+    fit_over_2_points = fleet_field("fit_over_2_points")
+    fit_over_1_5_points = fleet_field("fit_over_1_5_points")
+    fit_over_1_2_points = fleet_field("fit_over_1_2_points")
+    fit_over_1_points = fleet_field("fit_over_1_points")
+    queue_points_per_request = fleet_field("queue_points_per_request")
+    queue_penalty_max = fleet_field("queue_penalty_max")
+    wait_seconds_per_point = fleet_field("wait_seconds_per_point")
+    wait_penalty_max = fleet_field("wait_penalty_max")
+    affinity_max_points = fleet_field("affinity_max_points")
+    trend_rising_points = fleet_field("trend_rising_points")
+    trend_stable_points = fleet_field("trend_stable_points")
+    trend_falling_points = fleet_field("trend_falling_points")
+    context_fit_max_points = fleet_field("context_fit_max_points")
+    pre_warm_threshold = fleet_field("pre_warm_threshold")
+    rebalance_threshold = fleet_field("rebalance_threshold")
+    rebalance_interval_seconds = fleet_field("rebalance_interval_seconds")
+    rebalance_max_moves = fleet_field("rebalance_max_moves")
+    hold_seconds = fleet_field("hold_seconds")
+    fleet_queue_length = fleet_field("fleet_queue_length")
+    fleet_queue_timeout_seconds = fleet_field("fleet_queue_timeout_seconds")
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -374,6 +424,12 @@ class RoutingPolicy(models.Model):
     def admission_settings(self) -> AdmissionSettings:
         """The admission settings (raises ValueError if clean() would fail)."""
         return AdmissionSettings(**self._admission_values())
+
+    def fleet_policy(self) -> FleetPolicy:
+        """The fleet settings (raises ValueError if field validation would fail)."""
+        return FleetPolicy(
+            **{setting.name: getattr(self, setting.name) for setting in FLEET_SETTINGS}
+        )
 
     def _admission_values(self) -> dict[str, Any]:
         values = {name: getattr(self, f"admission_{name}") for name in ADMISSION_FIELDS}

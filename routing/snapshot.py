@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime
 
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from backends.models import Backend, HealthStatus
+from backends.models import Backend, BackendKind, BackendModel, HealthStatus
 from routing.core import (
+    FLEET_SETTINGS,
     MAX_RETRIES_ENV,
     STRATEGY_ENV,
     BackendSpec,
@@ -21,6 +23,8 @@ from routing.core import (
 )
 from routing.models import Alias, FallbackChain, RoutingPolicy
 from routing.versioning import read_config_version
+
+logger = logging.getLogger(__name__)
 
 
 def build_snapshot() -> RouterSnapshot:
@@ -69,13 +73,18 @@ def read_policy_overrides() -> dict[str, str]:
     """Return the routing policy overrides set in settings, by variable name.
 
     Only the variables that are set (NEXUS_ROUTING_STRATEGY,
-    NEXUS_ROUTING_MAX_RETRIES), in the form apply_overrides() reads.
+    NEXUS_ROUTING_MAX_RETRIES, NEXUS_ROUTING_FLEET_*), in the form
+    apply_overrides() reads.
     """
     overrides = {}
     if settings.NEXUS_ROUTING_STRATEGY:
         overrides[STRATEGY_ENV] = settings.NEXUS_ROUTING_STRATEGY
     if settings.NEXUS_ROUTING_MAX_RETRIES is not None:
         overrides[MAX_RETRIES_ENV] = str(settings.NEXUS_ROUTING_MAX_RETRIES)
+    fleet = settings.NEXUS_ROUTING_FLEET
+    for setting in FLEET_SETTINGS:
+        if setting.name in fleet:
+            overrides[setting.env_name] = str(fleet[setting.name])
     return overrides
 
 
@@ -93,26 +102,59 @@ def _backend_spec(backend: Backend, now: datetime) -> BackendSpec:
         status=backend.status,
         avg_latency_ms=backend.avg_latency_ms,
         health_stale=backend.is_health_stale(now),
-        models=tuple(
-            ModelSpec(
-                name=model.name,
-                context_length=model.context_length,
-                supports_vision=model.supports_vision,
-                supports_tools=model.supports_tools,
-                supports_json_mode=model.supports_json_mode,
-                loaded=model.loaded,
-                enabled=model.enabled,
-            )
-            for model in backend.models.all()
-        ),
+        memory_ceiling_gb=backend.memory_ceiling_gb,
+        tier=backend.tier,
+        models=tuple(_model_spec(backend, model) for model in backend.models.all()),
     )
 
 
+# Kinds that run exactly what they list: every model they serve is in memory.
+_ALWAYS_LOADED = frozenset({BackendKind.VLLM, BackendKind.LLAMACPP})
+_GB = 1e9
+
+
+def _model_spec(backend: Backend, model: BackendModel) -> ModelSpec:
+    return ModelSpec(
+        name=model.name,
+        context_length=model.context_length,
+        supports_vision=model.supports_vision,
+        supports_tools=model.supports_tools,
+        supports_json_mode=model.supports_json_mode,
+        loaded=model.loaded or backend.kind in _ALWAYS_LOADED,
+        enabled=model.enabled,
+        size_gb=_gigabytes(model.size_bytes),
+        vram_gb=_gigabytes(model.vram_bytes),
+        loaded_context=model.loaded_context_length,
+        expires_at=_epoch(model.expires_at),
+        last_loaded_at=_epoch(model.last_loaded_at),
+        parameters_b=model.parameters_b,
+        # An Ollama model only an operator listed may not be on the backend's
+        # disk; other kinds list what they serve, or cannot list at all.
+        listed=model.discovered or backend.kind != BackendKind.OLLAMA,
+        max_concurrency=model.max_concurrency,
+    )
+
+
+def _gigabytes(size: int | None) -> float | None:
+    return None if size is None else size / _GB
+
+
+def _epoch(moment: datetime | None) -> float | None:
+    return None if moment is None else moment.timestamp()
+
+
 def _policy(stored: RoutingPolicy) -> Policy:
+    try:
+        fleet = stored.fleet_policy()
+    except ValueError as error:
+        # Only a row edited around the model's validation gets here.
+        logger.error("Invalid fleet settings, using the defaults: %s", error)
+        fleet = None
     return make_policy(
         strategy=stored.strategy,
         weight_priority=stored.weight_priority,
         weight_load=stored.weight_load,
         weight_latency=stored.weight_latency,
         max_retries=stored.max_retries,
+        fleet=fleet,
     )

@@ -15,7 +15,14 @@ from rest_framework import serializers
 from rest_framework.settings import api_settings
 from rest_framework.validators import UniqueValidator
 
-from backends.models import CAPABILITY_FIELDS, HEALTH_FIELDS, Backend, BackendModel
+from backends.models import (
+    CAPABILITY_FIELDS,
+    HEALTH_FIELDS,
+    LOADED_FIELDS,
+    SIZE_FIELDS,
+    Backend,
+    BackendModel,
+)
 
 M = TypeVar("M", bound=models.Model)
 
@@ -176,6 +183,8 @@ class BackendSerializer(ModelCleanSerializer[Backend]):
             "priority",
             "max_concurrency",
             "request_timeout",
+            "memory_ceiling_gb",
+            "tier",
             "is_demo",
             "model_count",
             *HEALTH_FIELDS,
@@ -198,14 +207,17 @@ class BackendModelSerializer(ModelCleanSerializer[BackendModel]):
             "backend_name",
             "name",
             *CAPABILITY_FIELDS,
+            *SIZE_FIELDS,
+            "max_concurrency",
             "loaded",
+            *LOADED_FIELDS,
             "discovered",
             "enabled",
             "manual_fields",
             "created_at",
             "updated_at",
         )
-        read_only_fields = ("discovered", "manual_fields")
+        read_only_fields = ("discovered", "manual_fields", *LOADED_FIELDS)
 
     def update(
         self, instance: BackendModel, validated_data: dict[str, Any]

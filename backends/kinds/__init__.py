@@ -13,10 +13,13 @@ What each kind is asked:
   is taken from the model entries when the server adds it (``max_model_len``,
   ``context_length``, ``context_window``, ``max_context_length``).
 - ``vllm``: ``GET /health``, then ``/v1/models`` (context from ``max_model_len``).
-- ``ollama``: ``GET /api/ps`` to probe (it also says which models are loaded);
-  discovery adds ``GET /api/tags`` (installed models) and ``POST /api/show`` per
-  model (context length: the model's ``num_ctx`` parameter if set, else its
-  trained ``*.context_length``; vision and tools from ``capabilities``).
+- ``ollama``: ``GET /api/ps`` to probe (it also says which models are loaded,
+  with ``size_vram``, ``context_length`` and the keep_alive ``expires_at``);
+  discovery adds ``GET /api/tags`` (installed models and their ``size``) and
+  ``POST /api/show`` per model (context length: the model's ``num_ctx``
+  parameter if set, else its trained ``*.context_length``; vision and tools
+  from ``capabilities``; ``details.parameter_size``). /api/show runs only in
+  discovery (every few minutes), never in a health round.
 - ``llamacpp``: ``GET /health``, where ``503 Loading model`` is a loading state
   rather than a failure; discovery reads ``/v1/models`` and ``/props`` (the
   slot's ``n_ctx``, ``modalities.vision``, ``chat_template_caps.supports_tools``).
@@ -41,6 +44,7 @@ from backends.kinds.base import (
     BackendKindAdapter,
     BackendLoading,
     Endpoint,
+    LoadedModel,
     ModelInfo,
     ProbeFailed,
     ProbeResult,
@@ -71,6 +75,7 @@ __all__ = [
     "BackendKindAdapter",
     "BackendLoading",
     "Endpoint",
+    "LoadedModel",
     "ModelInfo",
     "ProbeFailed",
     "ProbeResult",

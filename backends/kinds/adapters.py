@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -13,6 +14,7 @@ from backends.kinds.base import (
     BackendKindAdapter,
     BackendLoading,
     Endpoint,
+    LoadedModel,
     ModelInfo,
     ProbeFailed,
     ProbeResult,
@@ -23,6 +25,7 @@ from backends.kinds.base import (
 
 ANTHROPIC_VERSION = "2023-06-01"
 _NUM_CTX = re.compile(r"^\s*num_ctx\s+(\d+)\s*$", re.MULTILINE)
+_LONG_FRACTION = re.compile(r"(\.\d+)")
 
 
 class OpenAIKind(BackendKindAdapter):
@@ -114,16 +117,26 @@ class LlamaCppKind(BackendKindAdapter):
         return props if isinstance(props, dict) else {}
 
 
+# /api/show requests one discovery run has open at once, per backend. It runs
+# only in discovery (every few minutes), never in a health round.
+SHOW_CONCURRENCY = 8
+
+_Shown = tuple[int | None, bool | None, bool | None, float | None]
+_UNKNOWN: _Shown = (None, None, None, None)
+
+
 class OllamaKind(BackendKindAdapter):
     kind = "ollama"
     server_json_mode = True
 
     async def probe(self, client: httpx.AsyncClient, endpoint: Endpoint) -> ProbeResult:
         payload, latency = await self._get_json(client, endpoint, "/api/ps")
+        names = _ollama_names(payload, "/api/ps")
         return ProbeResult(
             ProbeStatus.UP,
             latency_ms=latency,
-            loaded_models=frozenset(_ollama_names(payload, "/api/ps")),
+            loaded_models=frozenset(names),
+            loaded_details=_ollama_loaded(payload, names),
         )
 
     async def list_models(
@@ -131,10 +144,12 @@ class OllamaKind(BackendKindAdapter):
     ) -> list[ModelInfo]:
         tags, _ = await self._get_json(client, endpoint, "/api/tags")
         names = _ollama_names(tags, "/api/tags")
+        sizes = _ollama_field(tags, "size")
         ps, _ = await self._get_json(client, endpoint, "/api/ps")
         loaded = set(_ollama_names(ps, "/api/ps"))
+        limit = asyncio.Semaphore(SHOW_CONCURRENCY)
         shown = await asyncio.gather(
-            *(self._show(client, endpoint, name) for name in names)
+            *(self._show_limited(client, endpoint, name, limit) for name in names)
         )
         return [
             ModelInfo(
@@ -144,23 +159,44 @@ class OllamaKind(BackendKindAdapter):
                 supports_tools=tools,
                 supports_json_mode=True,
                 loaded=name in loaded,
+                size_bytes=_byte_count(sizes.get(name)),
+                parameters_b=billions,
             )
-            for name, (context, vision, tools) in zip(names, shown, strict=True)
+            for name, (context, vision, tools, billions) in zip(
+                names, shown, strict=True
+            )
         ]
+
+    async def _show_limited(
+        self,
+        client: httpx.AsyncClient,
+        endpoint: Endpoint,
+        name: str,
+        limit: asyncio.Semaphore,
+    ) -> _Shown:
+        async with limit:
+            shown = await self._show(client, endpoint, name)
+        return _UNKNOWN if shown is None else shown
 
     async def _show(
         self, client: httpx.AsyncClient, endpoint: Endpoint, name: str
-    ) -> tuple[int | None, bool | None, bool | None]:
-        """Return (context length, vision, tools) of one model, None where unknown."""
+    ) -> _Shown | None:
+        """Return (context length, vision, tools, parameters in billions) of one
+        model, None where unknown; None when /api/show failed (not cached)."""
         try:
             info, _ = await self._get_json(
                 client, endpoint, "/api/show", method="POST", body={"model": name}
             )
         except ProbeFailed:
             # One broken manifest should not hide the backend's other models.
-            return None, None, None
+            return None
         if not isinstance(info, dict):
-            return None, None, None
+            return None
+        details = info.get("details")
+        size_text = details.get("parameter_size") if isinstance(details, dict) else None
+        billions = (
+            parse_parameter_size(size_text) if isinstance(size_text, str) else None
+        )
         context = None
         parameters = info.get("parameters")
         if isinstance(parameters, str):
@@ -174,10 +210,11 @@ class OllamaKind(BackendKindAdapter):
                     break
         capabilities = info.get("capabilities")
         if isinstance(capabilities, list):
-            return context, "vision" in capabilities, "tools" in capabilities
+            vision = "vision" in capabilities
+            return context, vision, "tools" in capabilities, billions
         # Before Ollama listed capabilities, a vision model had a projector.
-        vision = True if info.get("projector_info") else None
-        return context, vision, None
+        vision_or_none = True if info.get("projector_info") else None
+        return context, vision_or_none, None, billions
 
 
 class AnthropicKind(BackendKindAdapter):
@@ -223,6 +260,73 @@ def _ollama_names(payload: Any, path: str) -> list[str]:
         if isinstance(name, str) and name and name not in names:
             names.append(name)
     return names
+
+
+def _ollama_field(payload: Any, key: str) -> dict[str, Any]:
+    """Each listed model's `key` value, by name (a list already checked)."""
+    values: dict[str, Any] = {}
+    for entry in payload["models"]:
+        if isinstance(entry, dict):
+            name = entry.get("name") or entry.get("model")
+            if isinstance(name, str) and name not in values:
+                values[name] = entry.get(key)
+    return values
+
+
+def _ollama_loaded(payload: Any, names: list[str]) -> dict[str, LoadedModel]:
+    """What /api/ps says of each loaded model: memory, context, keep_alive expiry."""
+    vram = _ollama_field(payload, "size_vram")
+    context = _ollama_field(payload, "context_length")
+    expires = _ollama_field(payload, "expires_at")
+    return {
+        name: LoadedModel(
+            vram_bytes=_byte_count(vram.get(name)),
+            context_length=positive_int(context.get(name)),
+            expires_at=parse_expiry(expires.get(name)),
+        )
+        for name in names
+    }
+
+
+def _byte_count(value: Any) -> int | None:
+    """A size in bytes (up to 1 PB), or None for anything else."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value if 0 < value <= 10**15 else None
+
+
+def parse_expiry(value: Any) -> datetime | None:
+    """Ollama's ``expires_at`` (RFC 3339, up to nanoseconds) as an aware datetime.
+
+    None for anything unparseable, and for years before 2000 (Ollama's zero
+    time) or after 9000 (keep_alive -1 means "never"; the model stays hot).
+    """
+    if not isinstance(value, str) or len(value) > 64:
+        return None
+    # Python parses at most microseconds: cut longer fractions to six digits.
+    text = _LONG_FRACTION.sub(lambda m: m.group(1)[:7], value.strip())
+    try:
+        parsed = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    if parsed.tzinfo is None or not 2000 <= parsed.year <= 9000:
+        return None
+    return parsed
+
+
+def parse_parameter_size(text: str) -> float | None:
+    """Billions of parameters in Ollama's ``parameter_size`` ("70.6B", "137M")."""
+    units = {"K": 1e-6, "M": 1e-3, "B": 1.0, "T": 1e3}
+    cleaned = text.strip().upper()
+    if not 2 <= len(cleaned) <= 16 or cleaned[-1] not in units:
+        return None
+    try:
+        value = float(cleaned[:-1])
+    except ValueError:
+        return None
+    if not 0 < value < 1e6:  # also rejects nan and inf
+        return None
+    return value * units[cleaned[-1]]
 
 
 def _nested_bool(payload: Mapping[str, Any], outer: str, inner: str) -> bool | None:

@@ -8,6 +8,7 @@ import ssl
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, ClassVar
 
 import httpx
@@ -47,18 +48,29 @@ class ProbeStatus(enum.StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """What a backend says about one model in its memory (None: it did not say)."""
+
+    vram_bytes: int | None = None
+    context_length: int | None = None
+    expires_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ProbeResult:
     """The outcome of one probe of one backend.
 
     ``latency_ms`` is the round trip of the probe's first request (None when it
     got no answer). ``loaded_models`` is set by kinds that report which models
-    are in memory (Ollama), so that every health round refreshes it.
+    are in memory (Ollama), so that every health round refreshes it, and
+    ``loaded_details`` what they said about each of them.
     """
 
     status: ProbeStatus
     latency_ms: float | None = None
     error: str = ""
     loaded_models: frozenset[str] | None = None
+    loaded_details: Mapping[str, LoadedModel] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +83,8 @@ class ModelInfo:
     supports_tools: bool | None = None
     supports_json_mode: bool | None = None
     loaded: bool | None = None
+    size_bytes: int | None = None
+    parameters_b: float | None = None
 
 
 class ProbeFailed(Exception):

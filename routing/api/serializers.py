@@ -9,7 +9,7 @@ from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers
 
 from backends.api.serializers import ModelCleanSerializer, saving
-from routing.core import BackendSpec
+from routing.core import FLEET_SETTING_NAMES, BackendSpec
 from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
 
 
@@ -151,7 +151,8 @@ class AdmissionPolicySerializer(serializers.Serializer[Any]):
 
 
 class RoutingPolicySerializer(ModelCleanSerializer[RoutingPolicy]):
-    """The global routing policy. Weights are used by the smart strategy.
+    """The global routing policy. Weights are used by the smart strategy, the
+    fleet settings (points table, queues) by the fleet strategy.
 
     ``admission`` holds the admission control settings; an invalid one is
     reported under ``admission`` by its name, in the admin's words.
@@ -168,6 +169,7 @@ class RoutingPolicySerializer(ModelCleanSerializer[RoutingPolicy]):
             "weight_latency",
             "max_retries",
             "admission",
+            *FLEET_SETTING_NAMES,
             "updated_at",
         )
 
@@ -202,6 +204,11 @@ class ModelSpecSerializer(serializers.Serializer[Any]):
     supports_json_mode = serializers.BooleanField(allow_null=True)
     loaded = serializers.BooleanField()
     enabled = serializers.BooleanField()
+    size_gb = serializers.FloatField(allow_null=True)
+    vram_gb = serializers.FloatField(allow_null=True)
+    loaded_context = serializers.IntegerField(allow_null=True)
+    parameters_b = serializers.FloatField(allow_null=True)
+    max_concurrency = serializers.IntegerField(allow_null=True)
 
 
 class BackendSpecSerializer(serializers.Serializer[Any]):
@@ -218,6 +225,9 @@ class BackendSpecSerializer(serializers.Serializer[Any]):
     request_timeout = serializers.FloatField()
     status = serializers.CharField()
     avg_latency_ms = serializers.FloatField(allow_null=True)
+    memory_ceiling_gb = serializers.FloatField(allow_null=True)
+    memory_used_gb = serializers.FloatField(allow_null=True)
+    tier = serializers.CharField()
     models = ModelSpecSerializer(many=True)
 
     def get_has_api_key(self, backend: BackendSpec) -> bool:
@@ -234,6 +244,11 @@ class EffectivePolicySerializer(serializers.Serializer[Any]):
     strategy = serializers.CharField()
     weights = WeightsSerializer()
     max_retries = serializers.IntegerField()
+    fleet = serializers.DictField(
+        child=serializers.FloatField(),
+        help_text="The fleet strategy's settings in force (hold_seconds with the "
+        "strategy's preset applied).",
+    )
     overrides = serializers.DictField(
         child=serializers.CharField(),
         help_text="Environment variables that override the stored policy.",

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from typing import Any
 
 from django.utils import timezone
@@ -155,6 +156,10 @@ class EffectiveConfigView(APIView):
                 "strategy": policy.strategy.value,
                 "weights": policy.weights,
                 "max_retries": policy.max_retries,
+                "fleet": {
+                    **asdict(policy.fleet),
+                    "hold_seconds": policy.hold_seconds,
+                },
                 "overrides": read_policy_overrides(),
             },
             "backends": snapshot.backends,

@@ -11,6 +11,7 @@ from routing.config_file.schema import (
     ADMISSION_SETTINGS,
     AUTO,
     BACKEND_SETTINGS,
+    FLEET_TOML_SETTINGS,
     KEY_SETTINGS,
     MODEL_SETTINGS,
     POLICY_SETTINGS,
@@ -64,6 +65,14 @@ def export_config() -> str:
         numbers = getattr(policy, field) or {}
         for model in sorted(numbers):
             lines.append(f"{format_string(model)} = {format_scalar(numbers[model])}")
+
+    lines += [
+        "",
+        "[routing.fleet]",
+        "# The fleet strategy's points and queues (README: Fleet scheduling);",
+        "# without hold_seconds: 30 under the fleet strategy, 0 otherwise.",
+    ]
+    lines += _settings(policy, FLEET_TOML_SETTINGS)
 
     lines += [
         "",

@@ -27,6 +27,7 @@ from routing.config_file.schema import (
     AUTO,
     BACKEND_KEYS,
     BACKEND_SETTINGS,
+    FLEET_TOML_SETTINGS,
     KEY_BUDGET_USD,
     KEY_EXPIRES,
     KEY_KEYS,
@@ -105,16 +106,13 @@ class _Reader:
             policy, policy_invalid = self._read_settings(
                 routing, "routing", POLICY_SETTINGS
             )
-            weights = self._read_table(routing.get("weights"), "routing.weights")
-            if weights is not None:
-                self._reject_unknown_keys(
-                    weights, "routing.weights", [s.key for s in WEIGHT_SETTINGS]
-                )
-                weight_values, weights_invalid = self._read_settings(
-                    weights, "routing.weights", WEIGHT_SETTINGS
-                )
-                policy |= weight_values
-                policy_invalid |= weights_invalid
+            for key, settings in (
+                ("weights", WEIGHT_SETTINGS),
+                ("fleet", FLEET_TOML_SETTINGS),
+            ):
+                values, invalid = self._read_settings_table(routing, key, settings)
+                policy |= values
+                policy_invalid |= invalid
             admission_values, admission_invalid = self._read_admission(
                 routing.get("admission")
             )
@@ -216,6 +214,17 @@ class _Reader:
             else:
                 values[setting.field] = value
         return values, invalid
+
+    def _read_settings_table(
+        self, routing: dict[str, Any], key: str, settings: tuple[Setting, ...]
+    ) -> tuple[dict[str, Any], set[str]]:
+        """Read ``[routing.<key>]``, a table of scalar settings only."""
+        path = f"routing.{key}"
+        table = self._read_table(routing.get(key), path)
+        if table is None:
+            return {}, set()
+        self._reject_unknown_keys(table, path, [s.key for s in settings])
+        return self._read_settings(table, path, settings)
 
     def _read_admission(self, value: object) -> tuple[dict[str, Any], set[str]]:
         path = "routing.admission"

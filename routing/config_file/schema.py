@@ -8,6 +8,8 @@ from typing import Any
 
 from django.db import models
 
+from routing.core import FLEET_SETTINGS
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -77,6 +79,17 @@ ADMISSION_SETTINGS = (
         "a positive number",
     ),
 )
+# [routing.fleet]: keys named as the policy fields (routing.core FLEET_SETTINGS).
+FLEET_TOML_SETTINGS = tuple(
+    Setting(
+        setting.name,
+        setting.name,
+        setting.kind,
+        f"{'a whole number' if setting.kind is int else 'a number'} from "
+        f"{setting.low:g} to {setting.high:g}",
+    )
+    for setting in FLEET_SETTINGS
+)
 MODEL_WEIGHTS_KEY = "model_weights"
 MODEL_WEIGHTS_FIELD = "admission_model_weights"
 MODEL_OUTPUT_TOKENS_KEY = "model_output_tokens"
@@ -95,6 +108,8 @@ BACKEND_SETTINGS = (
     Setting("enabled", "enabled", bool, "true or false"),
     Setting("max_concurrency", "max_concurrency", int, "a positive integer"),
     Setting("timeout", "request_timeout", float, "a positive number of seconds"),
+    Setting("memory_ceiling_gb", "memory_ceiling_gb", float, "a positive number"),
+    Setting("tier", "tier", str, '"large", "medium" or "small"'),
 )
 MODEL_SETTINGS = (
     Setting("name", "name", str, "a string", required=True),
@@ -103,6 +118,8 @@ MODEL_SETTINGS = (
     Setting("tools", "supports_tools", bool, AUTO_EXPECTED, allows_auto=True),
     Setting("json_mode", "supports_json_mode", bool, AUTO_EXPECTED, allows_auto=True),
     Setting("enabled", "enabled", bool, "true or false"),
+    Setting("parameters_b", "parameters_b", float, "a number of billions"),
+    Setting("max_concurrency", "max_concurrency", int, "a positive integer"),
 )
 
 # [[keys]]: settings of client keys that exist (a file never holds secrets).
@@ -132,6 +149,7 @@ ROUTING_KEYS = (
     "max_retries",
     "weights",
     "admission",
+    "fleet",
     "aliases",
     "fallbacks",
 )
@@ -148,6 +166,7 @@ POLICY_KEY_FOR_FIELD = (
     | {s.field: f"weights.{s.key}" for s in WEIGHT_SETTINGS}
     | {s.field: f"admission.{s.key}" for s in ADMISSION_SETTINGS}
     | {field: f"admission.{key}" for key, field, _, _ in ADMISSION_MODEL_TABLES}
+    | {s.field: f"fleet.{s.key}" for s in FLEET_TOML_SETTINGS}
 )
 BACKEND_KEY_FOR_FIELD = {s.field: s.key for s in BACKEND_SETTINGS} | {
     "api_key": "api_key"

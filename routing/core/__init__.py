@@ -27,6 +27,14 @@ from routing.core.errors import (
     OpenAIErrorBody,
     RoutingError,
 )
+from routing.core.fleet import FleetScore, score_fleet
+from routing.core.fleet_policy import (
+    FLEET_SETTING_NAMES,
+    FLEET_SETTINGS,
+    FleetPolicy,
+    FleetSetting,
+    check_fleet_values,
+)
 from routing.core.policy import (
     MAX_RETRIES_ENV,
     STRATEGY_ENV,
@@ -41,9 +49,11 @@ from routing.core.scoring import ScoreComponents, ScoringWeights, score_backend
 from routing.core.shapes import DecisionDict
 from routing.core.stats import LiveStats
 from routing.core.types import BackendSpec, ModelSpec, RouterSnapshot, Target
-from routing.core.vocabulary import Health, Reason, Strategy
+from routing.core.vocabulary import Health, Reason, Strategy, Thermal, Trend
 
 __all__ = [
+    "FLEET_SETTINGS",
+    "FLEET_SETTING_NAMES",
     "MAX_RETRIES_ENV",
     "STRATEGY_ENV",
     "Attempt",
@@ -55,6 +65,9 @@ __all__ = [
     "DecisionDict",
     "Exclusion",
     "FallbackChainExhausted",
+    "FleetPolicy",
+    "FleetScore",
+    "FleetSetting",
     "Health",
     "InvalidModel",
     "InvalidRequest",
@@ -76,9 +89,13 @@ __all__ = [
     "ScoringWeights",
     "Strategy",
     "Target",
+    "Thermal",
+    "Trend",
     "Via",
     "apply_overrides",
+    "check_fleet_values",
     "make_policy",
     "parse_strategy",
     "score_backend",
+    "score_fleet",
 ]

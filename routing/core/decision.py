@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from routing.core.errors import RoutingError
+from routing.core.fleet import FleetScore
 from routing.core.requirements import RequestRequirements
 from routing.core.scoring import ScoreComponents, ScoringWeights, score_backend
 from routing.core.shapes import (
@@ -24,6 +25,7 @@ from routing.core.shapes import (
     DecisionDict,
     ErrorDict,
     ExclusionDict,
+    FleetSignalsDict,
     TargetDict,
 )
 from routing.core.strategies import order_retries, pick_smart
@@ -77,6 +79,7 @@ _SUMMARY_PHRASES: dict[Reason, str] = {
     Reason.NO_TOOLS: "without tools",
     Reason.NO_JSON_MODE: "without JSON mode",
     Reason.CONTEXT_TOO_SHORT: "with too short a context",
+    Reason.NO_MEMORY: "without the memory to load it",
     Reason.CAPABILITY_UNCONFIRMED: "with capability support unknown",
 }
 
@@ -89,11 +92,13 @@ class Candidate:
     in_flight: int
     latency_ms: float | None
     score: ScoreComponents
+    # The fleet strategy's seven signals (None under the other strategies).
+    fleet: FleetScore | None = None
 
     def as_dict(self) -> CandidateDict:
-        """Return the JSON shape."""
+        """Return the JSON shape (with "fleet" under the fleet strategy)."""
         backend = self.target.backend
-        return {
+        shape: CandidateDict = {
             "backend": backend.name,
             "model": self.target.model.name,
             "priority": backend.priority,
@@ -108,6 +113,9 @@ class Candidate:
                 "total": round(self.score.total, 2),
             },
         }
+        if self.fleet is not None:
+            shape["fleet"] = fleet_signals_dict(self.fleet)
+        return shape
 
 
 @dataclass(frozen=True)
@@ -156,6 +164,10 @@ class Attempt:
     # Candidates whose support for a needed capability is unknown, set aside
     # because others confirm it: tried after the survivors.
     unconfirmed: Sequence[PreparedTarget] = ()
+    # Fleet strategy: each survivor's signals (parallel to survivors), and the
+    # targets eliminated because the model would not fit in memory.
+    fleet_scores: Sequence[FleetScore] = ()
+    no_memory: Sequence[tuple[PreparedTarget, FleetScore]] = ()
 
     @cached_property
     def outcome(self) -> Outcome:
@@ -200,6 +212,9 @@ class Attempt:
     @cached_property
     def candidates(self) -> tuple[Candidate, ...]:
         """Backends that passed every filter, with their score components."""
+        fleet: Sequence[FleetScore | None] = self.fleet_scores or [None] * len(
+            self.survivors
+        )
         return tuple(
             Candidate(
                 target=prepared.target,
@@ -208,9 +223,10 @@ class Attempt:
                 score=score_backend(
                     prepared.priority, in_flight, latency_ms, self.weights
                 ),
+                fleet=signals,
             )
-            for prepared, in_flight, latency_ms in zip(
-                self.survivors, self.in_flight, self.latencies, strict=True
+            for prepared, in_flight, latency_ms, signals in zip(
+                self.survivors, self.in_flight, self.latencies, fleet, strict=True
             )
         )
 
@@ -222,6 +238,7 @@ class Attempt:
         in_flight = {p.position: n for p, n in self.rejected}
         passed = {prepared.position for prepared in self.survivors}
         deferred = {prepared.position for prepared in self.unconfirmed}
+        short = {prepared.position: score for prepared, score in self.no_memory}
         exclusions = []
         for position, target in enumerate(self.routes.targets):
             if position in passed:
@@ -236,11 +253,16 @@ class Attempt:
                 reasons += (Reason.CIRCUIT_OPEN,)
             if position in deferred:
                 reasons += (Reason.CAPABILITY_UNCONFIRMED,)
+            score = short.get(position)
+            if score is not None:
+                reasons += (Reason.NO_MEMORY,)
             exclusions.append(
                 Exclusion(
                     target=target,
                     reasons=reasons,
-                    detail=_describe(reasons, target, self.requirements, pending),
+                    detail=_describe(
+                        reasons, target, self.requirements, pending, score
+                    ),
                 )
             )
         return tuple(exclusions)
@@ -249,7 +271,7 @@ class Attempt:
         """Every candidate in the order to try it, then the unconfirmed ones.
 
         ``chosen`` is the index the strategy picked; None picks as the strategy
-        would without taking a turn (smart: the best score; otherwise the
+        would without taking a turn (smart, fleet: the best score; otherwise the
         first in stable order, by priority for priority_only).
         """
         survivors = self.survivors
@@ -257,7 +279,7 @@ class Attempt:
         if survivors:
             priorities = [prepared.priority for prepared in survivors]
             if chosen is None:
-                if strategy is Strategy.SMART and self.totals:
+                if self.totals:
                     chosen = pick_smart(self.totals)
                 else:
                     chosen = priorities.index(min(priorities))
@@ -409,6 +431,30 @@ class Decision:
         }
 
 
+def fleet_signals_dict(score: FleetScore) -> FleetSignalsDict:
+    """Each of the fleet strategy's seven signals: its raw value and its points."""
+    return {
+        "thermal": {"value": str(score.thermal), "points": score.thermal_points},
+        "memory_fit": {"value": _round(score.fit_ratio), "points": score.fit_points},
+        "queue_depth": {"value": score.depth, "points": _penalty(score.queue_points)},
+        "estimated_wait": {
+            "value": round(score.est_wait_s, 2),
+            "source": "p75" if score.wait_from_samples else "heuristic",
+            "points": _penalty(round(score.wait_points, 2)),
+        },
+        "role_affinity": {
+            "value": {"parameters_b": score.parameters_b, "tier": score.tier or None},
+            "points": score.affinity_points,
+        },
+        "trend": {"value": str(score.trend), "points": score.trend_points},
+        "context_fit": {
+            "value": {"window": score.context_window, "tokens": score.tokens},
+            "points": score.context_points,
+        },
+        "total": round(score.total, 2),
+    }
+
+
 def capabilities_dict(target: Target) -> CapabilitiesDict:
     """The model's capabilities as "yes", "no" or "unknown"."""
     model = target.model
@@ -427,6 +473,15 @@ def _target_dict(target: Target) -> TargetDict:
     return {"backend": target.backend.name, "model": target.model.name}
 
 
+def _penalty(points: float) -> float:
+    """Points taken away, as a negative number (0, not -0, for none)."""
+    return -points if points else 0.0
+
+
+def _gb(value: float | None) -> str:
+    return "?" if value is None else f"{value:.2f}"
+
+
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
@@ -436,6 +491,7 @@ def _describe(
     target: Target,
     requirements: RequestRequirements,
     in_flight: int | None,
+    fleet: FleetScore | None = None,
 ) -> str:
     parts = []
     for reason in reasons:
@@ -443,6 +499,15 @@ def _describe(
             parts.append(
                 f"context length {target.model.context_length} is below the "
                 f"~{requirements.estimated_tokens} tokens estimated"
+            )
+        elif reason is Reason.NO_MEMORY:
+            backend = target.backend
+            ratio = None if fleet is None else fleet.fit_ratio
+            parts.append(
+                f"not loaded, and it does not fit in free memory (fit ratio "
+                f"{_gb(ratio)}: ceiling {_gb(backend.memory_ceiling_gb)} GB, "
+                f"{_gb(backend.memory_used_gb)} GB in use, model "
+                f"{_gb(target.model.memory_gb)} GB)"
             )
         elif reason is Reason.AT_CAPACITY:
             parts.append(

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from routing.core.fleet_policy import FLEET_SETTINGS, FleetPolicy
 from routing.core.scoring import ScoringWeights
 from routing.core.vocabulary import Strategy
 
@@ -27,6 +29,7 @@ class Policy:
     strategy: Strategy = Strategy.SMART
     weights: ScoringWeights = field(default_factory=ScoringWeights)
     max_retries: int = 2
+    fleet: FleetPolicy = field(default_factory=FleetPolicy)
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_retries <= MAX_RETRIES_LIMIT:
@@ -34,6 +37,44 @@ class Policy:
                 f"max_retries must be within 0..{MAX_RETRIES_LIMIT}, "
                 f"got {self.max_retries}"
             )
+
+    # The fleet queues' settings, under the names the proxy reads them by
+    # (``state.routes.policy.<name>``).
+
+    @property
+    def pre_warm_threshold(self) -> int:
+        """Winner's queue depth above which the runner-up is pre-warmed."""
+        return self.fleet.pre_warm_threshold
+
+    @property
+    def rebalance_threshold(self) -> int:
+        """Queue depth above which waiting requests may move elsewhere."""
+        return self.fleet.rebalance_threshold
+
+    @property
+    def rebalance_interval_seconds(self) -> float:
+        """Seconds between rebalance rounds."""
+        return self.fleet.rebalance_interval_seconds
+
+    @property
+    def rebalance_max_moves(self) -> int:
+        """Waiting requests moved per rebalance round, at most."""
+        return self.fleet.rebalance_max_moves
+
+    @property
+    def hold_seconds(self) -> float:
+        """Seconds to hold a request nothing can take (30 under fleet by default)."""
+        return self.fleet.hold_for(is_fleet=self.strategy is Strategy.FLEET)
+
+    @property
+    def fleet_queue_length(self) -> int:
+        """Requests that may wait per backend and model."""
+        return self.fleet.fleet_queue_length
+
+    @property
+    def fleet_queue_timeout_seconds(self) -> float:
+        """Seconds a request may wait in a backend and model's queue."""
+        return self.fleet.fleet_queue_timeout_seconds
 
 
 def parse_strategy(value: str, *, source: str = "the routing policy") -> Strategy:
@@ -58,6 +99,7 @@ def make_policy(
     weight_load: int = 30,
     weight_latency: int = 20,
     max_retries: int = 2,
+    fleet: FleetPolicy | None = None,
 ) -> Policy:
     """Build a Policy from the stored fields of a RoutingPolicy row.
 
@@ -70,11 +112,12 @@ def make_policy(
             priority=weight_priority, load=weight_load, latency=weight_latency
         ),
         max_retries=min(max(max_retries, 0), MAX_RETRIES_LIMIT),
+        fleet=fleet or FleetPolicy(),
     )
 
 
 def apply_overrides(policy: Policy, environ: Mapping[str, str]) -> Policy:
-    """Return `policy` with NEXUS_ROUTING_STRATEGY / _MAX_RETRIES applied.
+    """Return `policy` with NEXUS_ROUTING_STRATEGY / _MAX_RETRIES / _FLEET_* applied.
 
     Empty variables are ignored. An unknown strategy means smart (the spec's
     default), warned about once. A max_retries that is not a whole number within
@@ -102,7 +145,35 @@ def apply_overrides(policy: Policy, environ: Mapping[str, str]) -> Policy:
                 MAX_RETRIES_LIMIT,
                 policy.max_retries,
             )
-    return replace(policy, strategy=strategy, max_retries=max_retries)
+    fleet = policy.fleet
+    fleet_values = _fleet_overrides(environ)
+    if fleet_values:
+        fleet = replace(fleet, **fleet_values)  # type: ignore[arg-type]
+    return replace(policy, strategy=strategy, max_retries=max_retries, fleet=fleet)
+
+
+def _fleet_overrides(environ: Mapping[str, str]) -> dict[str, float]:
+    """The NEXUS_ROUTING_FLEET_* values that are set and valid (others warned)."""
+    values: dict[str, float] = {}
+    for setting in FLEET_SETTINGS:
+        raw = environ.get(setting.env_name, "").strip()
+        if not raw:
+            continue
+        try:
+            value: float = setting.kind(raw)
+        except ValueError:
+            value = math.nan
+        if setting.problem(value) is None:
+            values[setting.name] = value
+        else:
+            _warn_once(
+                f"fleet:{setting.env_name}:{raw}",
+                "Ignoring %s=%r: %s",
+                setting.env_name,
+                raw,
+                setting.problem(value),
+            )
+    return values
 
 
 def _warn_once(key: str, message: str, *args: object) -> None:

@@ -58,6 +58,7 @@ from routing.core.errors import (
     NoHealthyBackend,
     RoutingError,
 )
+from routing.core.fleet import FleetScore, score_fleet
 from routing.core.requirements import RequestRequirements
 from routing.core.stats import LiveStats
 from routing.core.strategies import (
@@ -234,9 +235,14 @@ class Router:
         check_capabilities = bool(need & ~routes.common_mask) or (
             tokens > routes.min_context
         )
-        if check_capabilities or routes.has_capacity_limits:
+        # Under fleet a backend at max_concurrency stays a candidate: the queue
+        # penalty scores it down, and the request waits for a slot there.
+        limit_capacity = routes.has_capacity_limits and (
+            policy.strategy is not Strategy.FLEET
+        )
+        if check_capabilities or limit_capacity:
             passed = [
-                pending < prepared.capacity
+                (not limit_capacity or pending < prepared.capacity)
                 and not (
                     check_capabilities
                     and (
@@ -276,7 +282,30 @@ class Router:
             for p, seen in zip(survivors, map(latency_of, names), strict=True)
         ]
         totals: list[float] = []
-        if policy.strategy is Strategy.SMART:
+        fleet_scores: Sequence[FleetScore] = ()
+        no_memory: Sequence[tuple[PreparedTarget, FleetScore]] = ()
+        if policy.strategy is Strategy.FLEET and survivors:
+            now = stats.wall_clock()
+            scored = [
+                score_fleet(
+                    p.target.backend, p.target.model, tokens, stats, policy.fleet, now
+                )
+                for p in survivors
+            ]
+            fits = [score.fits for score in scored]
+            if not all(fits):
+                no_memory = [
+                    (p, score)
+                    for p, score in zip(survivors, scored, strict=True)
+                    if not score.fits
+                ]
+                survivors = [p for p, ok in zip(survivors, fits, strict=True) if ok]
+                pendings = [n for n, ok in zip(pendings, fits, strict=True) if ok]
+                latencies = [n for n, ok in zip(latencies, fits, strict=True) if ok]
+                scored = [s for s in scored if s.fits]
+            fleet_scores = scored
+            totals = [score.total for score in scored]
+        elif policy.strategy is Strategy.SMART:
             # score_backend() inlined (in-flight counts are never negative, nor
             # are latencies); test_strategies checks that the two agree.
             w_load = policy.weights.load
@@ -310,6 +339,8 @@ class Router:
             rejected=rejected,
             circuit_open=circuit_open,
             unconfirmed=unconfirmed,
+            fleet_scores=fleet_scores,
+            no_memory=no_memory,
         )
 
     def _choose(
@@ -327,7 +358,7 @@ class Router:
         strategy = snapshot.policy.strategy
         if len(survivors) == 1:
             index = 0
-        elif strategy is Strategy.SMART:
+        elif strategy is Strategy.SMART or strategy is Strategy.FLEET:
             index = pick_smart(served.totals)
         elif strategy is Strategy.ROUND_ROBIN:
             index = pick_round_robin(

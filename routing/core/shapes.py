@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import Any, NotRequired, TypedDict
 
 
 class TargetDict(TypedDict):
@@ -29,6 +29,32 @@ class CapabilitiesDict(TypedDict):
     json_mode: str
 
 
+class SignalDict(TypedDict):
+    """One fleet signal: what was read and the points it gave (penalties < 0)."""
+
+    value: Any
+    points: float
+
+
+class WaitSignalDict(SignalDict):
+    """The estimated wait, and whether it came from timed answers or a guess."""
+
+    source: str
+
+
+class FleetSignalsDict(TypedDict):
+    """The fleet strategy's seven signals of one candidate, and their total."""
+
+    thermal: SignalDict
+    memory_fit: SignalDict
+    queue_depth: SignalDict
+    estimated_wait: WaitSignalDict
+    role_affinity: SignalDict
+    trend: SignalDict
+    context_fit: SignalDict
+    total: float
+
+
 class CandidateDict(TypedDict):
     """A backend that passed every filter."""
 
@@ -40,6 +66,7 @@ class CandidateDict(TypedDict):
     latency_ms: float | None
     capabilities: CapabilitiesDict
     score: ScoreDict
+    fleet: NotRequired[FleetSignalsDict]
 
 
 class ExclusionDict(TypedDict):

@@ -20,10 +20,24 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import TypedDict
 
 from routing.core.types import BackendSpec
+from routing.core.vocabulary import Trend
+
+# Latency samples kept per (backend, model) for the fleet strategy's p75.
+LATENCY_WINDOW = 100
+# Samples before the p75 is trusted (the fleet strategy guesses before that).
+MIN_LATENCY_SAMPLES = 20
+# Time constants (seconds) of the short and long views of a backend's load.
+TREND_FAST_SECONDS = 10.0
+TREND_SLOW_SECONDS = 60.0
+# In-flight difference between the two views that counts as a trend.
+TREND_LOAD_DELTA = 0.5
+# Ratio of recent to older latency that counts as a trend (and its inverse).
+TREND_LATENCY_RATIO = 1.25
 
 
 class BackendStatsDict(TypedDict):
@@ -49,12 +63,15 @@ class LiveStats:
         alpha: float = 0.3,
         stale_after: float | None = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         if not 0 < alpha <= 1:
             raise ValueError("alpha must be within (0, 1]")
         self.alpha = alpha
         self.stale_after = math.inf if stale_after is None else stale_after
         self.clock = clock
+        # Epoch seconds, to compare with times backends report (keep_alive expiry).
+        self.wall_clock = wall_clock
         self._lock = threading.Lock()
         self._in_flight: dict[str, int] = {}
         # The same requests, per (backend, model): for dashboards, not scoring.
@@ -63,6 +80,14 @@ class LiveStats:
         self._latency: dict[str, tuple[float, float]] = {}
         # backend name -> clock() until which its circuit breaker is open
         self._open_until: dict[str, float] = {}
+        # The fleet strategy's live signals (see routing/core/fleet.py), keyed
+        # by names from the snapshot, so they stay as small as the config.
+        # (backend, model) -> requests waiting for it in a fleet queue
+        self._waiting: dict[tuple[str, str], int] = {}
+        # (backend, model) -> clock() of the last answer: it is loaded now
+        self._served_at: dict[tuple[str, str], float] = {}
+        self._model_latency: dict[tuple[str, str], LatencyWindow] = {}
+        self._trends: dict[str, TrendTracker] = {}
 
     @property
     def in_flight_counts(self) -> Mapping[str, int]:
@@ -126,6 +151,7 @@ class LiveStats:
         """Count one more request in flight to `backend`."""
         with self._lock:
             self._in_flight[backend] = self._in_flight.get(backend, 0) + 1
+            self._track_load(backend)
 
     def try_begin(self, backend: BackendSpec, model: str = "") -> bool:
         """Count a request (for `model`) to `backend` unless it is at max_concurrency.
@@ -139,6 +165,7 @@ class LiveStats:
             if current >= backend.capacity:
                 return False
             self._in_flight[name] = current + 1
+            self._track_load(name)
             key = (name, model)
             self._in_flight_models[key] = self._in_flight_models.get(key, 0) + 1
             return True
@@ -147,6 +174,7 @@ class LiveStats:
         """Count one request to `backend` (for `model`) as finished (never below 0)."""
         with self._lock:
             self._in_flight[backend] = max(self._in_flight.get(backend, 0) - 1, 0)
+            self._track_load(backend)
             key = (backend, model)
             count = self._in_flight_models.get(key, 0) - 1
             if count > 0:
@@ -154,10 +182,12 @@ class LiveStats:
             else:
                 self._in_flight_models.pop(key, None)
 
-    def observe_latency(self, backend: str, latency_ms: float) -> None:
+    def observe_latency(self, backend: str, latency_ms: float, model: str = "") -> None:
         """Fold one latency measurement into `backend`'s EWMA.
 
-        Negative, NaN and infinite measurements are ignored.
+        With `model`, it also feeds that (backend, model)'s p75 window and the
+        backend's latency trend. Negative, NaN and infinite measurements are
+        ignored.
         """
         if not math.isfinite(latency_ms) or latency_ms < 0:
             return
@@ -169,6 +199,74 @@ class LiveStats:
             else:
                 value = previous[0] + self.alpha * (latency_ms - previous[0])
             self._latency[backend] = (value, now)
+            if model:
+                key = (backend, model)
+                window = self._model_latency.get(key)
+                if window is None:
+                    window = self._model_latency[key] = LatencyWindow()
+                window.add(latency_ms)
+                self._trend_of(backend).observe_latency(now, latency_ms)
+
+    # The fleet strategy's live signals.
+
+    def add_waiting(self, backend: str, model: str) -> None:
+        """Count one more request waiting in (backend, model)'s fleet queue."""
+        key = (backend, model)
+        with self._lock:
+            self._waiting[key] = self._waiting.get(key, 0) + 1
+
+    def remove_waiting(self, backend: str, model: str) -> None:
+        """Count one request as no longer waiting there (never below 0)."""
+        key = (backend, model)
+        with self._lock:
+            count = self._waiting.get(key, 0) - 1
+            if count > 0:
+                self._waiting[key] = count
+            else:
+                self._waiting.pop(key, None)
+
+    @property
+    def waiting_by_model(self) -> Mapping[tuple[str, str], int]:
+        """Live view of requests waiting per (backend, model)."""
+        return self._waiting
+
+    def queue_depth(self, backend: str, model: str) -> int:
+        """Requests in flight plus waiting for `model` on `backend`."""
+        key = (backend, model)
+        return self._in_flight_models.get(key, 0) + self._waiting.get(key, 0)
+
+    def mark_hot(self, backend: str, model: str) -> None:
+        """Record that `backend` just answered a request for `model` (it is loaded)."""
+        self._served_at[(backend, model)] = self.clock()
+
+    def served_ago(self, backend: str, model: str) -> float | None:
+        """Seconds since `backend` last answered for `model` (None: never here)."""
+        served = self._served_at.get((backend, model))
+        return None if served is None else self.clock() - served
+
+    def latency_p75_ms(self, backend: str, model: str) -> float | None:
+        """The p75 latency of (backend, model), once it has enough samples."""
+        window = self._model_latency.get((backend, model))
+        if window is None or len(window) < MIN_LATENCY_SAMPLES:
+            return None
+        return window.p75
+
+    def trend(self, backend: str) -> Trend:
+        """Whether `backend` is freeing up or getting busier over the last minute."""
+        tracker = self._trends.get(backend)
+        if tracker is None:
+            return Trend.STABLE
+        return tracker.read(self.clock())
+
+    def _trend_of(self, backend: str) -> TrendTracker:
+        tracker = self._trends.get(backend)
+        if tracker is None:
+            tracker = self._trends[backend] = TrendTracker(self.clock())
+        return tracker
+
+    def _track_load(self, backend: str) -> None:
+        """Feed the trend the new in-flight count (call with the lock held)."""
+        self._trend_of(backend).set_load(self.clock(), self._in_flight[backend])
 
     def as_dict(self) -> dict[str, BackendStatsDict]:
         """Return every backend's current numbers."""
@@ -180,3 +278,85 @@ class LiveStats:
             }
             for name in sorted(names)
         }
+
+
+class LatencyWindow:
+    """The last LATENCY_WINDOW latencies of one (backend, model) and their p75.
+
+    A sliding window rather than an all-time sketch: a backend that got faster
+    (more GPUs, a smaller quantisation) is judged by how it answers now. The
+    p75 is recomputed on each sample (sorting 100 floats, off the decision).
+    """
+
+    __slots__ = ("_samples", "p75")
+
+    def __init__(self) -> None:
+        self._samples: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self.p75 = 0.0
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def add(self, latency_ms: float) -> None:
+        """Add one sample, dropping the oldest past the window."""
+        self._samples.append(latency_ms)
+        ordered = sorted(self._samples)
+        self.p75 = ordered[(len(ordered) - 1) * 3 // 4]
+
+
+class TrendTracker:
+    """A short (10 s) and a long (60 s) view of one backend's load and latency.
+
+    Load is the in-flight count, a step function: both averages decay towards
+    it with their time constant. Latency averages are per sample. When the
+    short view of either is above the long one, the backend is getting busier
+    (availability falling); below, freeing up (rising).
+    """
+
+    __slots__ = ("_at", "_fast", "_lat_at", "_lat_fast", "_lat_slow", "_level", "_slow")
+
+    def __init__(self, now: float) -> None:
+        self._fast = self._slow = self._level = 0.0
+        self._at = now
+        self._lat_fast: float | None = None
+        self._lat_slow: float | None = None
+        self._lat_at = now
+
+    def set_load(self, now: float, level: int) -> None:
+        """Record that the in-flight count became `level` at `now`."""
+        self._fast, self._slow = self._decayed(now)
+        self._level = float(level)
+        self._at = now
+
+    def observe_latency(self, now: float, latency_ms: float) -> None:
+        """Fold one latency sample into both averages."""
+        if self._lat_fast is None or self._lat_slow is None:
+            self._lat_fast = self._lat_slow = latency_ms
+        else:
+            self._lat_fast += 0.5 * (latency_ms - self._lat_fast)
+            self._lat_slow += 0.1 * (latency_ms - self._lat_slow)
+        self._lat_at = now
+
+    def read(self, now: float) -> Trend:
+        """The trend at `now` (falling wins when load and latency disagree)."""
+        fast, slow = self._decayed(now)
+        delta = fast - slow
+        ratio = 1.0
+        if (
+            self._lat_fast is not None
+            and self._lat_slow
+            and now - self._lat_at <= TREND_SLOW_SECONDS
+        ):
+            ratio = self._lat_fast / self._lat_slow
+        if delta > TREND_LOAD_DELTA or ratio > TREND_LATENCY_RATIO:
+            return Trend.FALLING
+        if delta < -TREND_LOAD_DELTA or ratio < 1 / TREND_LATENCY_RATIO:
+            return Trend.RISING
+        return Trend.STABLE
+
+    def _decayed(self, now: float) -> tuple[float, float]:
+        elapsed = max(now - self._at, 0.0)
+        level = self._level
+        fast = level + (self._fast - level) * math.exp(-elapsed / TREND_FAST_SECONDS)
+        slow = level + (self._slow - level) * math.exp(-elapsed / TREND_SLOW_SECONDS)
+        return fast, slow

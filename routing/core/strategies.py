@@ -1,4 +1,4 @@
-"""The four ways to pick one candidate, and the order to retry the others in.
+"""The ways to pick one candidate, and the order to retry the others in.
 
 Every function works on candidates in the snapshot's stable order (backend
 priority, then name) and returns indexes into that sequence.
@@ -43,13 +43,13 @@ def order_retries(
 ) -> list[int]:
     """Return the other candidates' indexes in the order the strategy would pick.
 
-    smart: by score, best first (the earlier candidate on ties); priority_only:
+    smart and fleet: by score, best first (the earlier candidate on ties); priority_only:
     by priority, continuing the rotation among equals; round_robin and random:
     continuing the rotation after the chosen one.
     """
     count = len(priorities)
     rotation = [(chosen + step) % count for step in range(1, count)]
-    if strategy is Strategy.SMART:
+    if strategy is Strategy.SMART or strategy is Strategy.FLEET:
         return sorted(rotation, key=lambda i: (-totals[i], i))
     if strategy is Strategy.PRIORITY_ONLY:
         return sorted(rotation, key=lambda i: priorities[i])

@@ -49,6 +49,25 @@ class ModelSpec:
     supports_json_mode: bool | None = None
     loaded: bool = False
     enabled: bool = True
+    # What the fleet strategy reads (None: unknown). Sizes are in GB; times are
+    # wall-clock epoch seconds. ``vram_gb`` is what the loaded model occupies,
+    # ``loaded_context`` the context window it was loaded with, ``expires_at``
+    # when the backend unloads it (Ollama's keep_alive), ``last_loaded_at`` when
+    # it was last seen loaded. ``listed``: the backend's own list has it (on
+    # disk), not only the operator.
+    size_gb: float | None = None
+    vram_gb: float | None = None
+    loaded_context: int | None = None
+    expires_at: float | None = None
+    last_loaded_at: float | None = None
+    parameters_b: float | None = None
+    listed: bool = True
+    max_concurrency: int | None = None
+
+    @property
+    def memory_gb(self) -> float | None:
+        """What the model takes in memory when loaded (its size on disk if unseen)."""
+        return self.vram_gb if self.vram_gb is not None else self.size_gb
 
     @property
     def capability_mask(self) -> int:
@@ -97,6 +116,12 @@ class BackendSpec:
     models: tuple[ModelSpec, ...] = ()
     id: int | None = None
     health_stale: bool = False
+    # The fleet strategy's: memory it may fill (GB) and its size class
+    # ("large", "medium", "small"; "" when the operator did not say).
+    memory_ceiling_gb: float | None = None
+    tier: str = ""
+    # Computed: memory its loaded models take (GB); None when a size is unknown.
+    memory_used_gb: float | None = field(default=None, init=False, compare=False)
 
     def __post_init__(self) -> None:
         try:
@@ -107,6 +132,7 @@ class BackendSpec:
             status = Health.UNKNOWN
         object.__setattr__(self, "status", status)
         object.__setattr__(self, "models", tuple(self.models))
+        object.__setattr__(self, "memory_used_gb", _memory_used(self.models))
         latency = self.avg_latency_ms
         if latency is not None and (math.isnan(latency) or latency < 0):
             object.__setattr__(self, "avg_latency_ms", None)
@@ -331,6 +357,17 @@ class RouterSnapshot:
                 if step not in chain and step not in models:
                     chain.append(step)
         return tuple(chain)
+
+
+def _memory_used(models: Iterable[ModelSpec]) -> float | None:
+    used = 0.0
+    for model in models:
+        if model.loaded:
+            size = model.memory_gb
+            if size is None:
+                return None
+            used += size
+    return used
 
 
 def _index_model(

@@ -29,6 +29,8 @@ class Strategy(enum.StrEnum):
     ROUND_ROBIN = "round_robin"
     PRIORITY_ONLY = "priority_only"
     RANDOM = "random"
+    # Loaded-model aware: the seven signals of routing/core/fleet.py.
+    FLEET = "fleet"
 
 
 class Reason(enum.StrEnum):
@@ -49,7 +51,27 @@ class Reason(enum.StrEnum):
     NO_TOOLS = "no_tools"
     NO_JSON_MODE = "no_json_mode"
     CONTEXT_TOO_SHORT = "context_too_short"
+    # Fleet strategy only: the model is not loaded here and does not fit in the
+    # backend's free memory (memory ceiling minus the models loaded).
+    NO_MEMORY = "no_memory"
     # Not excluded but deferred: the model's support for a capability the
     # request needs is unknown while another backend confirms it; tried after
     # the confirmed ones.
     CAPABILITY_UNCONFIRMED = "capability_unconfirmed"
+
+
+class Trend(enum.StrEnum):
+    """Whether a backend is freeing up or getting busier (fleet signal 6)."""
+
+    RISING = "rising"
+    STABLE = "stable"
+    FALLING = "falling"
+
+
+class Thermal(enum.StrEnum):
+    """How ready a backend is to run a model now (fleet signal 1)."""
+
+    HOT = "hot"  # loaded in memory
+    WARM = "warm"  # unloaded recently (likely still in the OS page cache)
+    ON_DISK = "on_disk"  # listed by the backend, not loaded recently
+    ABSENT = "absent"  # not listed: it would have to be pulled first

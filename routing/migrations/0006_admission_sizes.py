@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('routing', '0004_admission'),
+        ('routing', '0005_fleet'),
     ]
 
     operations = [

@@ -275,7 +275,9 @@ async def forward(
                 last_timeout = isinstance(error, TimeoutError)
                 last_fault = ""
                 continue
-            stats.observe_latency(backend.name, (time.perf_counter() - asked) * 1000)
+            stats.observe_latency(
+                backend.name, (time.perf_counter() - asked) * 1000, model
+            )
             status = response.status
             is_last = position == len(targets) - 1
             if status >= 500:
@@ -338,6 +340,8 @@ async def forward(
                 continue
             if status < 500:
                 breaker.record_success(backend.name)
+            if status < 400:  # it answered for the model: loaded now (fleet)
+                stats.mark_hot(backend.name, model)
             exchange.backend = backend.name
             exchange.served_model = model
             if exchange.meter is not None:

@@ -9,6 +9,7 @@ from django.test import Client
 from django.urls import reverse
 
 from routing.admin import AliasAdmin
+from routing.core import FLEET_SETTINGS
 from routing.models import Alias, FallbackChain, RoutingPolicy
 from tests.factories import (
     AliasFactory,
@@ -60,8 +61,16 @@ def policy_form(**fields: str) -> dict[str, str]:
         "weight_load": "30",
         "weight_latency": "20",
         **ADMISSION_DEFAULTS,
+        **FLEET_DEFAULTS,
         **fields,
     }
+
+
+# The fleet strategy's part of the policy form, at its defaults.
+FLEET_DEFAULTS = {
+    setting.name: "" if setting.default is None else str(setting.default)
+    for setting in FLEET_SETTINGS
+}
 
 
 # The admission control part of the policy form, as the admin renders it.

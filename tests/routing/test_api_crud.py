@@ -8,7 +8,7 @@ from django.contrib.staticfiles import finders
 from django.test import override_settings
 from rest_framework.test import APIClient
 
-from routing.core import STRATEGY_ENV
+from routing.core import FLEET_SETTINGS, STRATEGY_ENV
 from routing.models import Alias, FallbackChain, RoutingPolicy
 from routing.versioning import read_config_version
 from tests.factories import (
@@ -206,6 +206,7 @@ def test_policy_reads_defaults_until_saved_without_creating_it(api: APIClient) -
             "queue_ttl": 30.0,
             "model_weights": {},
         },
+        **{setting.name: setting.default for setting in FLEET_SETTINGS},
         "updated_at": None,
     }
     assert not RoutingPolicy.objects.exists()
@@ -342,12 +343,16 @@ def test_config_shows_what_the_router_uses_without_secrets(api: APIClient) -> No
     assert SECRET not in response.content.decode()
     config = response.json()
     assert config["version"] == read_config_version()
+    fleet = config["policy"].pop("fleet")
     assert config["policy"] == {
         "strategy": "random",
         "weights": {"priority": 50, "load": 30, "latency": 20},
         "max_retries": 1,
         "overrides": {STRATEGY_ENV: "random"},
     }
+    # Not the fleet strategy: no hold unless one is set.
+    assert fleet["hold_seconds"] == 0
+    assert fleet["pre_warm_threshold"] == 3
     first = config["backends"][0]
     assert (first["name"], first["has_api_key"]) == ("gpu-1", True)
     assert "api_key" not in first

@@ -574,7 +574,7 @@ MODEL_RULE_PROBLEMS = [
         "[routing]\nstrategy = 'fastest'\n",
         (
             "routing.strategy: Value 'fastest' is not a valid choice. Use one of: "
-            '"smart", "round_robin", "priority_only", "random".'
+            '"smart", "round_robin", "priority_only", "random", "fleet".'
         ),
     ),
     ("[routing]\nmax_retries = 11\n", "routing.max_retries: Ensure this value"),

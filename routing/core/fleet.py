@@ -1,0 +1,252 @@
+"""The fleet strategy: score each candidate on seven signals, as the seed's table.
+
+=================  ========================================================
+signal             points (defaults; every number is a FleetPolicy setting)
+=================  ========================================================
+1 thermal          hot +50, warm +30, on disk +10, absent 0
+2 memory fit       fit ratio > 2: +20, 1.5-2: +15, 1.2-1.5: +8, 1-1.2: +3;
+                   below 1 a cold model is eliminated; unknown: 0, kept
+3 queue depth      - min(30, depth x 6); depth = in flight + waiting
+4 estimated wait   - min(25, depth x p75 latency (s) / 10)
+5 role affinity    up to +15: parameter count against the backend's tier
+6 trend            rising +10, stable +5, falling 0
+7 context fit      up to +10: estimated tokens against the loaded window
+=================  ========================================================
+
+Priority plays no part in the score; it only breaks ties (candidates come in
+priority order and the first best one wins). Everything read here is in the
+snapshot or the live stats: no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from routing.core.fleet_policy import FleetPolicy
+from routing.core.stats import LiveStats
+from routing.core.types import BackendSpec, ModelSpec
+from routing.core.vocabulary import Thermal, Trend
+
+# The estimated latency of one request before MIN_LATENCY_SAMPLES answers were
+# timed: a base plus a time per GB of model (decoding reads every weight once
+# per token, so time grows with size; ~200 tokens at ~200 GB/s is ~1 s per GB).
+HEURISTIC_BASE_SECONDS = 2.0
+HEURISTIC_SECONDS_PER_GB = 1.0
+# The guess when the model's size is unknown too.
+HEURISTIC_UNKNOWN_SECONDS = 5.0
+
+# Role affinity, as fractions of affinity_max_points, by model size class and
+# backend tier. Over 30B and under 10B are the seed's; between the two (a
+# mid-size model) the medium tier is the best home, then large, then small.
+AFFINITY: dict[str, dict[str, float]] = {
+    "large_model": {"large": 1.0, "medium": 5 / 15, "small": 0.0},
+    "mid_model": {"medium": 1.0, "large": 8 / 15, "small": 3 / 15},
+    "small_model": {"small": 1.0, "medium": 8 / 15, "large": 3 / 15},
+}
+LARGE_MODEL_B = 30.0
+SMALL_MODEL_B = 10.0
+
+# Context fit, as fractions of context_fit_max_points, by the share of the
+# window the request's estimated tokens would fill.
+CONTEXT_FIT: tuple[tuple[float, float], ...] = ((0.5, 1.0), (0.75, 0.6), (1.0, 0.3))
+
+
+@dataclass(frozen=True, slots=True)
+class FleetScore:
+    """One candidate's seven signals: each raw value and its points."""
+
+    thermal: Thermal
+    thermal_points: float
+    fit_ratio: float | None
+    fit_points: float
+    fits: bool
+    depth: int
+    queue_points: float
+    est_wait_s: float
+    wait_from_samples: bool
+    wait_points: float
+    parameters_b: float | None
+    tier: str
+    affinity_points: float
+    trend: Trend
+    trend_points: float
+    context_window: int | None
+    tokens: int
+    context_points: float
+
+    @property
+    def total(self) -> float:
+        """The score: the bonuses minus the two penalties."""
+        return (
+            self.thermal_points
+            + self.fit_points
+            + self.affinity_points
+            + self.trend_points
+            + self.context_points
+            - self.queue_points
+            - self.wait_points
+        )
+
+
+def score_fleet(
+    backend: BackendSpec,
+    model: ModelSpec,
+    tokens: int,
+    stats: LiveStats,
+    policy: FleetPolicy,
+    now: float,
+) -> FleetScore:
+    """Score `model` on `backend` for a request of ~`tokens` tokens at wall time `now`.
+
+    ``fits`` is False only for a model that is not hot and whose known size
+    exceeds the backend's known free memory: the router eliminates it.
+    """
+    thermal = thermal_state(backend.name, model, stats, policy, now)
+    fit_ratio = memory_fit_ratio(backend, model)
+    depth = stats.queue_depth(backend.name, model.name)
+    p75_ms = stats.latency_p75_ms(backend.name, model.name)
+    per_request = p75_ms / 1000 if p75_ms is not None else heuristic_seconds(model)
+    est_wait = depth * per_request
+    window = (
+        model.loaded_context
+        if thermal is Thermal.HOT and model.loaded_context is not None
+        else model.context_length
+    )
+    trend = stats.trend(backend.name)
+    return FleetScore(
+        thermal=thermal,
+        thermal_points=thermal_points(thermal, policy),
+        fit_ratio=fit_ratio,
+        fit_points=fit_points(fit_ratio, policy),
+        fits=thermal is Thermal.HOT or fit_ratio is None or fit_ratio >= 1.0,
+        depth=depth,
+        queue_points=min(
+            policy.queue_penalty_max, depth * policy.queue_points_per_request
+        ),
+        est_wait_s=est_wait,
+        wait_from_samples=p75_ms is not None,
+        wait_points=min(
+            policy.wait_penalty_max, est_wait / policy.wait_seconds_per_point
+        ),
+        parameters_b=model.parameters_b,
+        tier=backend.tier,
+        affinity_points=affinity_points(model.parameters_b, backend.tier, policy),
+        trend=trend,
+        trend_points=trend_points(trend, policy),
+        context_window=window,
+        tokens=tokens,
+        context_points=context_points(tokens, window, policy),
+    )
+
+
+def thermal_state(
+    backend: str, model: ModelSpec, stats: LiveStats, policy: FleetPolicy, now: float
+) -> Thermal:
+    """How ready `backend` is to run `model` at wall time `now`.
+
+    Hot: the last probe saw it loaded and its keep_alive has not run out, or
+    the backend answered a request for it within served_hot_seconds. Warm: it
+    was loaded within warm_window_seconds. On disk: the backend lists it.
+    """
+    expired = model.expires_at is not None and model.expires_at <= now
+    if model.loaded and not expired:
+        return Thermal.HOT
+    served_ago = stats.served_ago(backend, model.name)
+    if served_ago is not None and served_ago <= policy.served_hot_seconds:
+        return Thermal.HOT
+    window = policy.warm_window_seconds
+    # A model whose keep_alive ran out after the last probe was loaded until then.
+    last_loaded = model.expires_at if model.loaded else model.last_loaded_at
+    if last_loaded is not None and now - last_loaded <= window:
+        return Thermal.WARM
+    if served_ago is not None and served_ago <= window:
+        return Thermal.WARM
+    return Thermal.ON_DISK if model.listed else Thermal.ABSENT
+
+
+def thermal_points(thermal: Thermal, policy: FleetPolicy) -> float:
+    """Signal 1's points."""
+    return float(
+        {
+            Thermal.HOT: policy.hot_points,
+            Thermal.WARM: policy.warm_points,
+            Thermal.ON_DISK: policy.on_disk_points,
+            Thermal.ABSENT: 0,
+        }[thermal]
+    )
+
+
+def memory_fit_ratio(backend: BackendSpec, model: ModelSpec) -> float | None:
+    """(ceiling - used) / model size, or None when any of the three is unknown.
+
+    A loaded model's own memory counts as free for it: it needs no more.
+    """
+    ceiling = backend.memory_ceiling_gb
+    used = backend.memory_used_gb
+    size = model.memory_gb
+    if ceiling is None or used is None or size is None or size <= 0:
+        return None
+    if model.loaded:
+        used -= size
+    return (ceiling - used) / size
+
+
+def fit_points(ratio: float | None, policy: FleetPolicy) -> float:
+    """Signal 2's points (0 when memory is unknown or the model does not fit)."""
+    if ratio is None or ratio < 1.0:
+        return 0.0
+    if ratio > 2.0:
+        return float(policy.fit_over_2_points)
+    if ratio >= 1.5:
+        return float(policy.fit_over_1_5_points)
+    if ratio >= 1.2:
+        return float(policy.fit_over_1_2_points)
+    return float(policy.fit_over_1_points)
+
+
+def heuristic_seconds(model: ModelSpec) -> float:
+    """One request's latency, guessed from the model's size (before samples)."""
+    size = model.memory_gb
+    if size is None:
+        return HEURISTIC_UNKNOWN_SECONDS
+    return HEURISTIC_BASE_SECONDS + HEURISTIC_SECONDS_PER_GB * size
+
+
+def affinity_points(
+    parameters_b: float | None, tier: str, policy: FleetPolicy
+) -> float:
+    """Signal 5's points: 0 when the parameter count or the tier is unknown."""
+    if parameters_b is None or not tier:
+        return 0.0
+    if parameters_b > LARGE_MODEL_B:
+        size_class = "large_model"
+    elif parameters_b < SMALL_MODEL_B:
+        size_class = "small_model"
+    else:
+        size_class = "mid_model"
+    return round(AFFINITY[size_class].get(tier, 0.0) * policy.affinity_max_points, 2)
+
+
+def trend_points(trend: Trend, policy: FleetPolicy) -> float:
+    """Signal 6's points."""
+    return float(
+        {
+            Trend.RISING: policy.trend_rising_points,
+            Trend.STABLE: policy.trend_stable_points,
+            Trend.FALLING: policy.trend_falling_points,
+        }[trend]
+    )
+
+
+def context_points(tokens: int, window: int | None, policy: FleetPolicy) -> float:
+    """Signal 7's points: full when the request fills at most half the window.
+
+    A request larger than the loaded window gets 0: the backend would reload
+    the model with a larger one. An unknown window gets 0 (signal skipped).
+    """
+    if window is None:
+        return 0.0
+    for share, fraction in CONTEXT_FIT:
+        if tokens <= window * share:
+            return round(fraction * policy.context_fit_max_points, 2)
+    return 0.0
