@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from routing.core import LiveStats, Route, Target
+from routing.fleet.scheduler import Placement
 from routing.proxy import checks, sse
 from routing.proxy.errors import ProxyError
 from routing.proxy.legs import Call, Leg, LegStream, Unservable, openai_call
@@ -176,7 +177,7 @@ class ReplyLimits:
 async def forward(
     gateway: Gateway,
     exchange: Exchange,
-    route: Route,
+    route: Route | Placement,
     payload: dict[str, Any],
     raw: bytes,
     send: Send,
@@ -389,6 +390,7 @@ async def forward(
                 # short (client gone, error) must not go back to the pool.
                 response.close()
             stats.end(backend.name, model)
+            gateway.fleet.finished(backend.name)
             if lease is not None:
                 gateway.limiter.release_backend(backend.name, lease)
     _raise_exhausted(exchange, failures, last_timeout, last_fault)
