@@ -24,8 +24,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict, TypeVar
 
 import aiohttp
 
@@ -50,6 +51,34 @@ logger = logging.getLogger(__name__)
 
 _PRIMARY_ROLES = (Role.REQUESTED, Role.ALIAS)
 T = TypeVar("T")
+
+
+RECENT_PREWARMS = 20
+
+
+class LineDict(TypedDict):
+    backend: str
+    model: str
+    waiting: int
+
+
+class PrewarmDict(TypedDict):
+    backend: str
+    model: str
+    outcome: str
+    at: float  # epoch seconds
+
+
+class FleetStateDict(TypedDict):
+    """What the dashboard shows of one process's fleet scheduler."""
+
+    enabled: bool
+    lines: list[LineDict]
+    waiting: int
+    held: int
+    moved_total: int
+    prewarm_total: int
+    prewarms: list[PrewarmDict]
 
 
 class Placement(NamedTuple):
@@ -79,6 +108,12 @@ class FleetScheduler:
         self.queues = FleetQueues()
         self.prewarm = PrewarmBook(clock, PREWARM_MEMORY_SECONDS)
         self.held = 0
+        self.moved_total = 0
+        self.prewarm_total = 0
+        # The last warm-ups, for the dashboard: (backend, model, outcome, at).
+        self.recent_prewarms: deque[tuple[str, str, str, float]] = deque(
+            maxlen=RECENT_PREWARMS
+        )
         self._settings: tuple[object, FleetSettings] | None = None
         self._changed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -326,6 +361,8 @@ class FleetScheduler:
                 if mark_hot is not None:
                     mark_hot(backend, model)
             self.metrics.fleet_prewarm.labels(backend, model, outcome).inc()
+            self.prewarm_total += 1
+            self.recent_prewarms.appendleft((backend, model, outcome, time.time()))
 
     async def _load(self, target: Target) -> str:
         """Ask an Ollama backend to load the model: a generate without a prompt."""
@@ -397,6 +434,7 @@ class FleetScheduler:
                 move.source, move.destination, move.model
             ).inc()
             done.append(move)
+            self.moved_total += 1
         return done
 
     def _openings(self, routes: RouterSnapshot, model: str) -> list[Opening]:
@@ -482,15 +520,23 @@ class FleetScheduler:
 
     # Shown on the dashboard -----------------------------------------------------
 
-    def as_dict(self) -> dict[str, Any]:
-        """The lines, warm-ups and held requests of this process, for display."""
+    def as_dict(self) -> FleetStateDict:
+        """The lines, warm-ups, moves and held requests of this process."""
+        routes = self._routes()
         return {
+            "enabled": routes is not None and self.settings_for(routes).enabled,
             "lines": [
                 {"backend": b, "model": m, "waiting": n}
                 for b, m, n in sorted(self.queues.lines())
             ],
             "waiting": self.queues.total_waiting,
             "held": self.held,
+            "moved_total": self.moved_total,
+            "prewarm_total": self.prewarm_total,
+            "prewarms": [
+                {"backend": b, "model": m, "outcome": o, "at": at}
+                for b, m, o, at in self.recent_prewarms
+            ],
         }
 
 
