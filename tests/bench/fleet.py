@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-from django.db import transaction
+from django.db import connection, transaction
 
 from backends.discovery import discover_models
 from backends.models import Backend, HealthStatus
@@ -48,6 +49,8 @@ LOAD_SECONDS = 2.0
 LATENCY_MS = 400
 RATE = 3.0  # requests a second, on average
 STRATEGIES = ("round_robin", "smart", "fleet")
+# How often discovery reads /api/ps meanwhile, as Celery beat would.
+DISCOVERY_SECONDS = 5.0
 KEY_NAME = "bench-fleet"
 
 
@@ -139,6 +142,27 @@ async def _run(base_url: str, key: str, plan: list[tuple[float, str]]) -> dict:
     return {"timings": timings, "failures": failures}
 
 
+@contextlib.contextmanager
+def _discovering() -> Iterator[None]:
+    """Discover the nodes' loaded models every few seconds meanwhile."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        try:
+            while not stop.wait(DISCOVERY_SECONDS):
+                discover_models()
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=loop, name="bench-discovery", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(30)
+
+
 def _node_args(name: str, memory: float) -> list[str]:
     args = ["--kind", "ollama", "--name", name, "--loaded-models", ""]
     for model, size, _ in MODELS:
@@ -182,7 +206,8 @@ def run_fleet_benchmark(
                     ("/health/ready", {}),
                 )
                 try:
-                    outcome = asyncio.run(_run(server.url, key, plan))
+                    with _discovering():
+                        outcome = asyncio.run(_run(server.url, key, plan))
                 finally:
                     server.stop()
                 loads = sum(
