@@ -263,7 +263,13 @@ class FleetScheduler:
         self._grant(placed.backend.name, routes)
 
     def finished(self, backend: str) -> None:
-        """A request on `backend` ended: hand its slot on (no-op if none wait)."""
+        """A request on `backend` ended: hand its slot on (no-op if none wait).
+
+        Held requests re-route too: a backend at its max_concurrency (under the
+        other strategies) may take one now.
+        """
+        if self.held:
+            self._wake_held()
         if not self.queues.waiting_on(backend):
             return
         routes = self._routes()
