@@ -32,7 +32,9 @@ import aiohttp
 
 from routing.core import LiveStats, Route, RouterSnapshot, Target
 from routing.core.decision import Decision, Outcome, Role, Via
+from routing.core.fleet import thermal_state
 from routing.core.types import UNLIMITED
+from routing.core.vocabulary import Thermal
 from routing.fleet.errors import QueueFull, QueueTimeout
 from routing.fleet.prewarm import PrewarmBook
 from routing.fleet.queues import FleetQueues, Waiter, has_free_slot
@@ -312,12 +314,18 @@ class FleetScheduler:
 
     # Pre-warm -------------------------------------------------------------------
 
-    def is_hot(self, target: Target) -> bool:
-        """Whether `target`'s model is loaded on its backend, as far as we know."""
-        probe = getattr(self.stats, "is_hot", None)
-        if probe is not None and probe(target.backend.name, target.model.name):
-            return True
-        return target.model.loaded
+    def is_hot(self, target: Target, routes: RouterSnapshot) -> bool:
+        """Whether `target`'s model is loaded on its backend, as far as we know:
+        the fleet strategy's thermal signal (the last probe, keep_alive expiry,
+        and answers served there lately)."""
+        state = thermal_state(
+            target.backend.name,
+            target.model,
+            self.stats,
+            routes.policy.fleet,
+            time.time(),
+        )
+        return state is Thermal.HOT
 
     def after_decision(self, route: Route, routes: RouterSnapshot) -> None:
         """Warm the model on the runner-up if the winner is getting deep.
@@ -343,7 +351,11 @@ class FleetScheduler:
         depth = self.depth(winner.backend.name, model) + 1
         backend = runner_up.backend.name
         if not self.prewarm.should_warm(
-            depth, settings.pre_warm_threshold, backend, model, self.is_hot(runner_up)
+            depth,
+            settings.pre_warm_threshold,
+            backend,
+            model,
+            self.is_hot(runner_up, routes),
         ):
             return
         loop = self._loop
@@ -452,7 +464,7 @@ class FleetScheduler:
         for prepared in model_routes.routable:
             target = prepared.target
             name = target.backend.name
-            if self.stats.is_circuit_open(name) or not self.is_hot(target):
+            if self.stats.is_circuit_open(name) or not self.is_hot(target, routes):
                 continue
             if self.queues.waiting_on(name):
                 continue  # its own waiters come first

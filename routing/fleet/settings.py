@@ -1,17 +1,17 @@
 """The fleet scheduler's knobs, read from the routing policy of a snapshot.
 
 The policy fields are the routing policy's (admin, TOML ``[routing.fleet]``,
-API, ``NEXUS_ROUTING_*``); they are read with ``getattr`` and these defaults so
-that a policy without them (an older snapshot, a test's bare Policy) schedules
-as the seed's defaults say.
+API, ``NEXUS_ROUTING_FLEET_*``; routing/core/fleet_policy.py); the scheduler
+reads them once per snapshot into this flat record.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-FLEET_STRATEGY = "fleet"
+from routing.core.policy import Policy
+from routing.core.vocabulary import Strategy
+
 # Requests held at once per process when no backend can serve their model;
 # more are answered at once, as with hold_seconds 0.
 MAX_HELD = 1000
@@ -37,41 +37,15 @@ class FleetSettings:
     queue_timeout_seconds: float = 60.0
 
     @classmethod
-    def from_policy(cls, policy: Any) -> FleetSettings:
-        """Read the fleet fields of a routing policy (defaults where absent)."""
-        default = cls()
+    def from_policy(cls, policy: Policy) -> FleetSettings:
+        """Read the fleet fields of a routing policy."""
         return cls(
-            enabled=str(getattr(policy, "strategy", "")) == FLEET_STRATEGY,
-            pre_warm_threshold=int(
-                getattr(policy, "pre_warm_threshold", default.pre_warm_threshold)
-            ),
-            rebalance_threshold=int(
-                getattr(policy, "rebalance_threshold", default.rebalance_threshold)
-            ),
-            rebalance_interval_seconds=max(
-                0.1,
-                float(
-                    getattr(
-                        policy,
-                        "rebalance_interval_seconds",
-                        default.rebalance_interval_seconds,
-                    )
-                ),
-            ),
-            rebalance_max_moves=int(
-                getattr(policy, "rebalance_max_moves", default.rebalance_max_moves)
-            ),
-            hold_seconds=max(
-                0.0, float(getattr(policy, "hold_seconds", default.hold_seconds))
-            ),
-            queue_length=int(
-                getattr(policy, "fleet_queue_length", default.queue_length)
-            ),
-            queue_timeout_seconds=float(
-                getattr(
-                    policy,
-                    "fleet_queue_timeout_seconds",
-                    default.queue_timeout_seconds,
-                )
-            ),
+            enabled=policy.strategy is Strategy.FLEET,
+            pre_warm_threshold=policy.pre_warm_threshold,
+            rebalance_threshold=policy.rebalance_threshold,
+            rebalance_interval_seconds=policy.rebalance_interval_seconds,
+            rebalance_max_moves=policy.rebalance_max_moves,
+            hold_seconds=policy.hold_seconds,
+            queue_length=policy.fleet_queue_length,
+            queue_timeout_seconds=policy.fleet_queue_timeout_seconds,
         )

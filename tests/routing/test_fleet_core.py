@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
+from routing.core.fleet_policy import FleetPolicy
+from routing.core.policy import Policy
+from routing.core.vocabulary import Strategy
 from routing.fleet.prewarm import PrewarmBook
 from routing.fleet.queues import FleetQueues, Waiter, has_free_slot
 from routing.fleet.rebalance import LineLoad, Move, Opening, plan_rebalance
@@ -138,14 +139,17 @@ def test_a_failed_warm_up_may_be_tried_again() -> None:
 
 
 def test_settings_read_the_policy_with_the_seed_defaults() -> None:
-    assert FleetSettings.from_policy(SimpleNamespace(strategy="smart")) == (
-        FleetSettings(enabled=False)
-    )
+    assert FleetSettings.from_policy(Policy()) == FleetSettings(enabled=False)
+    preset = FleetSettings.from_policy(Policy(strategy=Strategy.FLEET))
+    assert preset.enabled
+    assert preset.hold_seconds == 30  # the fleet preset
     settings = FleetSettings.from_policy(
-        SimpleNamespace(strategy="fleet", hold_seconds=30, fleet_queue_length=5)
+        Policy(
+            strategy=Strategy.FLEET,
+            fleet=FleetPolicy(hold_seconds=0, fleet_queue_length=5),
+        )
     )
-    assert settings.enabled
-    assert settings.hold_seconds == 30
+    assert settings.hold_seconds == 0
     assert settings.queue_length == 5
     assert settings.pre_warm_threshold == 3
     assert settings.rebalance_max_moves == 3

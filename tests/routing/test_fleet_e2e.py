@@ -213,14 +213,15 @@ def test_waiting_requests_move_to_a_node_where_the_model_is_hot(
     busy = _node(mock_backend_factory, "busy", "--latency-ms", "3000")
     later = _node(mock_backend_factory, "later", "--latency-ms", "100")
     _backend(busy, "busy", max_concurrency=1)
-    other = _backend(
-        later, "later", max_concurrency=4, status=HealthStatus.UNHEALTHY
-    )
+    other = _backend(later, "later", max_concurrency=4, status=HealthStatus.UNHEALTHY)
+    # Admission control off: its band (2 per ready backend) would hold the
+    # burst in its own queue, before routing.
     _policy(
         rebalance_threshold=1,
         rebalance_interval_seconds=0.3,
         rebalance_max_moves=2,
         pre_warm_threshold=100,
+        admission_enabled=False,
     )
     _, key = ApiKey.objects.create_key("fleet")
     server = nexus_server_factory()
@@ -269,7 +270,7 @@ def test_a_held_request_is_served_by_a_backend_healthy_in_time(
     mock_backend_factory: Factory,
     nexus_server_factory: Callable[..., NexusServer],
 ) -> None:
-    backend, down, _ = _hold_setup(mock_backend_factory, hold=20)
+    backend, _, _ = _hold_setup(mock_backend_factory, hold=20)
     _, key = ApiKey.objects.create_key("fleet")
     server = nexus_server_factory()
     answer: list[Any] = []
@@ -312,6 +313,7 @@ def test_a_held_request_goes_to_the_fallback_when_the_hold_ends(
     assert raw.headers["x-nexus-model"] == "f"
     assert raw.headers["x-nexus-backend"] == "spare"
     assert _served(down) == 0
+    assert spare is not None and _served(spare) == 1
     assert _metric(server, "nexus_fleet_hold_total", 'outcome="expired"') == 1
 
 

@@ -16,8 +16,10 @@ import httpx
 import pytest
 
 from routing.core import LiveStats, Route, RouterSnapshot
-from routing.core.scoring import ScoringWeights
+from routing.core.fleet_policy import FleetPolicy
+from routing.core.policy import Policy
 from routing.core.types import BackendSpec, ModelSpec, Target
+from routing.core.vocabulary import Strategy
 from routing.fleet.errors import QueueFull, QueueTimeout
 from routing.fleet.scheduler import FleetScheduler, Placement
 from routing.metrics import GatewayMetrics
@@ -25,14 +27,9 @@ from tests.conftest import MockBackendProcess
 
 
 def _routes(*backends: BackendSpec, **fleet: Any) -> RouterSnapshot:
-    # The fleet fields and strategy as the routing policy carries them.
-    policy = SimpleNamespace(
-        strategy=fleet.pop("strategy", "fleet"),
-        weights=ScoringWeights(),
-        max_retries=2,
-        **fleet,
-    )
-    return RouterSnapshot.build(backends=backends, policy=policy)  # type: ignore[arg-type]
+    strategy = Strategy(fleet.pop("strategy", "fleet"))
+    policy = Policy(strategy=strategy, fleet=FleetPolicy(**fleet))
+    return RouterSnapshot.build(backends=backends, policy=policy)
 
 
 def _backend(
@@ -180,10 +177,6 @@ async def test_a_slot_granted_to_a_waiter_that_left_passes_to_the_next() -> None
     assert h.fleet.queues.reserved("a") == 0
 
 
-@pytest.mark.skipif(
-    "max_concurrency" not in ModelSpec.__dataclass_fields__,
-    reason="per-model limits come with the fleet signals (routing/core)",
-)
 async def test_the_model_limit_holds_even_with_room_on_the_backend() -> None:
     routes = _routes(_backend("a", capacity=5, model_limit=1))
     h = Harness(routes)
