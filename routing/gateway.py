@@ -183,6 +183,7 @@ class Gateway:
             self.metrics,
             session=lambda: self.upstream.session,
             routes=self._current_routes,
+            release_lease=self.limiter.release_backend,
         )
         self.metrics_endpoint = MetricsEndpoint(
             self.metrics,

@@ -30,6 +30,9 @@ class Waiter:
     joined_at: float
     # The glue's handle (a future resolved with the slot it gets).
     handle: Any = field(default=None, repr=False)
+    # The gateway-wide lease of the slot, when the request that ended handed
+    # it over (a shared limiter): taken as it is, not released and acquired.
+    lease: str | None = field(default=None, repr=False)
 
 
 def has_free_slot(in_flight: int, reserved: int, capacity: int) -> bool:

@@ -84,10 +84,15 @@ class FleetStateDict(TypedDict):
 
 
 class Placement(NamedTuple):
-    """Where a request moved by the rebalancer runs, and what to retry after."""
+    """Where a request that waited runs, and what to retry after.
+
+    ``lease``: the gateway-wide slot lease handed over by the request that
+    ended (see ``FleetScheduler.finished``), for ``target``'s backend.
+    """
 
     target: Target
     retry_targets: tuple[Target, ...]
+    lease: str | None = None
 
 
 class FleetScheduler:
@@ -100,9 +105,11 @@ class FleetScheduler:
         *,
         session: Callable[[], aiohttp.ClientSession],
         routes: Callable[[], RouterSnapshot | None],
+        release_lease: Callable[[str, str], None] = lambda backend, lease: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stats = stats
+        self._release_lease = release_lease
         self.metrics = metrics
         self._session = session
         self._routes = routes
@@ -246,7 +253,9 @@ class FleetScheduler:
         self.metrics.fleet_queue_wait.observe(self._clock() - waiter.joined_at)
         self.queues.unreserve(placed.backend.name, placed.model.name)
         if placed.backend.name == backend:
-            return route
+            if waiter.lease is None:
+                return route
+            return Placement(route.target, route.retry_targets, waiter.lease)
         rest = (target, *route.retry_targets)
         return Placement(
             placed, tuple(t for t in rest if t.backend.name != placed.backend.name)
@@ -261,48 +270,65 @@ class FleetScheduler:
                 self._note_waiting(waiter.backend, waiter.model, -1)
             return
         placed = handle.result()
-        self.queues.unreserve(placed.backend.name, placed.model.name)
-        self._grant(placed.backend.name, routes)
+        name = placed.backend.name
+        self.queues.unreserve(name, placed.model.name)
+        lease, waiter.lease = waiter.lease, None
+        if not self._grant(name, routes, lease) and lease is not None:
+            self._release_lease(name, lease)
 
-    def finished(self, backend: str) -> None:
+    def finished(self, backend: str, lease: str | None = None) -> bool:
         """A request on `backend` ended: hand its slot on (no-op if none wait).
 
-        Held requests re-route too: a backend at its max_concurrency (under the
-        other strategies) may take one now.
+        ``lease``: its gateway-wide slot lease (a shared limiter), handed to
+        the waiter that gets the slot rather than released and acquired again
+        (a release reaches Redis a moment later, so the waiter would find the
+        slot still taken). Returns whether it was handed over; if not, the
+        caller releases it. Held requests re-route too: a backend at its
+        max_concurrency (under the other strategies) may take one now.
         """
         if self.held:
             self._wake_held()
         if not self.queues.waiting_on(backend):
-            return
+            return False
         routes = self._routes()
-        if routes is not None:
-            self._grant(backend, routes)
+        return routes is not None and self._grant(backend, routes, lease)
 
-    def _grant(self, backend: str, routes: RouterSnapshot) -> None:
-        """Give every free slot of `backend` to its oldest eligible waiters."""
+    def _grant(
+        self, backend: str, routes: RouterSnapshot, lease: str | None = None
+    ) -> bool:
+        """Give every free slot of `backend` to its oldest eligible waiters;
+        the first one takes `lease`. Returns whether it did."""
         spec = routes.backend(backend)
         if spec is None:
-            return
+            return False
         models = {model.name: model for model in spec.models}
 
         def can_take(model: str) -> bool:
             entry = models.get(model)
             return entry is not None and self._can_take(Target(spec, entry))
 
+        handed = False
         while True:
             waiter = self.queues.pop_next(backend, can_take)
             if waiter is None:
-                return
+                return handed
             self._note_waiting(backend, waiter.model, -1)
-            self._hand_slot(waiter, Target(spec, models[waiter.model]))
+            target = Target(spec, models[waiter.model])
+            if self._hand_slot(waiter, target, lease) and lease is not None:
+                handed, lease = True, None
 
-    def _hand_slot(self, waiter: Waiter, target: Target) -> None:
+    def _hand_slot(
+        self, waiter: Waiter, target: Target, lease: str | None = None
+    ) -> bool:
+        """Give `waiter` a slot on `target` (and `lease`); False if it left."""
         self.queues.reserve(target.backend.name, target.model.name)
         handle: asyncio.Future[Target] = waiter.handle
         if handle.done():  # cancelled meanwhile: the slot goes on
             self.queues.unreserve(target.backend.name, target.model.name)
-            return
+            return False
+        waiter.lease = lease
         handle.set_result(target)
+        return True
 
     def _note_waiting(self, backend: str, model: str, change: int) -> None:
         """Tell the live stats (the queue penalty counts waiters too)."""

@@ -89,7 +89,7 @@ def _rows(urls: list[str]) -> Iterator[str]:
                 status=HealthStatus.HEALTHY,
                 max_concurrency=SLOTS,
             )
-            _set_if_present(backend, memory_gb=memory, tier=tier)
+            _set_if_present(backend, memory_ceiling_gb=memory, tier=tier)
             backend.save()
         _, key = ApiKey.objects.create_key(KEY_NAME)
     policy = RoutingPolicy.load()

@@ -177,6 +177,45 @@ async def test_a_slot_granted_to_a_waiter_that_left_passes_to_the_next() -> None
     assert h.fleet.queues.reserved("a") == 0
 
 
+async def test_a_gateway_wide_lease_passes_to_the_waiter_that_gets_the_slot() -> None:
+    routes = _routes(_backend("a", capacity=1))
+    h = Harness(routes)
+    released: list[tuple[str, str]] = []
+    h.fleet._release_lease = lambda backend, lease: released.append((backend, lease))
+    route = _route(routes, "a")
+    assert not h.fleet.finished("a", "lease-0")  # nobody waits: the caller releases
+    h.begin(route)
+    gone = asyncio.create_task(h.fleet.take_slot(route, routes))
+    stays = asyncio.create_task(h.fleet.take_slot(route, routes))
+    await _settle()
+    h.stats.end("a", "m")
+    assert h.fleet.finished("a", "lease-1")  # handed over, not released
+    gone.cancel()  # it had the slot and the lease: both go to the next waiter
+    await _settle()
+    placed = stays.result()
+    assert isinstance(placed, Placement)
+    assert placed.lease == "lease-1"
+    assert placed.target.backend.name == "a"
+    assert released == []
+
+
+async def test_a_lease_nobody_can_take_is_released() -> None:
+    routes = _routes(_backend("a", capacity=1))
+    h = Harness(routes)
+    released: list[tuple[str, str]] = []
+    h.fleet._release_lease = lambda backend, lease: released.append((backend, lease))
+    route = _route(routes, "a")
+    h.begin(route)
+    gone = asyncio.create_task(h.fleet.take_slot(route, routes))
+    await _settle()
+    h.stats.end("a", "m")
+    assert h.fleet.finished("a", "lease-1")
+    gone.cancel()
+    await _settle()
+    assert released == [("a", "lease-1")]
+    assert h.fleet.queues.reserved("a") == 0
+
+
 async def test_the_model_limit_holds_even_with_room_on_the_backend() -> None:
     routes = _routes(_backend("a", capacity=5, model_limit=1))
     h = Harness(routes)
