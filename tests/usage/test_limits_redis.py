@@ -153,3 +153,21 @@ def test_an_unreachable_redis_fails_open_or_closed_as_configured() -> None:
     assert first.allowed and first.ticket.unchecked and second.allowed
     assert errors  # counted (the metric nexus_limiter_errors_total)
     assert third.reason == UNAVAILABLE
+
+
+def test_a_slot_this_process_just_released_can_be_taken_at_once(
+    redis_url: str,
+) -> None:
+    # A release is written to Redis by a background batch, a moment later; an
+    # acquire meanwhile (a queued request taking the freed slot) must not be
+    # refused for the slot this very process gave back.
+    limiter = RedisLimiter(redis_url)
+
+    async def main():
+        first = await limiter.acquire_backend("gpu-1", 1)
+        assert first is not None
+        assert await limiter.acquire_backend("gpu-1", 1) is None  # really full
+        limiter.release_backend("gpu-1", first)
+        return await limiter.acquire_backend("gpu-1", 1)
+
+    assert run(main, limiter) is not None

@@ -47,6 +47,10 @@ from usage.limits.resp import RespConnection, Script
 logger = logging.getLogger(__name__)
 
 LEASE_SECONDS = 60
+# A backend slot release is a settle with this (empty) first key, as before.
+RELEASE = ""
+# How long an acquire waits for this process's own release of the slot.
+RELEASE_WAIT_SECONDS = 1.0
 RENEW_SECONDS = 10
 OUTAGE_BACKOFF = 1.0
 # Budget counters of a period outlive it a little (reports read the database).
@@ -308,6 +312,10 @@ class RedisLimiter:
         self._leases: dict[str, str] = {}  # lease -> concurrency set key
         self._settles: deque[tuple[list[str], list[Any]]] = deque()
         self._wake = asyncio.Event()
+        # Backend slot releases of this process not yet written to Redis, per
+        # slot key, and an event set after each batch of settles is written.
+        self._releasing: dict[str, int] = {}
+        self._settled = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self._down_until = 0.0
         self._outage_logged = False
@@ -317,6 +325,7 @@ class RedisLimiter:
     def start(self) -> None:
         self._redis = RespConnection(self.url, self.timeout)
         self._wake = asyncio.Event()
+        self._settled = asyncio.Event()
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._send_settles(), name="limiter-settle"),
@@ -469,6 +478,13 @@ class RedisLimiter:
             taken = await self._run(
                 "acquire", [key], [limit, lease, LEASE_SECONDS * 1000]
             )
+            if not int(taken) and self._releasing.get(key):
+                # The slot is this process's own, released a moment ago and
+                # still on its way (settles are batched): wait for it, once.
+                await self._wait_for_releases(key)
+                taken = await self._run(
+                    "acquire", [key], [limit, lease, LEASE_SECONDS * 1000]
+                )
         except (RedisError, OSError) as error:
             self._failed(error)
             return "unchecked" if self.fail_open else None
@@ -480,10 +496,22 @@ class RedisLimiter:
     def release_backend(self, backend: str, lease: str) -> None:
         if lease == "unchecked" or self._leases.pop(lease, None) is None:
             return
-        self._settles.append(
-            (["", backend_key(backend), ""], [0, 0, lease, "", 0, 0, 0, 0, 0])
-        )
+        key = backend_key(backend)
+        self._releasing[key] = self._releasing.get(key, 0) + 1
+        self._settles.append(([RELEASE, key, ""], [0, 0, lease, "", 0, 0, 0, 0, 0]))
         self._wake.set()
+
+    async def _wait_for_releases(self, key: str) -> None:
+        """Wait (a second at most) until this process's releases of `key` are
+        written to Redis."""
+        deadline = time.monotonic() + RELEASE_WAIT_SECONDS
+        while self._releasing.get(key) and time.monotonic() < deadline:
+            settled = self._settled
+            try:
+                async with asyncio.timeout(deadline - time.monotonic()):
+                    await settled.wait()
+            except TimeoutError:
+                return
 
     # Background ----------------------------------------------------------------
 
@@ -505,6 +533,7 @@ class RedisLimiter:
                 *(redis.run(script, keys, args) for keys, args in batch),
                 return_exceptions=True,
             )
+            self._note_settled(batch)
             for result in results:
                 if isinstance(result, RedisError | OSError):
                     # Holds and leases expire or are reconciled; spend is
@@ -513,6 +542,18 @@ class RedisLimiter:
                     return
                 if isinstance(result, BaseException):
                     raise result
+
+    def _note_settled(self, batch: list[tuple[list[str], list[Any]]]) -> None:
+        """Count the batch's slot releases as written; wake who waits for them."""
+        for keys, _ in batch:
+            if keys[0] == RELEASE:
+                count = self._releasing.get(keys[1], 0) - 1
+                if count > 0:
+                    self._releasing[keys[1]] = count
+                else:
+                    self._releasing.pop(keys[1], None)
+        settled, self._settled = self._settled, asyncio.Event()
+        settled.set()
 
     async def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
         if self._redis is None:
