@@ -47,6 +47,9 @@ class NodeMemory:
     keep_alive_seconds: float
     loaded: dict[str, LoadedModel] = field(default_factory=dict)
     loads: Counter[str] = field(default_factory=Counter)
+    # Loads that an inference request waited for (the rest: load-only requests,
+    # such as a gateway's warm-ups).
+    cold_starts: int = 0
     evictions: int = 0
     _loading: dict[str, asyncio.Future[None]] = field(default_factory=dict)
 
@@ -70,21 +73,28 @@ class NodeMemory:
         self.expire()
         return model in self.loaded
 
-    async def acquire(self, model: str, keep_alive: float | None) -> bool:
+    async def acquire(
+        self, model: str, keep_alive: float | None, *, load_only: bool = False
+    ) -> bool:
         """Have `model` loaded and in use by one more request; True if it was cold.
 
-        Pair with ``release``. Requests arriving during a load wait for it.
+        Pair with ``release``. Requests arriving during a load wait for it; an
+        inference request (not `load_only`) that waited counts a cold start.
         """
+        waited = False
         self.expire()
         alive = self.keep_alive_seconds if keep_alive is None else keep_alive
         cold = False
         while model not in self.loaded:
             pending = self._loading.get(model)
+            waited = True
             if pending is not None:
                 await asyncio.shield(pending)
                 continue
             cold = True
             await self._load(model, alive)
+        if waited and not load_only:
+            self.cold_starts += 1
         entry = self.loaded[model]
         entry.in_use += 1
         entry.keep_alive = alive
@@ -164,16 +174,13 @@ class NodeMemory:
             for name, entry in sorted(self.loaded.items())
         ]
 
-    def reset_counters(self) -> None:
-        self.loads.clear()
-        self.evictions = 0
-
     def as_dict(self) -> dict[str, Any]:
         """The counters /_mock/stats shows."""
         self.expire()
         return {
             "loads_total": sum(self.loads.values()),
             "loads": dict(self.loads),
+            "cold_starts": self.cold_starts,
             "evictions_total": self.evictions,
             "loaded_models": sorted(self.loaded),
             "memory_used_gb": round(self.used_gb, 3),

@@ -400,7 +400,7 @@ class MockBackend:
         A request that only loads the model (no prompt) takes no slot.
         """
         model, keep_alive, load_only = wanted
-        await memory.acquire(model, keep_alive)
+        await memory.acquire(model, keep_alive, load_only=load_only)
         try:
             if slotted and not load_only:
                 await self._deliver_in_slot(conn, reply, headers, config)

@@ -51,6 +51,8 @@ RATE = 3.0  # requests a second, on average
 STRATEGIES = ("round_robin", "smart", "fleet")
 # How often discovery reads /api/ps meanwhile, as Celery beat would.
 DISCOVERY_SECONDS = 5.0
+# "Served lately, so loaded" until discovery says otherwise: about its interval.
+SERVED_HOT_SECONDS = 10.0
 KEY_NAME = "bench-fleet"
 
 
@@ -107,7 +109,12 @@ def _rows(urls: list[str]) -> Iterator[str]:
 def _set_strategy(strategy: str) -> None:
     policy = RoutingPolicy.load()
     policy.strategy = strategy
-    _set_if_present(policy, fleet_queue_timeout_seconds=300.0, fleet_queue_length=1000)
+    _set_if_present(
+        policy,
+        fleet_queue_timeout_seconds=300.0,
+        fleet_queue_length=1000,
+        served_hot_seconds=SERVED_HOT_SECONDS,
+    )
     policy.full_clean()
     policy.save()
 
@@ -210,14 +217,16 @@ def run_fleet_benchmark(
                         outcome = asyncio.run(_run(server.url, key, plan))
                 finally:
                     server.stop()
-                loads = sum(
-                    httpx.get(f"{m.base_url}/_mock/stats").json()["loads_total"]
-                    for m in mocks
-                )
+                nodes = {
+                    name: httpx.get(f"{m.base_url}/_mock/stats").json()
+                    for (name, _, _), m in zip(NODES, mocks, strict=True)
+                }
         finally:
             for mock in mocks:
                 mock.stop()
         timings = outcome["timings"]
+        loads = sum(node["loads_total"] for node in nodes.values())
+        waited = sum(node["cold_starts"] for node in nodes.values())
         results["strategies"][strategy] = {
             "served": len(timings),
             "failures": outcome["failures"],
@@ -225,6 +234,14 @@ def run_fleet_benchmark(
             "p95_s": _pct(timings, 95),
             "cold_loads": loads,
             "cold_loads_per_100": 100 * loads / requests,
+            "cold_starts_per_100": 100 * waited / requests,
+            "nodes": {
+                name: {
+                    key: node[key]
+                    for key in ("loads", "cold_starts", "evictions_total")
+                }
+                for name, node in nodes.items()
+            },
         }
     return results
 
@@ -245,8 +262,11 @@ def format_fleet_report(results: dict[str, Any]) -> str:
             f"{LOAD_SECONDS:g} s cold load; {LATENCY_MS} ms per request)"
         ),
         "",
-        "| strategy | served | failed | mean total | p95 total | cold loads / 100 |",
-        "|---|---|---|---|---|---|",
+        (
+            "| strategy | served | failed | mean total | p95 total | cold loads / 100 "
+            "| requests that waited for a load / 100 |"
+        ),
+        "|---|---|---|---|---|---|---|",
     ]
     for strategy, run in runs.items():
         failed = sum(run["failures"].values())
@@ -254,7 +274,8 @@ def format_fleet_report(results: dict[str, Any]) -> str:
         lines.append(
             f"| {strategy} | {run['served']} | {failed}"
             f"{f' ({detail})' if detail else ''} | {run['mean_s']:.2f} s"
-            f" | {run['p95_s']:.2f} s | {run['cold_loads_per_100']:.1f} |"
+            f" | {run['p95_s']:.2f} s | {run['cold_loads_per_100']:.1f}"
+            f" | {run['cold_starts_per_100']:.1f} |"
         )
     if "smart" in runs and "fleet" in runs:
         smart, fleet = runs["smart"], runs["fleet"]
