@@ -15,6 +15,8 @@ import pytest
 
 from tests.conftest import MockBackendProcess
 
+pytestmark = pytest.mark.mode_independent
+
 Factory = Callable[..., MockBackendProcess]
 
 

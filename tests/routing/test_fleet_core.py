@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from routing.core.fleet_policy import FleetPolicy
 from routing.core.policy import Policy
 from routing.core.vocabulary import Strategy
@@ -9,6 +11,8 @@ from routing.fleet.prewarm import PrewarmBook
 from routing.fleet.queues import FleetQueues, Waiter, has_free_slot
 from routing.fleet.rebalance import LineLoad, Move, Opening, plan_rebalance
 from routing.fleet.settings import FleetSettings
+
+pytestmark = pytest.mark.mode_independent
 
 
 class Clock:

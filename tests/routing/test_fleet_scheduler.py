@@ -25,6 +25,8 @@ from routing.fleet.scheduler import FleetScheduler, Placement
 from routing.metrics import GatewayMetrics
 from tests.conftest import MockBackendProcess
 
+pytestmark = pytest.mark.mode_independent
+
 
 def _routes(*backends: BackendSpec, **fleet: Any) -> RouterSnapshot:
     strategy = Strategy(fleet.pop("strategy", "fleet"))
