@@ -15,6 +15,7 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("dashboard/", usage_views.dashboard, name="dashboard"),
     path("dashboard/history", usage_views.history, name="dashboard-history"),
+    path("dashboard/fleet", routing_views.fleet, name="dashboard-fleet"),
     path("api/v1/", api.ApiIndexView.as_view(), name="api-index"),
     path("api/v1/", include("routing.api.urls")),
     path("api/v1/", include("backends.api.urls")),

@@ -27,7 +27,8 @@ from django.conf import settings
 
 from routing.admission.gate import AdmissionGate
 from routing.breaker import BREAKER_GROUP, BreakerSettings, CircuitBreaker
-from routing.core import Health, LiveStats, Router
+from routing.core import Health, LiveStats, Router, RouterSnapshot
+from routing.fleet.scheduler import FleetScheduler
 from routing.groups import listen_to_group
 from routing.holder import SnapshotHolder
 from routing.metrics import GatewayMetrics, MetricsEndpoint, Network, parse_networks
@@ -181,6 +182,13 @@ class Gateway:
         )
         self.publisher = UsagePublisher(self.live_usage)
         self.limiter = _make_limiter(config, self.metrics.limiter_errors.inc)
+        self.fleet = FleetScheduler(
+            self.stats,
+            self.metrics,
+            session=lambda: self.upstream.session,
+            routes=self._current_routes,
+            release_lease=self.limiter.release_backend,
+        )
         self.metrics_endpoint = MetricsEndpoint(
             self.metrics,
             self.refresh_gauges,
@@ -219,6 +227,7 @@ class Gateway:
         self.publisher.start()
         self.upstream.open()
         self.admission.start()
+        self.fleet.start()
         self._tasks = [
             loop.create_task(
                 listen_to_group(BREAKER_GROUP, self.breaker.on_message),
@@ -245,6 +254,7 @@ class Gateway:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.admission.stop()
+        await self.fleet.stop()
         await self.snapshots.stop()
         await self.publisher.stop()
         await self.breaker.stop()
@@ -299,6 +309,7 @@ class Gateway:
         self.metrics.set_backends(in_flight, names)
         self.metrics.set_usage_buffer(len(self.buffer), self.buffer.dropped_total)
         self.admission.refresh_metrics()
+        self.metrics.set_fleet_lines(self.fleet.queues.lines())
 
     async def _refresh_gauges_periodically(self) -> None:
         while True:
@@ -322,8 +333,13 @@ class Gateway:
     def _count_opening(self, backend_name: str) -> None:
         self.metrics.breaker_openings.labels(backend_name).inc()
 
+    def _current_routes(self) -> RouterSnapshot | None:
+        state = self.snapshots.peek()
+        return None if state is None else state.routes
+
     def _note_config(self, state: GatewayState) -> None:
         self.metrics.config_version.set(state.version)
+        self.fleet.snapshot_installed()
         if isinstance(self.limiter, LocalLimiter):
             self.limiter.reconcile(state.spend)
 

@@ -129,6 +129,7 @@ class GatewayMetrics:
             registry=registry,
         )
         self._add_admission_metrics(registry)
+        self._add_fleet_metrics(registry)
         self.limited = Counter(
             "nexus_requests_limited",
             "Requests refused by a key's limits, by reason: requests, tokens, "
@@ -222,6 +223,65 @@ class GatewayMetrics:
         for name, is_up in up:
             self.backend_up.labels(name).set(1 if is_up else 0)
             self.in_flight.labels(name).set(in_flight.get(name, 0))
+
+    def _add_fleet_metrics(self, registry: CollectorRegistry) -> None:
+        """The fleet scheduler's (routing/fleet): queues, warm-ups, moves, holds."""
+        self.fleet_prewarm = Counter(
+            "nexus_fleet_prewarm",
+            "Models loaded ahead of demand on a runner-up backend, by outcome "
+            "(loaded, failed).",
+            ("backend", "model", "outcome"),
+            registry=registry,
+        )
+        self.fleet_rebalanced = Counter(
+            "nexus_fleet_rebalanced",
+            "Waiting requests moved to a backend where their model is hot.",
+            ("source", "destination", "model"),
+            registry=registry,
+        )
+        self.fleet_queue_waiting = Gauge(
+            "nexus_fleet_queue_waiting",
+            "Requests waiting for a slot, by backend and model.",
+            ("backend", "model"),
+            multiprocess_mode="livesum",
+            registry=registry,
+        )
+        self.fleet_queue_wait = Histogram(
+            "nexus_fleet_queue_wait_seconds",
+            "Time requests waited for a slot before running.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.fleet_queue_refusals = Counter(
+            "nexus_fleet_queue_refusals",
+            "Requests the fleet queues refused, by reason (queue_full, queue_timeout).",
+            ("reason",),
+            registry=registry,
+        )
+        self.fleet_held = Gauge(
+            "nexus_fleet_held_requests",
+            "Requests held because no backend can serve their model now.",
+            multiprocess_mode="livesum",
+            registry=registry,
+        )
+        self.fleet_hold_outcomes = Counter(
+            "nexus_fleet_hold",
+            "Held requests by outcome: served (a backend came back) or expired "
+            "(then the fallback chain, then 503).",
+            ("outcome",),
+            registry=registry,
+        )
+        self._fleet_lines: set[tuple[str, str]] = set()
+
+    def set_fleet_lines(self, lines: Iterable[tuple[str, str, int]]) -> None:
+        """Set the waiting gauge of every line (and zero those now empty)."""
+        current: set[tuple[str, str]] = set()
+        for backend, model, waiting in lines:
+            current.add((backend, model))
+            self.fleet_queue_waiting.labels(backend, model).set(waiting)
+        for backend, model in self._fleet_lines - current:
+            self.fleet_queue_waiting.labels(backend, model).set(0)
+        self._fleet_lines = current
 
     def _add_admission_metrics(self, registry: CollectorRegistry) -> None:
         self.admission_queue_length = Gauge(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TypedDict
 from urllib.parse import urlsplit, urlunsplit
 
+from django.contrib.admin.views.decorators import staff_member_required
 from django.db import DatabaseError
 from django.http import HttpRequest, JsonResponse
 from django.utils import timezone
@@ -129,6 +130,14 @@ def health(request: HttpRequest) -> JsonResponse:
     if _is_staff(request):
         body["backends"] = rows
     return JsonResponse(body, status=200 if serving else 503)
+
+
+@never_cache
+@require_safe
+@staff_member_required
+def fleet(request: HttpRequest) -> JsonResponse:
+    """The fleet scheduler's state in this serving process (the dashboard)."""
+    return JsonResponse(dict(current_gateway().fleet.as_dict()))
 
 
 def _is_staff(request: HttpRequest) -> bool:

@@ -36,6 +36,9 @@ _KNOB_OPTIONS = (
     "vision_models",
     "tool_models",
     "slots",
+    "memory_gb",
+    "load_seconds",
+    "keep_alive_seconds",
 )
 
 
@@ -48,8 +51,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8001, help="0 picks a free port.")
     parser.add_argument("--name", default="mock", help="Shown in every reply.")
+    parser.add_argument("--models", help="Comma-separated model names served.")
     parser.add_argument(
-        "--models", required=True, help="Comma-separated model names served."
+        "--model",
+        action="append",
+        metavar="NAME:SIZE_GB",
+        help="A model served, with its size in GB (repeat the flag; Ollama "
+        "kind: models then load and unload, see --memory-gb).",
+    )
+    parser.add_argument(
+        "--memory-gb",
+        type=float,
+        help="Ollama kind: memory for loaded models; loading one that does not "
+        "fit evicts the least recently used.",
+    )
+    parser.add_argument(
+        "--load-seconds",
+        type=float,
+        help="Ollama kind: time to load a model that is not loaded (default 0).",
+    )
+    parser.add_argument(
+        "--keep-alive-seconds",
+        type=float,
+        help="Ollama kind: how long a model stays loaded after its last "
+        "request (default 300; a request's keep_alive wins).",
     )
     parser.add_argument(
         "--latency-ms", type=float, default=0.0, help="Delay before the response."
@@ -140,6 +165,12 @@ def serve_from_options(
     address cannot be bound.
     """
     knobs = {key: options[key] for key in _KNOB_OPTIONS if options[key] is not None}
+    sized = options.get("model") or []
+    if sized:
+        knobs["model_sizes"] = sized
+        names = [item.rpartition(":")[0] or item for item in sized]
+        listed = [m for m in (options["models"] or "").split(",") if m.strip()]
+        knobs["models"] = ",".join(dict.fromkeys([*listed, *names]))
     if options["fail_status"] is not None and options["error_rate"] is None:
         knobs["error_rate"] = 1.0
     if options["loading"]:

@@ -35,7 +35,9 @@ class MockConfig:
     tool calls the mock makes (see ``nexus_site.mock_backend.tools``).
     ``slots`` > 0 serves at most that many inference requests at once, the
     others waiting in arrival order inside the mock, like a model server's own
-    queue (0: no limit).
+    queue (0: no limit). ``model_sizes`` (GB per model), ``memory_gb``,
+    ``load_seconds`` and ``keep_alive_seconds`` make an Ollama mock load and
+    evict models like a node of a fleet (``nexus_site.mock_backend.memory``).
     """
 
     models: tuple[str, ...] = ()
@@ -58,6 +60,21 @@ class MockConfig:
     loading: bool = False
     tool_arguments: dict[str, Any] | None = None
     slots: int = 0
+    model_sizes: tuple[tuple[str, float], ...] = ()
+    memory_gb: float | None = None
+    load_seconds: float = 0.0
+    keep_alive_seconds: float = 300.0
+
+    @property
+    def has_memory(self) -> bool:
+        """Whether models load and unload (an Ollama node of a fleet)."""
+        return self.kind == "ollama" and bool(
+            self.model_sizes or self.memory_gb is not None or self.load_seconds > 0
+        )
+
+    def size_of(self, model: str) -> float | None:
+        """The model's size in GB, when one was given."""
+        return dict(self.model_sizes).get(model)
 
     @classmethod
     def from_knobs(cls, knobs: Mapping[str, Any]) -> MockConfig:
@@ -83,10 +100,12 @@ class MockConfig:
 
     def as_dict(self) -> dict[str, Any]:
         """Return the knobs as JSON-ready values."""
-        return {
+        values = {
             name: list(value) if isinstance(value, tuple) else value
             for name, value in dataclasses.asdict(self).items()
         }
+        values["model_sizes"] = dict(self.model_sizes)
+        return values
 
 
 def _check_number(key: str, value: Any) -> float:
@@ -165,6 +184,42 @@ def _validate_model_subset(key: str, value: Any) -> tuple[str, ...]:
     return _validate_models(key, value)
 
 
+def _validate_model_sizes(key: str, value: Any) -> tuple[tuple[str, float], ...]:
+    """{"name": GB} or ["name:GB", ...] -> sorted (name, GB) pairs."""
+    items: list[tuple[Any, Any]]
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, list | tuple):
+        items = []
+        for item in value:
+            if isinstance(item, list | tuple) and len(item) == 2:
+                items.append((item[0], item[1]))
+            elif isinstance(item, str) and ":" in item:
+                name, _, size = item.rpartition(":")
+                try:
+                    items.append((name, float(size)))
+                except ValueError:
+                    items.append((name, size))
+            else:
+                items.append((item, None))
+    else:
+        raise ConfigError(key, f"{key} must map model names to sizes in GB.")
+    sizes: dict[str, float] = {}
+    for name, size in items:
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(key, f"{key}: model names must be non-empty strings.")
+        if (
+            isinstance(size, bool)
+            or not isinstance(size, int | float)
+            or not 0 < size <= 10_000
+        ):
+            raise ConfigError(
+                key, f"{key}: the size of {name!r} must be from 0 to 10000 GB."
+            )
+        sizes[name.strip()] = float(size)
+    return tuple(sorted(sizes.items()))
+
+
 def _validate_models(key: str, value: Any) -> tuple[str, ...]:
     items = value.split(",") if isinstance(value, str) else value
     if not isinstance(items, list | tuple) or not all(
@@ -200,4 +255,8 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "loading": _validate_bool,
     "tool_arguments": _optional(_validate_json_object),
     "slots": _int_knob(0, 100_000),
+    "model_sizes": _validate_model_sizes,
+    "memory_gb": _optional(_float_knob(0.001, 100_000)),
+    "load_seconds": _float_knob(0, 3600),
+    "keep_alive_seconds": _float_knob(-1, 86_400),
 }

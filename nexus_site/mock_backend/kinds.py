@@ -173,7 +173,9 @@ def _answer_ollama(request: Request, config: MockConfig) -> bytes | None:
         return encode_json({"version": OLLAMA_VERSION})
     if path == "/api/tags":
         _require_get(request)
-        return encode_json({"models": [_ollama_tag(m) for m in config.models]})
+        return encode_json(
+            {"models": [describe_ollama_tag(config, m) for m in config.models]}
+        )
     if path == "/api/ps":
         _require_get(request)
         loaded = config.models if config.loaded_models is None else config.loaded_models
@@ -182,7 +184,7 @@ def _answer_ollama(request: Request, config: MockConfig) -> bytes | None:
             {
                 "models": [
                     {
-                        **_ollama_tag(model),
+                        **describe_ollama_tag(config, model),
                         "expires_at": expires,
                         "size_vram": _MODEL_SIZE,
                         "context_length": config.context_length,
@@ -220,7 +222,7 @@ def _ollama_show(request: Request, config: MockConfig) -> bytes:
             "modelfile": f"FROM {name}\n",
             "parameters": 'stop "<|eot_id|>"',
             "template": "{{ .Prompt }}",
-            "details": _ollama_details(),
+            "details": _ollama_details(config.size_of(name)),
             "model_info": {
                 "general.architecture": "llama",
                 "general.parameter_count": 8_030_261_248,
@@ -233,24 +235,28 @@ def _ollama_show(request: Request, config: MockConfig) -> bytes:
     )
 
 
-def _ollama_tag(model: str) -> dict[str, Any]:
+def describe_ollama_tag(config: MockConfig, model: str) -> dict[str, Any]:
+    """A model as Ollama's /api/tags lists it (its size when one was given)."""
+    size_gb = config.size_of(model)
     return {
         "name": model,
         "model": model,
         "modified_at": _iso(int(time.time())),
-        "size": _MODEL_SIZE,
+        "size": _MODEL_SIZE if size_gb is None else int(size_gb * 1_000_000_000),
         "digest": hashlib.sha256(model.encode()).hexdigest(),
-        "details": _ollama_details(),
+        "details": _ollama_details(size_gb),
     }
 
 
-def _ollama_details() -> dict[str, Any]:
+def _ollama_details(size_gb: float | None = None) -> dict[str, Any]:
+    # A 4-bit quantised model takes about 0.6 GB per billion parameters.
+    parameters = "8.0B" if size_gb is None else f"{size_gb / 0.6:.1f}B"
     return {
         "parent_model": "",
         "format": "gguf",
         "family": "llama",
         "families": ["llama"],
-        "parameter_size": "8.0B",
+        "parameter_size": parameters,
         "quantization_level": "Q4_0",
     }
 

@@ -29,8 +29,10 @@ from nexus_site.mock_backend.kinds import (
     check_anthropic_headers,
     check_bearer,
     describe_model,
+    describe_ollama_tag,
 )
 from nexus_site.mock_backend.listener import Listener
+from nexus_site.mock_backend.memory import NodeMemory, parse_keep_alive
 from nexus_site.mock_backend.messages import (
     answer_messages,
     anthropic_error,
@@ -89,6 +91,7 @@ class MockBackend:
         self._background: set[asyncio.Task[None]] = set()
         # Requests waiting for one of the --slots, in arrival order.
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
+        self.memory: NodeMemory | None = None
         self._apply_config(config)
 
     # Lifecycle
@@ -198,7 +201,17 @@ class MockBackend:
         stats.responses[status] += 1
         if record is not None:
             record.status = status
-        slotted = config.slots > 0 and request.path in _SLOTTED_PATHS
+        slotted = config.slots > 0 and (
+            request.path in _SLOTTED_PATHS
+            or (config.kind == "ollama" and request.path in OLLAMA_INFERENCE_PATHS)
+        )
+        memory = self.memory
+        if memory is not None and status == 200:
+            wanted = _model_wanted(request)
+            if wanted is not None:
+                return self._deliver_loaded(
+                    memory, wanted, conn, reply, headers, config, slotted
+                )
         if slotted:
             return self._deliver_in_slot(conn, reply, headers, config)
         # Answer without a task when nothing has to wait: benchmarks live here.
@@ -217,6 +230,8 @@ class MockBackend:
     def _answer(self, request: Request, config: MockConfig) -> bytes | _Stream:
         if config.kind == "ollama" and request.path in OLLAMA_INFERENCE_PATHS:
             return self._answer_ollama(request, config)
+        if self.memory is not None and request.path == "/api/ps":
+            return self._answer_ps(request, config, self.memory)
         if config.kind == "anthropic" and request.path.startswith("/v1/messages"):
             return self._answer_messages(request, config)
         if config.kind != "openai":
@@ -370,6 +385,46 @@ class MockBackend:
         finally:
             self.stats.in_flight -= 1
 
+    async def _deliver_loaded(
+        self,
+        memory: NodeMemory,
+        wanted: tuple[str, float | None, bool],
+        conn: HttpConnection,
+        reply: bytes | ApiError | _Stream,
+        headers: list[Header],
+        config: MockConfig,
+        slotted: bool,
+    ) -> None:
+        """Load the model if it is not (as Ollama's scheduler does), then answer.
+
+        A request that only loads the model (no prompt) takes no slot.
+        """
+        model, keep_alive, load_only = wanted
+        await memory.acquire(model, keep_alive, load_only=load_only)
+        try:
+            if slotted and not load_only:
+                await self._deliver_in_slot(conn, reply, headers, config)
+            else:
+                await self._deliver(conn, reply, headers, config)
+        finally:
+            memory.release(model)
+
+    def _answer_ps(
+        self, request: Request, config: MockConfig, memory: NodeMemory
+    ) -> bytes:
+        check_bearer(request, config, ollama=True)
+        if request.method not in ("GET", "HEAD"):
+            raise ollama_error(405, "method not allowed")
+        return encode_json(
+            {
+                "models": [
+                    {**describe_ollama_tag(config, entry["name"]), **entry}
+                    for entry in memory.ps(config.context_length)
+                    if entry["name"] in config.models
+                ]
+            }
+        )
+
     async def _deliver_in_slot(
         self,
         conn: HttpConnection,
@@ -465,6 +520,7 @@ class MockBackend:
             elif route == "reset":
                 _require_method(request, "POST")
                 self.stats.reset()
+                self.memory = None
                 self._apply_config(self.initial_config)
                 body = self.describe_config()
             else:
@@ -488,7 +544,16 @@ class MockBackend:
         self._apply_config(config, reseed="seed" in changes)
 
     def _apply_config(self, config: MockConfig, reseed: bool = True) -> None:
+        previous = getattr(self, "config", None)
         self.config = config
+        if not config.has_memory:
+            self.memory = None
+        elif (
+            self.memory is None
+            or previous is None
+            or _memory_knobs(previous) != _memory_knobs(config)
+        ):
+            self.memory = _new_memory(config)
         if reseed:
             self._rng = random.Random(config.seed)
         if self.stats.recorded.maxlen != config.record_requests:
@@ -513,7 +578,10 @@ class MockBackend:
 
     def describe_stats(self) -> dict[str, Any]:
         """Return the stats as JSON-ready values."""
-        return {"name": self.config.name, **self.stats.as_dict()}
+        stats = {"name": self.config.name, **self.stats.as_dict()}
+        if self.memory is not None:
+            stats.update(self.memory.as_dict())
+        return stats
 
 
 def _require_method(request: Request, *allowed: str) -> None:
@@ -543,6 +611,49 @@ def _pop_refuse(changes: dict[str, Any]) -> tuple[float | None, bool]:
     if not isinstance(refuse, bool):
         raise ApiError(400, "refuse must be a boolean.", param="refuse")
     return refuse_for, refuse
+
+
+def _memory_knobs(config: MockConfig) -> tuple[Any, ...]:
+    return (
+        config.models,
+        config.model_sizes,
+        config.memory_gb,
+        config.load_seconds,
+        config.keep_alive_seconds,
+        config.loaded_models,
+    )
+
+
+def _new_memory(config: MockConfig) -> NodeMemory:
+    memory = NodeMemory(
+        sizes=dict(config.model_sizes),
+        ceiling_gb=config.memory_gb,
+        load_seconds=config.load_seconds,
+        keep_alive_seconds=config.keep_alive_seconds,
+    )
+    memory.preload(
+        config.models if config.loaded_models is None else config.loaded_models
+    )
+    return memory
+
+
+def _model_wanted(request: Request) -> tuple[str, float | None, bool] | None:
+    """(model, keep_alive, load only) of an inference request, if it names one."""
+    if request.path not in OLLAMA_INFERENCE_PATHS and request.path not in (
+        _INFERENCE_PATHS
+    ):
+        return None
+    try:
+        payload = parse_json_object(request.body)
+    except ApiError:
+        return None
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        return None
+    load_only = (request.path == "/api/generate" and not payload.get("prompt")) or (
+        request.path == "/api/chat" and not payload.get("messages")
+    )
+    return model, parse_keep_alive(payload.get("keep_alive")), load_only
 
 
 def _status_of(reply: bytes | ApiError) -> int:

@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 from routing.admission import AdmissionError
 from routing.admission.gate import BadAdmissionHeader
-from routing.core import RequestRequirements, RoutingError
+from routing.core import RequestRequirements, Route, RouterSnapshot, RoutingError
+from routing.core.decision import Via
+from routing.fleet.errors import FleetRefusal
 from routing.metrics import UNKNOWN
 from routing.proxy import limits
 from routing.proxy.errors import (
@@ -653,11 +655,14 @@ class ProxyApp:
                 raise bad_request(str(error), param=error.header) from None
             except AdmissionError as error:
                 raise _admission_error(error, exchange, headers) from None
+            route, routes = await self._route(state.routes, requirements)
+            fleet = gateway.fleet
+            fleet.after_decision(route, routes)
             try:
-                route = gateway.router.select(requirements, state.routes, gateway.stats)
-            except RoutingError as error:
-                raise _routing_error(error) from error
-            await forward(gateway, exchange, route, payload, raw, send, headers, call)
+                placed = await fleet.take_slot(route, routes)
+            except FleetRefusal as error:
+                raise _fleet_error(error, exchange, headers) from None
+            await forward(gateway, exchange, placed, payload, raw, send, headers, call)
         except asyncio.CancelledError:
             if not exchange.client_gone:
                 raise
@@ -669,6 +674,44 @@ class ProxyApp:
         finally:
             watcher.cancel()
             gateway.admission.release(ticket)
+
+    async def _route(
+        self, routes: RouterSnapshot, requirements: RequestRequirements
+    ) -> tuple[Route, RouterSnapshot]:
+        """Route the request, holding it first when its model has no backend.
+
+        With the policy's hold_seconds > 0, a request whose model exists but
+        has no backend able to take it now waits for one (routing/fleet); when
+        the time is up it goes down the fallback chain through the full
+        pipeline, and is refused if that finds nothing either.
+        """
+        gateway = self.gateway
+        router, stats, fleet = gateway.router, gateway.stats, gateway.fleet
+        try:
+            route = router.select(requirements, routes, stats)
+        except RoutingError as error:
+            if not fleet.should_hold(error.decision, routes):
+                raise _routing_error(error) from error
+        else:
+            if not fleet.should_hold(route.decision, routes):
+                return route, routes
+
+        def route_primary(now: RouterSnapshot) -> tuple[Route, RouterSnapshot] | None:
+            try:
+                found = router.select(requirements, now, stats)
+            except RoutingError:
+                return None
+            return None if found.decision.via == Via.FALLBACK else (found, now)
+
+        held = await fleet.hold(route_primary)
+        if held is not None:
+            return held
+        state = gateway.snapshots.peek()
+        routes = routes if state is None else state.routes
+        try:
+            return router.select(requirements, routes, stats), routes
+        except RoutingError as error:
+            raise _routing_error(error) from error
 
     async def _check_key(
         self,
@@ -714,6 +757,15 @@ class ProxyApp:
             exchange.meter = limits.BudgetMeter(
                 gateway.limiter, ticket, state.prices, model, prompt
             )
+
+
+def _fleet_error(
+    error: FleetRefusal, exchange: Exchange, headers: Headers
+) -> ProxyError:
+    """The client's answer to a request the fleet queues did not run."""
+    exchange.usage = _NOTHING_BILLED
+    headers.append((b"retry-after", str(error.retry_after).encode()))
+    return ProxyError(503, error.message, error_type="server_error", code=error.code)
 
 
 def _admission_error(

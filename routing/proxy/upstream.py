@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from routing.core import LiveStats, Route, Target
+from routing.fleet.scheduler import Placement
 from routing.proxy import checks, sse
 from routing.proxy.errors import ProxyError
 from routing.proxy.legs import Call, Leg, LegStream, Unservable, openai_call
@@ -176,7 +177,7 @@ class ReplyLimits:
 async def forward(
     gateway: Gateway,
     exchange: Exchange,
-    route: Route,
+    route: Route | Placement,
     payload: dict[str, Any],
     raw: bytes,
     send: Send,
@@ -209,7 +210,11 @@ async def forward(
     failures: list[str] = []
     last_timeout = False
     last_fault = ""
+    handed = route.lease if isinstance(route, Placement) else None
     for position, target in enumerate(targets):
+        if position == 1 and handed is not None:  # the first target was skipped
+            _drop_lease(gateway, route.target, handed)
+            handed = None
         backend = target.backend
         model = target.model.name
         adapter = adapter_for(backend.kind)
@@ -228,8 +233,8 @@ async def forward(
         if not stats.try_begin(backend, model):
             failures.append(f"{backend.name}: at max concurrency")
             continue
-        lease: str | None = None
-        if backend.max_concurrency and gateway.limiter.shared:
+        lease, handed = handed, None  # the first target's slot, if handed over
+        if lease is None and backend.max_concurrency and gateway.limiter.shared:
             # Gateway-wide: the other serving processes' requests count too.
             lease = await gateway.limiter.acquire_backend(
                 backend.name, backend.capacity
@@ -389,9 +394,18 @@ async def forward(
                 # short (client gone, error) must not go back to the pool.
                 response.close()
             stats.end(backend.name, model)
-            if lease is not None:
+            if not gateway.fleet.finished(backend.name, lease) and lease is not None:
                 gateway.limiter.release_backend(backend.name, lease)
+    if handed is not None:
+        _drop_lease(gateway, route.target, handed)
     _raise_exhausted(exchange, failures, last_timeout, last_fault)
+
+
+def _drop_lease(gateway: Gateway, target: Target, lease: str) -> None:
+    """Give back a slot lease handed over for a target that was not tried."""
+    name = target.backend.name
+    if not gateway.fleet.finished(name, lease):
+        gateway.limiter.release_backend(name, lease)
 
 
 def _raise_exhausted(

@@ -130,6 +130,23 @@ def build_parser() -> argparse.ArgumentParser:
         "of 2 mocks x 4 slots, admission off and on, and the bypass cost).",
     )
     parser.add_argument(
+        "--fleet",
+        action="store_true",
+        help="Instead: fleet scheduling's benchmark (3 mock Ollama nodes, 6 "
+        "models, cold loads; round_robin, smart and fleet compared).",
+    )
+    parser.add_argument(
+        "--fleet-requests",
+        type=int,
+        default=120,
+        help="Requests per strategy in the fleet benchmark (default 120).",
+    )
+    parser.add_argument(
+        "--fleet-strategies",
+        default="round_robin,smart,fleet",
+        help="Comma-separated strategies the fleet benchmark compares.",
+    )
+    parser.add_argument(
         "--limits",
         action="store_true",
         help="Instead: what keys' limits and budgets cost (a key without limits "
@@ -156,6 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _admission(options)
     if options.limits:
         return _limits(options)
+    if options.fleet:
+        if not 10 <= options.fleet_requests <= 10_000:
+            parser.error("--fleet-requests must be within 10..10000.")
+        return _fleet(options)
     if options.duration < 1:
         parser.error("--duration must be at least 1 second.")
     if not 2 <= options.workers <= 64:
@@ -234,6 +255,34 @@ def _admission(options: argparse.Namespace) -> int:
         return 1
     (options.output / "admission.json").write_text(json.dumps(results, indent=2))
     sys.stdout.write(format_admission_report(results) + "\n")
+    return 0
+
+
+def _fleet(options: argparse.Namespace) -> int:
+    from nexus_site.mock_backend import spawn_mock_backend
+    from tests.bench.fleet import format_fleet_report, run_fleet_benchmark
+
+    ensure_database()
+    call_command("migrate", interactive=False, verbosity=0)
+    logs = options.output / "fleet-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    strategies = tuple(
+        s.strip() for s in options.fleet_strategies.split(",") if s.strip()
+    )
+    try:
+        results = run_fleet_benchmark(
+            child_environment(),
+            spawn_mock_backend,
+            logs,
+            options.fleet_requests,
+            _progress,
+            strategies,
+        )
+    except BenchError as error:
+        sys.stderr.write(f"The benchmark failed: {error}\n")
+        return 1
+    (options.output / "fleet.json").write_text(json.dumps(results, indent=2))
+    sys.stdout.write(format_fleet_report(results) + "\n")
     return 0
 
 

@@ -181,3 +181,21 @@ def test_a_backend_slot_freed_here_is_taken_over_before_its_release_is_sent(
     assert first is not None and taken_over == first
     assert refused is None
     assert later is not None
+
+
+def test_a_slot_this_process_just_released_can_be_taken_at_once(
+    redis_url: str,
+) -> None:
+    # A release is written to Redis by a background batch, a moment later; an
+    # acquire meanwhile (a queued request taking the freed slot) must not be
+    # refused for the slot this very process gave back.
+    limiter = RedisLimiter(redis_url)
+
+    async def main():
+        first = await limiter.acquire_backend("gpu-1", 1)
+        assert first is not None
+        assert await limiter.acquire_backend("gpu-1", 1) is None  # really full
+        limiter.release_backend("gpu-1", first)
+        return await limiter.acquire_backend("gpu-1", 1)
+
+    assert run(main, limiter) is not None

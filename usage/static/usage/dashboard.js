@@ -14,6 +14,8 @@
   const body = document.body;
   const streamUrl = body.dataset.streamUrl;
   const historyUrl = body.dataset.historyUrl;
+  const fleetUrl = body.dataset.fleetUrl;
+  const FLEET_REFRESH_MS = 2000;
 
   // Cluster totals per model over time, for each model's tokens per minute:
   // {t (s), byModel{}}. Counters only grow while servers run; a drop means a
@@ -473,6 +475,33 @@
     }
   }
 
+  async function loadFleet() {
+    try {
+      const response = await fetch(fleetUrl, { credentials: "same-origin" });
+      if (!response.ok) throw new Error(response.status);
+      const fleet = await response.json();
+      $("fleet-summary").textContent =
+        fleet.waiting + " waiting, " + fleet.held + " held, " +
+        fleet.prewarm_total + " warm-ups, " + fleet.moved_total + " moved" +
+        (fleet.enabled ? "" : " (strategy is not fleet: no lines)");
+      fillTable("fleet-lines", fleet.lines.map(function (line) {
+        const tr = document.createElement("tr");
+        tr.append(cell(line.backend), cell(line.model), cell(String(line.waiting), "num"));
+        return tr;
+      }), "Nothing waiting.", 3);
+      fillTable("fleet-warmups", fleet.prewarms.map(function (warm) {
+        const tr = document.createElement("tr");
+        tr.append(
+          cell(warm.backend), cell(warm.model), cell(warm.outcome),
+          cell(new Date(warm.at * 1000).toLocaleTimeString())
+        );
+        return tr;
+      }), "No warm-ups yet.", 4);
+    } catch (error) {
+      $("fleet-summary").textContent = "Fleet state unavailable.";
+    }
+  }
+
   function onEvent(message) {
     latest = JSON.parse(message.data);
     // Client time, not the server's: the window is measured against Date.now().
@@ -499,6 +528,8 @@
   connect();
   // Rates are windowed over time: redraw even when no event arrives.
   setInterval(render, 1000);
+  loadFleet();
+  setInterval(loadFleet, FLEET_REFRESH_MS);
   for (const range of ["hour", "day"]) {
     loadHistory(range);
     setInterval(() => loadHistory(range), HISTORY_REFRESH_MS);
