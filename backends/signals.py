@@ -15,3 +15,4 @@ from django.dispatch import Signal
 # Sent with ``sender`` (the model class written to) and ``using`` (the database
 # alias), inside the transaction that made the change.
 backends_changed = Signal()
+
