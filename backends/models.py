@@ -402,4 +402,4 @@ class BackendModel(models.Model):
 
 # Defined in their own module (their workflow is long); imported here so that
 # Django finds the model.
-from backends.workers import Worker  # noqa: E402, F401
+from backends.workers import Worker  # noqa: F401

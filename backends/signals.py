@@ -15,4 +15,3 @@ from django.dispatch import Signal
 # Sent with ``sender`` (the model class written to) and ``using`` (the database
 # alias), inside the transaction that made the change.
 backends_changed = Signal()
-

@@ -18,12 +18,11 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
 from django.core.exceptions import ValidationError
 from django.db import models, transaction
 from django.utils import timezone
-
-from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
 
 from backends.kinds import ModelInfo
 from backends.models import Backend, BackendKind, HealthStatus
@@ -80,7 +79,9 @@ class WorkerQuerySet(models.QuerySet["Worker"]):
         the change commits.
         """
         with transaction.atomic(using=self.db):
-            revoked = list(self.select_for_update().filter(is_active=True))
+            revoked: list[Worker] = list(
+                self.select_for_update().filter(is_active=True)
+            )
             for worker in revoked:
                 worker.is_active = False
                 worker.save(update_fields=("is_active",))
@@ -229,7 +230,10 @@ def register_worker(
         if backend is None:
             backend, _ = Backend.objects.get_or_create(
                 name=worker.name,
-                defaults={"kind": BackendKind.RELAY, "base_url": relay_url(worker.name)},
+                defaults={
+                    "kind": BackendKind.RELAY,
+                    "base_url": relay_url(worker.name),
+                },
             )
         backend.kind = BackendKind.RELAY
         backend.base_url = relay_url(worker.name)
