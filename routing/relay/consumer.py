@@ -136,7 +136,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
 
     async def _close(self, code: int) -> None:
         self._closing = True
-        await self.close(code=code)
+        # A plain int: Daphne's websocket library refuses an IntEnum.
+        await self.close(code=int(code))
 
     async def _await_register(self) -> None:
         await asyncio.sleep(REGISTER_TIMEOUT)
