@@ -59,7 +59,7 @@ class WorkerAdmin(WorkerAdminBase):
         "last_address",
         "created_at",
     )
-    actions = ("drain_workers", "rotate_secrets", "revoke_workers")
+    actions = ("drain_workers", "refresh_models", "rotate_secrets", "revoke_workers")
 
     def get_readonly_fields(
         self, request: HttpRequest, obj: Worker | None = None
@@ -125,6 +125,16 @@ class WorkerAdmin(WorkerAdminBase):
             self.message_user(
                 request, "None of these workers is connected.", messages.WARNING
             )
+
+    @admin.action(description="Refresh models (the worker lists them again)")
+    def refresh_models(self, request: HttpRequest, queryset: QuerySet[Worker]) -> None:
+        told = Worker.objects.filter(pk__in=queryset.values("pk")).refresh_models()
+        self.message_user(
+            request,
+            f"Asked {', '.join(told)} to list their models again."
+            if told
+            else "None of these workers is connected.",
+        )
 
     @admin.action(description="Rotate secret (disconnects the worker)")
     def rotate_secrets(self, request: HttpRequest, queryset: QuerySet[Worker]) -> None:

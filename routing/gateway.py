@@ -239,6 +239,7 @@ class Gateway:
 
     async def stop(self) -> None:
         """Stop every task; usage still held is handed on first."""
+        await self.relay.stop()
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()

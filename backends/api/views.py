@@ -130,6 +130,14 @@ class WorkerViewSet(
         worker.refresh_from_db()
         return Response(self.get_serializer(worker).data)
 
+    @extend_schema(request=None, responses=WorkerSerializer)
+    @action(detail=True, methods=["post"])
+    def refresh(self, request: Request, pk: str | None = None) -> Response:
+        """Ask the connected worker to list its local models again now."""
+        worker = self.get_object()
+        Worker.objects.filter(pk=worker.pk).refresh_models()
+        return Response(self.get_serializer(worker).data)
+
     @extend_schema(request=DrainWorkerSerializer, responses=WorkerSerializer)
     @action(detail=True, methods=["post"])
     def drain(self, request: Request, pk: str | None = None) -> Response:

@@ -74,6 +74,7 @@ class WorkerLink(Protocol):
 
     def start_request(self, request_id: str, frame: str, reply_to: str) -> None: ...
     def cancel_request(self, request_id: str, reason: str) -> None: ...
+    async def leave(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -205,6 +206,21 @@ class RelayHub:
                 event = message.get("event")
                 if isinstance(event, list | tuple) and len(event) == 2:
                     call.deliver(message.get("seq"), (event[0], event[1]))
+
+    async def stop(self) -> None:
+        """The process is stopping: its workers are told to reconnect elsewhere.
+
+        Their backends turn Gone at once rather than when their health goes
+        stale (a stopping server cancels consumers without their disconnect).
+        """
+        links = list(self.links.values())
+        self.links.clear()
+        results = await asyncio.gather(
+            *(link.leave() for link in links), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                logger.warning("A relay worker did not leave cleanly: %r", result)
 
     # The consumer's side -----------------------------------------------------
 
