@@ -356,9 +356,10 @@ if REDIS_URL:
             "BACKEND": "channels_redis.core.RedisChannelLayer",
             "CONFIG": {
                 "hosts": [REDIS_URL],
-                # A serving process's relay reply channel carries every
-                # chunk of the relay streams it serves (routing/relay).
-                "channel_capacity": {"relay.*": 10_000},
+                # One list per serving process holds what comes to its
+                # channels, every chunk of the relay streams it serves among
+                # them (routing/relay): room for bursts.
+                "channel_capacity": {"specific.*": 10_000},
             },
         }
     }

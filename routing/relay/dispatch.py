@@ -56,7 +56,6 @@ _REQUEUE_CODES = frozenset({protocol.ERROR_DRAINING, protocol.ERROR_AT_CAPACITY}
 REQUEST_EVENT = "relay.request"
 CANCEL_EVENT = "relay.cancel"
 REPLY_EVENT = "relay.reply"
-REPLY_CHANNEL_PREFIX = "relay"
 # Headers the worker passes to its local backend (never the client's auth).
 _FORWARDED_HEADERS = ("content-type", "accept")
 
@@ -190,7 +189,9 @@ class RelayHub:
         self._layer = layer = get_channel_layer()
         if layer is None:
             return
-        self.reply_channel = channel = await layer.new_channel(REPLY_CHANNEL_PREFIX)
+        # The layer's default prefix: channels_redis reads every channel of a
+        # process from one list, named by that prefix.
+        self.reply_channel = channel = await layer.new_channel()
         self._ready.set()
         while True:
             try:
