@@ -178,6 +178,9 @@ class RelayHub:
         self._layer: Any = None
         self._ready = asyncio.Event()
         self._sequence = 0
+        # Called (soon, after the proxy's own bookkeeping) when a relay
+        # request of this process ends: a waiting request may take the slot.
+        self.on_slot_free: Callable[[], None] | None = None
 
     # Lifecycle -------------------------------------------------------------
 
@@ -386,6 +389,8 @@ class RelayHub:
     def finish(self, call: RelayCall, cancel: bool) -> None:
         """Forget a call; tell its worker to stop when it has not ended."""
         self.calls.pop(call.request_id, None)
+        if self.on_slot_free is not None:
+            asyncio.get_running_loop().call_soon(self.on_slot_free)
         if not cancel:
             return
         link = self.links.get(call.channel)

@@ -183,12 +183,17 @@ def relay(
     server = nexus_server_factory(NEXUS_RELAY_HEARTBEAT_SECONDS=HEARTBEAT)
     _, key = ApiKey.objects.create_key("relay-tests")
 
-    def start(name: str, *mock_args: str) -> tuple[MockBackendProcess, WorkerProcess]:
+    def start(
+        name: str,
+        *mock_args: str,
+        at: NexusServer = server,
+        worker_args: tuple[str, ...] = (),
+    ) -> tuple[MockBackendProcess, WorkerProcess]:
         mock = mock_backend_factory("--models", MODEL, "--name", name, *mock_args)
         _, secret = Worker.objects.create_worker(name)
-        worker = worker_factory(server, secret, mock, "--name", name)
+        worker = worker_factory(at, secret, mock, "--name", name, *worker_args)
         wait_registered(name)
-        wait_until_live(server)
+        wait_until_live(at)
         return mock, worker
 
     return Relay(server, key, start)
@@ -496,3 +501,52 @@ def test_worker_on_one_serving_process_serves_requests_at_another(
     )
     assert text == "[gpu-a/llama3:8b] echo: a b c d e f g h"
     wait_for(lambda: len(_usage_rows("gpu-a")) == 2)
+
+
+def test_busy_workers_queue_requests_first_come_first_served_and_bounded(
+    relay: Relay, nexus_server_factory: Callable[..., NexusServer]
+) -> None:
+    server = nexus_server_factory(
+        NEXUS_RELAY_QUEUE_MAX="1", NEXUS_RELAY_QUEUE_TIMEOUT="2.5"
+    )
+    mock, _ = relay.start(
+        "gpu-a",
+        "--latency-ms",
+        "1000",
+        at=server,
+        worker_args=("--max-concurrency", "1"),
+    )
+    sdk = _sdk(server, relay.key)
+    results: dict[str, object] = {}
+
+    def ask(label: str) -> None:
+        try:
+            reply = sdk.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": label}]
+            )
+            results[label] = reply.choices[0].message.content
+        except openai.APIStatusError as error:
+            results[label] = (error.status_code, error.code)
+
+    first = threading.Thread(target=ask, args=("first",))
+    first.start()
+    wait_for(lambda: _in_flight(mock) == 1)
+    second = threading.Thread(target=ask, args=("second",))
+    second.start()
+    time.sleep(0.3)  # let it take the one place in line
+    ask("third")
+    first.join(timeout=30)
+    second.join(timeout=30)
+    assert results == {
+        "first": "[gpu-a/llama3:8b] echo: first",
+        "second": "[gpu-a/llama3:8b] echo: second",  # waited its turn
+        "third": (503, "queue_full"),
+    }
+
+    httpx.post(f"{mock.base_url}/_mock/config", json={"latency_ms": 6000}, timeout=5)
+    slow = threading.Thread(target=ask, args=("slow",))
+    slow.start()
+    wait_for(lambda: _in_flight(mock) == 1)
+    ask("late")
+    assert results["late"] == (503, "queue_timeout")
+    slow.join(timeout=30)
