@@ -17,6 +17,11 @@ response that is not streamed, or one that failed, comes whole in
 ``response_complete.body`` unless it is too big for one frame, in which case it
 comes as chunks followed by ``response_complete`` with ``body`` null as well: a
 null body always means "the body is the chunks sent before".
+
+An ``error`` from the worker with a request_id fails that request (codes below:
+``draining``, ``at_capacity``, ``endpoint_not_allowed``, ``response_too_large``
+after some chunks, ...). Without a request_id and with code ``draining`` it says
+the whole worker is draining (SIGTERM or graceful_shutdown): send it no more.
 """
 
 from __future__ import annotations
