@@ -354,7 +354,12 @@ if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL]},
+            "CONFIG": {
+                "hosts": [REDIS_URL],
+                # A serving process's relay reply channel carries every
+                # chunk of the relay streams it serves (routing/relay).
+                "channel_capacity": {"relay.*": 10_000},
+            },
         }
     }
 else:
@@ -473,6 +478,10 @@ NEXUS_METRICS_TOKEN = env.str("NEXUS_METRICS_TOKEN", default="")
 # Seconds between health rounds (every enabled backend probed concurrently) and
 # how long one probe may take; a round lasts about one probe timeout at most.
 NEXUS_HEALTH_INTERVAL = _bounded_float("NEXUS_HEALTH_INTERVAL", 10.0, 0.1, 86_400)
+# Relay workers are pinged this often; 3 missed pongs make a worker Gone.
+NEXUS_RELAY_HEARTBEAT_SECONDS = _bounded_float(
+    "NEXUS_RELAY_HEARTBEAT_SECONDS", 5.0, 0.05, 300
+)
 NEXUS_HEALTH_PROBE_TIMEOUT = _bounded_float("NEXUS_HEALTH_PROBE_TIMEOUT", 5.0, 0.1, 600)
 # Consecutive failed probes that make a backend unhealthy, and consecutive good
 # ones that bring an unhealthy backend back (an unknown one needs one).

@@ -32,6 +32,7 @@ from routing.groups import listen_to_group
 from routing.holder import SnapshotHolder
 from routing.metrics import GatewayMetrics, MetricsEndpoint, Network, parse_networks
 from routing.proxy.upstream import ReplyLimits, UpstreamClient
+from routing.relay.dispatch import RelayHub
 from routing.state import GatewayState, build_state
 from routing.versioning import read_config_version
 from usage.buffer import UsageBuffer
@@ -174,6 +175,7 @@ class Gateway:
                 max_unsent=config.max_unsent_bytes,
             ),
         )
+        self.relay = RelayHub()
         self.metrics = GatewayMetrics()
         self.admission = AdmissionGate(self.metrics, share=config.admission_share)
         self.limiter = _make_limiter(config, self.metrics.limiter_errors.inc)
@@ -225,6 +227,7 @@ class Gateway:
                 name="usage-listen",
             ),
             loop.create_task(self._refresh_gauges_periodically(), name="gauges"),
+            loop.create_task(self.relay.run(), name="relay-replies"),
         ]
         self.limiter.start()
         if isinstance(self.limiter, LocalLimiter):

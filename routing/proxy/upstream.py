@@ -22,6 +22,7 @@ from routing.proxy import checks, sse
 from routing.proxy.errors import ProxyError
 from routing.proxy.legs import Call, Leg, LegStream, Unservable, openai_call
 from routing.proxy.outbound import OPENAI_ADAPTER, adapter_for
+from routing.relay.dispatch import RELAY_KIND, open_relay, relay_backend
 from routing.translate.base import BUDGET, StreamFailed
 
 if TYPE_CHECKING:
@@ -260,14 +261,20 @@ async def forward(
                 # The head too within the timeout, not just each read of it: a
                 # backend dripping its head a byte at a time would reset those.
                 async with asyncio.timeout(backend.request_timeout):
-                    response = await session.request(
-                        "POST",
-                        url,
-                        data=data,
-                        headers=headers,
-                        timeout=client.timeout(backend.request_timeout),
-                        allow_redirects=False,
-                    )
+                    if backend.kind == RELAY_KIND:
+                        path = exchange.path if leg is None else leg.path
+                        response = await open_relay(
+                            gateway, exchange, target, path, data, headers
+                        )
+                    else:
+                        response = await session.request(
+                            "POST",
+                            url,
+                            data=data,
+                            headers=headers,
+                            timeout=client.timeout(backend.request_timeout),
+                            allow_redirects=False,
+                        )
             except _TRANSPORT_ERRORS as error:
                 breaker.record_failure(backend.name)
                 gateway.metrics.retries.labels(backend.name).inc()
@@ -338,12 +345,14 @@ async def forward(
                 continue
             if status < 500:
                 breaker.record_success(backend.name)
-            exchange.backend = backend.name
+            # A relay request may have been requeued to another worker.
+            served_by = relay_backend(response) or backend.name
+            exchange.backend = served_by
             exchange.served_model = model
             if exchange.meter is not None:
                 exchange.meter.use_model(model)
             response_headers += (
-                (b"x-nexus-backend", backend.name.encode()),
+                (b"x-nexus-backend", served_by.encode()),
                 (b"x-nexus-model", model.encode()),
             )
             if leg is not None:
