@@ -751,3 +751,25 @@ async def test_a_response_over_the_size_limit_is_cut_with_an_error(
     assert complete.status == 502
     assert complete.body is not None
     assert json.loads(complete.body)["error"]["code"] == ERROR_RESPONSE_TOO_LARGE
+
+
+async def test_a_malformed_request_fails_by_its_id_and_the_socket_stays_up(
+    gateway: FakeGateway, start_worker: Any
+) -> None:
+    start_worker()
+    peer = await gateway.next_peer()
+    await peer.register()
+    frame = {
+        "type": "request",
+        "request_id": "m1",
+        "model": "llama3:8b",
+        "endpoint": "/v1/chat/completions",
+        "body": 7,
+    }
+    await peer.ws.send_str(json.dumps(frame))
+    error = await peer.expect(Error)
+    assert (error.request_id, error.code) == ("m1", "bad_message")
+    assert "request.body: not a string" in error.message
+    await peer.ws.send_str('{"type": "gossip"}')  # unknown: ignored
+    await peer.send(Ping(timestamp=4.0))
+    assert await peer.expect(Pong) == Pong(timestamp=4.0, load=0)

@@ -265,7 +265,13 @@ class Worker:
                 message = await self._receive(ws, silence_limit)
             except ProtocolError as exc:
                 logger.warning("ignoring a bad frame from the gateway: %s", exc)
-                await self._send(Error(message=str(exc)[:500], code=ERROR_BAD_MESSAGE))
+                await self._send(
+                    Error(
+                        message=str(exc)[:500],
+                        request_id=exc.request_id,
+                        code=ERROR_BAD_MESSAGE,
+                    )
+                )
                 continue
             self._handle(message)
 

@@ -17,6 +17,11 @@ response that is not streamed, or one that failed, comes whole in
 ``response_complete.body`` unless it is too big for one frame, in which case it
 comes as chunks followed by ``response_complete`` with ``body`` null as well: a
 null body always means "the body is the chunks sent before".
+
+An ``error`` from the worker with a request_id fails that request (codes below:
+``draining``, ``at_capacity``, ``endpoint_not_allowed``, ``response_too_large``
+after some chunks, ...). Without a request_id and with code ``draining`` it says
+the whole worker is draining (SIGTERM or graceful_shutdown): send it no more.
 """
 
 from __future__ import annotations
@@ -77,7 +82,13 @@ class CloseCode(IntEnum):
 
 
 class ProtocolError(ValueError):
-    """A frame that is not a valid message (bad JSON, missing or wrong field)."""
+    """A frame that is not a valid message (bad JSON, missing or wrong field).
+
+    ``request_id`` is the frame's own when it had a usable one, so the receiver
+    can fail that request at once instead of letting it wait.
+    """
+
+    request_id: str | None = None
 
 
 class UnsupportedVersion(ProtocolError):
@@ -88,7 +99,7 @@ class UnsupportedVersion(ProtocolError):
 _MAX_NAME = 200
 _MAX_MODEL = 256
 _MAX_MODELS = 2000
-_MAX_ID = 128
+_MAX_ID = 256
 _MAX_SHORT = 64
 _MAX_MESSAGE = 8192
 _MAX_HEADERS = 64
@@ -272,6 +283,24 @@ def decode(text: str | bytes) -> Message | Unknown:
     if spec is None:
         return Unknown(type_name=type_name[:_MAX_SHORT])
     cls, checks = spec
+    try:
+        message: Message = cls(**_checked_fields(type_name, cls, checks, data))
+    except ProtocolError as error:
+        request_id = data.get("request_id")
+        if isinstance(request_id, str) and 0 < len(request_id) <= _MAX_ID:
+            error.request_id = request_id
+        raise
+    version = getattr(message, "protocol_version", PROTOCOL_VERSION)
+    if version != PROTOCOL_VERSION:
+        raise UnsupportedVersion(
+            f"{type_name}: protocol_version {version} is not {PROTOCOL_VERSION}"
+        )
+    return message
+
+
+def _checked_fields(
+    type_name: str, cls: type, checks: dict[str, Any], data: dict[str, Any]
+) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for name, check in checks.items():
         if name not in data:
@@ -282,13 +311,7 @@ def decode(text: str | bytes) -> Message | Unknown:
             values[name] = check(data[name])
         except ProtocolError as exc:
             raise ProtocolError(f"{type_name}.{name}: {exc}") from None
-    message: Message = cls(**values)
-    version = getattr(message, "protocol_version", PROTOCOL_VERSION)
-    if version != PROTOCOL_VERSION:
-        raise UnsupportedVersion(
-            f"{type_name}: protocol_version {version} is not {PROTOCOL_VERSION}"
-        )
-    return message
+    return values
 
 
 def websocket_url(server_base_url: str, name: str | None = None) -> str:

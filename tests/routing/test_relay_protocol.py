@@ -173,9 +173,9 @@ def test_a_long_unknown_type_is_cut_for_the_log() -> None:
         ('{"type": "response_chunk", "chunk": "x"}', "missing field 'request_id'"),
         (
             json.dumps(
-                {"type": "response_chunk", "request_id": "r" * 129, "chunk": ""}
+                {"type": "response_chunk", "request_id": "r" * 257, "chunk": ""}
             ),
-            "response_chunk.request_id: longer than 128 characters",
+            "response_chunk.request_id: longer than 256 characters",
         ),
     ],
 )
@@ -214,7 +214,7 @@ def test_another_protocol_version_is_unsupported() -> None:
 
 
 def test_a_chunk_of_the_largest_size_fits_in_a_frame_even_fully_escaped() -> None:
-    worst = ResponseChunk(request_id="r" * 128, chunk="\x01" * protocol.MAX_CHUNK_CHARS)
+    worst = ResponseChunk(request_id="r" * 256, chunk="\x01" * protocol.MAX_CHUNK_CHARS)
     assert len(encode(worst).encode()) <= protocol.MAX_FRAME_BYTES
 
 
@@ -253,3 +253,21 @@ def test_websocket_url_carries_the_worker_name() -> None:
 def test_websocket_url_refuses_what_is_not_an_http_url(base: str) -> None:
     with pytest.raises(ValueError, match="not an http"):
         websocket_url(base)
+
+
+def test_a_bad_frame_names_its_request_so_that_request_can_fail_at_once() -> None:
+    frame = {"type": "request", "request_id": "r9", "model": "m", "body": "{}"}
+    with pytest.raises(ProtocolError, match="missing field 'endpoint'") as caught:
+        decode(json.dumps(frame))
+    assert caught.value.request_id == "r9"
+    with pytest.raises(ProtocolError) as caught:
+        decode(json.dumps({"type": "ping", "timestamp": "x", "request_id": 5}))
+    assert caught.value.request_id is None
+
+
+def test_request_ids_leave_room_for_a_client_id_and_an_attempt_suffix() -> None:
+    # The proxy accepts client X-Request-IDs of up to 128 characters and the
+    # gateway numbers each attempt after it.
+    request_id = "c" * 128 + ".12345"
+    message = Cancel(request_id=request_id)
+    assert decode(encode(message)) == message
