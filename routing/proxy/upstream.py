@@ -22,7 +22,12 @@ from routing.proxy import checks, sse
 from routing.proxy.errors import ProxyError
 from routing.proxy.legs import Call, Leg, LegStream, Unservable, openai_call
 from routing.proxy.outbound import OPENAI_ADAPTER, adapter_for
-from routing.relay.dispatch import RELAY_KIND, open_relay, relay_backend
+from routing.relay.dispatch import (
+    RELAY_KIND,
+    acquire_worker_lease,
+    open_relay,
+    relay_backend,
+)
 from routing.translate.base import BUDGET, StreamFailed
 
 if TYPE_CHECKING:
@@ -232,9 +237,12 @@ async def forward(
         lease: str | None = None
         if backend.max_concurrency and gateway.limiter.shared:
             # Gateway-wide: the other serving processes' requests count too.
-            lease = await gateway.limiter.acquire_backend(
-                backend.name, backend.capacity
-            )
+            if backend.kind == RELAY_KIND:
+                lease = await acquire_worker_lease(gateway, backend)
+            else:
+                lease = await gateway.limiter.acquire_backend(
+                    backend.name, backend.capacity
+                )
             if lease is None:
                 stats.end(backend.name, model)
                 failures.append(f"{backend.name}: at max concurrency")

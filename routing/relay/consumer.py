@@ -53,6 +53,23 @@ REGISTER_TIMEOUT = 10.0
 # between processes): past this many it is refused with "at_capacity".
 _SLACK = 16
 
+# Events waiting for the channel layer, per request, before it is failed.
+_MAX_BACKLOG = 4096
+
+
+class _Route:
+    """Where one request's answer goes ("" : this process) and what is still
+    to be sent there."""
+
+    __slots__ = ("flushing", "pending", "reply_to", "seq")
+
+    def __init__(self, reply_to: str) -> None:
+        self.reply_to = reply_to
+        self.seq = 0
+        self.pending: list[Event] = []
+        self.flushing = False
+
+
 # Channels maps an event's "type" to a handler method: dots become underscores.
 assert REQUEST_EVENT == "relay.request" and CANCEL_EVENT == "relay.cancel"
 assert (CLOSE_EVENT, DRAIN_EVENT, REFRESH_EVENT) == (
@@ -88,8 +105,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.last_pong = time.monotonic()
         self.load = 0
         self.max_concurrency = 1
-        # request id -> (reply channel, "" for this process; next sequence number)
-        self.routes: dict[str, list[Any]] = {}
+        # Requests sent to the worker and not finished, by request id.
+        self.routes: dict[str, _Route] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         self._closing = False
         self._gone = False  # disconnect() ran
@@ -128,10 +145,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             task.cancel()
         self.hub.detach(self.channel_name)
         routes, self.routes = self.routes, {}
-        for request_id, (reply_to, seq) in routes.items():
-            await self._reply_quietly(
-                reply_to, request_id, seq, ("gone", "worker gone")
-            )
+        for request_id, route in routes.items():
+            self._pass_on(request_id, route, ("gone", "worker gone"))
         if self.registered and self.worker_id is not None:
             logger.info("Relay worker %s gone (close %s)", self.backend_name, code)
             await database_sync_to_async(forget_worker)(
@@ -200,14 +215,14 @@ class WorkerConsumer(AsyncWebsocketConsumer):
                     "Relay worker %s: message before register", self.backend_name
                 )
         elif isinstance(message, protocol.ResponseChunk):
-            await self._forward(message.request_id, ("chunk", message.chunk), False)
+            self._forward(message.request_id, ("chunk", message.chunk), False)
         elif isinstance(message, protocol.ResponseComplete):
             done: Event = ("complete", (message.status, message.headers, message.body))
-            await self._forward(message.request_id, done, True)
+            self._forward(message.request_id, done, True)
         elif isinstance(message, protocol.Error):
             if message.request_id:
                 failed: Event = ("error", (message.message, message.code))
-                await self._forward(message.request_id, failed, True)
+                self._forward(message.request_id, failed, True)
             else:
                 logger.warning(
                     "Relay worker %s: %s", self.backend_name, message.message
@@ -267,21 +282,38 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         )
         self._tasks.append(asyncio.get_running_loop().create_task(self._heartbeat()))
 
-    async def _forward(self, request_id: str, event: Event, last: bool) -> None:
+    def _forward(self, request_id: str, event: Event, last: bool) -> None:
         route = (
             self.routes.pop(request_id, None) if last else self.routes.get(request_id)
         )
-        if route is None:
-            return  # cancelled, or not ours: nobody waits for it
-        reply_to, seq = route
-        route[1] = seq + 1
-        await self._reply_quietly(reply_to, request_id, seq, event)
+        if route is not None:  # else cancelled, or not ours: nobody waits for it
+            self._pass_on(request_id, route, event)
 
-    async def _reply_quietly(
-        self, reply_to: str, request_id: str, seq: int, event: Event
-    ) -> None:
+    def _pass_on(self, request_id: str, route: _Route, event: Event) -> None:
+        """Hand an event to the process that asked: at once when it is this one,
+        else through the channel layer, in order, in batches while a send is
+        under way (so a slow layer costs messages, not one round trip per
+        chunk)."""
+        if not route.reply_to:
+            self.hub.deliver(request_id, event)
+            return
+        route.pending.append(event)
+        if len(route.pending) > _MAX_BACKLOG:
+            # The layer does not keep up: fail this request rather than hold
+            # its stream in memory.
+            route.pending = [("gone", "the relay fell behind")]
+            self.cancel_request(request_id, "relay backlog")
+        if not route.flushing:
+            route.flushing = True
+            asyncio.get_running_loop().create_task(self._flush(request_id, route))
+
+    async def _flush(self, request_id: str, route: _Route) -> None:
         try:
-            await self.hub.reply(reply_to, request_id, seq, event)
+            while route.pending:
+                events, route.pending = route.pending, []
+                seq = route.seq
+                route.seq += len(events)
+                await self.hub.send_events(route.reply_to, request_id, seq, events)
         except Exception:
             logger.warning(
                 "Relay worker %s: could not pass on an answer to %s",
@@ -289,6 +321,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
                 request_id,
                 exc_info=True,
             )
+        finally:
+            route.flushing = False
 
     # Heartbeats ------------------------------------------------------------------
 
@@ -320,13 +354,12 @@ class WorkerConsumer(AsyncWebsocketConsumer):
     # Requests (RelayHub in this process, or the channel layer) -----------------
 
     def start_request(self, request_id: str, frame: str, reply_to: str) -> None:
+        route = _Route(reply_to)
         if len(self.routes) >= self.max_concurrency + _SLACK or self._closing:
-            event: Event = ("error", ("worker at capacity", protocol.ERROR_AT_CAPACITY))
-            asyncio.get_running_loop().create_task(
-                self._reply_quietly(reply_to, request_id, 0, event)
-            )
+            refusal = ("worker at capacity", protocol.ERROR_AT_CAPACITY)
+            self._pass_on(request_id, route, ("error", refusal))
             return
-        self.routes[request_id] = [reply_to, 0]
+        self.routes[request_id] = route
         asyncio.get_running_loop().create_task(self.send(text_data=frame))
 
     def cancel_request(self, request_id: str, reason: str) -> None:

@@ -206,10 +206,12 @@ class RelayHub:
                 await asyncio.sleep(1.0)
                 continue
             call = self.calls.get(message.get("request_id", ""))
-            if call is not None:
-                event = message.get("event")
+            seq = message.get("seq")
+            if call is None or not isinstance(seq, int):
+                continue
+            for offset, event in enumerate(message.get("events") or ()):
                 if isinstance(event, list | tuple) and len(event) == 2:
-                    call.deliver(message.get("seq"), (event[0], event[1]))
+                    call.deliver(seq + offset, (event[0], event[1]))
 
     async def stop(self) -> None:
         """The process is stopping: its workers are told to reconnect elsewhere.
@@ -234,22 +236,24 @@ class RelayHub:
     def detach(self, channel: str) -> None:
         self.links.pop(channel, None)
 
-    async def reply(
-        self, reply_to: str, request_id: str, seq: int, event: Event
+    def deliver(self, request_id: str, event: Event) -> None:
+        """Hand an event of a worker's answer to a request of this process."""
+        call = self.calls.get(request_id)
+        if call is not None:
+            call.deliver(None, event)
+
+    async def send_events(
+        self, reply_to: str, request_id: str, seq: int, events: list[Event]
     ) -> None:
-        """Hand one event of a worker's answer to the process that asked."""
-        if not reply_to:
-            call = self.calls.get(request_id)
-            if call is not None:
-                call.deliver(None, event)
-            return
+        """Send events of a worker's answer to the process that asked; the
+        first is number `seq`, the others follow it."""
         await self._layer.send(
             reply_to,
             {
                 "type": REPLY_EVENT,
                 "request_id": request_id,
                 "seq": seq,
-                "event": list(event),
+                "events": [list(event) for event in events],
             },
         )
 
@@ -476,3 +480,21 @@ async def open_relay(
 def relay_backend(response: object) -> str:
     """The backend that served a requeued relay request ("" otherwise)."""
     return response.backend_name if isinstance(response, RelayResponse) else ""
+
+
+# A slot freed by this process reaches the shared counters a moment after the
+# request ends (the limiter settles in batches): a request woken from the
+# relay queue for that slot retries for this long before it counts as busy.
+_LEASE_RETRIES = 20
+_LEASE_RETRY_SECONDS = 0.025
+
+
+async def acquire_worker_lease(gateway: Gateway, backend: BackendSpec) -> str | None:
+    """A gateway-wide slot at a relay worker, or None when it stays full."""
+    limiter = gateway.limiter
+    for _ in range(_LEASE_RETRIES):
+        lease = await limiter.acquire_backend(backend.name, backend.capacity)
+        if lease is not None:
+            return lease
+        await asyncio.sleep(_LEASE_RETRY_SECONDS)
+    return None
