@@ -289,10 +289,17 @@ def see_worker(worker_id: int, channel_name: str) -> bool:
         pk=worker_id, is_active=True, channel_name=channel_name
     ).update(last_seen_at=now)
     if seen:
-        # A heartbeat is this backend's health check; routing reads it as one.
-        Backend.objects.filter(worker__pk=worker_id).exclude(
+        # A heartbeat is this backend's health check: it keeps the result
+        # fresh, and brings back a backend marked unhealthy or unknown (after
+        # an undrain, a breaker opening) while its worker is connected.
+        live = Backend.objects.filter(worker__pk=worker_id).exclude(
             status=HealthStatus.DRAINING
-        ).update(last_check_at=now)
+        )
+        live.filter(status=HealthStatus.HEALTHY).update(last_check_at=now)
+        if live.exclude(status=HealthStatus.HEALTHY).update(
+            status=HealthStatus.HEALTHY, last_check_at=now, last_error=""
+        ):
+            Backend.objects.announce_change()
     return bool(seen)
 
 

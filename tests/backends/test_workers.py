@@ -18,7 +18,7 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from backends.models import Backend, HealthStatus, Worker
-from backends.workers import register_worker
+from backends.workers import register_worker, see_worker
 from tests.factories import BackendFactory, StaffUserFactory
 
 pytestmark = pytest.mark.django_db
@@ -132,3 +132,17 @@ def test_admin_changelist_and_actions(
         {"action": "revoke_workers", "_selected_action": [gpu1.pk]},
     )
     assert not Worker.objects.get(name="gpu-1").is_active
+
+
+def test_a_heartbeat_brings_an_undrained_worker_back() -> None:
+    worker, _ = Worker.objects.create_worker("gpu-1")
+    register_worker(worker.pk, "chan-1", "10.0.0.5", ["m"], 1)
+    backends = Backend.objects.filter(name="gpu-1")
+    backends.drain()
+    assert see_worker(worker.pk, "chan-1")
+    assert backends.get().status == HealthStatus.DRAINING  # stays drained
+    backends.undrain()
+    assert backends.get().status == HealthStatus.UNKNOWN
+    assert see_worker(worker.pk, "chan-1")
+    assert backends.get().status == HealthStatus.HEALTHY
+    assert not see_worker(worker.pk, "an-old-connection")

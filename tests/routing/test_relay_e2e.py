@@ -484,7 +484,7 @@ def test_worker_on_one_serving_process_serves_requests_at_another(
     relay: Relay,
     nexus_server_factory: Callable[..., NexusServer],
 ) -> None:
-    relay.start("gpu-a", "--chunks", "8")
+    mock, _ = relay.start("gpu-a", "--chunks", "8")
     other = nexus_server_factory(NEXUS_RELAY_HEARTBEAT_SECONDS=HEARTBEAT)
     wait_until_live(other)
     sdk = _sdk(other, relay.key)
@@ -502,6 +502,20 @@ def test_worker_on_one_serving_process_serves_requests_at_another(
     )
     assert text == "[gpu-a/llama3:8b] echo: a b c d e f g h"
     wait_for(lambda: len(_usage_rows("gpu-a")) == 2)
+
+    # A client leaving at the other process cancels at the worker too.
+    httpx.post(
+        f"{mock.base_url}/_mock/config",
+        json={"chunks": 50, "chunk_delay_ms": 200},
+        timeout=5,
+    )
+    stream = sdk.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "long"}], stream=True
+    )
+    next(iter(stream))
+    stream.close()
+    stats = lambda: httpx.get(f"{mock.base_url}/_mock/stats", timeout=5).json()
+    wait_for(lambda: stats()["client_disconnects"] == 1, timeout=5)
 
 
 def test_busy_workers_queue_requests_first_come_first_served_and_bounded(
