@@ -303,6 +303,11 @@ def see_worker(worker_id: int, channel_name: str) -> bool:
     return bool(seen)
 
 
+def drain_worker(worker_id: int) -> None:
+    """The worker said it drains (SIGTERM on its box): send it nothing new."""
+    Backend.objects.filter(worker__pk=worker_id).drain()
+
+
 def forget_worker(worker_id: int, channel_name: str, reason: str) -> None:
     """The worker's socket closed: its backend is Gone (unhealthy, no traffic)."""
     with transaction.atomic():

@@ -38,6 +38,7 @@ from backends.workers import (
     DRAIN_EVENT,
     REFRESH_EVENT,
     Worker,
+    drain_worker,
     forget_worker,
     register_worker,
     see_worker,
@@ -110,6 +111,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self._tasks: list[asyncio.Task[Any]] = []
         self._closing = False
         self._gone = False  # disconnect() ran
+        self.draining = False  # it takes no new requests
 
     # Connection ----------------------------------------------------------------
 
@@ -223,6 +225,11 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             if message.request_id:
                 failed: Event = ("error", (message.message, message.code))
                 self._forward(message.request_id, failed, True)
+            elif message.code == protocol.ERROR_DRAINING:
+                logger.info("Relay worker %s: draining", self.backend_name)
+                self.draining = True
+                assert self.worker_id is not None
+                await database_sync_to_async(drain_worker)(self.worker_id)
             else:
                 logger.warning(
                     "Relay worker %s: %s", self.backend_name, message.message
@@ -355,7 +362,11 @@ class WorkerConsumer(AsyncWebsocketConsumer):
 
     def start_request(self, request_id: str, frame: str, reply_to: str) -> None:
         route = _Route(reply_to)
-        if len(self.routes) >= self.max_concurrency + _SLACK or self._closing:
+        if self.draining or self._closing:
+            refusal = ("worker draining", protocol.ERROR_DRAINING)
+            self._pass_on(request_id, route, ("error", refusal))
+            return
+        if len(self.routes) >= self.max_concurrency + _SLACK:
             refusal = ("worker at capacity", protocol.ERROR_AT_CAPACITY)
             self._pass_on(request_id, route, ("error", refusal))
             return
@@ -386,6 +397,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
 
     async def relay_drain(self, event: dict[str, Any]) -> None:
         logger.info("Relay worker %s: draining", self.backend_name)
+        self.draining = True
         await self._send(
             protocol.GracefulShutdown(
                 reason=str(event.get("reason") or "") or None,

@@ -50,8 +50,6 @@ logger = logging.getLogger(__name__)
 
 RELAY_KIND = "relay"  # backends.models.BackendKind.RELAY
 MAX_ATTEMPTS = 3
-# Refusals by a worker that another worker may not share.
-_REQUEUE_CODES = frozenset({protocol.ERROR_DRAINING, protocol.ERROR_AT_CAPACITY})
 # Channel-layer event types (consumer <-> requesting process).
 REQUEST_EVENT = "relay.request"
 CANCEL_EVENT = "relay.cancel"
@@ -304,7 +302,12 @@ class RelayHub:
                         is_streaming=stream,
                     )
                 )
-                response = await self._attempt(call, frame, stream, max_reply)
+                try:
+                    response = await self._attempt(call, frame, stream, max_reply)
+                except BaseException:
+                    if on_close is not None:
+                        on_close()  # the requeued worker's in-flight count
+                    raise
                 if isinstance(response, RelayResponse):
                     response._on_close = on_close
                     if backend_name != target.backend.name:
@@ -376,14 +379,12 @@ class RelayHub:
                         self, call, status, headers or _JSON_HEAD, pieces, done=True
                     )
                 else:
+                    # Gone, or refused (draining, at capacity, its local
+                    # server down): nothing was sent, another worker may
+                    # serve it.
                     self.calls.pop(call.request_id, None)
                     call.finished = True
-                    message, code = payload if kind == "error" else (payload, None)
-                    if kind == "error" and code not in _REQUEUE_CODES:
-                        # The worker's own failure to reach its backend: still
-                        # nothing was sent, so another worker may serve it.
-                        return f"worker error: {message}"
-                    return str(message)
+                    return str(payload[0] if kind == "error" else payload)
         except BaseException:
             if not call.finished:
                 call.finished = True

@@ -453,8 +453,9 @@ def test_models_refresh_reaches_the_backend_models(relay: Relay) -> None:
     assert reply.choices[0].message.content == "[gpu-a/qwen:1b] echo: new"
 
 
+@pytest.mark.parametrize("how", ["admin API", "SIGTERM on the worker"])
 def test_drain_finishes_the_stream_in_flight_and_the_worker_exits_0(
-    relay: Relay,
+    relay: Relay, how: str
 ) -> None:
     server, key, start = relay.server, relay.key, relay.start
     _, worker = start("gpu-a", "--chunks", "20", "--chunk-delay-ms", "100")
@@ -463,14 +464,20 @@ def test_drain_finishes_the_stream_in_flight_and_the_worker_exits_0(
     )
     chunks = iter(stream)
     text = next(chunks).choices[0].delta.content or ""
-    row = Worker.objects.get(name="gpu-a")
-    answer = httpx.post(
-        f"{server.base_url}/api/v1/workers/{row.pk}/drain",
-        headers=_staff_headers(),
-        json={"timeout": 30},
-        timeout=10,
-    )
-    assert answer.status_code == 200
+    if how == "SIGTERM on the worker":
+        worker.process.send_signal(signal.SIGTERM)
+        wait_for(
+            lambda: Backend.objects.get(name="gpu-a").status == HealthStatus.DRAINING
+        )
+    else:
+        row = Worker.objects.get(name="gpu-a")
+        answer = httpx.post(
+            f"{server.base_url}/api/v1/workers/{row.pk}/drain",
+            headers=_staff_headers(),
+            json={"timeout": 30},
+            timeout=10,
+        )
+        assert answer.status_code == 200
     for chunk in chunks:
         if chunk.choices:
             text += chunk.choices[0].delta.content or ""
