@@ -158,6 +158,16 @@ async def _list(
     return await adapter.list_models(client, endpoint)
 
 
+def record_models(
+    backend_id: int, name: str, listing: list[ModelInfo]
+) -> DiscoveryReport:
+    """Record a model listing learnt another way (a relay worker's register)."""
+    report = DiscoveryReport(backend_id=backend_id, name=name, kind="relay")
+    with transaction.atomic():
+        _apply(report, listing)
+    return report
+
+
 def _apply(report: DiscoveryReport, listing: list[ModelInfo]) -> None:
     """Upsert one backend's models with its row locked; fill in the report.
 

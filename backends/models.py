@@ -24,6 +24,9 @@ class BackendKind(models.TextChoices):
     VLLM = "vllm", "vLLM"
     LLAMACPP = "llamacpp", "llama.cpp server"
     ANTHROPIC = "anthropic", "Anthropic"
+    # A worker behind NAT that dialled in (backends/workers.py): no URL to
+    # probe, its health comes from heartbeats.
+    RELAY = "relay", "Relay worker"
 
 
 # What a health check records on a Backend; operators read it, never write it.
@@ -163,6 +166,8 @@ class BackendQuerySet(models.QuerySet["Backend"]):
             backends = backends.filter(pk__in=list(backend_ids))
         if not include_disabled:
             backends = backends.filter(enabled=True)
+        # Relay workers cannot be reached by URL: heartbeats are their probes.
+        backends = backends.exclude(kind=BackendKind.RELAY)
         return {
             backend.pk: Endpoint(
                 name=backend.name,
@@ -287,6 +292,8 @@ class Backend(models.Model):
         super().clean()
         self.name = self.name.strip()
         self.base_url = self.base_url.strip().rstrip("/")
+        if self.kind == BackendKind.RELAY:
+            return  # its URL names the worker; it is not dialled
         parts = urlsplit(self.base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValidationError(
@@ -507,3 +514,8 @@ class BackendModel(models.Model):
         claimed = {name for name in edited if name in OPERATOR_FIELDS}
         if claimed:
             self.manual_fields = sorted(set(self.manual_fields or ()) | claimed)
+
+
+# Defined in their own module (their workflow is long); imported here so that
+# Django finds the model.
+from backends.workers import Worker  # noqa: F401

@@ -25,6 +25,7 @@ from django.urls import re_path
 from nexus_site import serving
 from routing.gateway import Gateway, install_gateway
 from routing.proxy import OLLAMA_PATHS, ProxyApp
+from routing.relay.consumer import WorkerConsumer
 from usage.consumers import UsageStreamConsumer
 
 Scope = dict[str, Any]
@@ -128,8 +129,14 @@ http_routes = URLRouter(
         re_path(r"", django_asgi_app),  # type: ignore[arg-type]
     ]
 )
+# Relay workers behind NAT dial in here (see routing/relay/consumer.py).
+websocket_routes = URLRouter(
+    [re_path(r"^ws/workers/?$", WorkerConsumer.as_asgi(hub=gateway.relay))]
+)
 proxy = ProxyApp(gateway)
 application = NexusApplication(
-    gateway, proxy, ProtocolTypeRouter({"http": http_routes})
+    gateway,
+    proxy,
+    ProtocolTypeRouter({"http": http_routes, "websocket": websocket_routes}),
 )
 serving.prepare_daphne(gateway, proxy)

@@ -31,6 +31,7 @@ from typing import Any
 from nexus_site.daphne_limits import ClientLimits, install_daphne_limits
 from routing.gateway import Gateway, tune_garbage_collector
 from routing.proxy import ProxyApp
+from routing.relay.protocol import MAX_FRAME_BYTES as RELAY_MAX_FRAME_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +144,15 @@ def server_commands(
     python = sys.executable
     if server == "daphne":
         daphne = [python, "-m", "nexus_site.daphne_main", "--fd", str(fd)]
+        # Relay workers: 16 MiB frames (the protocol's limit), sockets for good.
+        daphne += [
+            "--websocket-max-message-size",
+            str(RELAY_MAX_FRAME_BYTES),
+            "--websocket-max-frame-size",
+            str(RELAY_MAX_FRAME_BYTES),
+            "--websocket_timeout",
+            "-1",
+        ]
         if proxy_headers:
             daphne.append("--proxy-headers")
         return [[*daphne, ASGI_APP] for _ in range(workers)]

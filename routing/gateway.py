@@ -33,6 +33,8 @@ from routing.groups import listen_to_group
 from routing.holder import SnapshotHolder
 from routing.metrics import GatewayMetrics, MetricsEndpoint, Network, parse_networks
 from routing.proxy.upstream import ReplyLimits, UpstreamClient
+from routing.relay.dispatch import RelayHub
+from routing.relay.queue import RelayQueue
 from routing.state import GatewayState, build_state
 from routing.versioning import read_config_version
 from usage.buffer import UsageBuffer
@@ -173,6 +175,11 @@ class Gateway:
                 max_unsent=config.max_unsent_bytes,
             ),
         )
+        self.relay = RelayHub()
+        self.relay_queue = RelayQueue(
+            settings.NEXUS_RELAY_QUEUE_MAX, settings.NEXUS_RELAY_QUEUE_TIMEOUT
+        )
+        self.relay.on_slot_free = self.relay_queue.wake_first
         self.metrics = GatewayMetrics()
         self.admission = AdmissionGate(self.metrics, share=config.admission_share)
         self.live_usage = LiveUsage(
@@ -238,6 +245,7 @@ class Gateway:
                 name="usage-listen",
             ),
             loop.create_task(self._refresh_gauges_periodically(), name="gauges"),
+            loop.create_task(self.relay.run(), name="relay-replies"),
         ]
         self.limiter.start()
         if isinstance(self.limiter, LocalLimiter):
@@ -249,6 +257,7 @@ class Gateway:
 
     async def stop(self) -> None:
         """Stop every task; usage still held is handed on first."""
+        await self.relay.stop()
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()

@@ -14,7 +14,7 @@ from django.db.models import Model
 from django.db.models.signals import post_delete, post_save
 from django.dispatch import receiver
 
-from backends.models import Backend, BackendModel
+from backends.models import Backend, BackendModel, Worker
 from backends.signals import backends_changed
 from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
 from routing.versioning import mark_config_changed
@@ -32,9 +32,10 @@ GATEWAY_MODELS: tuple[type[Model], ...] = (
     RoutingPolicy,
     ApiKey,
     ModelPrice,
+    Worker,  # where a relay worker's socket is (GatewayState.relay_channels)
 )
 # Saving only these fields changes nothing a serving process reads.
-_BOOKKEEPING_FIELDS = frozenset({"last_used_at"})
+_BOOKKEEPING_FIELDS = frozenset({"last_used_at", "last_seen_at"})
 
 
 def gateway_row_changed(sender: type[Model], using: str, **kwargs: Any) -> None:

@@ -13,6 +13,7 @@ from types import MappingProxyType
 
 from django.db import transaction
 
+from backends.models import Worker
 from routing.admission import AdmissionSettings, Criticality
 from routing.core import RouterSnapshot
 from routing.models import RoutingPolicy
@@ -53,6 +54,11 @@ class GatewayState:
     key_admission: Mapping[str, KeyAdmission] = field(
         default_factory=lambda: MappingProxyType({})
     )
+    # Relay backend name -> the channel of the consumer holding its worker's
+    # socket (connected workers only; routing/relay/dispatch.py).
+    relay_channels: Mapping[str, str] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
 
     @property
     def expires_at(self) -> float | None:
@@ -71,6 +77,11 @@ def build_state() -> GatewayState:
         }
         spend = read_budget_spend()
         policy = RoutingPolicy.objects.filter(pk=RoutingPolicy.SINGLETON_PK).first()
+        relay_channels = dict(
+            Worker.objects.exclude(channel_name="")
+            .filter(backend__isnull=False)
+            .values_list("backend__name", "channel_name")
+        )
     keys: dict[str, str] = {}
     key_admission: dict[str, KeyAdmission] = {}
     policies: dict[str, KeyPolicy] = {}
@@ -95,6 +106,7 @@ def build_state() -> GatewayState:
         policies=MappingProxyType(policies),
         prices=MappingProxyType(prices),
         spend=MappingProxyType(spend),
+        relay_channels=MappingProxyType(relay_channels),
     )
 
 

@@ -25,6 +25,8 @@ What each kind is asked:
   slot's ``n_ctx``, ``modalities.vision``, ``chat_template_caps.supports_tools``).
 - ``anthropic``: ``GET /v1/models?limit=1`` with ``x-api-key``, the cheapest
   authenticated request; its models come from configuration, not discovery.
+- ``relay``: a worker behind NAT that dialled in; not asked anything (its
+  heartbeats are its health, its register message lists its models).
 
 Ollama, vLLM and llama.cpp constrain output to JSON for any model they serve,
 so their models are reported with JSON mode; elsewhere it is left unknown.
@@ -37,6 +39,7 @@ from backends.kinds.adapters import (
     LlamaCppKind,
     OllamaKind,
     OpenAIKind,
+    RelayKind,
     VLLMKind,
 )
 from backends.kinds.base import (
@@ -60,6 +63,7 @@ KINDS: dict[str, BackendKindAdapter] = {
         LlamaCppKind(),
         OllamaKind(),
         AnthropicKind(),
+        RelayKind(),
     )
 }
 

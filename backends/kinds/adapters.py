@@ -236,6 +236,26 @@ class AnthropicKind(BackendKindAdapter):
         raise ProbeFailed("Anthropic backends list their models in the configuration")
 
 
+class RelayKind(BackendKindAdapter):
+    """A worker behind NAT (backends/workers.py): nothing to dial.
+
+    Its health comes from heartbeats and its models from its register and
+    models_update messages, so health rounds and discovery skip it
+    (``BackendQuerySet.endpoints``); asked anyway, it says so.
+    """
+
+    kind = "relay"
+    discovers_models = False
+
+    async def probe(self, client: httpx.AsyncClient, endpoint: Endpoint) -> ProbeResult:
+        raise ProbeFailed("relay workers report their health by heartbeats")
+
+    async def list_models(
+        self, client: httpx.AsyncClient, endpoint: Endpoint
+    ) -> list[ModelInfo]:
+        raise ProbeFailed("relay workers advertise their models when they connect")
+
+
 def _is_loading(response: httpx.Response) -> bool:
     if response.status_code != 503:
         return False

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC
 
-from backends.models import Backend
+from backends.models import Backend, BackendKind
 from routing.config_file.literals import format_key, format_scalar, format_string
 from routing.config_file.schema import (
     ADMISSION_MODEL_TABLES,
@@ -95,7 +95,10 @@ def export_config() -> str:
         lines.append(f"{format_string(chain.model)} = [{fallbacks}]")
 
     backends = sorted(
-        Backend.objects.filter(is_demo=False).prefetch_related("models"),
+        # Relay workers' backends come from their connections, not the file.
+        Backend.objects.filter(is_demo=False)
+        .exclude(kind=BackendKind.RELAY)
+        .prefetch_related("models"),
         key=lambda b: (b.priority, b.name),
     )
     for backend in backends:

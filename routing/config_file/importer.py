@@ -9,7 +9,7 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, models, transaction
 
-from backends.models import Backend, BackendModel
+from backends.models import Backend, BackendKind, BackendModel
 from routing.config_file.literals import format_string
 from routing.config_file.problems import ConfigError, describe_validation_error
 from routing.config_file.schema import (
@@ -276,6 +276,7 @@ class _Importer:
         config = self.config
         _, deleted = (
             Backend.objects.filter(is_demo=False)
+            .exclude(kind=BackendKind.RELAY)  # they come from worker connections
             .exclude(name__in=[entry.name for entry in config.backends])
             .delete()
         )

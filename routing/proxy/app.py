@@ -655,7 +655,7 @@ class ProxyApp:
                 raise bad_request(str(error), param=error.header) from None
             except AdmissionError as error:
                 raise _admission_error(error, exchange, headers) from None
-            route, routes = await self._route(state.routes, requirements)
+            route, routes = await self._route(state, requirements)
             fleet = gateway.fleet
             fleet.after_decision(route, routes)
             try:
@@ -676,19 +676,22 @@ class ProxyApp:
             gateway.admission.release(ticket)
 
     async def _route(
-        self, routes: RouterSnapshot, requirements: RequestRequirements
+        self, state: GatewayState, requirements: RequestRequirements
     ) -> tuple[Route, RouterSnapshot]:
         """Route the request, holding it first when its model has no backend.
 
-        With the policy's hold_seconds > 0, a request whose model exists but
-        has no backend able to take it now waits for one (routing/fleet); when
-        the time is up it goes down the fallback chain through the full
-        pipeline, and is refused if that finds nothing either.
+        While every relay worker of the model is busy, the request waits in
+        line for one (routing/relay/queue.py). With the policy's hold_seconds
+        > 0, a request whose model exists but has no backend able to take it
+        now waits for one (routing/fleet); when the time is up it goes down the
+        fallback chain through the full pipeline, and is refused if that finds
+        nothing either.
         """
         gateway = self.gateway
         router, stats, fleet = gateway.router, gateway.stats, gateway.fleet
+        routes = state.routes
         try:
-            route = router.select(requirements, routes, stats)
+            route = await gateway.relay_queue.select(gateway, requirements, state)
         except RoutingError as error:
             if not fleet.should_hold(error.decision, routes):
                 raise _routing_error(error) from error

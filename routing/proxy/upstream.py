@@ -23,6 +23,12 @@ from routing.proxy import checks, sse
 from routing.proxy.errors import ProxyError
 from routing.proxy.legs import Call, Leg, LegStream, Unservable, openai_call
 from routing.proxy.outbound import OPENAI_ADAPTER, adapter_for
+from routing.relay.dispatch import (
+    RELAY_KIND,
+    acquire_worker_lease,
+    open_relay,
+    relay_backend,
+)
 from routing.translate.base import BUDGET, StreamFailed
 
 if TYPE_CHECKING:
@@ -236,9 +242,12 @@ async def forward(
         lease, handed = handed, None  # the first target's slot, if handed over
         if lease is None and backend.max_concurrency and gateway.limiter.shared:
             # Gateway-wide: the other serving processes' requests count too.
-            lease = await gateway.limiter.acquire_backend(
-                backend.name, backend.capacity
-            )
+            if backend.kind == RELAY_KIND:
+                lease = await acquire_worker_lease(gateway, backend)
+            else:
+                lease = await gateway.limiter.acquire_backend(
+                    backend.name, backend.capacity
+                )
             if lease is None:
                 stats.end(backend.name, model)
                 failures.append(f"{backend.name}: at max concurrency")
@@ -265,14 +274,20 @@ async def forward(
                 # The head too within the timeout, not just each read of it: a
                 # backend dripping its head a byte at a time would reset those.
                 async with asyncio.timeout(backend.request_timeout):
-                    response = await session.request(
-                        "POST",
-                        url,
-                        data=data,
-                        headers=headers,
-                        timeout=client.timeout(backend.request_timeout),
-                        allow_redirects=False,
-                    )
+                    if backend.kind == RELAY_KIND:
+                        path = exchange.path if leg is None else leg.path
+                        response = await open_relay(
+                            gateway, exchange, target, path, data, headers
+                        )
+                    else:
+                        response = await session.request(
+                            "POST",
+                            url,
+                            data=data,
+                            headers=headers,
+                            timeout=client.timeout(backend.request_timeout),
+                            allow_redirects=False,
+                        )
             except _TRANSPORT_ERRORS as error:
                 breaker.record_failure(backend.name)
                 gateway.metrics.retries.labels(backend.name).inc()
@@ -347,12 +362,13 @@ async def forward(
                 breaker.record_success(backend.name)
             if status < 400:  # it answered for the model: loaded now (fleet)
                 stats.mark_hot(backend.name, model)
-            exchange.backend = backend.name
+            # A relay request may have been requeued to another worker.
+            exchange.backend = relay_backend(response) or backend.name
             exchange.served_model = model
             if exchange.meter is not None:
                 exchange.meter.use_model(model)
             response_headers += (
-                (b"x-nexus-backend", backend.name.encode()),
+                (b"x-nexus-backend", served_by.encode()),
                 (b"x-nexus-model", model.encode()),
             )
             if leg is not None:

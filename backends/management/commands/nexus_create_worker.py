@@ -1,0 +1,54 @@
+"""Create a relay worker's secret and print it once."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.core.exceptions import ValidationError
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from backends.models import Worker
+
+
+class Command(BaseCommand):
+    help = (
+        "Create a relay worker (a GPU box behind NAT that dials in with "
+        "nexus-worker) and print its secret. Only a hash is stored, so this is "
+        "the only time the secret is shown."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "name", help="The worker's name; also its backend's name in routing."
+        )
+        parser.add_argument(
+            "--json",
+            dest="as_json",
+            action="store_true",
+            help='Print {"name", "prefix", "secret"} as JSON for scripts.',
+        )
+
+    def handle(self, *args: Any, name: str, as_json: bool, **options: Any) -> None:
+        try:
+            worker, raw = Worker.objects.create_worker(name)
+        except ValidationError as error:
+            messages = " ".join(
+                f"{field}: {message}"
+                for field, items in error.message_dict.items()
+                for message in items
+            )
+            raise CommandError(f"Cannot create the worker: {messages}") from None
+        if as_json:
+            payload = {"name": worker.name, "prefix": worker.prefix, "secret": raw}
+            self.stdout.write(json.dumps(payload))
+            return
+        self.stdout.write(f"Created relay worker {worker.name!r} ({worker.prefix}…):")
+        self.stdout.write(raw)
+        self.stdout.write(
+            "Copy it now: only its hash is stored, so it will not be shown again."
+        )
+        self.stdout.write(
+            f"On the worker: nexus-worker --server http://GATEWAY:8000 "
+            f"--secret {raw} --backend http://127.0.0.1:11434"
+        )

@@ -1,0 +1,349 @@
+"""Relay workers: GPU boxes behind NAT that dial in and serve as backends.
+
+An operator creates a ``Worker`` (admin, API or ``nexus_create_worker``) and
+gets its secret once; only a SHA-256 hash is stored, as for client keys. When
+the worker connects (routing/relay/consumer.py) and registers, its ``Backend``
+of kind ``relay`` is created or updated with the models and capacity it
+advertised; when it goes away that backend turns unhealthy and gets no
+traffic. The consumer's channel name is stored so that every serving process
+can reach the socket through the channel layer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.core.exceptions import ValidationError
+from django.db import models, transaction
+from django.utils import timezone
+
+from backends.kinds import ModelInfo
+from backends.models import Backend, BackendKind, HealthStatus
+
+logger = logging.getLogger(__name__)
+
+SECRET_SCHEME = "nxw-"
+PREFIX_LENGTH = len(SECRET_SCHEME) + 8
+RELAY_URL_SCHEME = "relay://"
+# What the admin, the API and commands tell a worker's consumer (the routing
+# app's WorkerConsumer) over the channel layer, wherever its socket lives.
+CLOSE_EVENT = "relay.close"  # {"code": int}
+DRAIN_EVENT = "relay.drain"  # {"reason": str, "timeout": float}
+REFRESH_EVENT = "relay.refresh"
+AUTH_FAILED_CLOSE_CODE = 4001
+DEFAULT_DRAIN_SECONDS = 60.0
+
+
+def hash_secret(raw_secret: str) -> str:
+    """Return the stored form of a worker secret (SHA-256; secrets are random)."""
+    return hashlib.sha256(raw_secret.encode()).hexdigest()
+
+
+def relay_url(name: str) -> str:
+    """The base URL shown for a relay backend (it has none it can be reached at)."""
+    return f"{RELAY_URL_SCHEME}{name}"
+
+
+class WorkerQuerySet(models.QuerySet["Worker"]):
+    def active(self) -> WorkerQuerySet:
+        return self.filter(is_active=True)
+
+    def create_worker(self, name: str) -> tuple[Worker, str]:
+        """Create a worker; return it with the raw secret, which is not stored."""
+        worker = self.model(name=name.strip())
+        raw = worker.set_new_secret()
+        worker.full_clean()
+        worker.save()
+        return worker, raw
+
+    def for_secret(self, raw_secret: str) -> Worker | None:
+        """Return the active worker whose secret this is, or None."""
+        if not raw_secret.startswith(SECRET_SCHEME) or len(raw_secret) > 200:
+            return None
+        worker = self.active().filter(hashed_secret=hash_secret(raw_secret)).first()
+        if worker is None or not worker.matches(raw_secret):
+            return None
+        return worker
+
+    def revoke(self) -> list[Worker]:
+        """Refuse these workers' secrets from now on; return those newly revoked.
+
+        Their relay backends turn unhealthy and live sockets close (4001) once
+        the change commits.
+        """
+        with transaction.atomic(using=self.db):
+            revoked: list[Worker] = list(
+                self.select_for_update().filter(is_active=True)
+            )
+            for worker in revoked:
+                worker.is_active = False
+                worker.save(update_fields=("is_active",))
+                _mark_backend_gone(worker, "worker secret revoked")
+                worker.disconnect_on_commit()
+        return revoked
+
+    def refresh_models(self) -> list[str]:
+        """Ask these workers to list their models again; return those asked."""
+        told: list[str] = []
+        for worker in self.exclude(channel_name=""):
+            told.append(worker.name)
+            notify_worker(worker.channel_name, {"type": REFRESH_EVENT})
+        return told
+
+    def drain(self, timeout: float = DEFAULT_DRAIN_SECONDS) -> list[str]:
+        """Drain these workers: no new requests, then graceful_shutdown.
+
+        Returns the names of the connected workers told to shut down.
+        """
+        told: list[str] = []
+        with transaction.atomic(using=self.db):
+            workers = list(self.select_related("backend"))
+            pks = [w.backend_id for w in workers if w.backend_id is not None]
+            Backend.objects.filter(pk__in=pks).drain()
+            for worker in workers:
+                if worker.channel_name:
+                    told.append(worker.name)
+                    channel = worker.channel_name
+                    transaction.on_commit(
+                        lambda channel=channel: notify_worker(  # type: ignore[misc]
+                            channel,
+                            {
+                                "type": DRAIN_EVENT,
+                                "reason": "drained by an operator",
+                                "timeout": timeout,
+                            },
+                        ),
+                        using=self.db,
+                    )
+        return told
+
+
+class Worker(models.Model):
+    """A relay worker's identity: its name and the hash of its secret."""
+
+    name = models.CharField(
+        max_length=100,
+        unique=True,
+        help_text="Also the name of the relay backend it appears as.",
+    )
+    prefix = models.CharField(
+        max_length=PREFIX_LENGTH,
+        editable=False,
+        help_text="The first characters of the secret, to recognise it by.",
+    )
+    hashed_secret = models.CharField(max_length=64, unique=True, editable=False)
+    is_active = models.BooleanField(
+        "active", default=True, help_text="Revoked workers are refused."
+    )
+    backend = models.OneToOneField(
+        Backend,
+        null=True,
+        blank=True,
+        editable=False,
+        on_delete=models.SET_NULL,
+        related_name="worker",
+    )
+    # The Channels name of the consumer holding the worker's socket (empty when
+    # it is not connected): any serving process sends its requests there.
+    channel_name = models.CharField(max_length=200, blank=True, editable=False)
+    last_seen_at = models.DateTimeField(null=True, blank=True, editable=False)
+    last_address = models.CharField(max_length=100, blank=True, editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = WorkerQuerySet.as_manager()
+
+    class Meta:
+        ordering = ("name",)
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.prefix}…)"
+
+    def clean(self) -> None:
+        super().clean()
+        self.name = self.name.strip()
+        clash = Backend.objects.filter(name=self.name).exclude(kind=BackendKind.RELAY)
+        if clash.exists():
+            raise ValidationError(
+                {"name": "A backend that is not a relay worker has this name."}
+            )
+
+    def set_new_secret(self) -> str:
+        """Give the worker a new secret (not saved); return the raw secret."""
+        raw = f"{SECRET_SCHEME}{secrets.token_urlsafe(32)}"
+        self.prefix = raw[:PREFIX_LENGTH]
+        self.hashed_secret = hash_secret(raw)
+        return raw
+
+    def rotate_secret(self) -> str:
+        """Replace the secret and disconnect the worker; return the new secret."""
+        with transaction.atomic():
+            raw = self.set_new_secret()
+            self.is_active = True
+            self.save(update_fields=("prefix", "hashed_secret", "is_active"))
+            _mark_backend_gone(self, "worker secret rotated")
+            self.disconnect_on_commit()
+        return raw
+
+    def disconnect_on_commit(self) -> None:
+        """Close the worker's live socket (4001) once the transaction commits."""
+        channel = self.channel_name
+        if channel:
+            transaction.on_commit(
+                lambda: notify_worker(
+                    channel, {"type": CLOSE_EVENT, "code": AUTH_FAILED_CLOSE_CODE}
+                )
+            )
+
+    def matches(self, raw_secret: str) -> bool:
+        return hmac.compare_digest(self.hashed_secret, hash_secret(raw_secret))
+
+    @property
+    def is_connected(self) -> bool:
+        return bool(self.channel_name)
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """What the gateway accepted of a worker's register message."""
+
+    worker_id: int
+    backend_name: str
+    models: tuple[str, ...]
+
+
+def register_worker(
+    worker_id: int,
+    channel_name: str,
+    address: str,
+    models: Sequence[str],
+    max_concurrency: int,
+) -> tuple[Registration, str]:
+    """Record a worker's connection; create or update its relay backend.
+
+    Returns what was accepted and the channel of a previous connection of the
+    same worker ("" if none), which the caller closes. Raises
+    ``Worker.DoesNotExist`` when the worker was revoked meanwhile.
+    """
+    with transaction.atomic():
+        worker = Worker.objects.select_for_update().get(pk=worker_id, is_active=True)
+        previous = worker.channel_name if worker.channel_name != channel_name else ""
+        backend = worker.backend
+        if backend is None:
+            backend, _ = Backend.objects.get_or_create(
+                name=worker.name,
+                defaults={
+                    "kind": BackendKind.RELAY,
+                    "base_url": relay_url(worker.name),
+                },
+            )
+        backend.kind = BackendKind.RELAY
+        backend.base_url = relay_url(worker.name)
+        backend.max_concurrency = max_concurrency
+        if backend.status != HealthStatus.DRAINING:
+            backend.status = HealthStatus.HEALTHY
+        backend.last_check_at = timezone.now()
+        backend.last_error = ""
+        backend.save()
+        worker.backend = backend
+        worker.channel_name = channel_name
+        worker.last_seen_at = timezone.now()
+        worker.last_address = address[:100]
+        worker.save(
+            update_fields=("backend", "channel_name", "last_seen_at", "last_address")
+        )
+        accepted = record_worker_models(backend, models)
+    return Registration(worker.pk, backend.name, accepted), previous
+
+
+def record_worker_models(backend: Backend, models: Sequence[str]) -> tuple[str, ...]:
+    """Make the worker's advertised models the relay backend's discovered ones."""
+    from backends.discovery import record_models  # discovery imports this module
+
+    names = tuple(dict.fromkeys(models))
+    record_models(backend.pk, backend.name, [ModelInfo(name=name) for name in names])
+    return names
+
+
+def update_worker_models(worker_id: int, models: Sequence[str]) -> tuple[str, ...]:
+    """Apply a models_update from a connected worker."""
+    worker = Worker.objects.select_related("backend").get(pk=worker_id)
+    if worker.backend is None:
+        return ()
+    return record_worker_models(worker.backend, models)
+
+
+def see_worker(worker_id: int, channel_name: str) -> bool:
+    """Note a heartbeat (no config change); return whether the worker may stay.
+
+    False when its secret was revoked or another connection took its place.
+    """
+    now = timezone.now()
+    seen = Worker.objects.filter(
+        pk=worker_id, is_active=True, channel_name=channel_name
+    ).update(last_seen_at=now)
+    if seen:
+        # A heartbeat is this backend's health check: it keeps the result
+        # fresh, and brings back a backend marked unhealthy or unknown (after
+        # an undrain, a breaker opening) while its worker is connected.
+        live = Backend.objects.filter(worker__pk=worker_id).exclude(
+            status=HealthStatus.DRAINING
+        )
+        live.filter(status=HealthStatus.HEALTHY).update(last_check_at=now)
+        if live.exclude(status=HealthStatus.HEALTHY).update(
+            status=HealthStatus.HEALTHY, last_check_at=now, last_error=""
+        ):
+            Backend.objects.announce_change()
+    return bool(seen)
+
+
+def drain_worker(worker_id: int) -> None:
+    """The worker said it drains (SIGTERM on its box): send it nothing new."""
+    Backend.objects.filter(worker__pk=worker_id).drain()
+
+
+def forget_worker(worker_id: int, channel_name: str, reason: str) -> None:
+    """The worker's socket closed: its backend is Gone (unhealthy, no traffic)."""
+    with transaction.atomic():
+        worker = (
+            Worker.objects.select_for_update()
+            .filter(pk=worker_id, channel_name=channel_name)
+            .first()
+        )
+        if worker is None:
+            return  # a newer connection took over; it owns the backend now
+        worker.channel_name = ""
+        worker.save(update_fields=("channel_name",))
+        _mark_backend_gone(worker, reason)
+
+
+def _mark_backend_gone(worker: Worker, reason: str) -> None:
+    if worker.backend_id is None:
+        return
+    Backend.objects.filter(pk=worker.backend_id).update(
+        status=HealthStatus.UNHEALTHY,
+        last_error=reason,
+        last_check_at=timezone.now(),
+    )
+    Backend.objects.announce_change()
+
+
+def notify_worker(channel_name: str, event: dict[str, object]) -> None:
+    """Send an event to the consumer holding a worker's socket (sync code).
+
+    With the in-memory layer this reaches only this process's consumers;
+    a worker elsewhere learns of a revocation at its next heartbeat.
+    """
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    try:
+        async_to_sync(layer.send)(channel_name, event)
+    except Exception:
+        logger.warning("Could not reach worker channel %s", channel_name, exc_info=True)
