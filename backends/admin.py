@@ -373,3 +373,7 @@ class BackendModelAdmin(BackendModelAdminBase):
             "discovery run overwrites what was set by hand.",
             messages.SUCCESS,
         )
+
+
+# Relay workers' admin lives in its own module; importing it registers it.
+from backends import worker_admin  # noqa: F401

@@ -89,6 +89,14 @@ class WorkerQuerySet(models.QuerySet["Worker"]):
                 worker.disconnect_on_commit()
         return revoked
 
+    def refresh_models(self) -> list[str]:
+        """Ask these workers to list their models again; return those asked."""
+        told: list[str] = []
+        for worker in self.exclude(channel_name=""):
+            told.append(worker.name)
+            notify_worker(worker.channel_name, {"type": REFRESH_EVENT})
+        return told
+
     def drain(self, timeout: float = DEFAULT_DRAIN_SECONDS) -> list[str]:
         """Drain these workers: no new requests, then graceful_shutdown.
 

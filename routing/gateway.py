@@ -33,6 +33,7 @@ from routing.holder import SnapshotHolder
 from routing.metrics import GatewayMetrics, MetricsEndpoint, Network, parse_networks
 from routing.proxy.upstream import ReplyLimits, UpstreamClient
 from routing.relay.dispatch import RelayHub
+from routing.relay.queue import RelayQueue
 from routing.state import GatewayState, build_state
 from routing.versioning import read_config_version
 from usage.buffer import UsageBuffer
@@ -176,6 +177,10 @@ class Gateway:
             ),
         )
         self.relay = RelayHub()
+        self.relay_queue = RelayQueue(
+            settings.NEXUS_RELAY_QUEUE_MAX, settings.NEXUS_RELAY_QUEUE_TIMEOUT
+        )
+        self.relay.on_slot_free = self.relay_queue.wake_first
         self.metrics = GatewayMetrics()
         self.admission = AdmissionGate(self.metrics, share=config.admission_share)
         self.limiter = _make_limiter(config, self.metrics.limiter_errors.inc)
@@ -239,6 +244,7 @@ class Gateway:
 
     async def stop(self) -> None:
         """Stop every task; usage still held is handed on first."""
+        await self.relay.stop()
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()

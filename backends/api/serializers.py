@@ -15,7 +15,13 @@ from rest_framework import serializers
 from rest_framework.settings import api_settings
 from rest_framework.validators import UniqueValidator
 
-from backends.models import CAPABILITY_FIELDS, HEALTH_FIELDS, Backend, BackendModel
+from backends.models import (
+    CAPABILITY_FIELDS,
+    HEALTH_FIELDS,
+    Backend,
+    BackendModel,
+    Worker,
+)
 
 M = TypeVar("M", bound=models.Model)
 
@@ -217,3 +223,55 @@ class BackendModelSerializer(ModelCleanSerializer[BackendModel]):
             if value != getattr(instance, name)
         )
         return super().update(instance, validated_data)
+
+
+class WorkerSerializer(ModelCleanSerializer[Worker]):
+    """A relay worker. Its secret is shown once: on create and on rotate."""
+
+    connected = serializers.BooleanField(source="is_connected", read_only=True)
+    backend: serializers.SlugRelatedField[Backend] = serializers.SlugRelatedField(
+        slug_field="name", read_only=True
+    )
+
+    class Meta:
+        model = Worker
+        fields: tuple[str, ...] = (
+            "id",
+            "name",
+            "prefix",
+            "is_active",
+            "connected",
+            "backend",
+            "last_seen_at",
+            "last_address",
+            "created_at",
+        )
+        read_only_fields = (
+            "prefix",
+            "is_active",
+            "last_seen_at",
+            "last_address",
+            "created_at",
+        )
+
+
+class NewWorkerSerializer(WorkerSerializer):
+    """A worker with its secret: the only time the secret is shown."""
+
+    secret = serializers.CharField(
+        read_only=True,
+        help_text="For nexus-worker --secret (nxw-...). Only its hash is stored: "
+        "copy it now.",
+    )
+
+    class Meta(WorkerSerializer.Meta):
+        fields = (*WorkerSerializer.Meta.fields, "secret")
+
+
+class DrainWorkerSerializer(serializers.Serializer[Any]):
+    timeout = serializers.FloatField(
+        default=60.0,
+        min_value=0.0,
+        max_value=86_400.0,
+        help_text="Seconds the worker lets its requests in flight finish.",
+    )

@@ -654,7 +654,9 @@ class ProxyApp:
             except AdmissionError as error:
                 raise _admission_error(error, exchange, headers) from None
             try:
-                route = gateway.router.select(requirements, state.routes, gateway.stats)
+                # Waits in line while relay workers are all busy (a bounded
+                # FIFO; plain routing otherwise).
+                route = await gateway.relay_queue.select(gateway, requirements, state)
             except RoutingError as error:
                 raise _routing_error(error) from error
             await forward(gateway, exchange, route, payload, raw, send, headers, call)

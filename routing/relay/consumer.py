@@ -92,6 +92,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.routes: dict[str, list[Any]] = {}
         self._tasks: list[asyncio.Task[Any]] = []
         self._closing = False
+        self._gone = False  # disconnect() ran
 
     # Connection ----------------------------------------------------------------
 
@@ -120,6 +121,9 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         )
 
     async def disconnect(self, code: int) -> None:
+        if self._gone:
+            return
+        self._gone = True
         for task in self._tasks:
             task.cancel()
         self.hub.detach(self.channel_name)
@@ -134,10 +138,18 @@ class WorkerConsumer(AsyncWebsocketConsumer):
                 self.worker_id, self.channel_name, f"worker disconnected ({code})"
             )
 
+    async def leave(self) -> None:
+        """This serving process stops: Gone here; the worker reconnects."""
+        await self._close(protocol.CloseCode.NORMAL)
+        await self.disconnect(protocol.CloseCode.NORMAL)
+
     async def _close(self, code: int) -> None:
         self._closing = True
-        # A plain int: Daphne's websocket library refuses an IntEnum.
-        await self.close(code=int(code))
+        # Daphne's websocket library sends 1000 and 3000-4999 only, as plain
+        # ints; an oversized frame gets its 1009 from Daphne's own limit
+        # (--websocket-max-message-size, the protocol's 16 MiB under nexus_run).
+        code = int(code)
+        await self.close(code=code if code == 1000 or 3000 <= code <= 4999 else 1000)
 
     async def _await_register(self) -> None:
         await asyncio.sleep(REGISTER_TIMEOUT)

@@ -56,7 +56,6 @@ _REQUEUE_CODES = frozenset({protocol.ERROR_DRAINING, protocol.ERROR_AT_CAPACITY}
 REQUEST_EVENT = "relay.request"
 CANCEL_EVENT = "relay.cancel"
 REPLY_EVENT = "relay.reply"
-REPLY_CHANNEL_PREFIX = "relay"
 # Headers the worker passes to its local backend (never the client's auth).
 _FORWARDED_HEADERS = ("content-type", "accept")
 
@@ -74,6 +73,7 @@ class WorkerLink(Protocol):
 
     def start_request(self, request_id: str, frame: str, reply_to: str) -> None: ...
     def cancel_request(self, request_id: str, reason: str) -> None: ...
+    async def leave(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -178,6 +178,9 @@ class RelayHub:
         self._layer: Any = None
         self._ready = asyncio.Event()
         self._sequence = 0
+        # Called (soon, after the proxy's own bookkeeping) when a relay
+        # request of this process ends: a waiting request may take the slot.
+        self.on_slot_free: Callable[[], None] | None = None
 
     # Lifecycle -------------------------------------------------------------
 
@@ -189,7 +192,9 @@ class RelayHub:
         self._layer = layer = get_channel_layer()
         if layer is None:
             return
-        self.reply_channel = channel = await layer.new_channel(REPLY_CHANNEL_PREFIX)
+        # The layer's default prefix: channels_redis reads every channel of a
+        # process from one list, named by that prefix.
+        self.reply_channel = channel = await layer.new_channel()
         self._ready.set()
         while True:
             try:
@@ -205,6 +210,21 @@ class RelayHub:
                 event = message.get("event")
                 if isinstance(event, list | tuple) and len(event) == 2:
                     call.deliver(message.get("seq"), (event[0], event[1]))
+
+    async def stop(self) -> None:
+        """The process is stopping: its workers are told to reconnect elsewhere.
+
+        Their backends turn Gone at once rather than when their health goes
+        stale (a stopping server cancels consumers without their disconnect).
+        """
+        links = list(self.links.values())
+        self.links.clear()
+        results = await asyncio.gather(
+            *(link.leave() for link in links), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                logger.warning("A relay worker did not leave cleanly: %r", result)
 
     # The consumer's side -----------------------------------------------------
 
@@ -369,6 +389,8 @@ class RelayHub:
     def finish(self, call: RelayCall, cancel: bool) -> None:
         """Forget a call; tell its worker to stop when it has not ended."""
         self.calls.pop(call.request_id, None)
+        if self.on_slot_free is not None:
+            asyncio.get_running_loop().call_soon(self.on_slot_free)
         if not cancel:
             return
         link = self.links.get(call.channel)

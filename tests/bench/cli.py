@@ -135,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Instead: what keys' limits and budgets cost (a key without limits "
         "and one with all of them: raw p50 at c=1 and wrk throughput).",
     )
+    parser.add_argument(
+        "--relay",
+        action="store_true",
+        help="Instead: what the worker relay adds (a mock behind nexus-worker "
+        "versus the same mock by URL, c=8, one process without Redis and two "
+        "processes over Redis).",
+    )
     parser.add_argument("--wrk", default="wrk", help="The wrk executable.")
     parser.add_argument(
         "--json",
@@ -156,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _admission(options)
     if options.limits:
         return _limits(options)
+    if options.relay:
+        return _relay(options)
     if options.duration < 1:
         parser.error("--duration must be at least 1 second.")
     if not 2 <= options.workers <= 64:
@@ -234,6 +243,23 @@ def _admission(options: argparse.Namespace) -> int:
         return 1
     (options.output / "admission.json").write_text(json.dumps(results, indent=2))
     sys.stdout.write(format_admission_report(results) + "\n")
+    return 0
+
+
+def _relay(options: argparse.Namespace) -> int:
+    from tests.bench.relay import format_relay_report, run_relay_benchmark
+
+    ensure_database()
+    call_command("migrate", interactive=False, verbosity=0)
+    try:
+        results = run_relay_benchmark(
+            options.output / "relay-logs", max(2.0, options.duration), _progress
+        )
+    except (RuntimeError, OSError) as error:
+        sys.stderr.write(f"The benchmark failed: {error}\n")
+        return 1
+    (options.output / "relay.json").write_text(json.dumps(results, indent=2))
+    sys.stdout.write(format_relay_report(results) + "\n")
     return 0
 
 

@@ -1,0 +1,134 @@
+"""Relay workers' secrets: the command, the API and the admin.
+
+What a worker does once connected is tested end to end in
+tests/routing/test_relay_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+from io import StringIO
+from typing import Any
+
+import pytest
+from django.contrib.messages import get_messages
+from django.core.management import CommandError, call_command
+from django.test import Client
+from rest_framework.authtoken.models import Token
+from rest_framework.test import APIClient
+
+from backends.models import Backend, HealthStatus, Worker
+from backends.workers import register_worker
+from tests.factories import BackendFactory, StaffUserFactory
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def api() -> APIClient:
+    token = Token.objects.create(user=StaffUserFactory())
+    return APIClient(HTTP_AUTHORIZATION=f"Token {token.key}")
+
+
+def test_the_command_prints_the_secret_once_and_stores_only_its_hash() -> None:
+    out = StringIO()
+    call_command("nexus_create_worker", "gpu-1", "--json", stdout=out)
+    printed = json.loads(out.getvalue())
+    worker = Worker.objects.get(name="gpu-1")
+    assert printed["secret"].startswith("nxw-")
+    assert printed["prefix"] == worker.prefix == printed["secret"][:12]
+    assert printed["secret"] not in (worker.hashed_secret, worker.prefix)
+    assert Worker.objects.for_secret(printed["secret"]) == worker
+    assert Worker.objects.for_secret(printed["secret"] + "x") is None
+
+
+def test_the_command_refuses_a_name_an_ordinary_backend_has() -> None:
+    BackendFactory(name="gpu-1")
+    with pytest.raises(CommandError, match="not a relay worker"):
+        call_command("nexus_create_worker", "gpu-1", stdout=StringIO())
+
+
+def test_api_shows_the_secret_on_create_and_rotate_only(api: APIClient) -> None:
+    created = api.post("/api/v1/workers", {"name": "gpu-1"}, format="json")
+    assert created.status_code == 201
+    secret = created.json()["secret"]
+    listed = api.get("/api/v1/workers").json()["results"]
+    assert [row["name"] for row in listed] == ["gpu-1"]
+    assert "secret" not in listed[0]
+    assert secret not in json.dumps(listed)
+
+    pk = created.json()["id"]
+    rotated = api.post(f"/api/v1/workers/{pk}/rotate").json()
+    assert rotated["secret"] != secret
+    assert Worker.objects.for_secret(secret) is None
+    assert Worker.objects.for_secret(rotated["secret"]) is not None
+
+
+def test_api_revoke_refuses_the_secret_and_takes_the_backend_out(
+    api: APIClient,
+) -> None:
+    worker, secret = Worker.objects.create_worker("gpu-1")
+    register_worker(worker.pk, "chan-1", "10.0.0.5", ["llama3:8b"], 2)
+    backend = Backend.objects.get(name="gpu-1")
+    assert (backend.kind, backend.status, backend.max_concurrency) == (
+        "relay",
+        HealthStatus.HEALTHY,
+        2,
+    )
+    assert list(backend.models.values_list("name", "discovered")) == [
+        ("llama3:8b", True)
+    ]
+
+    answer = api.post(f"/api/v1/workers/{worker.pk}/revoke")
+    assert answer.status_code == 200
+    assert answer.json()["is_active"] is False
+    assert Worker.objects.for_secret(secret) is None
+    assert Backend.objects.get(name="gpu-1").status == HealthStatus.UNHEALTHY
+
+
+def test_api_refuses_a_duplicate_name(api: APIClient) -> None:
+    Worker.objects.create_worker("gpu-1")
+    answer = api.post("/api/v1/workers", {"name": "gpu-1"}, format="json")
+    assert answer.status_code == 400
+    assert "name" in answer.json()
+
+
+def test_admin_add_shows_the_secret_once(admin_client: Client) -> None:
+    response = admin_client.post(
+        "/admin/backends/worker/add/", {"name": "gpu-1"}, follow=True
+    )
+    assert response.status_code == 200
+    texts = [str(message) for message in get_messages(response.wsgi_request)]
+    worker = Worker.objects.get(name="gpu-1")
+    shown = [text for text in texts if "<code>nxw-" in text]
+    assert len(shown) == 1
+    secret = shown[0].split("<code>")[1].split("</code>")[0]
+    assert Worker.objects.for_secret(secret) == worker
+
+
+def test_admin_changelist_and_actions(
+    admin_client: Client, django_assert_max_num_queries: Any
+) -> None:
+    for name in ("gpu-1", "gpu-2", "gpu-3"):
+        worker, _ = Worker.objects.create_worker(name)
+        register_worker(worker.pk, f"chan-{name}", "10.0.0.5", ["m"], 1)
+    with django_assert_max_num_queries(10):
+        page = admin_client.get("/admin/backends/worker/")
+    assert page.status_code == 200
+    assert b"10.0.0.5" in page.content
+
+    gpu1 = Worker.objects.get(name="gpu-1")
+    response = admin_client.post(
+        "/admin/backends/worker/",
+        {"action": "drain_workers", "_selected_action": [gpu1.pk]},
+        follow=True,
+    )
+    assert response.status_code == 200
+    assert Backend.objects.get(name="gpu-1").status == HealthStatus.DRAINING
+    assert Backend.objects.get(name="gpu-2").status == HealthStatus.HEALTHY
+
+    admin_client.post(
+        "/admin/backends/worker/",
+        {"action": "revoke_workers", "_selected_action": [gpu1.pk]},
+    )
+    assert not Worker.objects.get(name="gpu-1").is_active

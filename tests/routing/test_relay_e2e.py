@@ -1,0 +1,552 @@
+"""Workers behind NAT, end to end: real Daphne, the real nexus-worker, the mock
+backend as each worker's local model server, the official openai SDK as client.
+
+The seed's contract list (worker-relay-architecture.txt): registration and a bad
+secret, revocation of a live worker, non-stream and stream requests with their
+order and termination, client cancel reaching the local backend, a worker
+killed mid-request (requeue before the first byte, error event after), the
+heartbeat timeout, model refresh, graceful drain, usage counted exactly, and
+(production mode) a worker connected to one serving process serving requests
+that arrive at another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import aiohttp
+import httpx
+import openai
+import pytest
+from django.conf import settings
+from rest_framework.authtoken.models import Token
+
+from backends.models import Backend, BackendModel, HealthStatus, Worker
+from routing.relay import protocol
+from routing.versioning import read_config_version
+from tests.conftest import REPO_ROOT, MockBackendProcess, NexusServer
+from tests.factories import StaffUserFactory
+from usage.models import ApiKey, UsageRecord
+from usage.stream import clear_usage_stream, drain_usage_stream
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MODEL = "llama3:8b"
+HEARTBEAT = "0.4"  # seconds: Gone after 3 missed, 1.2 s
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 15.0) -> None:
+    """Poll until `condition()` is truthy (a short sleep between tries)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {condition}")
+        time.sleep(0.05)
+
+
+@dataclass
+class WorkerProcess:
+    """A nexus-worker process and its log lines."""
+
+    process: subprocess.Popen[str]
+    log: list[str] = field(default_factory=list)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=10)
+
+    def logged(self, text: str) -> bool:
+        return any(text in line for line in self.log)
+
+
+def start_worker(
+    server: NexusServer, secret: str, mock: MockBackendProcess, *extra: str
+) -> WorkerProcess:
+    env = dict(os.environ, NEXUS_WORKER_SECRET=secret)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "nexus_site.worker",
+            "--server",
+            server.base_url,
+            "--backend",
+            mock.base_url,
+            "--backend-kind",
+            "openai",
+            *extra,
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    )
+    worker = WorkerProcess(process)
+
+    def collect() -> None:
+        assert process.stdout is not None
+        worker.log.extend(process.stdout)
+
+    threading.Thread(target=collect, daemon=True).start()
+    return worker
+
+
+@pytest.fixture
+def worker_factory() -> Iterator[Callable[..., WorkerProcess]]:
+    started: list[WorkerProcess] = []
+
+    def start(*args: object) -> WorkerProcess:
+        worker = start_worker(*args)  # type: ignore[arg-type]
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+def _server_version(server: NexusServer) -> int:
+    text = httpx.get(f"{server.base_url}/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith("nexus_config_version "):
+            return int(float(line.split()[1]))
+    return -1
+
+
+def wait_until_live(*servers: NexusServer) -> None:
+    """Wait until every server routes with the database's configuration."""
+    version = read_config_version()
+    for server in servers:
+        wait_for(lambda server=server: _server_version(server) >= version)
+
+
+def wait_registered(name: str) -> Worker:
+    def registered() -> bool:
+        worker = Worker.objects.filter(name=name).select_related("backend").first()
+        return bool(
+            worker
+            and worker.channel_name
+            and worker.backend
+            and worker.backend.status == HealthStatus.HEALTHY
+        )
+
+    wait_for(registered)
+    return Worker.objects.select_related("backend").get(name=name)
+
+
+def _sdk(server: NexusServer, key: str) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{server.base_url}/v1", api_key=key, max_retries=0, timeout=30
+    )
+
+
+def _staff_headers() -> dict[str, str]:
+    token = Token.objects.create(user=StaffUserFactory())
+    return {"Authorization": f"Token {token.key}"}
+
+
+def _usage_rows(backend: str) -> list[UsageRecord]:
+    if settings.NEXUS_USAGE_TRANSPORT == "redis":
+        drain_usage_stream()
+    return list(UsageRecord.objects.filter(backend=backend))
+
+
+@dataclass
+class Relay:
+    """A serving process, a client key, and a starter of registered workers."""
+
+    server: NexusServer
+    key: str
+    start: Callable[..., tuple[MockBackendProcess, WorkerProcess]]
+
+
+@pytest.fixture
+def relay(
+    mock_backend_factory: Callable[..., MockBackendProcess],
+    nexus_server_factory: Callable[..., NexusServer],
+    worker_factory: Callable[..., WorkerProcess],
+) -> Relay:
+    """Start a server; a worker's name names its mock, secret and backend."""
+    if settings.NEXUS_USAGE_TRANSPORT == "redis":
+        clear_usage_stream()
+    server = nexus_server_factory(NEXUS_RELAY_HEARTBEAT_SECONDS=HEARTBEAT)
+    _, key = ApiKey.objects.create_key("relay-tests")
+
+    def start(
+        name: str,
+        *mock_args: str,
+        at: NexusServer = server,
+        worker_args: tuple[str, ...] = (),
+    ) -> tuple[MockBackendProcess, WorkerProcess]:
+        mock = mock_backend_factory("--models", MODEL, "--name", name, *mock_args)
+        _, secret = Worker.objects.create_worker(name)
+        worker = worker_factory(at, secret, mock, "--name", name, *worker_args)
+        wait_registered(name)
+        wait_until_live(at)
+        return mock, worker
+
+    return Relay(server, key, start)
+
+
+def test_worker_serves_chat_stream_and_not_with_exact_usage(relay: Relay) -> None:
+    server, key, start = relay.server, relay.key, relay.start
+    start("gpu-a", "--chunks", "6")
+    sdk = _sdk(server, key)
+
+    assert [m.id for m in sdk.models.list().data] == [MODEL]
+    raw = sdk.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello relay"}]
+    )
+    reply = raw.parse()
+    assert raw.headers["x-nexus-backend"] == "gpu-a"
+    assert reply.choices[0].message.content == "[gpu-a/llama3:8b] echo: hello relay"
+
+    stream = sdk.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "one two three four five"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+    # In order and whole: the chunks join to the backend's exact text.
+    assert "".join(pieces) == "[gpu-a/llama3:8b] echo: one two three four five"
+    assert len([p for p in pieces if p]) == 6
+    assert finish == "stop"
+    assert usage is not None
+
+    wait_for(lambda: len(_usage_rows("gpu-a")) == 2)
+    rows = sorted(_usage_rows("gpu-a"), key=lambda row: row.streamed)
+    assert [row.total_tokens for row in rows] == [
+        reply.usage.total_tokens,
+        usage.total_tokens,
+    ]
+    assert [row.completion_tokens for row in rows] == [
+        reply.usage.completion_tokens,
+        usage.completion_tokens,
+    ]
+
+
+def test_anthropic_client_is_served_through_a_worker(relay: Relay) -> None:
+    server, key, start = relay.server, relay.key, relay.start
+    start("gpu-a")
+    answer = httpx.post(
+        f"{server.base_url}/v1/messages",
+        headers={"x-api-key": key, "anthropic-version": "2023-06-01"},
+        json={
+            "model": MODEL,
+            "max_tokens": 50,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+        timeout=30,
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["content"][0]["text"] == "[gpu-a/llama3:8b] echo: hi"
+
+
+async def _close_code(server: NexusServer, headers: dict[str, str], first: str) -> int:
+    url = server.base_url.replace("http", "ws") + protocol.WEBSOCKET_PATH
+    async with (
+        aiohttp.ClientSession() as session,
+        session.ws_connect(url, headers=headers) as ws,
+    ):
+        if first:
+            await ws.send_str(first)
+        async with asyncio.timeout(10):
+            async for _ in ws:
+                pass
+        return int(ws.close_code or 0)
+
+
+def test_bad_secret_and_unsupported_version_are_closed(
+    nexus_server_factory: Callable[..., NexusServer],
+) -> None:
+    server = nexus_server_factory()
+    _, secret = Worker.objects.create_worker("gpu-v")
+    bad = {protocol.SECRET_HEADER: "nxw-not-the-secret"}
+    assert asyncio.run(_close_code(server, bad, "")) == 4001
+    assert asyncio.run(_close_code(server, {}, "")) == 4001
+    newer = (
+        '{"type":"register","name":"gpu-v","models":["m"],"max_concurrency":1,'
+        '"load":0,"protocol_version":2}'
+    )
+    good = {protocol.SECRET_HEADER: secret}
+    assert asyncio.run(_close_code(server, good, newer)) == 4002
+    assert Worker.objects.get(name="gpu-v").channel_name == ""
+
+
+def test_unknown_and_malformed_frames_leave_the_worker_serving(
+    nexus_server_factory: Callable[..., NexusServer],
+) -> None:
+    server = nexus_server_factory()
+    _, secret = Worker.objects.create_worker("gpu-u")
+
+    def has_models() -> bool:
+        served = BackendModel.objects.filter(backend__name="gpu-u", enabled=True)
+        return set(served.values_list("name", flat=True)) == {"m", "n"}
+
+    async def session() -> str:
+        url = server.base_url.replace("http", "ws") + protocol.WEBSOCKET_PATH
+        async with (
+            aiohttp.ClientSession() as http,
+            http.ws_connect(url, headers={protocol.SECRET_HEADER: secret}) as ws,
+        ):
+            await ws.send_str(
+                '{"type":"register","name":"x","models":["m"],'
+                '"max_concurrency":1,"load":0,"protocol_version":1}'
+            )
+            ack = await ws.receive_json(timeout=10)
+            for junk in ('{"type":"from_the_future"}', "not json", "[1]"):
+                await ws.send_str(junk)
+            await ws.send_str('{"type":"models_update","models":["m","n"],"load":0}')
+            # The consumer survived the junk: it applies the update after it.
+            await asyncio.to_thread(wait_for, has_models)
+            return str(ack["type"])
+
+    assert asyncio.run(session()) == "register_ack"
+
+
+def test_revoking_a_worker_disconnects_it(relay: Relay) -> None:
+    server, key, start = relay.server, relay.key, relay.start
+    _, worker = start("gpu-a")
+    row = Worker.objects.get(name="gpu-a")
+    answer = httpx.post(
+        f"{server.base_url}/api/v1/workers/{row.pk}/revoke",
+        headers=_staff_headers(),
+        timeout=10,
+    )
+    assert answer.status_code == 200
+    assert answer.json()["is_active"] is False
+    wait_for(lambda: worker.logged("secret rejected"), timeout=5)
+    wait_for(lambda: Worker.objects.get(name="gpu-a").channel_name == "")
+    assert Backend.objects.get(name="gpu-a").status == HealthStatus.UNHEALTHY
+    wait_until_live(server)
+    with pytest.raises(openai.APIStatusError) as refused:
+        _sdk(server, key).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert refused.value.status_code == 503
+
+
+def test_client_cancel_reaches_the_local_backend(relay: Relay) -> None:
+    server, key, start = relay.server, relay.key, relay.start
+    mock, _ = start("gpu-a", "--chunks", "50", "--chunk-delay-ms", "200")
+    stream = _sdk(server, key).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "long"}], stream=True
+    )
+    next(iter(stream))
+    stream.close()
+    stats = lambda: httpx.get(f"{mock.base_url}/_mock/stats", timeout=5).json()
+    wait_for(lambda: stats()["client_disconnects"] == 1, timeout=5)
+    assert stats()["in_flight"] == 0
+
+
+def _in_flight(mock: MockBackendProcess) -> int:
+    return int(httpx.get(f"{mock.base_url}/_mock/stats", timeout=5).json()["in_flight"])
+
+
+def test_worker_killed_before_the_first_byte_is_requeued(relay: Relay) -> None:
+    server, key, start = relay.server, relay.key, relay.start
+    mock_a, worker_a = start("gpu-a", "--latency-ms", "1500")
+    mock_b, worker_b = start("gpu-b", "--latency-ms", "1500")
+    result: list[object] = []
+
+    def ask() -> None:
+        try:
+            result.append(
+                _sdk(server, key).chat.completions.with_raw_response.create(
+                    model=MODEL, messages=[{"role": "user", "content": "again"}]
+                )
+            )
+        except Exception as error:  # noqa: BLE001 - reported below
+            result.append(error)
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    wait_for(lambda: _in_flight(mock_a) + _in_flight(mock_b) == 1)
+    first, other = ("gpu-a", "gpu-b") if _in_flight(mock_a) else ("gpu-b", "gpu-a")
+    (worker_a if first == "gpu-a" else worker_b).process.send_signal(signal.SIGKILL)
+    thread.join(timeout=30)
+    raw = result[0]
+    assert not isinstance(raw, Exception), raw
+    assert raw.headers["x-nexus-backend"] == other  # type: ignore[attr-defined]
+    text = raw.parse().choices[0].message.content  # type: ignore[attr-defined]
+    assert text == f"[{other}/llama3:8b] echo: again"
+    wait_for(lambda: len(_usage_rows(other)) == 1)
+    assert _usage_rows(first) == []
+
+
+def test_worker_killed_mid_stream_ends_it_with_an_error_event(relay: Relay) -> None:
+    server, key, start = relay.server, relay.key, relay.start
+    _, worker = start("gpu-a", "--chunks", "50", "--chunk-delay-ms", "100")
+    stream = _sdk(server, key).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "long"}], stream=True
+    )
+    chunks = iter(stream)
+    assert next(chunks).choices  # the stream started: its head went out
+    worker.process.send_signal(signal.SIGKILL)
+    with pytest.raises(openai.APIError, match="failed mid-stream"):
+        for _ in chunks:
+            pass
+
+
+def test_a_silent_worker_is_gone_after_three_heartbeats(relay: Relay) -> None:
+    _, worker = relay.start("gpu-a")
+    worker.process.send_signal(signal.SIGSTOP)
+    try:
+        wait_for(
+            lambda: Backend.objects.get(name="gpu-a").status == HealthStatus.UNHEALTHY,
+            timeout=10,
+        )
+        assert Worker.objects.get(name="gpu-a").channel_name == ""
+    finally:
+        worker.process.send_signal(signal.SIGCONT)
+    # It reconnects on its own and serves again.
+    wait_registered("gpu-a")
+
+
+def test_models_refresh_reaches_the_backend_models(relay: Relay) -> None:
+    server, key, start = relay.server, relay.key, relay.start
+    mock, _ = start("gpu-a")
+    httpx.post(
+        f"{mock.base_url}/_mock/config",
+        json={"models": [MODEL, "qwen:1b"]},
+        timeout=5,
+    )
+    row = Worker.objects.get(name="gpu-a")
+    answer = httpx.post(
+        f"{server.base_url}/api/v1/workers/{row.pk}/refresh",
+        headers=_staff_headers(),
+        timeout=10,
+    )
+    assert answer.status_code == 200
+    wait_for(
+        lambda: (
+            set(
+                BackendModel.objects.filter(
+                    backend__name="gpu-a", enabled=True
+                ).values_list("name", flat=True)
+            )
+            == {MODEL, "qwen:1b"}
+        )
+    )
+    wait_until_live(server)
+    reply = _sdk(server, key).chat.completions.create(
+        model="qwen:1b", messages=[{"role": "user", "content": "new"}]
+    )
+    assert reply.choices[0].message.content == "[gpu-a/qwen:1b] echo: new"
+
+
+def test_drain_finishes_the_stream_in_flight_and_the_worker_exits_0(
+    relay: Relay,
+) -> None:
+    server, key, start = relay.server, relay.key, relay.start
+    _, worker = start("gpu-a", "--chunks", "20", "--chunk-delay-ms", "100")
+    stream = _sdk(server, key).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "drain me"}], stream=True
+    )
+    chunks = iter(stream)
+    text = next(chunks).choices[0].delta.content or ""
+    row = Worker.objects.get(name="gpu-a")
+    answer = httpx.post(
+        f"{server.base_url}/api/v1/workers/{row.pk}/drain",
+        headers=_staff_headers(),
+        json={"timeout": 30},
+        timeout=10,
+    )
+    assert answer.status_code == 200
+    for chunk in chunks:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+    assert text == "[gpu-a/llama3:8b] echo: drain me"
+    assert worker.process.wait(timeout=20) == 0
+    wait_for(lambda: Backend.objects.get(name="gpu-a").status != HealthStatus.HEALTHY)
+
+
+@pytest.mark.skipif(not settings.REDIS_URL, reason="production mode (Redis layer)")
+def test_worker_on_one_serving_process_serves_requests_at_another(
+    relay: Relay,
+    nexus_server_factory: Callable[..., NexusServer],
+) -> None:
+    relay.start("gpu-a", "--chunks", "8")
+    other = nexus_server_factory(NEXUS_RELAY_HEARTBEAT_SECONDS=HEARTBEAT)
+    wait_until_live(other)
+    sdk = _sdk(other, relay.key)
+    reply = sdk.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "across"}]
+    )
+    assert reply.choices[0].message.content == "[gpu-a/llama3:8b] echo: across"
+    stream = sdk.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "a b c d e f g h"}],
+        stream=True,
+    )
+    text = "".join(
+        chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices
+    )
+    assert text == "[gpu-a/llama3:8b] echo: a b c d e f g h"
+    wait_for(lambda: len(_usage_rows("gpu-a")) == 2)
+
+
+def test_busy_workers_queue_requests_first_come_first_served_and_bounded(
+    relay: Relay, nexus_server_factory: Callable[..., NexusServer]
+) -> None:
+    server = nexus_server_factory(
+        NEXUS_RELAY_QUEUE_MAX="1", NEXUS_RELAY_QUEUE_TIMEOUT="2.5"
+    )
+    mock, _ = relay.start(
+        "gpu-a",
+        "--latency-ms",
+        "1000",
+        at=server,
+        worker_args=("--max-concurrency", "1"),
+    )
+    sdk = _sdk(server, relay.key)
+    results: dict[str, object] = {}
+
+    def ask(label: str) -> None:
+        try:
+            reply = sdk.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": label}]
+            )
+            results[label] = reply.choices[0].message.content
+        except openai.APIStatusError as error:
+            results[label] = (error.status_code, error.code)
+
+    first = threading.Thread(target=ask, args=("first",))
+    first.start()
+    wait_for(lambda: _in_flight(mock) == 1)
+    second = threading.Thread(target=ask, args=("second",))
+    second.start()
+    time.sleep(0.3)  # let it take the one place in line
+    ask("third")
+    first.join(timeout=30)
+    second.join(timeout=30)
+    assert results == {
+        "first": "[gpu-a/llama3:8b] echo: first",
+        "second": "[gpu-a/llama3:8b] echo: second",  # waited its turn
+        "third": (503, "queue_full"),
+    }
+
+    httpx.post(f"{mock.base_url}/_mock/config", json={"latency_ms": 6000}, timeout=5)
+    slow = threading.Thread(target=ask, args=("slow",))
+    slow.start()
+    wait_for(lambda: _in_flight(mock) == 1)
+    ask("late")
+    assert results["late"] == (503, "queue_timeout")
+    slow.join(timeout=30)
