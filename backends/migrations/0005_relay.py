@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('backends', '0003_capabilities_tri_state'),
+        ('backends', '0004_fleet'),
     ]
 
     operations = [

@@ -709,8 +709,8 @@ class ProxyApp:
         held = await fleet.hold(route_primary)
         if held is not None:
             return held
-        state = gateway.snapshots.peek()
-        routes = routes if state is None else state.routes
+        latest = gateway.snapshots.peek()
+        routes = routes if latest is None else latest.routes
         try:
             return router.select(requirements, routes, stats), routes
         except RoutingError as error:

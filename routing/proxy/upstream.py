@@ -363,7 +363,8 @@ async def forward(
             if status < 400:  # it answered for the model: loaded now (fleet)
                 stats.mark_hot(backend.name, model)
             # A relay request may have been requeued to another worker.
-            exchange.backend = relay_backend(response) or backend.name
+            served_by = relay_backend(response) or backend.name
+            exchange.backend = served_by
             exchange.served_model = model
             if exchange.meter is not None:
                 exchange.meter.use_model(model)
