@@ -145,6 +145,10 @@ def model_form(row: BackendModel, **changes: Any) -> dict[str, Any]:
         "supports_vision": _select(row.supports_vision),
         "supports_tools": _select(row.supports_tools),
         "supports_json_mode": _select(row.supports_json_mode),
+        # What discovery filled for the fleet strategy, as the form shows it.
+        "size_bytes": row.size_bytes or "",
+        "parameters_b": row.parameters_b or "",
+        "max_concurrency": row.max_concurrency or "",
         "loaded": "on" if row.loaded else "",
         "enabled": "on" if row.enabled else "",
     } | changes
