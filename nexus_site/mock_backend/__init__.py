@@ -36,7 +36,9 @@ server's probe endpoints as well (Ollama's ``/api/tags``, ``/api/ps`` and
 ``/v1/models``; Ollama's native ``/api/chat``, ``/api/generate`` with NDJSON
 streams, ``/api/embed`` and ``/api/embeddings``), shaped by ``context_length``,
 ``loaded_models``, ``vision_models`` and ``tool_models``; ``nexus_site.mock_backend.kinds`` has the
-details. ``--kind anthropic`` answers Anthropic's ``POST /v1/messages`` (plain,
+details. With ``model_sizes`` (``--model NAME:SIZE_GB``), ``memory_gb``,
+``load_seconds`` or ``keep_alive_seconds`` an Ollama mock loads, evicts and
+counts models like a node of a fleet (``nexus_site.mock_backend.memory``). ``--kind anthropic`` answers Anthropic's ``POST /v1/messages`` (plain,
 streamed with Anthropic's events, tool use) instead of the OpenAI API
 (``nexus_site.mock_backend.messages``).
 

@@ -185,8 +185,8 @@ class FleetScheduler:
     # Slots and lines ------------------------------------------------------------
 
     def _model_capacity(self, target: Target) -> int:
-        limit = getattr(target.model, "max_concurrency", None)
-        return limit if isinstance(limit, int) and limit > 0 else UNLIMITED
+        limit = target.model.max_concurrency
+        return limit if limit is not None and limit > 0 else UNLIMITED
 
     def _can_take(self, target: Target) -> bool:
         backend, model = target.backend.name, target.model.name
@@ -332,11 +332,10 @@ class FleetScheduler:
 
     def _note_waiting(self, backend: str, model: str, change: int) -> None:
         """Tell the live stats (the queue penalty counts waiters too)."""
-        note = getattr(
-            self.stats, "add_waiting" if change > 0 else "remove_waiting", None
-        )
-        if note is not None:
-            note(backend, model)
+        if change > 0:
+            self.stats.add_waiting(backend, model)
+        else:
+            self.stats.remove_waiting(backend, model)
 
     # Pre-warm -------------------------------------------------------------------
 
@@ -401,9 +400,7 @@ class FleetScheduler:
             loaded = outcome == "loaded"
             self.prewarm.finish(backend, model, loaded=loaded)
             if loaded:
-                mark_hot = getattr(self.stats, "mark_hot", None)
-                if mark_hot is not None:
-                    mark_hot(backend, model)
+                self.stats.mark_hot(backend, model)
             self.metrics.fleet_prewarm.labels(backend, model, outcome).inc()
             self.prewarm_total += 1
             self.recent_prewarms.appendleft((backend, model, outcome, time.time()))

@@ -98,9 +98,11 @@ def test_a_full_queue_and_a_long_wait_answer_503_in_openai_shape(
     mock_backend_factory: Factory,
     nexus_server_factory: Callable[..., NexusServer],
 ) -> None:
-    slow = _node(mock_backend_factory, "slow", "--latency-ms", "2500")
+    # Long enough that the third request finds the line still full on a
+    # loaded machine; then the second one times out, then the first answers.
+    slow = _node(mock_backend_factory, "slow", "--latency-ms", "6000")
     _backend(slow, "slow", max_concurrency=1)
-    _policy(fleet_queue_length=1, fleet_queue_timeout_seconds=0.5)
+    _policy(fleet_queue_length=1, fleet_queue_timeout_seconds=3)
     _, key = ApiKey.objects.create_key("fleet")
     server = nexus_server_factory()
 
@@ -140,7 +142,7 @@ def test_a_client_leaving_while_queued_never_reaches_the_backend(
     mock_backend_factory: Factory,
     nexus_server_factory: Callable[..., NexusServer],
 ) -> None:
-    slow = _node(mock_backend_factory, "slow", "--latency-ms", "1500")
+    slow = _node(mock_backend_factory, "slow", "--latency-ms", "5000")
     _backend(slow, "slow", max_concurrency=1)
     _policy()
     _, key = ApiKey.objects.create_key("fleet")
@@ -152,7 +154,7 @@ def test_a_client_leaving_while_queued_never_reaches_the_backend(
             client.chat.completions.create(model="m", messages=MESSAGES)
         )
         await asyncio.to_thread(_wait_until, lambda: _stats(slow)["in_flight"] == 1)
-        impatient = _client(server, key, timeout=0.4)
+        impatient = _client(server, key, timeout=1.0)
         with pytest.raises(openai.APITimeoutError):
             await impatient.chat.completions.create(model="m", messages=MESSAGES)
         # The place is freed at once, before the request in flight ends.
