@@ -773,3 +773,50 @@ async def test_a_malformed_request_fails_by_its_id_and_the_socket_stays_up(
     await peer.ws.send_str('{"type": "gossip"}')  # unknown: ignored
     await peer.send(Ping(timestamp=4.0))
     assert await peer.expect(Pong) == Pong(timestamp=4.0, load=0)
+
+
+async def test_a_repeated_graceful_shutdown_does_not_cut_requests_in_flight(
+    gateway: FakeGateway, start_worker: Any, backend: MockBackendProcess
+) -> None:
+    await _mock_post(backend, "/_mock/config", {"chunk_delay_ms": 100})
+    worker = start_worker()
+    peer = await gateway.next_peer()
+    await peer.register()
+    await peer.send(chat_request("h1", stream=True))
+    chunks = [(await peer.expect(ResponseChunk)).chunk]
+    await peer.send(GracefulShutdown(timeout_secs=30.0))
+    await peer.send(GracefulShutdown(timeout_secs=30.0))
+    assert (await peer.expect(Error)).code == ERROR_DRAINING
+    rest, complete = await peer.response("h1")
+    assert _content("".join(chunks + rest)) == "[gpu/llama3:8b] echo: hi"
+    assert complete.status == 200
+    await asyncio.wait_for(peer.closed.wait(), WAIT)
+    assert worker.draining
+
+
+async def test_a_second_sigterm_stops_at_once(
+    gateway: FakeGateway, backend: MockBackendProcess
+) -> None:
+    await _mock_post(backend, "/_mock/config", {"chunks": 100, "chunk_delay_ms": 200})
+    process = await _start_worker_process(gateway, backend)
+    try:
+        peer = await gateway.next_peer()
+        await peer.register()
+        await peer.send(chat_request("q1", stream=True))
+        await peer.expect(ResponseChunk)
+        process.send_signal(signal.SIGTERM)
+        assert (await peer.expect(Error)).code == ERROR_DRAINING
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), WAIT) == 0
+        await asyncio.wait_for(peer.closed.wait(), WAIT)
+        while not peer.inbox.empty():  # a chunk or two, never the end
+            assert isinstance(peer.inbox.get_nowait(), ResponseChunk)
+
+        async def backend_saw_the_disconnect() -> bool:
+            return (await _mock_stats(backend))["client_disconnects"] == 1
+
+        await _wait_for(backend_saw_the_disconnect)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()

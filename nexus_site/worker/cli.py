@@ -128,8 +128,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 async def _run(worker: Worker) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, worker.drain, None, signal.Signals(signum).name)
+        loop.add_signal_handler(signum, _on_signal, worker, signal.Signals(signum).name)
     return await worker.run()
+
+
+def _on_signal(worker: Worker, name: str) -> None:
+    """The first signal drains; a second one stops at once."""
+    if worker.draining:
+        worker.stop_now()
+    else:
+        worker.drain(None, name)
 
 
 def _positive_int(text: str) -> int:

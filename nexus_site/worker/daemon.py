@@ -164,14 +164,9 @@ class Worker:
         return 0
 
     def drain(self, timeout_secs: float | None = None, reason: str = "") -> None:
-        """Take no new requests, finish in-flight ones (up to the timeout), stop.
-
-        A second call (a second Ctrl-C) stops at once.
-        """
+        """Take no new requests, finish in-flight ones (up to the timeout), stop."""
         if self.draining:
-            logger.warning("stopping now: cancelling %d requests", self.load)
-            for task in self._tasks.values():
-                task.cancel()
+            logger.info("already draining (%s asked again)", reason or "drain")
             return
         timeout = (
             self.config.drain_timeout_secs if timeout_secs is None else timeout_secs
@@ -185,6 +180,13 @@ class Worker:
         self.draining = True
         self._stop.set()
         self._drain_task = asyncio.create_task(self._drain(timeout))
+
+    def stop_now(self) -> None:
+        """Drain without waiting: cancel the requests in flight (a second Ctrl-C)."""
+        logger.warning("stopping now: cancelling %d requests", self.load)
+        self.drain(0.0, "stop now")
+        for task in self._tasks.values():
+            task.cancel()
 
     async def _drain(self, timeout: float) -> None:
         await self._send_if_connected(
@@ -215,8 +217,10 @@ class Worker:
             if exc.status in (401, 403):
                 raise SecretRejected from None
             raise
-        logger.info("connected to %s", self.url)
         async with ws:
+            if self.draining:  # asked to stop while connecting
+                return
+            logger.info("connected to %s", self.url)
             self._ws = ws
             refresher = None
             try:
