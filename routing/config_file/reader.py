@@ -17,7 +17,7 @@ from collections.abc import Collection, Mapping
 from decimal import Decimal
 from typing import Any
 
-from backends.models import Backend, BackendModel
+from backends.models import Backend, BackendKind, BackendModel
 from routing.config_file.literals import format_key, format_scalar, format_string
 from routing.config_file.problems import ConfigError
 from routing.config_file.schema import (
@@ -336,6 +336,13 @@ class _Reader:
             api_key = self._read_api_key(table, path, invalid)
             models = self._read_models(table.get("models"), path)
             if "name" not in values:
+                continue
+            if values.get("kind") == BackendKind.RELAY:
+                self.add(
+                    f"{path}.kind",
+                    '"relay" backends are workers that dial in; create one with '
+                    "nexus_create_worker (or the admin), not in this file",
+                )
                 continue
             name = values.pop("name").strip()
             if self._is_first(name, f"{path}.name", seen, "backend name"):

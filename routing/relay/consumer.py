@@ -104,7 +104,6 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.registered = False
         self.interval = float(settings.NEXUS_RELAY_HEARTBEAT_SECONDS)
         self.last_pong = time.monotonic()
-        self.load = 0
         self.max_concurrency = 1
         # Requests sent to the worker and not finished, by request id.
         self.routes: dict[str, _Route] = {}
@@ -146,6 +145,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         for task in self._tasks:
             task.cancel()
         self.hub.detach(self.channel_name)
+        self.hub.loads.pop(self.backend_name, None)
         routes, self.routes = self.routes, {}
         for request_id, route in routes.items():
             self._pass_on(request_id, route, ("gone", "worker gone"))
@@ -236,9 +236,9 @@ class WorkerConsumer(AsyncWebsocketConsumer):
                 )
         elif isinstance(message, protocol.Pong):
             self.last_pong = time.monotonic()
-            self.load = message.load
+            self.hub.loads[self.backend_name] = message.load
         elif isinstance(message, protocol.ModelsUpdate):
-            self.load = message.load
+            self.hub.loads[self.backend_name] = message.load
             assert self.worker_id is not None
             await database_sync_to_async(update_worker_models)(
                 self.worker_id, message.models
@@ -265,7 +265,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             return
         self.registered = True
         self.max_concurrency = message.max_concurrency
-        self.load = message.load
+        self.hub.loads[self.backend_name] = message.load
         self.last_pong = time.monotonic()
         self.hub.attach(self.channel_name, self)
         if previous and self.channel_layer is not None:

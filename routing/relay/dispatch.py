@@ -171,6 +171,9 @@ class RelayHub:
     def __init__(self) -> None:
         # Consumers holding a worker's socket in this process, by channel name.
         self.links: dict[str, WorkerLink] = {}
+        # Requests in flight at each worker connected here, as its last pong
+        # said (all processes' requests): a requeue prefers the least loaded.
+        self.loads: dict[str, int] = {}
         self.calls: dict[str, RelayCall] = {}
         self.reply_channel = ""
         self._layer: Any = None
@@ -321,7 +324,9 @@ class RelayHub:
                 on_close = None
             if len(tried) >= MAX_ATTEMPTS:
                 break
-            other = _next_worker(backends, channels, stats, target.model.name, tried)
+            other = _next_worker(
+                backends, channels, stats, self.loads, target.model.name, tried
+            )
             if other is None:
                 break
             tried.append(other.name)
@@ -425,11 +430,13 @@ def _next_worker(
     backends: Mapping[str, BackendSpec],
     channels: Mapping[str, str],
     stats: LiveStats,
+    loads: Mapping[str, int],
     model: str,
     tried: list[str],
 ) -> BackendSpec | None:
     """Another connected, healthy relay worker serving `model` with room, least
-    loaded first; counted in flight when found."""
+    loaded first (its pong's load where known here, else this process's
+    requests to it); counted in flight when found."""
     candidates = [
         backend
         for name, backend in backends.items()
@@ -441,7 +448,9 @@ def _next_worker(
         and not backend.health_stale
         and any(m.name == model and m.enabled for m in backend.models)
     ]
-    candidates.sort(key=lambda backend: stats.in_flight(backend.name))
+    candidates.sort(
+        key=lambda backend: loads.get(backend.name, stats.in_flight(backend.name))
+    )
     for backend in candidates:
         if stats.try_begin(backend, model):
             return backend

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from backends.models import Backend, BackendKind, BackendModel
 from routing.config_file import export_config, import_config, read_config
+from routing.config_file.problems import ConfigError
 from routing.models import Alias, FallbackChain, RoutingPolicy, Strategy
 from tests.factories import (
     AliasFactory,
@@ -891,7 +892,10 @@ BACKENDS = st.fixed_dictionaries(
         "models": st.lists(MODELS, max_size=3, unique_by=lambda m: m["name"]),
     },
     optional={
-        "kind": st.sampled_from(BackendKind.values),
+        # Relay backends come from connected workers, not from the file.
+        "kind": st.sampled_from(
+            [kind for kind in BackendKind.values if kind != BackendKind.RELAY]
+        ),
         "priority": st.integers(0, 1000),
         "enabled": st.booleans(),
         "max_concurrency": st.integers(1, 512),
@@ -1367,3 +1371,12 @@ def test_key_and_price_problems_name_their_place(write: Writer) -> None:
     assert 'keys[2] ("x").expires: expected a date' in message
     assert "prices.m: expected { input = USD, output = USD }" in message
     assert 'prices."bad name"' in message
+
+
+@pytest.mark.django_db
+def test_a_relay_backend_in_the_file_is_refused_with_the_way_to_make_one() -> None:
+    text = '[[backends]]\nname = "gpu"\nbase_url = "http://x:1"\nkind = "relay"\n'
+    with pytest.raises(ConfigError) as refused:
+        _import_text(text)
+    assert "nexus_create_worker" in str(refused.value)
+    assert not Backend.objects.exists()
