@@ -3,8 +3,8 @@
 Schemathesis generates requests for every operation (its coverage phase's
 boundary and wrong-type values, then a few generated ones) and calls the WSGI
 application in this process: none may answer 500 or leak a backend's secret.
-The walk is split over two test files (backends, and everything else) so that
-pytest-xdist runs the halves on two workers.
+The walk is split over three test files (backends, the routing policy, and
+everything else) so that pytest-xdist runs the parts on several workers.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ from tests.factories import (
 
 SECRET = "sk-upstream-secret-c0ffee"
 BACKENDS = r"^/api/v1/(backends|backend-models)(/|$)"
+# The routing policy: its admission and fleet settings make it the operation
+# with the most generated cases, walked in a file of its own.
+POLICY = r"^/api/v1/policy$"
 
 
 @pytest.fixture
