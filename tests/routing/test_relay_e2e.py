@@ -132,6 +132,23 @@ def wait_until_live(*servers: NexusServer) -> None:
         wait_for(lambda server=server: _server_version(server) >= version)
 
 
+def wait_routable(server: NexusServer, backend: str, model: str = MODEL) -> None:
+    """Wait until `server` routes `model` to `backend` (its snapshot has both)."""
+    headers = _staff_headers()
+
+    def routable() -> bool:
+        answer = httpx.post(
+            f"{server.base_url}/api/v1/route/explain",
+            json={"model": model},
+            headers=headers,
+            timeout=5,
+        )
+        candidates = answer.json().get("candidates") or []
+        return any(c.get("backend") == backend for c in candidates)
+
+    wait_for(routable)
+
+
 def wait_registered(name: str) -> Worker:
     def registered() -> bool:
         worker = Worker.objects.filter(name=name).select_related("backend").first()
@@ -195,6 +212,7 @@ def relay(
         worker = worker_factory(at, secret, mock, "--name", name, *worker_args)
         wait_registered(name)
         wait_until_live(at)
+        wait_routable(at, name)
         return mock, worker
 
     return Relay(server, key, start)
@@ -453,6 +471,7 @@ def test_models_refresh_reaches_the_backend_models(relay: Relay) -> None:
         )
     )
     wait_until_live(server)
+    wait_routable(server, "gpu-a", "qwen:1b")
     reply = _sdk(server, key).chat.completions.create(
         model="qwen:1b", messages=[{"role": "user", "content": "new"}]
     )
