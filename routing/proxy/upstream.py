@@ -25,7 +25,6 @@ from routing.proxy.legs import Call, Leg, LegStream, Unservable, openai_call
 from routing.proxy.outbound import OPENAI_ADAPTER, adapter_for
 from routing.relay.dispatch import (
     RELAY_KIND,
-    acquire_worker_lease,
     open_relay,
     relay_backend,
 )
@@ -242,12 +241,9 @@ async def forward(
         lease, handed = handed, None  # the first target's slot, if handed over
         if lease is None and backend.max_concurrency and gateway.limiter.shared:
             # Gateway-wide: the other serving processes' requests count too.
-            if backend.kind == RELAY_KIND:
-                lease = await acquire_worker_lease(gateway, backend)
-            else:
-                lease = await gateway.limiter.acquire_backend(
-                    backend.name, backend.capacity
-                )
+            lease = await gateway.limiter.acquire_backend(
+                backend.name, backend.capacity
+            )
             if lease is None:
                 stats.end(backend.name, model)
                 failures.append(f"{backend.name}: at max concurrency")

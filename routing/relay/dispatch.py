@@ -490,21 +490,3 @@ async def open_relay(
 def relay_backend(response: object) -> str:
     """The backend that served a requeued relay request ("" otherwise)."""
     return response.backend_name if isinstance(response, RelayResponse) else ""
-
-
-# A slot freed by this process reaches the shared counters a moment after the
-# request ends (the limiter settles in batches): a request woken from the
-# relay queue for that slot retries for this long before it counts as busy.
-_LEASE_RETRIES = 20
-_LEASE_RETRY_SECONDS = 0.025
-
-
-async def acquire_worker_lease(gateway: Gateway, backend: BackendSpec) -> str | None:
-    """A gateway-wide slot at a relay worker, or None when it stays full."""
-    limiter = gateway.limiter
-    for _ in range(_LEASE_RETRIES):
-        lease = await limiter.acquire_backend(backend.name, backend.capacity)
-        if lease is not None:
-            return lease
-        await asyncio.sleep(_LEASE_RETRY_SECONDS)
-    return None
