@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,6 +215,41 @@ class NexusServer:
 
     def stop(self) -> None:
         MockBackendProcess(self.process, self.base_url).stop()
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """Sum of the series of one metric on /metrics whose labels contain
+        `labels` (every series by default)."""
+        import httpx
+
+        text = httpx.get(f"{self.base_url}/metrics", timeout=5).text
+        pattern = re.compile(rf"^{name}(?:{{([^}}]*)}})? ([0-9.e+-]+)$", re.MULTILINE)
+        return sum(float(v) for found, v in pattern.findall(text) if labels in found)
+
+
+def wait_until(
+    condition: Callable[[], Any], timeout: float = 20.0, what: str = ""
+) -> Any:
+    """Poll `condition` every 50 ms until it returns something true; return that.
+
+    The test fails if `timeout` seconds pass first.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, (
+            f"timed out after {timeout:g} s waiting for {what or condition}"
+        )
+        time.sleep(0.05)
+
+
+def mock_stats(mock: MockBackendProcess) -> dict[str, Any]:
+    """The mock backend's /_mock/stats (requests seen, in flight, loads...)."""
+    import httpx
+
+    stats: dict[str, Any] = httpx.get(f"{mock.base_url}/_mock/stats", timeout=5).json()
+    return stats
 
 
 def start_nexus_server(**extra_env: str) -> NexusServer:

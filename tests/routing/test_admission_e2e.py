@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,35 +20,13 @@ import pytest
 
 from backends.models import Backend, BackendModel, HealthStatus
 from routing.models import Alias, FallbackChain, RoutingPolicy
-from tests.conftest import MockBackendProcess, NexusServer
+from tests.conftest import MockBackendProcess, NexusServer, mock_stats, wait_until
 from usage.models import ApiKey
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 PRODUCTION = os.environ.get("NEXUS_TEST_MODE") == "production"
 MESSAGES = [{"role": "user", "content": "hi"}]
-
-
-def _wait_until(condition: Callable[[], Any], timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
-def _metric(server: NexusServer, name: str) -> float:
-    """Sum of every series of one metric on the server's /metrics."""
-    text = httpx.get(f"{server.base_url}/metrics", timeout=5).text
-    pattern = re.compile(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.MULTILINE)
-    return sum(float(value) for value in pattern.findall(text))
-
-
-def _stats(mock: MockBackendProcess) -> dict[str, Any]:
-    stats: dict[str, Any] = httpx.get(f"{mock.base_url}/_mock/stats").json()
-    return stats
 
 
 def _configure(**admission: Any) -> None:
@@ -110,7 +87,7 @@ def test_a_light_key_is_served_while_a_flooding_key_waits(
             for _ in range(16)
         ]
         await asyncio.to_thread(
-            _wait_until, lambda: _metric(server, "nexus_admission_queue_length") >= 10
+            wait_until, lambda: server.metric("nexus_admission_queue_length") >= 10
         )
         started = time.monotonic()
         await light_client.chat.completions.create(model="m", messages=MESSAGES)
@@ -125,13 +102,13 @@ def test_a_light_key_is_served_while_a_flooding_key_waits(
     # them. (Half the flood leaves room for a loaded machine's scheduling.)
     assert flood_done_then <= 8
     assert flood_served == 16
-    stats = _stats(slotted)
+    stats = mock_stats(slotted)
     assert stats["peak_outstanding"] <= 3  # the band, not the flood, reached it
     assert stats["requests"]["/v1/chat/completions"] == 17
     # At rest: nothing in flight, nothing waiting.
-    _wait_until(lambda: _metric(server, "nexus_admission_stock_level") == 0)
-    assert _metric(server, "nexus_admission_queue_length") == 0
-    assert _metric(server, "nexus_admission_dequeue_successes_total") >= 10
+    wait_until(lambda: server.metric("nexus_admission_stock_level") == 0)
+    assert server.metric("nexus_admission_queue_length") == 0
+    assert server.metric("nexus_admission_dequeue_successes_total") >= 10
 
 
 def test_a_client_that_leaves_while_queued_never_reaches_the_backend(
@@ -148,7 +125,9 @@ def test_a_client_that_leaves_while_queued_never_reaches_the_backend(
         holder = asyncio.create_task(
             _client(server, key).chat.completions.create(model="m", messages=MESSAGES)
         )
-        await asyncio.to_thread(_wait_until, lambda: _stats(slotted)["busy_slots"] == 1)
+        await asyncio.to_thread(
+            wait_until, lambda: mock_stats(slotted)["busy_slots"] == 1
+        )
         with pytest.raises(openai.APITimeoutError):
             await _client(server, key, timeout=0.4).chat.completions.create(
                 model="m", messages=MESSAGES
@@ -156,15 +135,15 @@ def test_a_client_that_leaves_while_queued_never_reaches_the_backend(
         await holder
 
     asyncio.run(scenario())
-    assert _stats(slotted)["requests"]["/v1/chat/completions"] == 1
+    assert mock_stats(slotted)["requests"]["/v1/chat/completions"] == 1
     # Recorded (usage and the access log share the same figures) as 499,
     # with no backend and no tokens.
-    line = _wait_until(lambda: next((x for x in server.log if "status=499" in x), None))
+    line = wait_until(lambda: next((x for x in server.log if "status=499" in x), None))
     assert "backend=- " in line
     assert "tokens_in=0 tokens_out=0" in line
     assert "error=client_closed" in line
-    _wait_until(lambda: _metric(server, "nexus_admission_stock_level") == 0)
-    assert _metric(server, "nexus_admission_requests_cancelled_total") == 1
+    wait_until(lambda: server.metric("nexus_admission_stock_level") == 0)
+    assert server.metric("nexus_admission_requests_cancelled_total") == 1
 
 
 def test_refusals_come_in_openais_shape_with_retry_after(
@@ -233,7 +212,7 @@ def test_refusals_come_in_openais_shape_with_retry_after(
     )
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "X-Nexus-Criticality"
-    _wait_until(lambda: _metric(server, "nexus_admission_stock_level") == 0)
+    wait_until(lambda: server.metric("nexus_admission_stock_level") == 0)
 
 
 def test_two_serving_processes_keep_the_gateways_in_flight_within_the_band(
@@ -258,9 +237,7 @@ def test_two_serving_processes_keep_the_gateways_in_flight_within_the_band(
         ]
     for server in servers:
         httpx.get(f"{server.base_url}/health/live")  # start the gateway
-        _wait_until(
-            lambda s=server: _metric(s, "nexus_admission_serving_processes") == 2
-        )
+        wait_until(lambda s=server: s.metric("nexus_admission_serving_processes") == 2)
 
     async def flood() -> None:
         clients = [_client(server, key) for server in servers]
@@ -272,11 +249,11 @@ def test_two_serving_processes_keep_the_gateways_in_flight_within_the_band(
         )
 
     asyncio.run(flood())
-    stats = _stats(mock)
+    stats = mock_stats(mock)
     assert stats["requests"]["/v1/chat/completions"] == 30
     assert 4 <= stats["peak_outstanding"] <= 5
     for server in servers:
-        _wait_until(lambda s=server: _metric(s, "nexus_admission_stock_level") == 0)
+        wait_until(lambda s=server: s.metric("nexus_admission_stock_level") == 0)
 
 
 @pytest.mark.parametrize(("max_concurrency", "bypassed"), [(8, 8), (None, 5)])
@@ -312,8 +289,8 @@ def test_an_idle_backend_takes_its_max_concurrency_before_anything_waits(
         )
 
     asyncio.run(scenario())
-    assert _metric(server, "nexus_admission_bypass_total") == bypassed
-    assert _stats(mock)["peak_outstanding"] == bypassed
+    assert server.metric("nexus_admission_bypass_total") == bypassed
+    assert mock_stats(mock)["peak_outstanding"] == bypassed
 
 
 def test_aliases_and_fallbacks_wait_in_the_pool_of_the_backend_that_serves(
@@ -342,8 +319,8 @@ def test_aliases_and_fallbacks_wait_in_the_pool_of_the_backend_that_serves(
         )
 
     asyncio.run(scenario())
-    stats = _stats(slotted)
+    stats = mock_stats(slotted)
     assert stats["requests"]["/v1/chat/completions"] == 6
     # One band for all three names: the backend never had two at once.
     assert stats["peak_outstanding"] == 1
-    assert _metric(server, "nexus_admission_dequeue_successes_total") == 5
+    assert server.metric("nexus_admission_dequeue_successes_total") == 5

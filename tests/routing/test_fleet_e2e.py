@@ -8,19 +8,17 @@ holding queue (a backend back in time, else the fallback, else a 503).
 from __future__ import annotations
 
 import asyncio
-import re
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
 from backends.models import Backend, BackendModel, HealthStatus
 from routing.models import ChainStep, FallbackChain, RoutingPolicy
-from tests.conftest import MockBackendProcess, NexusServer
+from tests.conftest import MockBackendProcess, NexusServer, mock_stats, wait_until
 from usage.models import ApiKey
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -29,30 +27,8 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 Factory = Callable[..., MockBackendProcess]
 
 
-def _wait_until(condition: Callable[[], Any], timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
-def _metric(server: NexusServer, name: str, labels: str = "") -> float:
-    """Sum of the series of one metric whose labels contain `labels`."""
-    text = httpx.get(f"{server.base_url}/metrics", timeout=5).text
-    pattern = re.compile(rf"^{name}(?:{{([^}}]*)}})? ([0-9.e+-]+)$", re.MULTILINE)
-    return sum(float(v) for found, v in pattern.findall(text) if labels in found)
-
-
-def _stats(mock: MockBackendProcess) -> dict[str, Any]:
-    stats: dict[str, Any] = httpx.get(f"{mock.base_url}/_mock/stats").json()
-    return stats
-
-
 def _served(mock: MockBackendProcess) -> int:
-    return int(_stats(mock)["requests"].get("/v1/chat/completions", 0))
+    return int(mock_stats(mock)["requests"].get("/v1/chat/completions", 0))
 
 
 def _policy(strategy: str = "fleet", **fields: Any) -> None:
@@ -115,12 +91,12 @@ def test_a_full_queue_and_a_long_wait_answer_503_in_openai_shape(
         running = asyncio.create_task(
             client.chat.completions.create(model="m", messages=MESSAGES)
         )
-        await asyncio.to_thread(_wait_until, lambda: _stats(slow)["in_flight"] == 1)
+        await asyncio.to_thread(wait_until, lambda: mock_stats(slow)["in_flight"] == 1)
         waiting = asyncio.create_task(
             client.chat.completions.create(model="m", messages=MESSAGES)
         )
         await asyncio.to_thread(
-            _wait_until, lambda: _metric(server, "nexus_fleet_queue_waiting") == 1
+            wait_until, lambda: server.metric("nexus_fleet_queue_waiting") == 1
         )
         with pytest.raises(openai.InternalServerError) as full:
             await client.chat.completions.create(model="m", messages=MESSAGES)
@@ -139,7 +115,7 @@ def test_a_full_queue_and_a_long_wait_answer_503_in_openai_shape(
     assert int(late.response.headers["retry-after"]) >= 1
     assert answer.choices[0].message.content.endswith("echo: hi")
     assert _served(slow) == 1  # neither refused request reached the backend
-    assert _metric(server, "nexus_fleet_queue_refusals_total") == 2
+    assert server.metric("nexus_fleet_queue_refusals_total") == 2
 
 
 def test_a_client_leaving_while_queued_never_reaches_the_backend(
@@ -157,13 +133,13 @@ def test_a_client_leaving_while_queued_never_reaches_the_backend(
         running = asyncio.create_task(
             client.chat.completions.create(model="m", messages=MESSAGES)
         )
-        await asyncio.to_thread(_wait_until, lambda: _stats(slow)["in_flight"] == 1)
+        await asyncio.to_thread(wait_until, lambda: mock_stats(slow)["in_flight"] == 1)
         impatient = _client(server, key, timeout=1.0)
         with pytest.raises(openai.APITimeoutError):
             await impatient.chat.completions.create(model="m", messages=MESSAGES)
         # The place is freed at once, before the request in flight ends.
         await asyncio.to_thread(
-            _wait_until, lambda: _metric(server, "nexus_fleet_queue_waiting") == 0
+            wait_until, lambda: server.metric("nexus_fleet_queue_waiting") == 0
         )
         assert not running.done()
         return await running
@@ -204,10 +180,10 @@ def test_a_deep_queue_warms_the_model_on_the_runner_up_once(
 
     answers = asyncio.run(scenario())
     assert len(answers) == 6
-    _wait_until(
-        lambda: _metric(server, "nexus_fleet_prewarm_total", 'outcome="loaded"') == 1
+    wait_until(
+        lambda: server.metric("nexus_fleet_prewarm_total", 'outcome="loaded"') == 1
     )
-    stats = _stats(spare)
+    stats = mock_stats(spare)
     assert stats["loads"] == {"m": 1}
     assert stats["requests"].get("/api/generate") == 1
 
@@ -241,7 +217,7 @@ def test_waiting_requests_move_to_a_node_where_the_model_is_hot(
             for _ in range(5)
         ]
         await asyncio.to_thread(
-            _wait_until, lambda: _metric(server, "nexus_fleet_queue_waiting") == 4
+            wait_until, lambda: server.metric("nexus_fleet_queue_waiting") == 4
         )
         other.status = HealthStatus.HEALTHY  # hot there, with room
         await asyncio.to_thread(other.save)
@@ -252,7 +228,7 @@ def test_waiting_requests_move_to_a_node_where_the_model_is_hot(
     assert len(answers) == 5
     assert _served(later) >= 2  # moved, not waited for `busy` (3 s each)
     assert _served(busy) + _served(later) == 5
-    moved = _metric(server, "nexus_fleet_rebalanced_total", 'destination="later"')
+    moved = server.metric("nexus_fleet_rebalanced_total", 'destination="later"')
     assert moved == _served(later)
     assert time.monotonic() - started < 5 * 3
 
@@ -293,14 +269,14 @@ def test_a_held_request_is_served_by_a_backend_healthy_in_time(
 
     asker = threading.Thread(target=ask)
     asker.start()
-    _wait_until(lambda: _metric(server, "nexus_fleet_held_requests") == 1)
+    wait_until(lambda: server.metric("nexus_fleet_held_requests") == 1)
     backend.status = HealthStatus.HEALTHY
     backend.save()
     asker.join(30)
     [raw] = answer
     assert raw.headers["x-nexus-backend"] == "down"
     assert raw.parse().choices[0].message.content.endswith("echo: hi")
-    assert _metric(server, "nexus_fleet_hold_total", 'outcome="served"') == 1
+    assert server.metric("nexus_fleet_hold_total", 'outcome="served"') == 1
 
 
 def test_a_held_request_goes_to_the_fallback_when_the_hold_ends(
@@ -320,7 +296,7 @@ def test_a_held_request_goes_to_the_fallback_when_the_hold_ends(
     assert raw.headers["x-nexus-backend"] == "spare"
     assert _served(down) == 0
     assert spare is not None and _served(spare) == 1
-    assert _metric(server, "nexus_fleet_hold_total", 'outcome="expired"') == 1
+    assert server.metric("nexus_fleet_hold_total", 'outcome="expired"') == 1
 
 
 def test_a_held_request_without_a_fallback_gets_503_after_the_hold(
@@ -353,4 +329,4 @@ def test_without_a_hold_the_answer_is_immediate(
     )
     with pytest.raises(openai.InternalServerError):
         client.chat.completions.create(model="m", messages=MESSAGES)
-    assert _metric(server, "nexus_fleet_hold_total") == 0
+    assert server.metric("nexus_fleet_hold_total") == 0

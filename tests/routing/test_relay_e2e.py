@@ -13,14 +13,12 @@ that arrive at another.
 from __future__ import annotations
 
 import asyncio
-import os
+import functools
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 import httpx
@@ -33,8 +31,9 @@ from backends.models import Backend, BackendModel, HealthStatus, Worker
 from routing.models import RoutingPolicy
 from routing.relay import protocol
 from routing.versioning import read_config_version
-from tests.conftest import REPO_ROOT, MockBackendProcess, NexusServer
+from tests.conftest import MockBackendProcess, NexusServer, wait_until
 from tests.factories import StaffUserFactory
+from tests.routing.relay_workers import WorkerProcess, start_worker
 from usage.models import ApiKey, UsageRecord
 from usage.stream import clear_usage_stream, drain_usage_stream
 
@@ -42,79 +41,23 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 MODEL = "llama3:8b"
 HEARTBEAT = "1.0"  # seconds: Gone after 3 missed (a loaded machine starves workers)
-
-
-def wait_for(condition: Callable[[], object], timeout: float = 15.0) -> None:
-    """Poll until `condition()` is truthy (a short sleep between tries)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {condition}")
-        time.sleep(0.05)
-
-
-@dataclass
-class WorkerProcess:
-    """A nexus-worker process and its log lines."""
-
-    process: subprocess.Popen[str]
-    log: list[str] = field(default_factory=list)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=10)
-
-    def logged(self, text: str) -> bool:
-        return any(text in line for line in self.log)
-
-
-def start_worker(
-    server: NexusServer, secret: str, mock: MockBackendProcess, *extra: str
-) -> WorkerProcess:
-    env = dict(os.environ, NEXUS_WORKER_SECRET=secret)
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "nexus_site.worker",
-            "--server",
-            server.base_url,
-            "--backend",
-            mock.base_url,
-            "--backend-kind",
-            "openai",
-            *extra,
-        ],
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        bufsize=1,
-    )
-    worker = WorkerProcess(process)
-
-    def collect() -> None:
-        assert process.stdout is not None
-        worker.log.extend(process.stdout)
-
-    threading.Thread(target=collect, daemon=True).start()
-    return worker
+wait_for = functools.partial(wait_until, timeout=15.0)
 
 
 @pytest.fixture
 def worker_factory() -> Iterator[Callable[..., WorkerProcess]]:
     started: list[WorkerProcess] = []
 
-    def start(*args: object) -> WorkerProcess:
-        worker = start_worker(*args)  # type: ignore[arg-type]
+    def start(
+        server: NexusServer, secret: str, mock: MockBackendProcess, *args: str
+    ) -> WorkerProcess:
+        worker = start_worker(server, mock, secret, "--backend-kind", "openai", *args)
         started.append(worker)
         return worker
 
     yield start
     for worker in started:
-        worker.stop()
+        worker.kill()
 
 
 def _server_version(server: NexusServer) -> int:

@@ -11,12 +11,7 @@ Ollama box serving OpenAI clients.
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -26,71 +21,16 @@ import pytest
 
 from backends.models import Worker
 from tests.conftest import (
-    REPO_ROOT,
     MockBackendProcess,
     NexusServer,
     start_mock_backend,
+    wait_until,
 )
+from tests.routing.relay_workers import WorkerProcess, start_worker
 from usage.models import ApiKey
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the server writes too
 WAIT = 20.0
-
-
-@dataclass
-class WorkerProcess:
-    """``python -m nexus_site.worker`` as a child process, its log kept."""
-
-    process: subprocess.Popen[str]
-    log: list[str] = field(default_factory=list)
-
-    def stop(self) -> None:
-        """Stop it the way an operator would (SIGTERM: drain, exit 0)."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-
-
-def start_worker_process(
-    server: NexusServer, backend: MockBackendProcess, secret: str, *args: str
-) -> WorkerProcess:
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "nexus_site.worker",
-            "--server",
-            server.base_url,
-            "--backend",
-            backend.base_url,
-            *args,
-        ],
-        cwd=REPO_ROOT,
-        env={**os.environ, "NEXUS_WORKER_SECRET": secret},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        bufsize=1,
-    )
-    worker = WorkerProcess(process)
-
-    def read() -> None:
-        assert process.stderr is not None
-        worker.log.extend(process.stderr)
-
-    threading.Thread(target=read, daemon=True).start()
-    return worker
-
-
-def wait_for(condition: Callable[[], object], what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 @dataclass
@@ -111,7 +51,7 @@ class Relay:
         )
 
     def start_worker(self, name: str, *args: str) -> WorkerProcess:
-        worker = start_worker_process(
+        worker = start_worker(
             self.server, self.local, self.secrets[name], "--name", name, *args
         )
         self.workers.append(worker)
@@ -130,7 +70,7 @@ class Relay:
             return bool(reply.choices)
 
         try:
-            wait_for(served, f"{model} served through {name}")
+            wait_until(served, WAIT, f"{model} served through {name}")
         except AssertionError as failure:
             logs = "".join(self.workers[-1].log) + "".join(self.server.log[-40:])
             raise AssertionError(f"{failure}\n{logs}") from None
@@ -215,7 +155,7 @@ def test_an_ollama_box_serves_openai_clients(relay: Relay) -> None:
         "--models", "qwen2.5:7b", "--kind", "ollama", "--name", "box"
     )
     try:
-        worker = start_worker_process(
+        worker = start_worker(
             relay.server, ollama, relay.secrets["gpu-ollama"], "--name", "gpu-ollama"
         )
         relay.workers.append(worker)
