@@ -1,4 +1,5 @@
-"""Admin form for backends: the upstream API key is write-only."""
+"""Admin form for backends (the upstream API key is write-only), and how a
+model's validation errors read on a command line."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from django import forms
 from django.contrib.admin.widgets import AdminURLFieldWidget
+from django.core.exceptions import ValidationError
 
 from backends.models import Backend
 
@@ -89,3 +91,14 @@ class BackendAdminForm(BackendModelForm):
         elif not new_key:
             cleaned["api_key"] = self._stored_api_key
         return cleaned
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    """One line for a command's error: "field: message ..." per problem."""
+    if hasattr(error, "error_dict"):
+        return " ".join(
+            f"{field}: {message}"
+            for field, messages in error.message_dict.items()
+            for message in messages
+        )
+    return " ".join(error.messages)

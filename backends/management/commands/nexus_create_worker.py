@@ -8,6 +8,7 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from backends.forms import describe_validation_error
 from backends.models import Worker
 
 
@@ -33,12 +34,9 @@ class Command(BaseCommand):
         try:
             worker, raw = Worker.objects.create_worker(name)
         except ValidationError as error:
-            messages = " ".join(
-                f"{field}: {message}"
-                for field, items in error.message_dict.items()
-                for message in items
-            )
-            raise CommandError(f"Cannot create the worker: {messages}") from None
+            raise CommandError(
+                f"Cannot create the worker: {describe_validation_error(error)}"
+            ) from None
         if as_json:
             payload = {"name": worker.name, "prefix": worker.prefix, "secret": raw}
             self.stdout.write(json.dumps(payload))

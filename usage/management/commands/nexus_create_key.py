@@ -10,6 +10,7 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from backends.forms import describe_validation_error
 from usage.models import ApiKey
 
 
@@ -59,7 +60,9 @@ class Command(BaseCommand):
         try:
             key, raw = ApiKey.objects.create_key(name.strip(), **limits)
         except ValidationError as error:
-            raise CommandError(f"Cannot create the key: {_describe(error)}") from None
+            raise CommandError(
+                f"Cannot create the key: {describe_validation_error(error)}"
+            ) from None
         if as_json:
             payload = {"name": key.name, "prefix": key.prefix, "key": raw}
             self.stdout.write(json.dumps(payload))
@@ -98,13 +101,3 @@ def _limits(options: dict[str, Any]) -> dict[str, Any]:
             expires = expires.replace(tzinfo=UTC)
         limits["expires_at"] = expires
     return limits
-
-
-def _describe(error: ValidationError) -> str:
-    if hasattr(error, "error_dict"):
-        return " ".join(
-            f"{field}: {message}"
-            for field, messages in error.message_dict.items()
-            for message in messages
-        )
-    return " ".join(error.messages)
