@@ -14,6 +14,8 @@ logger = logging.getLogger(__name__)
 
 # Redis channel-layer group membership expires (a day by default); re-join often.
 GROUP_REJOIN_SECONDS = 600.0
+# Channels of ours left in a group by an outage, kept to leave it later.
+STALE_KEPT = 16
 
 
 async def listen_to_group(group: str, handle: Callable[[dict[str, Any]], None]) -> None:
@@ -22,15 +24,27 @@ async def listen_to_group(group: str, handle: Callable[[dict[str, Any]], None]) 
     Joins the group on a channel of its own, re-joins it periodically, starts
     over after a channel-layer error, and leaves the group when it stops. An
     exception from `handle` is logged and the message skipped.
+
+    A channel that could not leave the group (the layer was down: Redis
+    outage) is left once the layer answers again: otherwise it stays a member
+    for the group's expiry (a day), every message to the group is also sent
+    to it, and the layer buffers what comes to it in this process.
     """
     layer = get_channel_layer()
     if layer is None:
         return
+    stale: list[str] = []  # channels of ours that failed to leave the group
     while True:
         channel = None
         try:
-            channel = await layer.new_channel()
-            await layer.group_add(group, channel)
+            new = await layer.new_channel()
+            await layer.group_add(group, new)
+            channel = new  # a member now: leaves the group when this ends
+            while stale:
+                await layer.group_discard(group, stale[-1])
+                # channels_redis keeps what came for it meanwhile in a buffer
+                # of this process that nothing will read.
+                getattr(layer, "receive_buffer", {}).pop(stale.pop(), None)
             await _receive(layer, group, channel, handle)
         except asyncio.CancelledError:
             raise
@@ -41,8 +55,11 @@ async def listen_to_group(group: str, handle: Callable[[dict[str, Any]], None]) 
             await asyncio.sleep(1.0)
         finally:
             if channel is not None:
-                with contextlib.suppress(Exception):
+                try:
                     await layer.group_discard(group, channel)
+                except Exception:
+                    # Bounded: a member left behind expires with the group.
+                    stale[:] = [*stale[-(STALE_KEPT - 1) :], channel]
 
 
 async def _receive(

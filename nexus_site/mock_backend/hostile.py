@@ -22,7 +22,8 @@ Modes (``--size`` is the number of bytes the big ones send, default 40 MiB):
 ``drip``            a valid reply sent one byte every 200 ms
 ``wrong-type``      200 ``text/html`` for a stream or a JSON request
 ``bad-utf8``        invalid UTF-8 inside the JSON (or the first event)
-``bad-later``       a stream whose second event is not JSON
+``bad-later``       a stream whose second event is not JSON, then valid events
+                    for ever (until the proxy hangs up)
 ``huge-usage``      a valid reply whose usage says 10**30 prompt and -5
                     completion tokens
 ``huge-headers``    10 MB of response headers before any body
@@ -251,8 +252,14 @@ class HostileBackend:
                 _head(200, sse if stream else "application/json")
                 + _chunk(model, "fine ")
                 + b"data: {broken\n\n"
-                + b"data: [DONE]\n\n"
             )
+            # Then valid events for ever: a proxy that went on reading after
+            # the broken one would never end the client's stream.
+            event = _chunk(model, "more ")
+            while stream:
+                await writer.drain()
+                writer.write(event)
+                await asyncio.sleep(0.01)
         elif mode == "huge-usage":
             usage = {
                 "prompt_tokens": 10**30,

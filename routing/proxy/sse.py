@@ -13,6 +13,8 @@ import json
 import re
 from typing import Any
 
+import orjson
+
 # The usage block of the final chunk (OpenAI puts `"usage": null` in the others).
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
@@ -113,6 +115,42 @@ class LineSplitter:
         return b"".join(self._parts)
 
 
+class InvalidEvent(Exception):
+    """A data event that is neither a JSON object nor ``[DONE]``.
+
+    ``before``: what the relay passes on of the events ahead of it in the same
+    chunk (valid, already counted for usage).
+    """
+
+    def __init__(self, before: bytes) -> None:
+        super().__init__("a stream event that is not a JSON object")
+        self.before = before
+
+
+def is_valid_event(event: bytes) -> bool:
+    """Whether an event's data (if any) is a JSON object or ``[DONE]``.
+
+    An event without data (a comment, a keep-alive) is valid. orjson first (a
+    microsecond for a chat chunk); what it refuses but JSON allows (integers
+    past 64 bits) goes through the standard library.
+    """
+    body = event.rstrip(b"\r\n")
+    if body.startswith(b"data:") and b"\n" not in body:
+        data: bytes | None = body[5:].strip()  # one data line: the usual chunk
+    else:
+        data = _data_of(body)
+    if data is None or data == b"[DONE]":
+        return True
+    try:
+        payload = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        try:
+            payload = json.loads(data)
+        except (ValueError, RecursionError):
+            return False
+    return isinstance(payload, dict)
+
+
 class StreamRelay:
     """Relay an SSE byte stream event-aligned; note its usage; strip the extra
     usage-only event the client did not ask for.
@@ -120,11 +158,14 @@ class StreamRelay:
     Work is linear in the bytes received: an event still incomplete is kept as
     a list of chunks, and only each new chunk (with the three bytes before it,
     where a split separator could start) is searched for the end of an event.
-    An event over `max_event` bytes raises EventTooLarge.
+    An event over `max_event` bytes raises EventTooLarge; a data event that is
+    not a JSON object (nor ``[DONE]``) raises InvalidEvent, so that the client
+    never gets bytes its SDK cannot parse as if the backend had sent them.
     """
 
     __slots__ = (
         "_keep",
+        "broken",
         "_kept",
         "_kept_size",
         "_max_event",
@@ -147,6 +188,8 @@ class StreamRelay:
         self._kept_size = 0
         self._text = 0  # characters counted once the kept bytes hit the limit
         self.usage: dict[str, Any] | None = None
+        # Set by the caller: an invalid event came right after the first ones.
+        self.broken = False
 
     def feed(self, data: bytes) -> bytes:
         """Return the complete events of `data` (with what came before) to send."""
@@ -170,9 +213,13 @@ class StreamRelay:
         complete = data[:cut]
         if cut < len(data):
             self._hold(data[cut:])
+        events = complete.split(b"\n\n")
+        events.pop()  # the empty string after the last separator
+        for index, event in enumerate(events):
+            if not is_valid_event(event):
+                valid = [event + b"\n\n" for event in events[:index]]
+                raise InvalidEvent(self._pass_events(valid))
         if b'"usage"' in complete and _USAGE.search(complete):
-            events = complete.split(b"\n\n")
-            events.pop()  # the empty string after the last separator
             return self._pass_events([event + b"\n\n" for event in events])
         self._keep_text(complete)
         return complete
@@ -193,6 +240,9 @@ class StreamRelay:
             start = match.end()
         if start < len(data):
             self._hold(data[start:])
+        for index, event in enumerate(events):
+            if not is_valid_event(event):
+                raise InvalidEvent(self._pass_events(events[:index]))
         return self._pass_events(events)
 
     def _pass_events(self, events: list[bytes]) -> bytes:

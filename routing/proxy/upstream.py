@@ -506,6 +506,16 @@ async def _first_events(
                     return b"".join(sent)
     except sse.EventTooLarge:
         raise checks.event_too_large(max_event) from None
+    except sse.InvalidEvent as error:
+        first = b"".join([*sent, error.before])
+        if checks.check_first_event(first):
+            # A valid first event came before it (in the same read): the stream
+            # starts, and the relay ends it at the broken event, however the
+            # backend's bytes were cut into reads.
+            relay.broken = True
+            return first
+        # Nothing reached the client yet: the next candidate may do better.
+        raise checks.invalid("sent a stream event that is not a JSON object") from None
     raise checks.invalid("ended its stream before the first event")
 
 
@@ -591,6 +601,8 @@ async def _relay_stream(
             first, goes_on = await meter.take(sse.counted_events(first))
         exchange.first_byte = time.perf_counter()
         await send({"type": "http.response.body", "body": first, "more_body": True})
+        if relay.broken:
+            raise sse.InvalidEvent(b"")
         async with asyncio.timeout_at(loop.time() + event_timeout) as deadline:
             while goes_on:
                 data = await response.content.readany()
@@ -614,6 +626,21 @@ async def _relay_stream(
         tail = sse.error_event(
             f"Backend '{exchange.backend}' sent a stream event over the gateway's "
             f"limit ({error.args[0]} bytes); the response is incomplete.",
+            exchange.error,
+        )
+    except sse.InvalidEvent as error:
+        # A later event the client's SDK could not parse: what came before it
+        # goes out, then the error event; the caller closes the backend's
+        # connection (the rest is never read).
+        exchange.error = "upstream_invalid_response"
+        before = error.before
+        if before and meter is not None:
+            before, goes_on = await meter.take(sse.counted_events(before))
+        if before:
+            await send({"type": "http.response.body", "body": before, "more_body": True})
+        tail = sse.error_event(
+            f"Backend '{exchange.backend}' sent a stream event that is not a JSON "
+            "object; the response is incomplete.",
             exchange.error,
         )
     except _TRANSPORT_ERRORS as error:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -233,18 +234,46 @@ def test_a_stream_that_dies_after_its_first_event_ends_with_an_error_event(
     assert _usage_of(request_id).error == "upstream_stream_broken"
 
 
-def test_a_later_event_that_is_not_json_is_relayed_as_the_backend_sent_it(
+def test_a_later_event_that_is_not_json_ends_the_stream_with_an_error_event(
     setup: Setup,
 ) -> None:
-    # Only the first event is checked (before the first byte, where a retry is
-    # still possible); later ones pass at the speed they come.
+    # The first event is valid and relayed; the second is not JSON, and valid
+    # events follow it for ever: the client gets what came before, then the
+    # error event, and the stream ends (the backend's connection is closed).
     response, request_id = setup.ask("bad-later", True)
     assert response.status_code == 200
     events = _stream_events(response.text)
     assert events[0]["choices"][0]["delta"]["content"] == "fine "
-    assert "{broken" in events
+    assert "{broken" not in events and "{broken" not in response.text
+    assert events[-1]["error"]["code"] == "upstream_invalid_response"
+    assert set(events[-1]["error"]) == {"message", "type", "param", "code"}
+    assert len(events) == 2
     _wait_idle(setup)
-    assert _usage_of(request_id).status == 200
+    record = _usage_of(request_id)
+    assert record.status == 200
+    assert record.error == "upstream_invalid_response"
+    assert record.is_error
+
+
+def test_an_sdk_reading_a_stream_with_a_later_invalid_event_gets_an_error(
+    setup: Setup,
+) -> None:
+    # What the OpenAI SDK makes of it: the first chunk, then an APIError
+    # carrying the gateway's message (not a JSON decoding crash).
+    client = openai.OpenAI(
+        base_url=f"{setup.nexus.base_url}/v1", api_key=setup.key, max_retries=0
+    )
+    stream = client.chat.completions.create(
+        model="hostile-bad-later",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+    )
+    texts = []
+    with pytest.raises(openai.APIError, match="not a JSON object"):
+        for chunk in stream:
+            texts.append(chunk.choices[0].delta.content)
+    assert texts == ["fine "]
+    _wait_idle(setup)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
@@ -362,3 +391,4 @@ def test_faults_reach_other_surfaces_in_their_error_shape(
         assert isinstance(payload["error"], str) and payload["error"]
     _wait_idle(setup)
     assert _usage_of(request_id).status == status
+
