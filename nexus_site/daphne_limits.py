@@ -12,7 +12,10 @@ byte resets. So under Daphne:
   error shape of the path's surface (OpenAI's, Anthropic's on /v1/messages),
   and the connection is closed without reading the body.
 * **While the body arrives**, a body sent without a length (chunked) is
-  counted and refused with a 413 once it passes the limit.
+  counted and refused with a 413 once it passes the limit. Until then Twisted
+  spools it to an (unlinked) temporary file in ``TMPDIR``, not to memory, as
+  it does any body over 100 kB; the file is closed at the refusal. A body
+  within the limit is then handed to the application in memory, whole.
 * **Deadlines**: a request's head must arrive within
   ``NEXUS_CLIENT_HEADER_TIMEOUT`` seconds of the connection opening (or of
   the previous response on a kept-alive connection) and its body within
@@ -157,7 +160,11 @@ def install_daphne_limits(
         rid = proxy.record_head_refusal(
             error, path, request_id[0] if request_id else None
         )
-        request.content = _Discard()
+        # A body sent without a length was spooled to a temporary file (up to
+        # the limit): free its disk now, not when the request is collected.
+        spooled, request.content = getattr(request, "content", None), _Discard()
+        if spooled is not None:
+            spooled.close()
         # Twisted would answer "100 Continue" after our refusal otherwise.
         request.requestHeaders.removeHeader(b"Expect")
         disarm(channel)

@@ -134,12 +134,21 @@ def server_commands(
     workers: int,
     proxy_headers: bool = False,
     drain_seconds: float = 30.0,
+    header_timeout: float = 15.0,
 ) -> list[list[str]]:
     """The command lines of the serving processes ``nexus_run`` starts.
 
     Daphne and uvicorn processes each accept on the listening socket `fd` that
     the launcher opened once; granian binds the port itself and runs its own
     worker processes, so it is one command.
+
+    `header_timeout` (``NEXUS_CLIENT_HEADER_TIMEOUT``): the seconds a client
+    has to send a request's head; uvicorn gets it through
+    ``nexus_site.uvicorn_main`` (a 408, then the connection closed), granian
+    as ``--http1-header-read-timeout`` (at most 60 s there; the connection
+    closed). Daphne reads it from the settings (nexus_site.daphne_limits). The
+    body's deadline is the proxy's own under uvicorn and granian (they hand it
+    the head first).
     """
     python = sys.executable
     if server == "daphne":
@@ -165,6 +174,8 @@ def server_commands(
             str(fd),
             "--timeout-graceful-shutdown",
             str(max(1, round(drain_seconds))),
+            "--header-timeout",
+            str(header_timeout),
         ]
         if proxy_headers:
             uvicorn.append("--proxy-headers")
@@ -184,6 +195,9 @@ def server_commands(
                 "--workers",
                 str(workers),
                 "--no-access-log",
+                # Milliseconds, 1 to 60,000 (granian's bounds).
+                "--http1-header-read-timeout",
+                str(min(60_000, max(1, round(header_timeout * 1000)))),
                 ASGI_APP,
             ]
         ]

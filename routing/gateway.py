@@ -67,6 +67,9 @@ class GatewayConfig:
 
     auth_required: bool = True
     max_body_bytes: int = 16 * 1024 * 1024
+    # A body still arriving this long after the head gets a 408 (the servers
+    # that hand the application the head first: uvicorn, granian).
+    client_body_timeout: float = 120.0
     connect_timeout: float = 5.0
     max_connections: int = 1000
     max_reply_bytes: int = 32 * 1024 * 1024
@@ -95,6 +98,7 @@ class GatewayConfig:
         return cls(
             auth_required=settings.NEXUS_AUTH_REQUIRED,
             max_body_bytes=settings.NEXUS_MAX_BODY_BYTES,
+            client_body_timeout=settings.NEXUS_CLIENT_BODY_TIMEOUT,
             connect_timeout=settings.NEXUS_UPSTREAM_CONNECT_TIMEOUT,
             max_connections=settings.NEXUS_UPSTREAM_MAX_CONNECTIONS,
             max_reply_bytes=settings.NEXUS_UPSTREAM_MAX_REPLY_BYTES,

@@ -8,11 +8,14 @@ its head or body gets a 408.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,7 +23,7 @@ import pytest
 from django.conf import settings
 from django.core.management import call_command
 
-from tests.conftest import NexusServer, start_nexus_server
+from tests.conftest import NexusServer, start_nexus_server, wait_until
 from usage.models import ApiKey, UsageRecord
 from usage.stream import drain_usage_stream
 
@@ -204,6 +207,40 @@ def test_a_chunked_body_is_cut_at_the_limit(server: Server) -> None:
         status, _, body = _read_response(sock)
     assert status == 413
     assert json.loads(body)["error"]["code"] == "request_too_large"
+
+
+def _spooled_bytes(pid: int) -> int:
+    """Bytes in the server's open temporary files (unlinked: "(deleted)")."""
+    total = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            if os.readlink(fd).endswith("(deleted)"):
+                total += fd.stat().st_size
+    return total
+
+
+def test_a_chunked_body_is_spooled_to_disk_and_freed_at_the_cut(
+    server: Server,
+) -> None:
+    # Before the limit, what arrived is on disk (a temporary file), not in
+    # memory; at the cut the file is closed.
+    pid = server.nexus.process.pid
+    chunk = b"x" * 20_000
+    with server.connect() as sock:
+        sock.sendall(
+            _head(None, key=server.key, extra="Transfer-Encoding: chunked\r\n")
+        )
+        for _ in range(4):
+            sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        wait_until(
+            lambda: _spooled_bytes(pid) >= 80_000, what="the body spooled to disk"
+        )
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            for _ in range(2):
+                sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        status, _, _ = _read_response(sock)
+    assert status == 413
+    wait_until(lambda: _spooled_bytes(pid) == 0, what="the spooled body freed")
 
 
 def test_a_client_dripping_its_head_gets_a_408(server: Server) -> None:

@@ -84,6 +84,7 @@ class ProxyApp:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self.max_body = gateway.config.max_body_bytes
+        self.body_timeout = gateway.config.client_body_timeout
         self.auth_required = gateway.config.auth_required
         self.access_log = gateway.config.access_log
         self.default_completion = gateway.config.default_completion_tokens
@@ -390,7 +391,7 @@ class ProxyApp:
         receive: Receive,
         send: Send,
     ) -> None:
-        raw = await _read_body(receive, self.max_body)
+        raw = await _read_body(receive, self.max_body, self.body_timeout)
         payload = _parse_body(raw, endpoint)
         try:
             requirements = RequestRequirements.from_request(payload)
@@ -431,7 +432,7 @@ class ProxyApp:
         send: Send,
     ) -> None:
         """A request on a surface other than OpenAI's: made canonical to route."""
-        raw = await _read_body(receive, self.max_body)
+        raw = await _read_body(receive, self.max_body, self.body_timeout)
         payload = _parse_object(raw, loads)
         inbound = surface.to_canonical(payload)
         try:
@@ -531,7 +532,7 @@ class ProxyApp:
         elif path == "/api/ps":
             await _send_json(send, 200, catalog.ps(state.routes, policy), headers)
         else:
-            payload = _parse_object(await _read_body(receive, self.max_body))
+            payload = _parse_object(await _read_body(receive, self.max_body, self.body_timeout))
             model = payload.get("model") or payload.get("name")
             if not isinstance(model, str) or not model:
                 raise bad_request("model is required", param="model")
@@ -551,7 +552,7 @@ class ProxyApp:
         send: Send,
     ) -> None:
         """Anthropic's count_tokens, estimated (characters / 4; see the README)."""
-        raw = await _read_body(receive, self.max_body)
+        raw = await _read_body(receive, self.max_body, self.body_timeout)
         payload = _parse_object(raw, loads)
         # count_tokens takes a Messages request without max_tokens.
         payload.setdefault("max_tokens", 1)
@@ -794,20 +795,29 @@ async def _cancel_on_disconnect(
             return
 
 
-async def _read_body(receive: Receive, limit: int) -> bytes:
+async def _read_body(receive: Receive, limit: int, timeout: float) -> bytes:
+    """The request's body, cut at `limit` bytes (413) as it arrives, and
+    within `timeout` seconds (408: a client dripping it). Daphne hands over a
+    body already whole (it enforces both before the application runs)."""
     chunks: list[bytes] = []
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-        if not message.get("more_body"):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientGone
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit)
+                chunks.append(chunk)
+                if not message.get("more_body"):
+                    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    except TimeoutError:
+        raise ProxyError(
+            408, "The request body did not arrive in time.", code="request_timeout"
+        ) from None
 
 
 def _too_large(limit: int) -> ProxyError:

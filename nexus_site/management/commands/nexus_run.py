@@ -220,6 +220,7 @@ class Command(BaseCommand):
             workers=workers,
             proxy_headers=proxy_headers,
             drain_seconds=settings.NEXUS_DRAIN_SECONDS,
+            header_timeout=settings.NEXUS_CLIENT_HEADER_TIMEOUT,
         )
         fds = () if server == "granian" else (listener.fileno(),)
         labels = (
