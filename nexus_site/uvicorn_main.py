@@ -34,7 +34,8 @@ _HEAD_TIMEOUT_BODY = json.dumps(
 ).encode()
 _HEAD_TIMEOUT_RESPONSE = (
     b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-    b"content-length: %d\r\nconnection: close\r\n\r\n" % len(_HEAD_TIMEOUT_BODY)
+    b"content-length: %d\r\nconnection: close\r\n\r\n"
+    % len(_HEAD_TIMEOUT_BODY)
     + _HEAD_TIMEOUT_BODY
 )
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +57,11 @@ async def listen_to_group(group: str, handle: Callable[[dict[str, Any]], None]) 
                 try:
                     await layer.group_discard(group, channel)
                 except Exception:
+                    logger.info(
+                        "Could not leave %s; leaving it once the channel layer answers",
+                        group,
+                        exc_info=True,
+                    )
                     # Bounded: a member left behind expires with the group.
                     stale[:] = [*stale[-(STALE_KEPT - 1) :], channel]
 

@@ -532,7 +532,9 @@ class ProxyApp:
         elif path == "/api/ps":
             await _send_json(send, 200, catalog.ps(state.routes, policy), headers)
         else:
-            payload = _parse_object(await _read_body(receive, self.max_body, self.body_timeout))
+            payload = _parse_object(
+                await _read_body(receive, self.max_body, self.body_timeout)
+            )
             model = payload.get("model") or payload.get("name")
             if not isinstance(model, str) or not model:
                 raise bad_request("model is required", param="model")

@@ -165,7 +165,6 @@ class StreamRelay:
 
     __slots__ = (
         "_keep",
-        "broken",
         "_kept",
         "_kept_size",
         "_max_event",
@@ -173,6 +172,7 @@ class StreamRelay:
         "_parts_size",
         "_text",
         "_wants_usage",
+        "broken",
         "usage",
     )
 

@@ -637,7 +637,9 @@ async def _relay_stream(
         if before and meter is not None:
             before, goes_on = await meter.take(sse.counted_events(before))
         if before:
-            await send({"type": "http.response.body", "body": before, "more_body": True})
+            await send(
+                {"type": "http.response.body", "body": before, "more_body": True}
+            )
         tail = sse.error_event(
             f"Backend '{exchange.backend}' sent a stream event that is not a JSON "
             "object; the response is incomplete.",

@@ -391,4 +391,3 @@ def test_faults_reach_other_surfaces_in_their_error_shape(
         assert isinstance(payload["error"], str) and payload["error"]
     _wait_idle(setup)
     assert _usage_of(request_id).status == status
-

@@ -6,7 +6,9 @@ started as ``nexus_run`` starts it, two mock backends and the hostile one.
 Phases, each followed by the serving process's RSS:
 
 1. warm-up traffic;
-2. a backend going down and coming back, five times, under traffic;
+2. a backend going down and coming back, five times, under traffic; then
+   its process killed (SIGKILL) and started again on another port, its row
+   moved there (a configuration change every process hears), three times;
 3. a backend failing every request until its circuit breaker opens, then
    recovering (three rounds);
 4. clients hanging up on streams after their first chunk;
@@ -40,6 +42,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.management import call_command
 from django.db import connection
@@ -104,7 +107,8 @@ class Soak:
                 "8",
                 output=self.scratch / "mock-b.log",
             )
-            stack.callback(self.mock_b.stop)
+            # Killed and started again during the run: stop the current one.
+            stack.callback(lambda: self.mock_b.stop())
             self.hostile = spawn_mock_backend(
                 "--size",
                 str(64 * 1024 * 1024),
@@ -288,6 +292,9 @@ class Soak:
             await asyncio.sleep(1.0)
         self.rss("2. a backend down and back, 5 times")
         for _ in range(3):
+            await self._kill_and_restart_backend()
+        self.rss("2b. a backend killed, restarted on a new port, 3x")
+        for _ in range(3):
             _mock(self.mock_a, fail_status=500, error_rate=1.0)
             await self.traffic(300)
             _mock_reset(self.mock_a)
@@ -317,6 +324,8 @@ class Soak:
                 for mode in MODES:
                     await self.traffic(2, model=f"hostile-{mode}")
             self.rss(f"6. hostile catalogue ({HOSTILE_REPEAT} rounds)")
+        self.report["group_members"] = members = _group_members()
+        _say(f"channel-layer group members after the faults: {members}")
         after = self.args.after
         for done in range(2000, after + 1, 2000):
             await self.traffic(2000)
@@ -336,6 +345,25 @@ class Soak:
         self.report["statuses"] = dict(self.statuses)
         self.report["own_500s"] = self.own_500s
         return self.report
+
+    async def _kill_and_restart_backend(self) -> None:
+        """SIGKILL mock B under traffic, start it again on another port and
+        move its row there (a configuration change every process hears)."""
+        await asyncio.sleep(2.5)  # A's breaker closed again (the cool-down)
+        self.mock_b.process.kill()
+        self.mock_b.process.wait()
+        await self.traffic(300)
+        self.mock_b = spawn_mock_backend(
+            "--models",
+            MODEL,
+            "--name",
+            "soak-b",
+            "--chunks",
+            "8",
+            output=self.scratch / "mock-b.log",
+        )
+        await sync_to_async(_move_backend)("soak-b", self.mock_b.base_url)
+        await self.traffic(300)
 
     async def _traffic_for(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -411,14 +439,20 @@ class Soak:
         return result
 
     def _uploads(self) -> dict[str, Any]:
-        """Ten 256 MiB uploads without a key, then ten with a key over the limit."""
+        """Ten 256 MiB uploads without a key, ten with a key declaring more
+        than the limit, and ten with a key sent chunked (no length)."""
         before = _rss_kib(self.server.pid)
         spool = self.scratch / "state"
         results: dict[str, Any] = {}
-        for label, key in (("no_key", None), ("over_limit", self.key)):
+        cases = (
+            ("no_key", None, False),
+            ("over_limit", self.key, False),
+            ("chunked_with_key", self.key, True),
+        )
+        for label, key, chunked in cases:
             sent = []
             for _ in range(10):
-                sent.append(_upload(self.port, 256 * 1024 * 1024, key))
+                sent.append(_upload(self.port, 256 * 1024 * 1024, key, chunked))
             results[label] = {
                 "statuses": sorted({s for s, _ in sent}),
                 "body_bytes_sent_max": max(b for _, b in sent),
@@ -435,19 +469,23 @@ def _say(line: str) -> None:
     sys.stdout.flush()
 
 
-def _upload(port: int, size: int, key: str | None) -> tuple[int, int]:
-    """Declare `size` bytes and send as much as the server takes; return status."""
+def _upload(
+    port: int, size: int, key: str | None, chunked: bool = False
+) -> tuple[int, int]:
+    """Declare `size` bytes (or send them chunked) and send as much as the
+    server takes; return the status and the bytes sent."""
+    length = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {size}"
     head = (
         "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
         "Content-Type: application/json\r\n"
-        f"Content-Length: {size}\r\n"
-        + (f"Authorization: Bearer {key}\r\n" if key else "")
-        + "\r\n"
+        f"{length}\r\n" + (f"Authorization: Bearer {key}\r\n" if key else "") + "\r\n"
     ).encode()
     sent = 0
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(head)
         chunk = b"x" * 65536
+        if chunked:
+            chunk = b"%x\r\n%s\r\n" % (len(chunk), chunk)
         with contextlib.suppress(OSError):
             sock.settimeout(0.5)
             while sent < size:
@@ -459,6 +497,27 @@ def _upload(port: int, size: int, key: str | None) -> tuple[int, int]:
                 data += part
     status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else 0
     return status, sent
+
+
+def _group_members() -> dict[str, int]:
+    """Members of the serving processes' channel-layer groups (two processes:
+    two each; more are channels an outage left behind)."""
+    import redis
+
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    try:
+        return {
+            group: int(client.zcard(f"asgi:group:{group}"))
+            for group in ("nexus.breaker", "nexus.config", "nexus.usage")
+        }
+    finally:
+        client.close()
+
+
+def _move_backend(name: str, base_url: str) -> None:
+    backend = Backend.objects.get(name=name)
+    backend.base_url = base_url
+    backend.save()  # the configuration change is announced to every process
 
 
 def _mock(process: MockBackendProcess, **knobs: object) -> None:
