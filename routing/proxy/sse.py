@@ -127,10 +127,11 @@ class InvalidEvent(Exception):
         self.before = before
 
 
-def is_valid_event(event: bytes) -> bool:
-    """Whether an event's data (if any) is a JSON object or ``[DONE]``.
+def event_payload(event: bytes) -> dict[str, Any] | None:
+    """The JSON object an event's data holds; None for an event without data
+    (a comment, a keep-alive) or ``[DONE]``.
 
-    An event without data (a comment, a keep-alive) is valid. orjson first (a
+    Raises ValueError if the data is anything else. orjson first (a
     microsecond for a chat chunk); what it refuses but JSON allows (integers
     past 64 bits) goes through the standard library.
     """
@@ -140,15 +141,17 @@ def is_valid_event(event: bytes) -> bool:
     else:
         data = _data_of(body)
     if data is None or data == b"[DONE]":
-        return True
+        return None
     try:
         payload = orjson.loads(data)
     except orjson.JSONDecodeError:
         try:
             payload = json.loads(data)
-        except (ValueError, RecursionError):
-            return False
-    return isinstance(payload, dict)
+        except RecursionError:
+            raise ValueError("nested too deep") from None
+    if isinstance(payload, dict):
+        return payload
+    raise ValueError("not a JSON object")
 
 
 class StreamRelay:
@@ -215,14 +218,25 @@ class StreamRelay:
             self._hold(data[cut:])
         events = complete.split(b"\n\n")
         events.pop()  # the empty string after the last separator
-        for index, event in enumerate(events):
-            if not is_valid_event(event):
-                valid = [event + b"\n\n" for event in events[:index]]
-                raise InvalidEvent(self._pass_events(valid))
+        payloads = self._payloads(events, b"\n\n")
         if b'"usage"' in complete and _USAGE.search(complete):
             return self._pass_events([event + b"\n\n" for event in events])
-        self._keep_text(complete)
+        self._keep_text(complete, payloads)
         return complete
+
+    def _payloads(
+        self, events: list[bytes], separator: bytes
+    ) -> list[dict[str, Any] | None]:
+        """Each event's JSON object (parsed once: checked, then counted); raise
+        InvalidEvent, with the events before it, at one that is not valid."""
+        payloads: list[dict[str, Any] | None] = []
+        for index, event in enumerate(events):
+            try:
+                payloads.append(event_payload(event))
+            except ValueError:
+                before = [event + separator for event in events[:index]]
+                raise InvalidEvent(self._pass_events(before)) from None
+        return payloads
 
     def _hold(self, data: bytes) -> None:
         self._parts.append(data)
@@ -240,9 +254,7 @@ class StreamRelay:
             start = match.end()
         if start < len(data):
             self._hold(data[start:])
-        for index, event in enumerate(events):
-            if not is_valid_event(event):
-                raise InvalidEvent(self._pass_events(events[:index]))
+        self._payloads(events, b"")
         return self._pass_events(events)
 
     def _pass_events(self, events: list[bytes]) -> bytes:
@@ -258,12 +270,16 @@ class StreamRelay:
         self._keep_text(complete)
         return complete
 
-    def _keep_text(self, complete: bytes) -> None:
+    def _keep_text(
+        self, complete: bytes, payloads: list[dict[str, Any] | None] | None = None
+    ) -> None:
         if self.usage is not None:
             return
         if self._kept_size < self._keep:
             self._kept.append(complete)
             self._kept_size += len(complete)
+        elif payloads is not None:
+            self._text += sum(text_of_chunk(p) for p in payloads if p is not None)
         else:
             self._text += _text_of_chunk(complete)
 
