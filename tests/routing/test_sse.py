@@ -81,7 +81,7 @@ def test_valid_events_of_every_kind_pass_the_check() -> None:
     relay = StreamRelay(wants_usage_chunk=True, keep_bytes=1024)
     events = (
         b": keep-alive\n\n"
-        + b"event: message\ndata: {\"x\": 1}\n\n"
+        + b'event: message\ndata: {"x": 1}\n\n'
         + b'data: {"usage": {"prompt_tokens": 100000000000000000000000}}\n\n'
         + b'data:{"a":\ndata: 2}\n\n'
         + b"data: [DONE]\n\n"
