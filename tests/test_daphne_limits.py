@@ -283,3 +283,21 @@ def test_an_upload_within_the_limits_is_served(server: Server) -> None:
     # Past the head checks: the proxy itself answers (no backend has the model).
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_head_of_megabytes_is_refused_not_held(server: Server) -> None:
+    line = b"X-Filler: " + b"y" * 8000 + b"\r\n"
+    with server.connect() as sock:
+        sock.sendall(f"POST {PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode())
+        sent = 0
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            while sent < 8 * 1024 * 1024:
+                sock.sendall(line)
+                sent += len(line)
+            sock.sendall(b"\r\n")
+        data = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(65536):
+                data += chunk
+    # Twisted stops reading past 16 KiB of headers (a 400) and hangs up.
+    assert sent < 8 * 1024 * 1024 or data.startswith(b"HTTP/1.1 4")
