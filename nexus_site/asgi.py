@@ -6,7 +6,9 @@ image starts it), uvicorn or granian (``nexus_run --server``).
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import json
 import os
 from typing import Any
 
@@ -73,6 +75,17 @@ class NexusApplication:
                 ready = not self.gateway.draining
                 await _send(send, 200 if ready else 503, _READY if ready else _DRAINING)
                 return
+            # Django spools any body (to disk past 2.5 MB) without a size or a
+            # deadline; Daphne bounds both before the application runs, the
+            # other servers hand the head over first.
+            body = _BoundedBody(
+                receive,
+                send,
+                self.gateway.config.max_body_bytes,
+                self.gateway.config.client_body_timeout,
+            )
+            await self.django(scope, body.receive, body.send)
+            return
         elif kind == "lifespan":
             await self._lifespan(receive, send)
             return
@@ -91,6 +104,75 @@ class NexusApplication:
                 await self.gateway.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+class _BoundedBody:
+    """A request body for Django, cut at `limit` bytes (413) and `timeout`
+    seconds (408): the answer is sent here and Django sees a disconnect."""
+
+    __slots__ = ("_deadline", "_limit", "_receive", "_received", "_refused", "_send")
+
+    def __init__(self, receive: Any, send: Any, limit: int, timeout: float) -> None:
+        self._receive = receive
+        self._send = send
+        self._limit = limit
+        self._deadline: float | None = asyncio.get_running_loop().time() + timeout
+        self._received = 0
+        self._refused = False
+
+    async def receive(self) -> dict[str, Any]:
+        if self._refused:
+            return {"type": "http.disconnect"}
+        if self._deadline is None:  # the body is whole: pass on (disconnects)
+            message: dict[str, Any] = await self._receive()
+            return message
+        try:
+            async with asyncio.timeout_at(self._deadline):
+                message = await self._receive()
+        except TimeoutError:
+            return await self._refuse(408, "The request body did not arrive in time.")
+        if message["type"] == "http.request":
+            self._received += len(message.get("body", b""))
+            if self._received > self._limit:
+                return await self._refuse(
+                    413,
+                    "The request body is larger than this gateway accepts "
+                    f"({self._limit} bytes).",
+                )
+            if not message.get("more_body"):
+                self._deadline = None
+        return message
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if not self._refused:
+            await self._send(message)
+
+    async def _refuse(self, status: int, text: str) -> dict[str, Any]:
+        self._refused = True
+        code = "request_timeout" if status == 408 else "request_too_large"
+        body = json.dumps(
+            {
+                "error": {
+                    "message": text,
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": code,
+                }
+            }
+        ).encode()
+        await self._send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    _JSON,
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
+        await self._send({"type": "http.response.body", "body": body})
+        return {"type": "http.disconnect"}
 
 
 async def _send(send: Any, status: int, body: bytes) -> None:

@@ -174,3 +174,29 @@ def test_a_head_of_megabytes_is_refused_not_held(served: Served) -> None:
         with contextlib.suppress(ConnectionResetError):
             data = _read_until_closed(sock)
     assert sent < 8 * 1024 * 1024 or data.startswith((b"HTTP/1.1 4", b"HTTP/1.0 4"))
+
+
+@pytest.mark.parametrize("path", ["/admin/login/", "/api/v1/backends/"])
+def test_django_pages_bound_a_body_too(served: Served, path: str) -> None:
+    # Django itself would wait for ever and spool any size (to disk).
+    with served.connect() as sock:
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            "Content-Type: application/x-www-form-urlencoded\r\n"
+            "Content-Length: 1000\r\n\r\nusername=".encode()
+        )
+        status, body = _response(_read_until_closed(sock))
+    assert status == 408
+    assert body["error"]["code"] == "request_timeout"
+    chunk = b"x" * 30_000
+    with served.connect() as sock:
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n".encode()
+        )
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            for _ in range(8):
+                sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        status, body = _response(_read_until_closed(sock))
+    assert status == 413
+    assert body["error"]["code"] == "request_too_large"
