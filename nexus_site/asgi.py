@@ -164,11 +164,10 @@ class _BoundedBody:
             {
                 "type": "http.response.start",
                 "status": status,
-                "headers": [
-                    _JSON,
-                    (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
-                ],
+                # No "connection: close": the server would reset the
+                # connection with the client's bytes unread, and the client
+                # could lose this answer; it reads the rest and discards it.
+                "headers": [_JSON, (b"content-length", str(len(body)).encode())],
             }
         )
         await self._send({"type": "http.response.body", "body": body})
