@@ -125,6 +125,8 @@ class Soak:
                 (redis_url.hostname or "127.0.0.1", redis_url.port or 6379)
             )
             stack.callback(self.redis_cut.close)
+            # Members already there (earlier runs' processes), to tell apart.
+            self.members_before = _group_members()
             self.server, self.base, self.port = self._start_server(redis_url, "nexus")
             self.servers = [self.server]
             self.bases = [self.base]
@@ -325,7 +327,10 @@ class Soak:
                     await self.traffic(2, model=f"hostile-{mode}")
             self.rss(f"6. hostile catalogue ({HOSTILE_REPEAT} rounds)")
         self.report["group_members"] = members = _group_members()
-        _say(f"channel-layer group members after the faults: {members}")
+        _say(
+            f"channel-layer group members after the faults: {members} (before "
+            f"the run: {self.members_before}, left by earlier runs' processes)"
+        )
         after = self.args.after
         for done in range(2000, after + 1, 2000):
             await self.traffic(2000)
@@ -500,16 +505,17 @@ def _upload(
 
 
 def _group_members() -> dict[str, int]:
-    """Members of the serving processes' channel-layer groups (two processes:
-    two each; more are channels an outage left behind)."""
+    """Members of the serving processes' channel-layer groups (one per process
+    and group; more are channels an outage left behind)."""
     import redis
 
     client = redis.Redis.from_url(settings.REDIS_URL)
     try:
-        return {
-            group: int(client.zcard(f"asgi:group:{group}"))
+        counts: dict[str, Any] = {
+            group: client.zcard(f"asgi:group:{group}")
             for group in ("nexus.breaker", "nexus.config", "nexus.usage")
         }
+        return {group: int(count) for group, count in counts.items()}
     finally:
         client.close()
 
