@@ -366,6 +366,12 @@ if REDIS_URL:
                 # channels, every chunk of the relay streams it serves among
                 # them (routing/relay): room for bursts.
                 "channel_capacity": {"specific.*": 10_000},
+                # Group listeners re-join every 10 minutes
+                # (routing.groups.GROUP_REJOIN_SECONDS): a member of a process
+                # that died without leaving (killed, crashed) is dropped after
+                # 30 minutes instead of channels_redis's day, and stops being
+                # sent every breaker, configuration and live-usage message.
+                "group_expiry": 1800,
             },
         }
     }

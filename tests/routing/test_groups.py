@@ -87,3 +87,11 @@ async def _single_new(
 ) -> set[bytes] | None:
     now = await members()
     return now if len(now) == 1 and first not in now else None
+
+
+@pytest.mark.skipif(not settings.REDIS_URL, reason="the Redis channel layer")
+def test_members_of_dead_processes_expire_but_live_ones_never_do() -> None:
+    # Live listeners re-join well within the expiry; a process that died
+    # without leaving is dropped within the hour, not after channels_redis's day.
+    expiry = settings.CHANNEL_LAYERS["default"]["CONFIG"]["group_expiry"]
+    assert 2 * groups.GROUP_REJOIN_SECONDS <= expiry <= 3600
