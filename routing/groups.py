@@ -87,3 +87,8 @@ async def _receive(
             logger.warning(
                 "Ignoring a message on %s: %r", group, message, exc_info=True
             )
+        if loop.time() >= rejoin_at:
+            # Messages every 0.1 s or faster never let the timeout fire: the
+            # membership would expire (the layer's group_expiry) while busy.
+            await layer.group_add(group, channel)
+            rejoin_at = loop.time() + GROUP_REJOIN_SECONDS

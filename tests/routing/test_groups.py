@@ -95,3 +95,52 @@ def test_members_of_dead_processes_expire_but_live_ones_never_do() -> None:
     # without leaving is dropped within the hour, not after channels_redis's day.
     expiry = settings.CHANNEL_LAYERS["default"]["CONFIG"]["group_expiry"]
     assert 2 * groups.GROUP_REJOIN_SECONDS <= expiry <= 3600
+
+
+@pytest.mark.skipif(not settings.REDIS_URL, reason="the Redis channel layer")
+async def test_a_busy_listener_still_renews_its_membership(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Messages faster than one per 0.1 s never let the receive time out; the
+    # membership must be renewed anyway, or it expires while the group is busy.
+    monkeypatch.setattr(groups, "GROUP_REJOIN_SECONDS", 0.5)
+    prefix = f"asgi-groups-{time.monotonic_ns()}"
+    layer = RedisChannelLayer(hosts=[settings.REDIS_URL], prefix=prefix)
+    sender = RedisChannelLayer(hosts=[settings.REDIS_URL], prefix=prefix)
+    direct = redis.asyncio.from_url(settings.REDIS_URL)
+    monkeypatch.setattr(groups, "get_channel_layer", lambda: layer)
+    received: list[dict[str, Any]] = []
+    listener = asyncio.create_task(groups.listen_to_group(GROUP, received.append))
+    key = f"{prefix}:group:{GROUP}"
+
+    async def joined_at() -> float | None:
+        members = await direct.zrange(key, 0, -1, withscores=True)
+        return members[0][1] if members else None
+
+    async def busy() -> None:
+        while True:
+            await sender.group_send(GROUP, {"type": "test"})
+            await asyncio.sleep(0.01)
+
+    sending = asyncio.create_task(busy())
+    try:
+        first = await _until(joined_at, "the listener to join")
+        await _until(lambda: _received_some(received), "messages to flow")
+
+        async def renewed() -> bool:
+            score = await joined_at()
+            return score is not None and score > first
+
+        await _until(renewed, "the membership renewed while messages flow")
+    finally:
+        sending.cancel()
+        listener.cancel()
+        await asyncio.gather(sending, listener, return_exceptions=True)
+        await sender.flush()
+        await layer.close_pools()
+        await sender.close_pools()
+        await direct.aclose()
+
+
+async def _received_some(received: list[dict[str, Any]]) -> bool:
+    return len(received) > 10
