@@ -32,7 +32,7 @@ import aiohttp
 
 from routing.core import LiveStats, Route, RouterSnapshot, Target
 from routing.core.decision import Decision, Outcome, Role, Via
-from routing.core.fleet import thermal_state
+from routing.core.fleet import evictions_for, thermal_state
 from routing.core.types import UNLIMITED
 from routing.core.vocabulary import Thermal
 from routing.fleet.errors import QueueFull, QueueTimeout
@@ -252,6 +252,8 @@ class FleetScheduler:
                 self._abandon(waiter, routes)
         self.metrics.fleet_queue_wait.observe(self._clock() - waiter.joined_at)
         self.queues.unreserve(placed.backend.name, placed.model.name)
+        if placed.backend.name != backend:
+            self.note_sent(placed, routes)  # moved by the rebalancer
         if placed.backend.name == backend:
             if waiter.lease is None:
                 return route
@@ -352,6 +354,24 @@ class FleetScheduler:
         )
         return state is Thermal.HOT
 
+    def _evictions(self, target: Target, routes: RouterSnapshot) -> list[str]:
+        return evictions_for(
+            target.backend, target.model, self.stats, routes.policy.fleet, time.time()
+        )
+
+    def note_sent(self, target: Target, routes: RouterSnapshot) -> None:
+        """Record what sending a request to `target` does to its memory.
+
+        The backend loads the model for it (hot there from now on) and, when
+        it does not fit in free memory, unloads its least recently used idle
+        models first: those count as unloaded from now on, so the next
+        decisions neither expect them hot nor count their memory.
+        """
+        backend = target.backend.name
+        for victim in self._evictions(target, routes):
+            self.stats.mark_evicted(backend, victim)
+        self.stats.mark_hot(backend, target.model.name)
+
     def after_decision(self, route: Route, routes: RouterSnapshot) -> None:
         """Warm the model on the runner-up if the winner is getting deep.
 
@@ -363,6 +383,7 @@ class FleetScheduler:
             return
         winner = route.target
         model = winner.model.name
+        self.note_sent(winner, routes)
         runner_up = next(
             (
                 t
@@ -383,6 +404,8 @@ class FleetScheduler:
             self.is_hot(runner_up, routes),
         ):
             return
+        if self._evictions(runner_up, routes):
+            return  # a warm-up never unloads a model the backend has loaded
         loop = self._loop
         if loop is None:
             return
