@@ -217,10 +217,21 @@ def _evidence(
 def believed_loaded(
     backend: BackendSpec, stats: LiveStats, policy: FleetPolicy, now: float
 ) -> list[ModelSpec]:
-    """The models `backend` has loaded now, as far as this process can tell."""
+    """The models `backend` has loaded now, as far as this process can tell.
+
+    Only those a probe saw loaded or this process marked loaded can be: the
+    rest of a long model list is not looked at.
+    """
+    by_name = backend.models_by_name
+    candidates = list(backend.loaded_models)
+    seen = {model.name for model in candidates}
+    for name in stats.marked_models(backend.name) - seen:
+        model = by_name.get(name)
+        if model is not None:
+            candidates.append(model)
     return [
         model
-        for model in backend.models
+        for model in candidates
         if thermal_state(backend.name, model, stats, policy, now) is Thermal.HOT
     ]
 

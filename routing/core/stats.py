@@ -90,6 +90,8 @@ class LiveStats:
         # (backend, model) -> wall_clock() when this process expects the backend
         # to have unloaded it (a model it sent there needed the memory).
         self._evicted_at: dict[tuple[str, str], float] = {}
+        # backend -> the models marked there (the keys of _served_at, by backend)
+        self._marked: dict[str, set[str]] = {}
         self._model_latency: dict[tuple[str, str], LatencyWindow] = {}
         self._trends: dict[str, TrendTracker] = {}
 
@@ -247,6 +249,7 @@ class LiveStats:
         """
         with self._lock:
             self._served_at[(backend, model)] = self.wall_clock()
+            self._marked.setdefault(backend, set()).add(model)
 
     def mark_evicted(self, backend: str, model: str) -> None:
         """Record that `backend` is expected to have unloaded `model` as of now."""
@@ -256,6 +259,10 @@ class LiveStats:
     def served_at(self, backend: str, model: str) -> float | None:
         """Wall-clock time `model` was last marked loaded on `backend` (None: never)."""
         return self._served_at.get((backend, model))
+
+    def marked_models(self, backend: str) -> frozenset[str]:
+        """The models ever marked loaded on `backend` (``mark_hot``)."""
+        return frozenset(self._marked.get(backend, ()))
 
     def evicted_at(self, backend: str, model: str) -> float | None:
         """Wall-clock time `model` was last expected unloaded from `backend`."""
