@@ -209,7 +209,10 @@ def _evidence(
     if served is not None and now - served <= policy.served_hot_seconds:
         loaded.append(served)
     evicted = stats.evicted_at(backend, model.name)
-    if evicted is not None:
+    if evicted is not None and now - evicted <= policy.served_hot_seconds:
+        # Bounded like a serve mark: by then a probe has seen the unload (and
+        # timed it), or the expectation was wrong and the probe's "loaded"
+        # stands again.
         gone.append(evicted)
     return max(loaded, default=None), max(gone, default=None)
 

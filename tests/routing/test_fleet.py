@@ -163,6 +163,19 @@ def test_a_model_expected_unloaded_after_the_probe_is_not_hot() -> None:
     assert only(loaded, stats)["thermal"]["value"] == "hot"
 
 
+def test_an_expected_unload_no_probe_confirmed_lapses() -> None:
+    # Past served_hot_seconds a probe would have seen the unload; it still
+    # lists the model loaded, so the expectation was wrong.
+    stats = live()
+    stats.wall_clock.now = NOW - 301  # type: ignore[attr-defined]
+    stats.mark_evicted("b", "m")
+    stats.wall_clock.now = NOW  # type: ignore[attr-defined]
+
+    loaded = backend("b", model(loaded=True, last_loaded_at=NOW - 400))
+
+    assert only(loaded, stats)["thermal"]["value"] == "hot"
+
+
 def test_hot_beats_a_better_priority_within_the_seeds_weights() -> None:
     snap = fleet_snapshot(
         backend("preferred-but-cold", model(), priority=0),
