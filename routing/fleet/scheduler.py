@@ -6,9 +6,11 @@ The gateway owns one ``FleetScheduler``. The proxy asks it, per request:
    (and ``hold_seconds`` > 0), wait for a snapshot where one can serve it,
    re-routing on every snapshot installed and every couple of seconds, then
    route through the fallback chain as usual;
-2. ``after_decision``: start a warm-up of the model on the runner-up when the
-   winner is getting deep (off the request path, through the gateway's HTTP
-   session);
+2. ``after_decision``: record that the winner now has the model loaded (and
+   which idle models it unloads for it, if memory is short), so the next
+   decisions follow the load; start a warm-up of the model on the runner-up
+   when the winner is getting deep (off the request path, through the
+   gateway's HTTP session; never one that would unload a model there);
 3. ``take_slot``: under the fleet strategy, wait in the winner's line when it
    has no free slot (bounded length and time; a request may be moved to a hot
    backend meanwhile by the rebalancer);
@@ -350,13 +352,14 @@ class FleetScheduler:
             target.model,
             self.stats,
             routes.policy.fleet,
-            time.time(),
+            self.stats.wall_clock(),
         )
         return state is Thermal.HOT
 
     def _evictions(self, target: Target, routes: RouterSnapshot) -> list[str]:
+        stats = self.stats
         return evictions_for(
-            target.backend, target.model, self.stats, routes.policy.fleet, time.time()
+            target.backend, target.model, stats, routes.policy.fleet, stats.wall_clock()
         )
 
     def note_sent(self, target: Target, routes: RouterSnapshot) -> None:
@@ -373,7 +376,8 @@ class FleetScheduler:
         self.stats.mark_hot(backend, target.model.name)
 
     def after_decision(self, route: Route, routes: RouterSnapshot) -> None:
-        """Warm the model on the runner-up if the winner is getting deep.
+        """Note what the request does to the winner's memory (``note_sent``),
+        and warm the model on the runner-up if the winner is getting deep.
 
         The depth counts the request just routed. Only Ollama backends load a
         model on request; other kinds are left alone.
