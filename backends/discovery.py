@@ -29,10 +29,17 @@ from typing import Any, TypedDict
 import httpx
 from django.conf import settings
 from django.db import transaction
+from django.utils import timezone
 
 from backends.kinds import BackendKindAdapter, Endpoint, ModelInfo
 from backends.kinds.calls import call_backends
-from backends.models import DISCOVERED_FIELDS, OPERATOR_FIELDS, Backend, BackendModel
+from backends.models import (
+    DISCOVERED_FIELDS,
+    LOADED_FIELDS,
+    OPERATOR_FIELDS,
+    Backend,
+    BackendModel,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +214,8 @@ def _apply(report: DiscoveryReport, listing: list[ModelInfo]) -> None:
                 to_update.append(row)
         BackendModel.objects.bulk_create(to_create)
         BackendModel.objects.bulk_update(
-            to_update, (*OPERATOR_FIELDS, "loaded", "discovered", "manual_fields")
+            to_update,
+            (*OPERATOR_FIELDS, "loaded", *LOADED_FIELDS, "discovered", "manual_fields"),
         )
         if to_create or to_update:
             # Bulk writes send no model signals.
@@ -250,7 +258,13 @@ def _update_row(row: BackendModel, info: ModelInfo, report: DiscoveryReport) -> 
             setattr(row, name, value)
             updated = True
     if info.loaded is not None and row.loaded != info.loaded:
+        # As health rounds record it (BackendModel.objects.set_loaded): a load
+        # or unload seen now, which the fleet strategy weighs against what
+        # the proxy saw since (the latest observation wins).
         row.loaded = info.loaded
+        row.last_loaded_at = timezone.now()
+        if not info.loaded:
+            row.vram_bytes = row.loaded_context_length = row.expires_at = None
         updated = True
     if updated:
         report.updated.append(row.name)

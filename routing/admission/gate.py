@@ -327,7 +327,9 @@ class AdmissionGate:
         for name in (*tried, *routes.fallbacks_for(*tried)):
             model_routes = routes.routes.get(name)
             if model_routes is not None and model_routes.routable:
-                pool = _pool_from(model_routes.routable)
+                pool = _pool_from(
+                    model_routes.routable, routes.policy.waits_at_backends
+                )
                 break
         self._pools[model] = pool
         return pool
@@ -422,12 +424,17 @@ class Pool(NamedTuple):
     capacities: tuple[int, ...]  # max_concurrency of those that declare one
 
 
-def _pool_from(routable: Sequence[PreparedTarget]) -> Pool:
+def _pool_from(routable: Sequence[PreparedTarget], waits: int = 0) -> Pool:
+    """The pool of `routable`; `waits`: requests that may wait per backend
+    beyond its max_concurrency (the fleet strategy's lines,
+    ``Policy.waits_at_backends``), which its band lets through to wait there."""
     return Pool(
         key="\n".join(target.backend_name for target in routable),
         ready=len(routable),
         capacities=tuple(
-            target.capacity for target in routable if target.capacity != UNLIMITED
+            target.capacity + waits
+            for target in routable
+            if target.capacity != UNLIMITED
         ),
     )
 

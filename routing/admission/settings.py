@@ -208,6 +208,9 @@ class AdmissionSettings:
         more, so its band is exactly that (lower = upper = max_concurrency):
         a band above it would turn waiting into the router's "at capacity"
         503, one below it would keep requests waiting while a slot is free.
+        Under the fleet strategy the caller adds what the backend's fleet
+        lines may hold (``Policy.waits_at_backends``): there requests wait
+        for the backend the fleet chose rather than here.
 
         The gateway's band is the sum over the ready backends. Its
         whole-request limits (a bypass admits while the stock is below the

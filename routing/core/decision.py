@@ -503,10 +503,19 @@ def _describe(
         elif reason is Reason.NO_MEMORY:
             backend = target.backend
             ratio = None if fleet is None else fleet.fit_ratio
+            size = target.model.memory_gb
+            # What the fleet strategy counted (the probe, plus what this
+            # process loaded or expects unloaded since), not only the probe.
+            used = (
+                backend.memory_used_gb
+                if ratio is None or size is None or backend.memory_ceiling_gb is None
+                else backend.memory_ceiling_gb - ratio * size
+            )
             parts.append(
-                f"not loaded, and it does not fit in free memory (fit ratio "
+                "not loaded, and it does not fit in memory even once the idle "
+                f"models are unloaded (fit ratio "
                 f"{_gb(ratio)}: ceiling {_gb(backend.memory_ceiling_gb)} GB, "
-                f"{_gb(backend.memory_used_gb)} GB in use, model "
+                f"{_gb(used)} GB in use, model "
                 f"{_gb(target.model.memory_gb)} GB)"
             )
         elif reason is Reason.AT_CAPACITY:

@@ -20,6 +20,7 @@ snapshot or the live stats: no I/O.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from routing.core.fleet_policy import FleetPolicy
@@ -99,10 +100,28 @@ def score_fleet(
     """Score `model` on `backend` for a request of ~`tokens` tokens at wall time `now`.
 
     ``fits`` is False only for a model that is not hot and whose known size
-    exceeds the backend's known free memory: the router eliminates it.
+    exceeds the backend's known memory even once its idle models are unloaded
+    (the memory of models with requests in flight or waiting stays taken): the
+    router eliminates it. A model that fits only by unloading idle ones gets no
+    fit points (its fit ratio, on the memory in use now, is below 1).
     """
     thermal = thermal_state(backend.name, model, stats, policy, now)
-    fit_ratio = memory_fit_ratio(backend, model)
+    hot = thermal is Thermal.HOT
+    size = model.memory_gb or 0.0
+    used = memory_in_use(backend, stats, policy, now)
+    fit_ratio = memory_fit_ratio(
+        backend, model, None if used is None else used - (size if hot else 0.0)
+    )
+    # Room once the backend unloads its idle models (what Ollama does).
+    room = (
+        None
+        if hot or fit_ratio is None or fit_ratio >= 1.0
+        else memory_fit_ratio(
+            backend,
+            model,
+            memory_in_use(backend, stats, policy, now, busy_only=True),
+        )
+    )
     depth = stats.queue_depth(backend.name, model.name)
     p75_ms = stats.latency_p75_ms(backend.name, model.name)
     per_request = p75_ms / 1000 if p75_ms is not None else heuristic_seconds(model)
@@ -118,7 +137,7 @@ def score_fleet(
         thermal_points=thermal_points(thermal, policy),
         fit_ratio=fit_ratio,
         fit_points=fit_points(fit_ratio, policy),
-        fits=thermal is Thermal.HOT or fit_ratio is None or fit_ratio >= 1.0,
+        fits=hot or fit_ratio is None or fit_ratio >= 1.0 or (room or 0.0) >= 1.0,
         depth=depth,
         queue_points=min(
             policy.queue_penalty_max, depth * policy.queue_points_per_request
@@ -144,24 +163,147 @@ def thermal_state(
 ) -> Thermal:
     """How ready `backend` is to run `model` at wall time `now`.
 
-    Hot: the last probe saw it loaded and its keep_alive has not run out, or
-    the backend answered a request for it within served_hot_seconds. Warm: it
-    was loaded within warm_window_seconds. On disk: the backend lists it.
+    The latest observation wins. Evidence it is loaded: the last probe listed
+    it (as of when it was first seen loaded, ``last_loaded_at``) and its
+    keep_alive has not run out, or this process sent or answered a request
+    for it there within served_hot_seconds (``LiveStats.mark_hot``). Evidence
+    it is not: a probe that saw it unloaded (``last_loaded_at`` of a model
+    not loaded), its keep_alive running out, or this process expecting the
+    backend to unload it for another model (``LiveStats.mark_evicted``). Hot
+    when the newest evidence says loaded. Warm: it was loaded within
+    warm_window_seconds. On disk: the backend lists it.
     """
-    expired = model.expires_at is not None and model.expires_at <= now
-    if model.loaded and not expired:
+    loaded_at, gone_at = _evidence(backend, model, stats, policy, now)
+    if loaded_at is not None and (gone_at is None or loaded_at > gone_at):
         return Thermal.HOT
-    served_ago = stats.served_ago(backend, model.name)
-    if served_ago is not None and served_ago <= policy.served_hot_seconds:
-        return Thermal.HOT
-    window = policy.warm_window_seconds
-    # A model whose keep_alive ran out after the last probe was loaded until then.
-    last_loaded = model.expires_at if model.loaded else model.last_loaded_at
-    if last_loaded is not None and now - last_loaded <= window:
-        return Thermal.WARM
-    if served_ago is not None and served_ago <= window:
+    last = max(
+        (t for t in (loaded_at, gone_at, stats.served_at(backend, model.name)) if t),
+        default=None,
+    )
+    if last is not None and now - last <= policy.warm_window_seconds:
         return Thermal.WARM
     return Thermal.ON_DISK if model.listed else Thermal.ABSENT
+
+
+def _evidence(
+    backend: str, model: ModelSpec, stats: LiveStats, policy: FleetPolicy, now: float
+) -> tuple[float | None, float | None]:
+    """(newest "loaded" time, newest "not loaded" time), wall clock; None: none.
+
+    A probe's "loaded" without a first-seen time counts as older than any
+    other evidence (-inf): it was true at some probe, no telling when.
+    """
+    loaded: list[float] = []
+    gone: list[float] = []
+    expired = model.expires_at is not None and model.expires_at <= now
+    if model.loaded:
+        if expired:
+            gone.append(model.expires_at)  # type: ignore[arg-type]
+        else:
+            loaded.append(
+                model.last_loaded_at if model.last_loaded_at is not None else -math.inf
+            )
+    elif model.last_loaded_at is not None:
+        gone.append(model.last_loaded_at)  # when a probe saw it unloaded
+    served = stats.served_at(backend, model.name)
+    if served is not None and now - served <= policy.served_hot_seconds:
+        loaded.append(served)
+    evicted = stats.evicted_at(backend, model.name)
+    if evicted is not None and now - evicted <= policy.served_hot_seconds:
+        # Bounded like a serve mark: by then a probe has seen the unload (and
+        # timed it), or the expectation was wrong and the probe's "loaded"
+        # stands again.
+        gone.append(evicted)
+    return max(loaded, default=None), max(gone, default=None)
+
+
+def believed_loaded(
+    backend: BackendSpec, stats: LiveStats, policy: FleetPolicy, now: float
+) -> list[ModelSpec]:
+    """The models `backend` has loaded now, as far as this process can tell.
+
+    Only those a probe saw loaded or this process marked loaded can be: the
+    rest of a long model list is not looked at.
+    """
+    by_name = backend.models_by_name
+    candidates = list(backend.loaded_models)
+    seen = {model.name for model in candidates}
+    for name in stats.marked_models(backend.name) - seen:
+        model = by_name.get(name)
+        if model is not None:
+            candidates.append(model)
+    return [
+        model
+        for model in candidates
+        if thermal_state(backend.name, model, stats, policy, now) is Thermal.HOT
+    ]
+
+
+def memory_in_use(
+    backend: BackendSpec,
+    stats: LiveStats,
+    policy: FleetPolicy,
+    now: float,
+    *,
+    busy_only: bool = False,
+) -> float | None:
+    """GB the backend's loaded models take (None: a size is unknown).
+
+    With `busy_only`, only the models with requests in flight or waiting
+    there: the rest are idle, and Ollama unloads idle models (least recently
+    used first) to make room for a model it has to load.
+    """
+    used = 0.0
+    for model in believed_loaded(backend, stats, policy, now):
+        if busy_only and not stats.queue_depth(backend.name, model.name):
+            continue
+        size = model.memory_gb
+        if size is None:
+            return None
+        used += size
+    return used
+
+
+def evictions_for(
+    backend: BackendSpec,
+    model: ModelSpec,
+    stats: LiveStats,
+    policy: FleetPolicy,
+    now: float,
+) -> list[str]:
+    """The idle models `backend` would unload to load `model`, oldest use first.
+
+    Empty when the model is loaded there already, fits in free memory, or
+    memory is unknown. Follows Ollama (and the mock): least recently used
+    idle models go first until the new one fits.
+    """
+    ceiling, size = backend.memory_ceiling_gb, model.memory_gb
+    if ceiling is None or size is None:
+        return []
+    loaded = believed_loaded(backend, stats, policy, now)
+    if any(m.name == model.name for m in loaded):
+        return []
+    if any(m.memory_gb is None for m in loaded):
+        return []
+    free = ceiling - sum(m.memory_gb or 0.0 for m in loaded)
+    idle = sorted(
+        (m for m in loaded if not stats.queue_depth(backend.name, m.name)),
+        key=lambda m: _last_use(backend.name, m, stats),
+    )
+    gone: list[str] = []
+    for victim in idle:
+        if free >= size:
+            break
+        gone.append(victim.name)
+        free += victim.memory_gb or 0.0
+    return gone
+
+
+def _last_use(backend: str, model: ModelSpec, stats: LiveStats) -> float:
+    served = stats.served_at(backend, model.name)
+    if served is not None:
+        return served
+    return model.last_loaded_at if model.last_loaded_at is not None else -math.inf
 
 
 def thermal_points(thermal: Thermal, policy: FleetPolicy) -> float:
@@ -176,18 +318,18 @@ def thermal_points(thermal: Thermal, policy: FleetPolicy) -> float:
     )
 
 
-def memory_fit_ratio(backend: BackendSpec, model: ModelSpec) -> float | None:
+def memory_fit_ratio(
+    backend: BackendSpec, model: ModelSpec, used: float | None
+) -> float | None:
     """(ceiling - used) / model size, or None when any of the three is unknown.
 
     A loaded model's own memory counts as free for it: it needs no more.
+    `used` is what the backend's loaded models take (``memory_in_use``).
     """
     ceiling = backend.memory_ceiling_gb
-    used = backend.memory_used_gb
     size = model.memory_gb
     if ceiling is None or used is None or size is None or size <= 0:
         return None
-    if model.loaded:
-        used -= size
     return (ceiling - used) / size
 
 

@@ -72,6 +72,19 @@ class Policy:
         return self.fleet.fleet_queue_length
 
     @property
+    def waits_at_backends(self) -> int:
+        """Requests that may wait per backend beyond its max_concurrency.
+
+        Under the fleet strategy a backend at its max_concurrency stays a
+        candidate and requests wait in its lines (``fleet_queue_length``);
+        under the others it is skipped, so none wait there (0). The router's
+        capacity filter and admission control's band both read this.
+        """
+        if self.strategy is Strategy.FLEET:
+            return self.fleet.fleet_queue_length
+        return 0
+
+    @property
     def fleet_queue_timeout_seconds(self) -> float:
         """Seconds a request may wait in a backend and model's queue."""
         return self.fleet.fleet_queue_timeout_seconds

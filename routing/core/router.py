@@ -237,9 +237,7 @@ class Router:
         )
         # Under fleet a backend at max_concurrency stays a candidate: the queue
         # penalty scores it down, and the request waits for a slot there.
-        limit_capacity = routes.has_capacity_limits and (
-            policy.strategy is not Strategy.FLEET
-        )
+        limit_capacity = routes.has_capacity_limits and not policy.waits_at_backends
         if check_capabilities or limit_capacity:
             passed = [
                 (not limit_capacity or pending < prepared.capacity)

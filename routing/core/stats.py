@@ -84,8 +84,14 @@ class LiveStats:
         # by names from the snapshot, so they stay as small as the config.
         # (backend, model) -> requests waiting for it in a fleet queue
         self._waiting: dict[tuple[str, str], int] = {}
-        # (backend, model) -> clock() of the last answer: it is loaded now
+        # (backend, model) -> wall_clock() of the last request sent or answered
+        # there: the backend loads the model for it, so it is loaded from then.
         self._served_at: dict[tuple[str, str], float] = {}
+        # (backend, model) -> wall_clock() when this process expects the backend
+        # to have unloaded it (a model it sent there needed the memory).
+        self._evicted_at: dict[tuple[str, str], float] = {}
+        # backend -> the models marked there (the keys of _served_at, by backend)
+        self._marked: dict[str, set[str]] = {}
         self._model_latency: dict[tuple[str, str], LatencyWindow] = {}
         self._trends: dict[str, TrendTracker] = {}
 
@@ -236,13 +242,36 @@ class LiveStats:
         return self._in_flight_models.get(key, 0) + self._waiting.get(key, 0)
 
     def mark_hot(self, backend: str, model: str) -> None:
-        """Record that `backend` just answered a request for `model` (it is loaded)."""
-        self._served_at[(backend, model)] = self.clock()
+        """Record that `backend` has `model` loaded as of now.
+
+        Called when a request for it is sent there (the backend loads the
+        model for it) and when the backend answers for it.
+        """
+        with self._lock:
+            self._served_at[(backend, model)] = self.wall_clock()
+            self._marked.setdefault(backend, set()).add(model)
+
+    def mark_evicted(self, backend: str, model: str) -> None:
+        """Record that `backend` is expected to have unloaded `model` as of now."""
+        with self._lock:
+            self._evicted_at[(backend, model)] = self.wall_clock()
+
+    def served_at(self, backend: str, model: str) -> float | None:
+        """Wall-clock time `model` was last marked loaded on `backend` (None: never)."""
+        return self._served_at.get((backend, model))
+
+    def marked_models(self, backend: str) -> frozenset[str]:
+        """The models ever marked loaded on `backend` (``mark_hot``)."""
+        return frozenset(self._marked.get(backend, ()))
+
+    def evicted_at(self, backend: str, model: str) -> float | None:
+        """Wall-clock time `model` was last expected unloaded from `backend`."""
+        return self._evicted_at.get((backend, model))
 
     def served_ago(self, backend: str, model: str) -> float | None:
-        """Seconds since `backend` last answered for `model` (None: never here)."""
+        """Seconds since `model` was last marked loaded on `backend` (None: never)."""
         served = self._served_at.get((backend, model))
-        return None if served is None else self.clock() - served
+        return None if served is None else self.wall_clock() - served
 
     def latency_p75_ms(self, backend: str, model: str) -> float | None:
         """The p75 latency of (backend, model), once it has enough samples."""

@@ -122,6 +122,14 @@ class BackendSpec:
     tier: str = ""
     # Computed: memory its loaded models take (GB); None when a size is unknown.
     memory_used_gb: float | None = field(default=None, init=False, compare=False)
+    # Computed: the models the last probe saw loaded, and every model by name
+    # (the fleet strategy looks these up per decision).
+    loaded_models: tuple[ModelSpec, ...] = field(
+        default=(), init=False, compare=False, repr=False
+    )
+    models_by_name: Mapping[str, ModelSpec] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         try:
@@ -133,6 +141,12 @@ class BackendSpec:
         object.__setattr__(self, "status", status)
         object.__setattr__(self, "models", tuple(self.models))
         object.__setattr__(self, "memory_used_gb", _memory_used(self.models))
+        object.__setattr__(
+            self, "loaded_models", tuple(m for m in self.models if m.loaded)
+        )
+        object.__setattr__(
+            self, "models_by_name", {m.name: m for m in reversed(self.models)}
+        )
         latency = self.avg_latency_ms
         if latency is not None and (math.isnan(latency) or latency < 0):
             object.__setattr__(self, "avg_latency_ms", None)

@@ -6,9 +6,11 @@ The gateway owns one ``FleetScheduler``. The proxy asks it, per request:
    (and ``hold_seconds`` > 0), wait for a snapshot where one can serve it,
    re-routing on every snapshot installed and every couple of seconds, then
    route through the fallback chain as usual;
-2. ``after_decision``: start a warm-up of the model on the runner-up when the
-   winner is getting deep (off the request path, through the gateway's HTTP
-   session);
+2. ``after_decision``: record that the winner now has the model loaded (and
+   which idle models it unloads for it, if memory is short), so the next
+   decisions follow the load; start a warm-up of the model on the runner-up
+   when the winner is getting deep (off the request path, through the
+   gateway's HTTP session; never one that would unload a model there);
 3. ``take_slot``: under the fleet strategy, wait in the winner's line when it
    has no free slot (bounded length and time; a request may be moved to a hot
    backend meanwhile by the rebalancer);
@@ -32,7 +34,7 @@ import aiohttp
 
 from routing.core import LiveStats, Route, RouterSnapshot, Target
 from routing.core.decision import Decision, Outcome, Role, Via
-from routing.core.fleet import thermal_state
+from routing.core.fleet import evictions_for, thermal_state
 from routing.core.types import UNLIMITED
 from routing.core.vocabulary import Thermal
 from routing.fleet.errors import QueueFull, QueueTimeout
@@ -252,6 +254,8 @@ class FleetScheduler:
                 self._abandon(waiter, routes)
         self.metrics.fleet_queue_wait.observe(self._clock() - waiter.joined_at)
         self.queues.unreserve(placed.backend.name, placed.model.name)
+        if placed.backend.name != backend:
+            self.note_sent(placed, routes)  # moved by the rebalancer
         if placed.backend.name == backend:
             if waiter.lease is None:
                 return route
@@ -348,12 +352,32 @@ class FleetScheduler:
             target.model,
             self.stats,
             routes.policy.fleet,
-            time.time(),
+            self.stats.wall_clock(),
         )
         return state is Thermal.HOT
 
+    def _evictions(self, target: Target, routes: RouterSnapshot) -> list[str]:
+        stats = self.stats
+        return evictions_for(
+            target.backend, target.model, stats, routes.policy.fleet, stats.wall_clock()
+        )
+
+    def note_sent(self, target: Target, routes: RouterSnapshot) -> None:
+        """Record what sending a request to `target` does to its memory.
+
+        The backend loads the model for it (hot there from now on) and, when
+        it does not fit in free memory, unloads its least recently used idle
+        models first: those count as unloaded from now on, so the next
+        decisions neither expect them hot nor count their memory.
+        """
+        backend = target.backend.name
+        for victim in self._evictions(target, routes):
+            self.stats.mark_evicted(backend, victim)
+        self.stats.mark_hot(backend, target.model.name)
+
     def after_decision(self, route: Route, routes: RouterSnapshot) -> None:
-        """Warm the model on the runner-up if the winner is getting deep.
+        """Note what the request does to the winner's memory (``note_sent``),
+        and warm the model on the runner-up if the winner is getting deep.
 
         The depth counts the request just routed. Only Ollama backends load a
         model on request; other kinds are left alone.
@@ -363,6 +387,7 @@ class FleetScheduler:
             return
         winner = route.target
         model = winner.model.name
+        self.note_sent(winner, routes)
         runner_up = next(
             (
                 t
@@ -383,6 +408,8 @@ class FleetScheduler:
             self.is_hot(runner_up, routes),
         ):
             return
+        if self._evictions(runner_up, routes):
+            return  # a warm-up never unloads a model the backend has loaded
         loop = self._loop
         if loop is None:
             return

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from django.db import connection
+from django.utils import timezone
 
 from backends.discovery import discover_models
 from backends.models import Backend, BackendModel
@@ -219,3 +220,25 @@ def test_two_discoveries_at_once_leave_one_row_per_model() -> None:
             added = [run.result(timeout=30) for run in runs]
     assert sorted(added[0] + added[1]) == ["llama3:8b", "llava:7b"]
     assert sorted(models_of(backend)) == ["llama3:8b", "llava:7b"]
+
+
+@pytest.mark.django_db
+def test_discovery_records_when_it_saw_a_model_load_or_unload(
+    fleet: dict[str, KindMock],
+) -> None:
+    # As a health round does: the fleet strategy weighs this time against
+    # what the proxy saw since (a request answered before an unload seen
+    # later no longer makes the model hot).
+    backend = fleet["ollama"].register("ollama-1")
+    discover_models()
+    fleet["ollama"].configure(loaded_models=["llava:7b"])
+    before = timezone.now()
+
+    discover_models()
+
+    llama = BackendModel.objects.get(backend=backend, name="llama3:8b")
+    llava = BackendModel.objects.get(backend=backend, name="llava:7b")
+    assert (llama.loaded, llava.loaded) == (False, True)
+    assert llama.last_loaded_at is not None and llama.last_loaded_at >= before
+    assert llava.last_loaded_at is not None and llava.last_loaded_at >= before
+    assert llama.vram_bytes is None and llama.expires_at is None

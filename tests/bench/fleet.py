@@ -51,8 +51,6 @@ RATE = 3.0  # requests a second, on average
 STRATEGIES = ("round_robin", "smart", "fleet")
 # How often discovery reads /api/ps meanwhile, as Celery beat would.
 DISCOVERY_SECONDS = 5.0
-# "Served lately, so loaded" until discovery says otherwise: about its interval.
-SERVED_HOT_SECONDS = 10.0
 KEY_NAME = "bench-fleet"
 
 
@@ -113,7 +111,6 @@ def _set_strategy(strategy: str) -> None:
         policy,
         fleet_queue_timeout_seconds=300.0,
         fleet_queue_length=1000,
-        served_hot_seconds=SERVED_HOT_SECONDS,
     )
     policy.full_clean()
     policy.save()
@@ -122,10 +119,14 @@ def _set_strategy(strategy: str) -> None:
 async def _run(base_url: str, key: str, plan: list[tuple[float, str]]) -> dict:
     timings: list[float] = []
     failures: dict[str, int] = {}
+    # Per request, in plan order: when sent, model, backend, seconds, status.
+    detail: list[dict[str, Any]] = [{} for _ in plan]
 
-    async def one(client: httpx.AsyncClient, at: float, model: str) -> None:
+    async def one(client: httpx.AsyncClient, index: int, at: float, model: str) -> None:
         await asyncio.sleep(at)
         started = time.perf_counter()
+        row = detail[index]
+        row.update(at=round(at, 3), model=model)
         try:
             reply = await client.post(
                 "/v1/chat/completions",
@@ -134,7 +135,13 @@ async def _run(base_url: str, key: str, plan: list[tuple[float, str]]) -> dict:
             )
         except httpx.HTTPError as error:
             failures[type(error).__name__] = failures.get(type(error).__name__, 0) + 1
+            row["status"] = type(error).__name__
             return
+        row.update(
+            backend=reply.headers.get("x-nexus-backend", ""),
+            seconds=round(time.perf_counter() - started, 3),
+            status=reply.status_code,
+        )
         if reply.status_code == 200:
             timings.append(time.perf_counter() - started)
         else:
@@ -145,8 +152,10 @@ async def _run(base_url: str, key: str, plan: list[tuple[float, str]]) -> dict:
     async with httpx.AsyncClient(
         base_url=base_url, limits=limits, timeout=300.0, trust_env=False
     ) as client:
-        await asyncio.gather(*(one(client, at, model) for at, model in plan))
-    return {"timings": timings, "failures": failures}
+        await asyncio.gather(
+            *(one(client, i, at, model) for i, (at, model) in enumerate(plan))
+        )
+    return {"timings": timings, "failures": failures, "requests": detail}
 
 
 @contextlib.contextmanager
@@ -242,6 +251,7 @@ def run_fleet_benchmark(
                 }
                 for name, node in nodes.items()
             },
+            "requests": outcome["requests"],
         }
     return results
 

@@ -129,8 +129,51 @@ def test_a_backend_that_just_answered_for_the_model_makes_it_hot() -> None:
     stats.mark_hot("b", "m")
 
     assert only(cold, stats)["thermal"]["value"] == "hot"
-    stats.clock.now += 301  # type: ignore[attr-defined]  # served_hot_seconds
+    stats.wall_clock.now += 301  # type: ignore[attr-defined]  # served_hot_seconds
     assert only(cold, stats)["thermal"]["value"] == "warm"
+
+
+def test_a_probe_newer_than_the_last_answer_that_lacks_the_model_wins() -> None:
+    # Answered at NOW - 60; a probe at NOW - 30 saw it unloaded (evicted).
+    stats = live()
+    stats.wall_clock.now = NOW - 60  # type: ignore[attr-defined]
+    stats.mark_hot("b", "m")
+    stats.wall_clock.now = NOW  # type: ignore[attr-defined]
+    evicted = backend("b", model(last_loaded_at=NOW - 30))
+    reloaded = backend("b", model(last_loaded_at=NOW - 90))
+
+    assert only(evicted, stats)["thermal"]["value"] == "warm"
+    # The answer came after the probe that saw it unloaded: loaded again.
+    assert only(reloaded, stats)["thermal"]["value"] == "hot"
+
+
+def test_a_model_expected_unloaded_after_the_probe_is_not_hot() -> None:
+    # The probe saw it loaded (first at NOW - 100); then this process sent
+    # the backend a model that needed its memory (NOW - 10).
+    stats = live()
+    loaded = backend("b", model(loaded=True, last_loaded_at=NOW - 100))
+    assert only(loaded, stats)["thermal"]["value"] == "hot"
+
+    stats.wall_clock.now = NOW - 10  # type: ignore[attr-defined]
+    stats.mark_evicted("b", "m")
+    stats.wall_clock.now = NOW  # type: ignore[attr-defined]
+
+    assert only(loaded, stats)["thermal"]["value"] == "warm"
+    stats.mark_hot("b", "m")  # sent there again: loaded again
+    assert only(loaded, stats)["thermal"]["value"] == "hot"
+
+
+def test_an_expected_unload_no_probe_confirmed_lapses() -> None:
+    # Past served_hot_seconds a probe would have seen the unload; it still
+    # lists the model loaded, so the expectation was wrong.
+    stats = live()
+    stats.wall_clock.now = NOW - 301  # type: ignore[attr-defined]
+    stats.mark_evicted("b", "m")
+    stats.wall_clock.now = NOW  # type: ignore[attr-defined]
+
+    loaded = backend("b", model(loaded=True, last_loaded_at=NOW - 400))
+
+    assert only(loaded, stats)["thermal"]["value"] == "hot"
 
 
 def test_hot_beats_a_better_priority_within_the_seeds_weights() -> None:
@@ -181,6 +224,12 @@ def test_memory_fit_points_follow_the_seeds_table(free_gb: float, points: int) -
     assert fit == {"value": round(free_gb / 10.0, 2), "points": points}
 
 
+def busy(stats: LiveStats, backend_name: str, model_name: str) -> LiveStats:
+    """`stats` with one request for the model waiting on the backend."""
+    stats.add_waiting(backend_name, model_name)
+    return stats
+
+
 def test_a_cold_model_that_does_not_fit_is_eliminated_with_the_reason() -> None:
     other = model(name="other", loaded=True, vram_gb=30.0)
     snap = fleet_snapshot(
@@ -188,7 +237,7 @@ def test_a_cold_model_that_does_not_fit_is_eliminated_with_the_reason() -> None:
         backend("big", model(size_gb=10.0), memory_ceiling_gb=80.0),
     )
 
-    decision = explain(snap)
+    decision = explain(snap, busy(live(), "small", "other"))
 
     assert decision.chosen is not None and decision.chosen.backend.name == "big"
     [excluded] = decision.excluded
@@ -203,10 +252,27 @@ def test_only_backend_without_memory_gives_a_503_naming_it() -> None:
         backend("small", model(size_gb=10.0), other, memory_ceiling_gb=35.0)
     )
 
-    decision = explain(snap)
+    decision = explain(snap, busy(live(), "small", "other"))
 
     assert decision.error is not None and decision.error.status == 503
     assert "without the memory to load it" in str(decision.error)
+
+
+def test_an_idle_loaded_model_is_unloaded_for_a_cold_one_but_free_memory_wins() -> None:
+    # Ollama unloads idle models to make room: "small" can take the model
+    # once "other" (idle) goes, but that costs its fit points; "roomy" has
+    # the memory free and wins. Alone, "small" serves rather than refusing.
+    other = model(name="other", loaded=True, vram_gb=30.0)
+    small = backend("small", model(size_gb=10.0), other, memory_ceiling_gb=35.0)
+    roomy = backend("roomy", model(size_gb=10.0), memory_ceiling_gb=16.0, priority=90)
+
+    both = explain(fleet_snapshot(small, roomy))
+    alone = explain(fleet_snapshot(small))
+
+    assert both.chosen is not None and both.chosen.backend.name == "roomy"
+    assert not both.excluded
+    assert signals(both)["small"]["memory_fit"] == {"value": 0.5, "points": 0}
+    assert alone.chosen is not None and alone.chosen.backend.name == "small"
 
 
 def test_a_loaded_model_is_never_eliminated_for_memory() -> None:

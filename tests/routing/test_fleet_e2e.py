@@ -34,10 +34,8 @@ def _served(mock: MockBackendProcess) -> int:
 def _policy(strategy: str = "fleet", **fields: Any) -> None:
     policy = RoutingPolicy.load()
     policy.strategy = strategy
-    # Admission control's band is the backends' max_concurrency: on, it would
-    # hold the requests these tests line up at a node before routing (see
-    # README "Fleet scheduling": the two queues).
-    policy.admission_enabled = False
+    # Admission control stays on (the default): under fleet its band lets
+    # through what the nodes' lines may hold, so requests line up at a node.
     for name, value in fields.items():
         setattr(policy, name, value)
     policy.full_clean()
@@ -82,7 +80,11 @@ def test_a_full_queue_and_a_long_wait_answer_503_in_openai_shape(
     # loaded machine; then the second one times out, then the first answers.
     slow = _node(mock_backend_factory, "slow", "--latency-ms", "6000")
     _backend(slow, "slow", max_concurrency=1)
-    _policy(fleet_queue_length=1, fleet_queue_timeout_seconds=3)
+    # Admission off: on, it admits what the line holds (slots + length) and
+    # keeps the third request in its own fair queue instead of refusing it.
+    _policy(
+        fleet_queue_length=1, fleet_queue_timeout_seconds=3, admission_enabled=False
+    )
     _, key = ApiKey.objects.create_key("fleet")
     server = nexus_server_factory()
 
@@ -196,14 +198,14 @@ def test_waiting_requests_move_to_a_node_where_the_model_is_hot(
     later = _node(mock_backend_factory, "later", "--latency-ms", "100")
     _backend(busy, "busy", max_concurrency=1)
     other = _backend(later, "later", max_concurrency=4, status=HealthStatus.UNHEALTHY)
-    # Admission control off: its band (2 per ready backend) would hold the
-    # burst in its own queue, before routing.
+    # Admission control on: the burst must still line up at `busy` (its band
+    # under fleet is the slots plus what the lines hold, not the slots).
     _policy(
         rebalance_threshold=1,
         rebalance_interval_seconds=0.3,
         rebalance_max_moves=2,
         pre_warm_threshold=100,
-        admission_enabled=False,
+        admission_enabled=True,
     )
     _, key = ApiKey.objects.create_key("fleet")
     server = nexus_server_factory()

@@ -15,7 +15,7 @@ import aiohttp
 import httpx
 import pytest
 
-from routing.core import LiveStats, Route, RouterSnapshot
+from routing.core import LiveStats, RequestRequirements, Route, Router, RouterSnapshot
 from routing.core.fleet_policy import FleetPolicy
 from routing.core.policy import Policy
 from routing.core.types import BackendSpec, ModelSpec, Target
@@ -393,6 +393,106 @@ async def test_prewarm_does_nothing_below_the_threshold_or_for_other_kinds(
         h.fleet.after_decision(other_kind, routes)  # deep, but not Ollama
         assert not h.fleet.prewarm.is_running("runner-up", "m")
         assert not h.fleet.prewarm.is_running("vllm", "m")
+    finally:
+        await h.fleet.stop()
+    async with httpx.AsyncClient() as client:
+        stats = (await client.get(f"{ollama_node.base_url}/_mock/stats")).json()
+    assert stats.get("loads_total") == 0
+
+
+def _node(name: str, ceiling: float, *models: ModelSpec) -> BackendSpec:
+    return BackendSpec(
+        name,
+        "http://127.0.0.1:9",
+        kind="ollama",
+        status="healthy",
+        max_concurrency=2,
+        memory_ceiling_gb=ceiling,
+        models=models,
+    )
+
+
+def _decide(routes: RouterSnapshot, stats: LiveStats, model: str) -> str:
+    found = Router().select(RequestRequirements(model=model), routes, stats)
+    return found.target.backend.name
+
+
+async def test_a_model_sent_to_a_node_is_hot_there_for_the_next_request() -> None:
+    # Both nodes have it on disk; the first request's node loads it. The
+    # second request must follow it (hot there: +50), not load it elsewhere.
+    spec = ModelSpec("m", size_gb=2.0)
+    routes = _routes(_node("a", 7.0, spec), _node("b", 7.0, spec))
+    h = Harness(routes)
+    first = Router().select(RequestRequirements(model="m"), routes, h.stats)
+    h.fleet.after_decision(first, routes)
+    h.begin(first)
+
+    assert _decide(routes, h.stats, "m") == first.target.backend.name
+
+
+async def test_a_cold_model_sent_to_a_full_node_unloads_the_oldest_idle_one() -> None:
+    # 7 GB node with x (3 GB, used long ago) and y (3 GB, used just now)
+    # loaded and idle; z (3 GB) sent there makes it unload x, as Ollama does.
+    x = ModelSpec("x", size_gb=3.0, loaded=True)
+    y = ModelSpec("y", size_gb=3.0, loaded=True)
+    z = ModelSpec("z", size_gb=3.0)
+    routes = _routes(_node("a", 7.0, x, y, z))
+    h = Harness(routes)
+    spec = routes.backend("a")
+    assert spec is not None
+    h.stats.mark_hot("a", "y")
+    h.fleet.note_sent(Target(spec, z), routes)
+
+    assert not h.fleet.is_hot(Target(spec, x), routes)
+    assert h.fleet.is_hot(Target(spec, y), routes)
+    assert h.fleet.is_hot(Target(spec, z), routes)
+    # Its memory is free again for the next decision: x fits beside y and z
+    # only by unloading one of them (no fit points), and is not eliminated.
+    decision = Router().explain(RequestRequirements(model="x"), routes, h.stats)
+    fleet = decision.as_dict()["candidates"][0]["fleet"]  # type: ignore[index]
+    assert fleet["thermal"]["value"] == "warm"
+    assert fleet["memory_fit"] == {"value": 0.33, "points": 0}
+
+
+async def test_a_model_in_use_is_never_expected_unloaded() -> None:
+    x = ModelSpec("x", size_gb=3.0, loaded=True)
+    y = ModelSpec("y", size_gb=3.0, loaded=True)
+    z = ModelSpec("z", size_gb=3.0)
+    routes = _routes(_node("a", 7.0, x, y, z))
+    h = Harness(routes)
+    spec = routes.backend("a")
+    assert spec is not None
+    h.stats.mark_hot("a", "y")
+    h.stats.add_waiting("a", "x")  # x is older but busy: y goes
+    h.fleet.note_sent(Target(spec, z), routes)
+
+    assert h.fleet.is_hot(Target(spec, x), routes)
+    assert not h.fleet.is_hot(Target(spec, y), routes)
+
+
+async def test_prewarm_never_unloads_a_model_on_the_runner_up(
+    ollama_node: MockBackendProcess,
+) -> None:
+    other = ModelSpec("other", size_gb=5.0, loaded=True)
+    cold = ModelSpec("m", size_gb=3.0)
+    full = BackendSpec(
+        "runner-up",
+        ollama_node.base_url,
+        kind="ollama",
+        status="healthy",
+        max_concurrency=10,
+        memory_ceiling_gb=7.0,
+        models=(cold, other),
+    )
+    routes = _routes(_backend("winner", capacity=10), full, pre_warm_threshold=3)
+    h = Harness(routes)
+    h.fleet.start()
+    try:
+        route = _route(routes, "winner", "runner-up")
+        for _ in range(8):
+            h.fleet.after_decision(route, routes)
+            h.begin(route)
+        assert not h.fleet.prewarm.is_running("runner-up", "m")
     finally:
         await h.fleet.stop()
     async with httpx.AsyncClient() as client:

@@ -70,12 +70,14 @@ def _fresh_mocks(request: pytest.FixtureRequest) -> Iterator[None]:
             mock.reset()
 
 
-def fleet_decision(model: str, tokens: int = 0) -> Decision:
+def fleet_decision(
+    model: str, tokens: int = 0, stats: LiveStats | None = None
+) -> Decision:
     RoutingPolicy.objects.update_or_create(
         pk=RoutingPolicy.SINGLETON_PK, defaults={"strategy": "fleet"}
     )
     requirements = RequestRequirements(model=model, estimated_tokens=tokens)
-    return Router().explain(requirements, build_snapshot(), LiveStats())
+    return Router().explain(requirements, build_snapshot(), stats or LiveStats())
 
 
 def fleet_signals(decision: Decision) -> dict[str, dict[str, Any]]:
@@ -139,18 +141,24 @@ def test_a_model_the_backend_unloads_turns_warm_and_the_loaded_one_hot(
 def test_a_cold_model_that_does_not_fit_is_not_routed_there(
     mocks: dict[str, KindMock],
 ) -> None:
-    # Room for the loaded model and not much more.
+    # Room for the loaded model and not much more; it is answering a request.
     mocks["ollama"].register("ollama-1", memory_ceiling_gb=6.0)
     discover_models()
     check_all()
+    busy = LiveStats()
+    busy.add_waiting("ollama-1", "llama3:8b")
 
-    decision = fleet_decision("llava:7b")
+    decision = fleet_decision("llava:7b", stats=busy)
 
     assert decision.error is not None and decision.error.status == 503
     [excluded] = decision.excluded
     assert [str(r) for r in excluded.reasons] == ["no_memory"]
     # The loaded model itself still goes there.
-    assert fleet_decision("llama3:8b").chosen is not None
+    assert fleet_decision("llama3:8b", stats=busy).chosen is not None
+    # Idle, it is what Ollama unloads to load the other: no fit points, routed.
+    idle = fleet_decision("llava:7b")
+    assert idle.chosen is not None
+    assert fleet_signals(idle)["ollama-1"]["memory_fit"]["points"] == 0
 
 
 @pytest.mark.django_db(transaction=True)
