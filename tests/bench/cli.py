@@ -138,8 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--fleet-requests",
         type=int,
-        default=120,
-        help="Requests per strategy in the fleet benchmark (default 120).",
+        default=360,
+        help="Requests per strategy in the fleet benchmark (default 360: "
+        "2 minutes of traffic, past the start from an empty fleet).",
     )
     parser.add_argument(
         "--fleet-strategies",
