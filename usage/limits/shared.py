@@ -108,7 +108,8 @@ if tpm > 0 then
   tr, treset, tnew = rem, reset, new
   if not ok then return no('tokens', wait) end
 end
-local hold_t, hold_n, fresh = 0, 0, false
+local hold_t, hold_n, fresh, own_t, own_n = 0, 0, false, 0, 0
+local own_tf, own_nf = 'ht:' .. ARGV[7], 'hn:' .. ARGV[7]
 if bt >= 0 or bn >= 0 then
   local st, sn, ht, hn = 0, 0, 0, 0
   local vals = redis.call('HGETALL', KEYS[4])
@@ -116,8 +117,13 @@ if bt >= 0 or bn >= 0 then
   for i = 1, #vals, 2 do
     local f, v = vals[i], tonumber(vals[i + 1])
     if f == 'st' then st = v elseif f == 'sn' then sn = v
-    elseif string.sub(f, 1, 3) == 'ht:' then ht = ht + v
-    elseif string.sub(f, 1, 3) == 'hn:' then hn = hn + v end
+    elseif string.sub(f, 1, 3) == 'ht:' then
+      ht = ht + v
+      if f == own_tf then own_t = v end
+    elseif string.sub(f, 1, 3) == 'hn:' then
+      hn = hn + v
+      if f == own_nf then own_n = v end
+    end
   end
   if bt >= 0 then
     local left = bt - st - ht
@@ -140,8 +146,10 @@ end
 if tpm > 0 then
   redis.call('SET', KEYS[2], tostring(tnew), 'PX', int(math.ceil(tnew - now) + 1000))
 end
-if hold_t > 0 then redis.call('HINCRBY', KEYS[4], 'ht:' .. ARGV[7], int(hold_t)) end
-if hold_n > 0 then redis.call('HINCRBY', KEYS[4], 'hn:' .. ARGV[7], int(hold_n)) end
+if hold_t > 0 and hold_n > 0 then
+  redis.call('HSET', KEYS[4], own_tf, int(own_t + hold_t), own_nf, int(own_n + hold_n))
+elseif hold_t > 0 then redis.call('HSET', KEYS[4], own_tf, int(own_t + hold_t))
+elseif hold_n > 0 then redis.call('HSET', KEYS[4], own_nf, int(own_n + hold_n)) end
 if fresh and (hold_t > 0 or hold_n > 0) and tonumber(ARGV[8]) > 0 then
   redis.call('EXPIRE', KEYS[4], ARGV[8])
 end
@@ -186,11 +194,12 @@ return {ok, int(held[1]), int(held[2])}
 # KEYS: tpm, concurrency, budget. ARGV: tpm, process, budget ttl s (0: none),
 # then per request: tokens to add to the TPM bucket (negative gives back),
 # lease ("": none), held tokens, held nanos, used tokens, used nanos.
-SETTLE = (
-    _NOW
-    + """
+SETTLE = """
+local function int(x) return string.format('%.0f', x) end
 local tpm, delta = tonumber(ARGV[1]), tonumber(ARGV[4])
 if tpm > 0 and delta ~= 0 then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
   local tat = tonumber(redis.call('GET', KEYS[1]) or '0')
   if tat < now then tat = now end
   tat = math.max(tat + delta * 60000 / tpm, now)
@@ -202,19 +211,20 @@ local ut, un = tonumber(ARGV[8]), tonumber(ARGV[9])
 if ht > 0 or hn > 0 or ut > 0 or un > 0 then
   if ut > 0 then redis.call('HINCRBY', KEYS[3], 'st', int(ut)) end
   if un > 0 then redis.call('HINCRBY', KEYS[3], 'sn', int(un)) end
-  for _, pair in ipairs({{'ht:', ht}, {'hn:', hn}}) do
-    if pair[2] > 0 then
-      local field = pair[1] .. ARGV[2]
-      if redis.call('HINCRBY', KEYS[3], field, int(-pair[2])) <= 0 then
-        redis.call('HDEL', KEYS[3], field)
-      end
-    end
+  -- This process's holds, less this request's (a field at 0 stays: the
+  -- next admission sets it again).
+  local tf, nf = 'ht:' .. ARGV[2], 'hn:' .. ARGV[2]
+  local own = redis.call('HMGET', KEYS[3], tf, nf)
+  local t = math.max((tonumber(own[1]) or 0) - ht, 0)
+  local n = math.max((tonumber(own[2]) or 0) - hn, 0)
+  redis.call('HSET', KEYS[3], tf, int(t), nf, int(n))
+  -- The counter's expiry is set when it is created (admission or here).
+  if not own[1] and not own[2] and tonumber(ARGV[3]) > 0 then
+    redis.call('EXPIRE', KEYS[3], ARGV[3])
   end
-  if tonumber(ARGV[3]) > 0 then redis.call('EXPIRE', KEYS[3], ARGV[3]) end
 end
 return 1
 """
-)
 
 # KEYS: concurrency. ARGV: limit, lease, lease ms. Returns 1 if taken.
 ACQUIRE = (
