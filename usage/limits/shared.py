@@ -3,8 +3,10 @@
 Every serving process asks the same Redis, so N processes share one RPM, TPM,
 concurrency and budget counter per key (and one concurrency count per
 backend). Each admission is one round trip (``EVALSHA`` of a Lua script that
-checks and takes everything atomically, on Redis's own clock); settling is
-queued and sent in pipelined batches off the request path. Concurrency slots
+checks and takes everything atomically, on Redis's own clock; the command is
+encoded once per key and budget period, bar its per-request arguments);
+settles are queued and written together on the loop's next turn, after the
+answer that caused them, and always ahead of the next command. Concurrency slots
 are leases that this process renews while it holds them, so a process killed
 without warning frees its slots when they expire (LEASE_SECONDS). Budget holds
 are kept per process (``ht:<process>`` fields) and the beat reconciliation
