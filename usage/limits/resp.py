@@ -283,6 +283,8 @@ class RespConnection:
                     break
                 reply, position = parsed
                 self._deliver(waiting.popleft(), reply)
+                if self._waiting is not waiting:
+                    return  # the connection failed meanwhile (a resend)
         except (ValueError, IndexError) as error:
             self._drop(ConnectionError(f"Redis connection broken: {error}"))
             return

@@ -67,9 +67,9 @@ local function int(x) return string.format('%.0f', x) end
 # (cheaper to read than an array): "ok reason retry-ms rpm-remaining
 # rpm-reset-ms tpm-remaining tpm-reset-ms charged hold-tokens hold-nanos";
 # reason "-" when allowed, -1 remaining: no such limit. Expired concurrency
-# leases are swept only when the set looks full, and the budget's expiry is
-# set when it is created (settles renew it): the common admission makes as
-# few calls as it can.
+# leases are swept only when the set looks full, and the budget counter's
+# expiry is set when it is created: the common admission makes as few calls
+# as it can.
 ADMIT = (
     _NOW
     + """
@@ -460,10 +460,14 @@ class RedisLimiter:
             self._failed(error)
             return self._unavailable(policy)
         self._recovered()
-        ok, reason, wait_ms, rr, rreset, tr, treset, charged, hold_t, hold_n = (
-            result.split(b" ")
-        )
-        rr, tr = int(rr), int(tr)
+        try:
+            ok, reason, wait_ms, rr, rreset, tr, treset, charged, hold_t, hold_n = (
+                result.split(b" ")
+            )
+            rr, tr = int(rr), int(tr)
+        except (AttributeError, ValueError):  # not the script's answer
+            self._failed(RedisError(f"Unexpected limiter reply {result!r:.80}"))
+            return self._unavailable(policy)
         headers: list[tuple[bytes, bytes]] = []
         requests = token_state = None
         rpm_limit, tpm_limit = commands.limit_headers
