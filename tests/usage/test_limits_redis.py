@@ -199,3 +199,68 @@ def test_a_slot_this_process_just_released_can_be_taken_at_once(
         return await limiter.acquire_backend("gpu-1", 1)
 
     assert run(main, limiter) is not None
+
+
+def test_a_key_limited_to_one_request_at_a_time_serves_back_to_back_requests(
+    redis_url: str,
+) -> None:
+    # A settle is written ahead of the next command, so a client that waits
+    # for each answer before sending the next is never refused for the slot
+    # its previous request held.
+    limiter = RedisLimiter(redis_url)
+    policy = KeyPolicy("nx-serial1", max_concurrency=1, tpm=10_000)
+
+    async def main():
+        decisions = []
+        for _ in range(20):
+            decision = await limiter.admit(policy, 10, 0)
+            decisions.append(decision)
+            if decision.ticket is not None:
+                limiter.settle(decision.ticket, 5, 0)
+        return decisions
+
+    decisions = run(main, limiter)
+
+    assert [d.reason for d in decisions] == [""] * 20
+
+
+def test_expired_concurrency_leases_free_their_slots(redis_url: str) -> None:
+    # A process that died holding a slot: its lease expires, and the slot is
+    # taken again.
+    client = redis.Redis.from_url(redis_url)
+    client.zadd("nx:{nx-dead1}:concurrency", {"gone:1": 1000})
+    client.close()
+    limiter = RedisLimiter(redis_url)
+    policy = KeyPolicy("nx-dead1", max_concurrency=1)
+
+    async def main():
+        return await limiter.admit(policy, 0, 0), await limiter.admit(policy, 0, 0)
+
+    first, second = run(main, limiter)
+
+    assert first.allowed
+    assert second.reason == CONCURRENCY
+
+
+def test_settles_survive_a_redis_that_lost_its_scripts(redis_url: str) -> None:
+    # Redis restarted (its script cache empty) between admission and settle:
+    # the settle loads its script again and the spend is counted.
+    limiter = RedisLimiter(redis_url)
+    policy = KeyPolicy("nx-flushed1", budget_period="month", budget_tokens=1000)
+    client = redis.Redis.from_url(redis_url)
+
+    async def main():
+        decision = await limiter.admit(policy, 100, 0)
+        client.script_flush()
+        limiter.settle(decision.ticket, 40, 0)
+        await limiter._flush_settles()
+        return decision
+
+    decision = run(main, limiter)
+
+    stored = client.hgetall(budget_key("nx-flushed1", decision.ticket.period))
+    ttl = client.ttl(budget_key("nx-flushed1", decision.ticket.period))
+    client.close()
+    assert int(stored[b"st"]) == 40
+    assert {v for f, v in stored.items() if f[:3] in (b"ht:", b"hn:")} == {b"0"}
+    assert ttl > 0  # a month's counter expires after its period

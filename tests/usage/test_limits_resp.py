@@ -9,7 +9,7 @@ import redis
 from django.conf import settings
 from redis.exceptions import ConnectionError, ResponseError
 
-from usage.limits.resp import RespConnection, Script
+from usage.limits.resp import RespConnection, Script, encode
 
 pytestmark = pytest.mark.skipif(
     not settings.REDIS_URL, reason="the embedded default has no Redis"
@@ -70,3 +70,92 @@ def test_an_unreachable_redis_is_a_connection_error_within_the_timeout() -> None
         await connection.close()
 
     asyncio.run(main())
+
+
+def test_a_redis_that_stops_answering_fails_the_waiting_commands_then_recovers() -> (
+    None
+):
+    # A server that accepts and reads but never answers: every waiting command
+    # fails with a timeout (not a hang), and the next command connects anew.
+    async def main() -> None:
+        accepted: list[asyncio.StreamWriter] = []
+
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+            accepted.append(writer)
+            while await reader.read(1024):
+                pass
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        connection = RespConnection(f"redis://127.0.0.1:{port}/0", timeout=0.3)
+        try:
+            results = await asyncio.gather(
+                *(connection.call("PING") for _ in range(3)), return_exceptions=True
+            )
+            assert all(isinstance(r, TimeoutError) for r in results), results
+            assert not connection.is_open
+            with pytest.raises(TimeoutError):
+                await connection.call("PING")
+            assert len(accepted) == 2  # dropped, then opened again
+        finally:
+            await connection.close()
+            server.close()
+            for writer in accepted:
+                writer.close()
+
+    asyncio.run(main())
+
+
+def test_a_reply_split_over_many_reads_is_put_together() -> None:
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    big = b"x" * 300_000
+    client.set("nx:resp-big", big)
+
+    async def main() -> list:
+        connection = RespConnection(settings.REDIS_URL, timeout=5)
+        try:
+            return await asyncio.gather(
+                connection.call("GET", "nx:resp-big"),
+                connection.call("MGET", "nx:resp-big", "nx:resp-missing"),
+                connection.call("PING"),
+            )
+        finally:
+            await connection.close()
+
+    try:
+        assert asyncio.run(main()) == [big, [big, None], b"PONG"]
+    finally:
+        client.delete("nx:resp-big")
+        client.close()
+
+
+def test_quiet_commands_reload_a_flushed_script_and_report_other_errors() -> None:
+    script = Script("redis.call('INCR', KEYS[1]) return 1 -- " + str(id(object())))
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    client.delete("nx:resp-quiet")
+    errors: list[Exception] = []
+
+    async def main() -> None:
+        connection = RespConnection(
+            settings.REDIS_URL, timeout=5, on_error=errors.append
+        )
+        try:
+            await connection.open()
+            command = encode(("EVALSHA", script.sha, 1, "nx:resp-quiet"))
+            # Redis lacks the script: loaded, and both commands run once.
+            last = connection.send_quietly([command, command], script)
+            assert last is not None
+            await last
+            last = connection.send_quietly([encode(("NO-SUCH-COMMAND",))])
+            assert last is not None
+            await last
+        finally:
+            await connection.close()
+
+    try:
+        asyncio.run(main())
+        assert client.get("nx:resp-quiet") == b"2"
+        assert len(errors) == 1 and "unknown command" in str(errors[0])
+    finally:
+        client.delete("nx:resp-quiet")
+        client.close()

@@ -50,6 +50,9 @@ class Ticket:
     held_nanos: int = 0
     # Fail-open admission while the limiter was unreachable: nothing was taken.
     unchecked: bool = False
+    # The limiter's own data about the admission (the Redis limiter's
+    # pre-encoded settle command).
+    handle: object = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,10 +162,19 @@ class Limiter(Protocol):
 COVER_BLOCK_TOKENS = 256
 
 _lease_ids = itertools.count(1)
+_pid = f"{os.getpid()}:"
+
+
+def _forked() -> None:
+    global _pid
+    _pid = f"{os.getpid()}:"
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def new_lease() -> str:
-    return f"{os.getpid()}:{next(_lease_ids)}"
+    return f"{_pid}{next(_lease_ids)}"
 
 
 class LocalLimiter:

@@ -8,25 +8,39 @@ callers in order, so concurrent requests share one socket and their
 round trips overlap (pipelining without batching). It speaks only what the
 limiter needs: commands with bulk-string arguments, and RESP2 replies.
 
+It is an ``asyncio.Protocol``: replies are parsed from the received bytes in
+the loop's own read callback and handed straight to the waiting callers (no
+reader task between them, no await per reply element), and one timer per
+connection enforces the timeout instead of one per command. Commands can
+also be sent without a caller waiting (``send_quietly``: the limiter's
+settles), their errors reported to a callback.
+
 Errors are redis-py's exception types, so callers handle both alike: a reply
 error is ``ResponseError`` (``NoScriptError`` for an unknown script), a lost
-or refused connection ``ConnectionError``; a reply later than ``timeout`` is
-``TimeoutError``. A broken connection fails every command waiting on it and
-is opened again by the next command.
+or refused connection ``ConnectionError``; Redis not answering within
+``timeout`` is ``TimeoutError`` for every command waiting, and closes the
+connection (a Redis that stalls that long is treated as down). A broken
+connection fails every command waiting on it and is opened again by the next
+command.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 from collections import deque
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 from redis.exceptions import ConnectionError, NoScriptError, ResponseError
 
 Reply = bytes | int | list[Any] | None
+Arg = str | bytes | int
+
+# A reply larger than this is not one the limiter asks for: the connection is
+# dropped rather than buffering without bound.
+MAX_BUFFER = 1 << 20
 
 
 class Script:
@@ -39,10 +53,54 @@ class Script:
         self.sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
 
 
+class _Waiter:
+    """One command whose reply is awaited (``future``) or reported (quiet)."""
+
+    __slots__ = ("data", "deadline", "future", "script")
+
+    def __init__(
+        self,
+        future: asyncio.Future[Reply] | None,
+        deadline: float,
+        data: bytes = b"",
+        script: Script | None = None,
+    ) -> None:
+        self.future = future
+        self.deadline = deadline
+        self.data = data  # a quiet command, to send again after SCRIPT LOAD
+        self.script = script
+
+
+class _Link(asyncio.Protocol):
+    """The protocol of one transport: hands its events to the connection
+    while it is the connection's current link (an old one's are ignored)."""
+
+    def __init__(self, owner: RespConnection) -> None:
+        self.owner = owner
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # (uvloop's transports do not subclass asyncio's: no isinstance.)
+        self.transport = cast("asyncio.Transport", transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.owner._link is self:
+            self.owner._lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.owner._link is self:
+            self.owner._received(data)
+
+
 class RespConnection:
     """A single Redis connection shared by every caller of one event loop."""
 
-    def __init__(self, url: str, timeout: float) -> None:
+    def __init__(
+        self,
+        url: str,
+        timeout: float,
+        on_error: Callable[[Exception], None] | None = None,
+    ) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("redis", ""):
             raise ValueError(f"only redis:// URLs are supported, not {parts.scheme}")
@@ -52,72 +110,152 @@ class RespConnection:
         self.username = unquote(parts.username) if parts.username else None
         self.password = unquote(parts.password) if parts.password else None
         self.timeout = timeout
-        self._writer: asyncio.StreamWriter | None = None
-        self._waiting: deque[asyncio.Future[Reply]] = deque()
-        self._reader_task: asyncio.Task[None] | None = None
+        # Errors of commands sent with send_quietly (nobody awaits them).
+        self.on_error = on_error
+        self._transport: asyncio.Transport | None = None
+        self._link: _Link | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiting: deque[_Waiter] = deque()
+        self._buffer = b""
+        self._timer: asyncio.TimerHandle | None = None
         self._connecting: asyncio.Future[None] | None = None
 
-    async def call(self, *args: str | bytes | int) -> Reply:
+    @property
+    def is_open(self) -> bool:
+        transport = self._transport
+        return transport is not None and not transport.is_closing()
+
+    async def call(self, *args: Arg) -> Reply:
         """Send one command and return its reply."""
-        async with asyncio.timeout(self.timeout):
-            writer = self._writer
-            if writer is None or writer.is_closing():
-                writer = await self._connect()
-            future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-            self._waiting.append(future)
-            writer.write(_encode(args))
-            return await future
+        return await self.request(encode(args))
+
+    async def request(self, data: bytes) -> Reply:
+        """Send one encoded command (``encode``) and return its reply."""
+        if not self.is_open:
+            await self._connect()
+        future = self._write(data)
+        assert future is not None
+        return await future
 
     async def run(self, script: Script, keys: list[str], args: list[Any]) -> Reply:
         """EVALSHA the script, loading it first if Redis does not have it."""
-        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+        return await self.run_encoded(
+            script, encode(("EVALSHA", script.sha, len(keys), *keys, *args))
+        )
+
+    async def run_encoded(self, script: Script, data: bytes) -> Reply:
+        """Send an encoded EVALSHA of `script`; load the script if Redis lacks it."""
         try:
-            return await self.call(*command)
+            return await self.request(data)
         except NoScriptError:
             await self.call("SCRIPT", "LOAD", script.source)
-            return await self.call(*command)
+            return await self.request(data)
+
+    def send_quietly(
+        self, commands: Iterable[bytes], script: Script | None = None
+    ) -> asyncio.Future[Reply] | None:
+        """Write encoded commands nobody waits for (the connection must be open).
+
+        Reply errors go to ``on_error``, except NOSCRIPT for `script`'s
+        EVALSHA, which loads the script and sends the command again. Returns a
+        future of the last command's reply (ignore it, or await it to know
+        that all were answered); None when there were no commands.
+        """
+        last: asyncio.Future[Reply] | None = None
+        data = []
+        deadline = self._now() + self.timeout
+        waiting = self._waiting
+        for command in commands:
+            data.append(command)
+            waiting.append(_Waiter(None, deadline, command, script))
+        if not data:
+            return None
+        last = self._loop_or_running().create_future()
+        waiting[-1].future = last
+        self._send(b"".join(data))
+        return last
+
+    async def open(self) -> None:
+        """Open the connection if it is not (send_quietly needs it open)."""
+        if not self.is_open:
+            await self._connect()
 
     async def close(self) -> None:
-        writer, self._writer = self._writer, None
-        task, self._reader_task = self._reader_task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        if writer is not None:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+        transport, self._transport, self._link = self._transport, None, None
+        if transport is not None:
+            transport.close()
         self._fail_waiting(ConnectionError("The limiter's Redis connection closed"))
 
-    async def _connect(self) -> asyncio.StreamWriter:
+    # Writing -------------------------------------------------------------------
+
+    def _now(self) -> float:
+        return self._loop_or_running().time()
+
+    def _loop_or_running(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
+
+    def _write(self, data: bytes) -> asyncio.Future[Reply]:
+        loop = self._loop_or_running()
+        future: asyncio.Future[Reply] = loop.create_future()
+        self._waiting.append(_Waiter(future, loop.time() + self.timeout))
+        self._send(data)
+        return future
+
+    def _send(self, data: bytes) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            # Lost since the caller checked: fail what was just queued.
+            self._fail_waiting(ConnectionError("Redis connection lost"))
+            return
+        transport.write(data)
+        if self._timer is None:
+            self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        if self._waiting:
+            loop = self._loop_or_running()
+            self._timer = loop.call_at(self._waiting[0].deadline, self._check_timeout)
+
+    def _check_timeout(self) -> None:
+        self._timer = None
+        if not self._waiting:
+            return
+        if self._waiting[0].deadline <= self._loop_or_running().time():
+            # Redis did not answer in time: treat the connection as broken.
+            self._drop(TimeoutError(f"Redis did not answer within {self.timeout} s"))
+            return
+        self._arm_timer()
+
+    async def _connect(self) -> None:
         # Callers arriving while a connection is being opened wait for it.
         if self._connecting is not None:
             await asyncio.shield(self._connecting)
-            assert self._writer is not None
-            return self._writer
-        loop = asyncio.get_running_loop()
+            if not self.is_open:
+                raise ConnectionError("Redis connection lost")
+            return
+        loop = self._loop = asyncio.get_running_loop()
         self._connecting = loop.create_future()
         try:
+            link = _Link(self)
             try:
-                reader, writer = await asyncio.open_connection(self.host, self.port)
+                async with asyncio.timeout(self.timeout):
+                    await loop.create_connection(lambda: link, self.host, self.port)
             except OSError as error:
                 raise ConnectionError(f"Cannot reach Redis: {error}") from error
-            self._writer = writer
-            self._reader_task = loop.create_task(
-                self._read_replies(reader), name="limiter-redis-replies"
-            )
-            setup: list[tuple[str | bytes | int, ...]] = []
+            assert link.transport is not None
+            # Made current, then the set-up written at once: every command
+            # written after it (by any caller) runs after it.
+            self._link, self._transport, self._buffer = link, link.transport, b""
+            setup: list[tuple[Arg, ...]] = []
             if self.password is not None:
                 auth = (self.username, self.password) if self.username else ()
                 setup.append(("AUTH", *(auth or (self.password,))))
             if self.db:
                 setup.append(("SELECT", self.db))
-            futures = []
-            for command in setup:
-                future: asyncio.Future[Reply] = loop.create_future()
-                self._waiting.append(future)
-                writer.write(_encode(command))
-                futures.append(future)
+            futures = [self._write(encode(command)) for command in setup]
             for future in futures:
                 await future
             self._connecting.set_result(None)
@@ -127,68 +265,146 @@ class RespConnection:
             raise
         finally:
             self._connecting = None
-        return writer
 
-    async def _read_replies(self, reader: asyncio.StreamReader) -> None:
+    # Reading -------------------------------------------------------------------
+
+    def _lost(self, exc: Exception | None) -> None:
+        self._transport = self._link = None
+        self._fail_waiting(ConnectionError(f"Redis connection lost: {exc}"))
+
+    def _received(self, data: bytes) -> None:
+        buffer = self._buffer + data if self._buffer else data
+        position = 0
+        waiting = self._waiting
         try:
-            while True:
-                reply = await _read_reply(reader)
-                future = self._waiting.popleft()
-                if future.done():
-                    continue  # its caller timed out or left
-                if isinstance(reply, ResponseError):
-                    future.set_exception(reply)
-                else:
-                    future.set_result(reply)
-        except (OSError, asyncio.IncompleteReadError, ValueError, IndexError) as error:
-            writer, self._writer = self._writer, None
-            if writer is not None:
-                writer.close()
-            self._fail_waiting(ConnectionError(f"Redis connection lost: {error}"))
+            while position < len(buffer):
+                parsed = _parse(buffer, position)
+                if parsed is None:
+                    break
+                reply, position = parsed
+                self._deliver(waiting.popleft(), reply)
+                if self._waiting is not waiting:
+                    return  # the connection failed meanwhile (a resend)
+        except (ValueError, IndexError) as error:
+            self._drop(ConnectionError(f"Redis connection broken: {error}"))
+            return
+        self._buffer = buffer[position:]
+        if len(self._buffer) > MAX_BUFFER:
+            self._drop(ConnectionError("Redis sent a reply larger than expected"))
+        elif not waiting and self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _deliver(self, waiter: _Waiter, reply: Reply | ResponseError) -> None:
+        future = waiter.future
+        if isinstance(reply, ResponseError):
+            if waiter.data:  # a quiet command
+                if isinstance(reply, NoScriptError) and waiter.script is not None:
+                    self._resend(waiter)
+                    return
+                if self.on_error is not None:
+                    self.on_error(reply)
+                if future is not None and not future.done():
+                    future.set_result(None)
+                return
+            if future is not None and not future.done():
+                future.set_exception(reply)
+            return
+        if future is not None and not future.done():
+            future.set_result(reply)
+
+    def _resend(self, waiter: _Waiter) -> None:
+        assert waiter.script is not None
+        deadline = self._now() + self.timeout
+        load = encode(("SCRIPT", "LOAD", waiter.script.source))
+        self._waiting.append(_Waiter(None, deadline, load))
+        self._waiting.append(_Waiter(waiter.future, deadline, waiter.data))
+        self._send(load + waiter.data)
+
+    def _drop(self, error: Exception) -> None:
+        transport, self._transport, self._link = self._transport, None, None
+        if transport is not None:
+            transport.abort()
+        self._fail_waiting(error)
 
     def _fail_waiting(self, error: Exception) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._buffer = b""
         waiting, self._waiting = self._waiting, deque()
-        for future in waiting:
-            if not future.done():
+        quiet_failed = False
+        for waiter in waiting:
+            future = waiter.future
+            if waiter.data:
+                quiet_failed = True
+                if future is not None and not future.done():
+                    future.set_result(None)
+            elif future is not None and not future.done():
                 future.set_exception(error)
                 future.exception()
+        if quiet_failed and self.on_error is not None:
+            self.on_error(error)
 
 
-def _encode(args: tuple[str | bytes | int, ...]) -> bytes:
-    out = [b"*%d\r\n" % len(args)]
+def encode(args: Iterable[Arg]) -> bytes:
+    """One command in RESP (an array of bulk strings)."""
+    out = [b""]
+    count = 0
+    for arg in args:
+        data = arg if isinstance(arg, bytes) else str(arg).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+        count += 1
+    out[0] = b"*%d\r\n" % count
+    return b"".join(out)
+
+
+def encode_parts(args: Iterable[Arg]) -> bytes:
+    """Arguments in RESP without the array header (to join with others)."""
+    out = []
     for arg in args:
         data = arg if isinstance(arg, bytes) else str(arg).encode()
         out.append(b"$%d\r\n%s\r\n" % (len(data), data))
     return b"".join(out)
 
 
-async def _read_reply(reader: asyncio.StreamReader) -> Reply | ResponseError:
-    line = await reader.readuntil(b"\r\n")
-    kind, rest = line[:1], line[1:-2]
-    if kind == b":":
-        return int(rest)
-    if kind == b"$":
-        size = int(rest)
+def _parse(buffer: bytes, position: int) -> tuple[Reply | ResponseError, int] | None:
+    """Parse one reply at `position`; None when it is not complete yet."""
+    end = buffer.find(b"\r\n", position)
+    if end < 0:
+        return None
+    kind = buffer[position]
+    if kind == 58:  # ":"
+        return int(buffer[position + 1 : end]), end + 2
+    if kind == 36:  # "$"
+        size = int(buffer[position + 1 : end])
         if size < 0:
+            return None, end + 2
+        start = end + 2
+        if len(buffer) < start + size + 2:
             return None
-        return (await reader.readexactly(size + 2))[:-2]
-    if kind == b"+":
-        return rest
-    if kind == b"*":
-        count = int(rest)
+        return buffer[start : start + size], start + size + 2
+    if kind == 42:  # "*"
+        count = int(buffer[position + 1 : end])
+        position = end + 2
         if count < 0:
-            return None
+            return None, position
         items: list[Any] = []
         failed: ResponseError | None = None
         for _ in range(count):
-            item = await _read_reply(reader)
+            parsed = _parse(buffer, position)
+            if parsed is None:
+                return None
+            item, position = parsed
             if isinstance(item, ResponseError):
-                failed = failed or item  # the rest is still read: replies stay aligned
+                failed = failed or item
             items.append(item)
-        return items if failed is None else failed
-    if kind == b"-":
-        message = rest.decode(errors="replace")
+        return (items if failed is None else failed), position
+    if kind == 43:  # "+"
+        return buffer[position + 1 : end], end + 2
+    if kind == 45:  # "-"
+        message = buffer[position + 1 : end].decode(errors="replace")
         if message.startswith("NOSCRIPT"):
-            return NoScriptError(message)
-        return ResponseError(message)
-    raise ValueError(f"not a RESP reply: {line[:40]!r}")
+            return NoScriptError(message), end + 2
+        return ResponseError(message), end + 2
+    raise ValueError(f"not a RESP reply: {buffer[position : position + 40]!r}")

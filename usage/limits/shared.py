@@ -3,8 +3,10 @@
 Every serving process asks the same Redis, so N processes share one RPM, TPM,
 concurrency and budget counter per key (and one concurrency count per
 backend). Each admission is one round trip (``EVALSHA`` of a Lua script that
-checks and takes everything atomically, on Redis's own clock); settling is
-queued and sent in pipelined batches off the request path. Concurrency slots
+checks and takes everything atomically, on Redis's own clock; the command is
+encoded once per key and budget period, bar its per-request arguments);
+settles are queued and written together on the loop's next turn, after the
+answer that caused them, and always ahead of the next command. Concurrency slots
 are leases that this process renews while it holds them, so a process killed
 without warning frees its slots when they expire (LEASE_SECONDS). Budget holds
 are kept per process (``ht:<process>`` fields) and the beat reconciliation
@@ -19,12 +21,13 @@ timeout per request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import os
 import secrets
 import socket
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -38,11 +41,11 @@ from usage.limits.limiter import (
     RateState,
     Ticket,
     budget_retry_after,
+    format_reset,
     new_lease,
-    rate_headers,
 )
-from usage.limits.policy import BudgetPeriod, KeyPolicy, period_id
-from usage.limits.resp import RespConnection, Script
+from usage.limits.policy import BudgetPeriod, KeyPolicy, period_end, period_id
+from usage.limits.resp import RespConnection, Script, encode, encode_parts
 
 logger = logging.getLogger(__name__)
 
@@ -59,17 +62,21 @@ local function int(x) return string.format('%.0f', x) end
 """
 
 # KEYS: rpm, tpm, concurrency, budget. ARGV: rpm, tpm, max concurrency, budget
-# tokens, budget nanos (-1: none), estimate tokens, estimate nanos, lease,
-# lease ms, process, budget ttl s (0: none). Returns {ok, reason, retry ms, rpm
-# remaining, rpm reset ms, tpm remaining, tpm reset ms, charged, hold tokens,
-# hold nanos}; -1 remaining: no such limit.
+# tokens, budget nanos (-1: none), lease ms, process, budget ttl s (0: none),
+# then per request: estimate tokens, estimate nanos, lease. Returns one string
+# (cheaper to read than an array): "ok reason retry-ms rpm-remaining
+# rpm-reset-ms tpm-remaining tpm-reset-ms charged hold-tokens hold-nanos";
+# reason "-" when allowed, -1 remaining: no such limit. Expired concurrency
+# leases are swept only when the set looks full, and the budget counter's
+# expiry is set when it is created: the common admission makes as few calls
+# as it can.
 ADMIT = (
     _NOW
     + """
 local W = 60000
 local rpm, tpm, maxc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local bt, bn = tonumber(ARGV[4]), tonumber(ARGV[5])
-local est_t, est_n = tonumber(ARGV[6]), tonumber(ARGV[7])
+local est_t, est_n = tonumber(ARGV[9]), tonumber(ARGV[10])
 local function gcra(key, limit, cost)
   local interval = W / limit
   local tat = tonumber(redis.call('GET', key) or '0')
@@ -85,10 +92,10 @@ end
 local rr, rreset, tr, treset = -1, 0, -1, 0
 local rnew, tnew, charged = 0, 0, 0
 local function no(reason, wait)
-  return {0, reason, int(math.ceil(wait)), rr, int(math.ceil(rreset)), tr,
-          int(math.ceil(treset)), 0, 0, 0}
+  return table.concat({0, reason, int(math.ceil(wait)), int(rr),
+    int(math.ceil(rreset)), int(tr), int(math.ceil(treset)), 0, 0, 0}, ' ')
 end
-if maxc > 0 then
+if maxc > 0 and redis.call('ZCARD', KEYS[3]) >= maxc then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
   if redis.call('ZCARD', KEYS[3]) >= maxc then return no('concurrency', 1000) end
 end
@@ -103,15 +110,22 @@ if tpm > 0 then
   tr, treset, tnew = rem, reset, new
   if not ok then return no('tokens', wait) end
 end
-local hold_t, hold_n = 0, 0
+local hold_t, hold_n, fresh, own_t, own_n = 0, 0, false, 0, 0
+local own_tf, own_nf = 'ht:' .. ARGV[7], 'hn:' .. ARGV[7]
 if bt >= 0 or bn >= 0 then
   local st, sn, ht, hn = 0, 0, 0, 0
   local vals = redis.call('HGETALL', KEYS[4])
+  fresh = #vals == 0
   for i = 1, #vals, 2 do
     local f, v = vals[i], tonumber(vals[i + 1])
     if f == 'st' then st = v elseif f == 'sn' then sn = v
-    elseif string.sub(f, 1, 3) == 'ht:' then ht = ht + v
-    elseif string.sub(f, 1, 3) == 'hn:' then hn = hn + v end
+    elseif string.sub(f, 1, 3) == 'ht:' then
+      ht = ht + v
+      if f == own_tf then own_t = v end
+    elseif string.sub(f, 1, 3) == 'hn:' then
+      hn = hn + v
+      if f == own_nf then own_n = v end
+    end
   end
   if bt >= 0 then
     local left = bt - st - ht
@@ -125,8 +139,8 @@ if bt >= 0 or bn >= 0 then
   end
 end
 if maxc > 0 then
-  redis.call('ZADD', KEYS[3], int(now + tonumber(ARGV[9])), ARGV[8])
-  redis.call('PEXPIRE', KEYS[3], ARGV[9])
+  redis.call('ZADD', KEYS[3], int(now + tonumber(ARGV[6])), ARGV[11])
+  redis.call('PEXPIRE', KEYS[3], ARGV[6])
 end
 if rpm > 0 then
   redis.call('SET', KEYS[1], tostring(rnew), 'PX', int(math.ceil(rnew - now) + 1000))
@@ -134,13 +148,15 @@ end
 if tpm > 0 then
   redis.call('SET', KEYS[2], tostring(tnew), 'PX', int(math.ceil(tnew - now) + 1000))
 end
-if hold_t > 0 then redis.call('HINCRBY', KEYS[4], 'ht:' .. ARGV[10], int(hold_t)) end
-if hold_n > 0 then redis.call('HINCRBY', KEYS[4], 'hn:' .. ARGV[10], int(hold_n)) end
-if (hold_t > 0 or hold_n > 0) and tonumber(ARGV[11]) > 0 then
-  redis.call('EXPIRE', KEYS[4], ARGV[11])
+if hold_t > 0 and hold_n > 0 then
+  redis.call('HSET', KEYS[4], own_tf, int(own_t + hold_t), own_nf, int(own_n + hold_n))
+elseif hold_t > 0 then redis.call('HSET', KEYS[4], own_tf, int(own_t + hold_t))
+elseif hold_n > 0 then redis.call('HSET', KEYS[4], own_nf, int(own_n + hold_n)) end
+if fresh and (hold_t > 0 or hold_n > 0) and tonumber(ARGV[8]) > 0 then
+  redis.call('EXPIRE', KEYS[4], ARGV[8])
 end
-return {1, '', 0, rr, int(math.ceil(rreset)), tr, int(math.ceil(treset)),
-        int(charged), int(hold_t), int(hold_n)}
+return table.concat({1, '-', 0, int(rr), int(math.ceil(rreset)), int(tr),
+  int(math.ceil(treset)), int(charged), int(hold_t), int(hold_n)}, ' ')
 """
 )
 
@@ -177,38 +193,40 @@ return {ok, int(held[1]), int(held[2])}
 """
 )
 
-# KEYS: tpm, concurrency, budget. ARGV: tpm, tokens to add to the TPM bucket
-# (negative gives back), lease ("": none), process, held tokens, held nanos,
-# used tokens, used nanos, budget ttl s (0: none).
-SETTLE = (
-    _NOW
-    + """
-local tpm, delta = tonumber(ARGV[1]), tonumber(ARGV[2])
+# KEYS: tpm, concurrency, budget. ARGV: tpm, process, budget ttl s (0: none),
+# then per request: tokens to add to the TPM bucket (negative gives back),
+# lease ("": none), held tokens, held nanos, used tokens, used nanos.
+SETTLE = """
+local function int(x) return string.format('%.0f', x) end
+local tpm, delta = tonumber(ARGV[1]), tonumber(ARGV[4])
 if tpm > 0 and delta ~= 0 then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
   local tat = tonumber(redis.call('GET', KEYS[1]) or '0')
   if tat < now then tat = now end
   tat = math.max(tat + delta * 60000 / tpm, now)
   redis.call('SET', KEYS[1], tostring(tat), 'PX', int(math.ceil(tat - now) + 1000))
 end
-if ARGV[3] ~= '' then redis.call('ZREM', KEYS[2], ARGV[3]) end
-local ht, hn = tonumber(ARGV[5]), tonumber(ARGV[6])
-local ut, un = tonumber(ARGV[7]), tonumber(ARGV[8])
+if ARGV[5] ~= '' then redis.call('ZREM', KEYS[2], ARGV[5]) end
+local ht, hn = tonumber(ARGV[6]), tonumber(ARGV[7])
+local ut, un = tonumber(ARGV[8]), tonumber(ARGV[9])
 if ht > 0 or hn > 0 or ut > 0 or un > 0 then
   if ut > 0 then redis.call('HINCRBY', KEYS[3], 'st', int(ut)) end
   if un > 0 then redis.call('HINCRBY', KEYS[3], 'sn', int(un)) end
-  for _, pair in ipairs({{'ht:', ht}, {'hn:', hn}}) do
-    if pair[2] > 0 then
-      local field = pair[1] .. ARGV[4]
-      if redis.call('HINCRBY', KEYS[3], field, int(-pair[2])) <= 0 then
-        redis.call('HDEL', KEYS[3], field)
-      end
-    end
+  -- This process's holds, less this request's (a field at 0 stays: the
+  -- next admission sets it again).
+  local tf, nf = 'ht:' .. ARGV[2], 'hn:' .. ARGV[2]
+  local own = redis.call('HMGET', KEYS[3], tf, nf)
+  local t = math.max((tonumber(own[1]) or 0) - ht, 0)
+  local n = math.max((tonumber(own[2]) or 0) - hn, 0)
+  redis.call('HSET', KEYS[3], tf, int(t), nf, int(n))
+  -- The counter's expiry is set when it is created (admission or here).
+  if not own[1] and not own[2] and tonumber(ARGV[3]) > 0 then
+    redis.call('EXPIRE', KEYS[3], ARGV[3])
   end
-  if tonumber(ARGV[9]) > 0 then redis.call('EXPIRE', KEYS[3], ARGV[9]) end
 end
 return 1
 """
-)
 
 # KEYS: concurrency. ARGV: limit, lease, lease ms. Returns 1 if taken.
 ACQUIRE = (
@@ -274,6 +292,73 @@ def _none(value: int | None) -> int:
     return -1 if value is None else value
 
 
+class _Commands:
+    """One key's admission and settle commands, encoded once (per policy and
+    budget period) but for their per-request arguments."""
+
+    __slots__ = (
+        "admit",
+        "concurrency_key",
+        "ends",
+        "limit_headers",
+        "period",
+        "settle",
+    )
+
+    def __init__(
+        self,
+        limiter: RedisLimiter,
+        policy: KeyPolicy,
+        period: str,
+        ends: float,
+    ) -> None:
+        prefix = policy.prefix
+        budget = budget_key(prefix, period or "none")
+        ttl = budget_ttl(policy.budget_period)
+        self.period = period
+        self.ends = ends  # Unix time the period ends (inf: never)
+        self.concurrency_key = _key(prefix, "concurrency")
+        scripts = limiter._scripts
+        # 3 + 4 keys + 8 static + 3 per-request arguments.
+        self.admit = b"*18\r\n" + encode_parts(
+            (
+                "EVALSHA",
+                scripts["admit"].sha,
+                4,
+                _key(prefix, "rpm"),
+                _key(prefix, "tpm"),
+                self.concurrency_key,
+                budget,
+                policy.rpm or 0,
+                policy.tpm or 0,
+                policy.max_concurrency or 0,
+                _none(policy.budget_tokens),
+                _none(policy.budget_nanos),
+                LEASE_SECONDS * 1000,
+                limiter.process,
+                ttl,
+            )
+        )
+        # 3 + 3 keys + 3 static + 6 per-request arguments.
+        self.settle = b"*15\r\n" + encode_parts(
+            (
+                "EVALSHA",
+                scripts["settle"].sha,
+                3,
+                _key(prefix, "tpm"),
+                self.concurrency_key,
+                budget,
+                policy.tpm or 0,
+                limiter.process,
+                ttl,
+            )
+        )
+        self.limit_headers = (
+            str(policy.rpm).encode() if policy.rpm is not None else b"",
+            str(policy.tpm).encode() if policy.tpm is not None else b"",
+        )
+
+
 class RedisLimiter:
     """Limits and budgets in Redis, shared by every serving process."""
 
@@ -305,12 +390,19 @@ class RedisLimiter:
                 ("renew", RENEW),
             )
         }
+        # Per key prefix: the commands of its current policy and period.
+        self._commands: dict[str, tuple[KeyPolicy, _Commands]] = {}
         self._leases: dict[str, str] = {}  # lease -> concurrency set key
         # Backend leases released here whose release is not yet written to
         # Redis: the next request for that backend takes one over.
         self._released: dict[str, list[str]] = {}  # backend set key -> leases
-        self._settles: deque[tuple[list[str], list[Any]]] = deque()
-        self._wake = asyncio.Event()
+        # Settles and releases not written yet: an encoded settle, or a
+        # backend's (set key, lease) whose release is encoded when written
+        # (unless a request took the slot over meanwhile).
+        self._pending: list[bytes | tuple[str, str]] = []
+        self._flush_scheduled = False
+        # The last settle written: answered (or failed) once it is done.
+        self._last_written: asyncio.Future[Any] | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._down_until = 0.0
         self._outage_logged = False
@@ -318,11 +410,9 @@ class RedisLimiter:
     # Lifecycle -----------------------------------------------------------------
 
     def start(self) -> None:
-        self._redis = RespConnection(self.url, self.timeout)
-        self._wake = asyncio.Event()
+        self._redis = RespConnection(self.url, self.timeout, on_error=self._failed)
         loop = asyncio.get_running_loop()
         self._tasks = [
-            loop.create_task(self._send_settles(), name="limiter-settle"),
             loop.create_task(self._renew_periodically(), name="limiter-renew"),
         ]
 
@@ -333,73 +423,85 @@ class RedisLimiter:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._redis is not None:
             await self._flush_settles()
+            if self._last_written is not None:
+                await self._last_written  # answered, or failed by the timeout
             await self._redis.close()
             self._redis = None
 
     # Admission -----------------------------------------------------------------
 
+    def _commands_for(self, policy: KeyPolicy, now: float) -> _Commands:
+        cached = self._commands.get(policy.prefix)
+        if cached is not None:
+            known, commands = cached
+            if known is policy and now < commands.ends:
+                return commands
+        if policy.has_budget:
+            period = period_id(policy.budget_period, now)
+            ends = period_end(policy.budget_period, now) or math.inf
+        else:
+            period, ends = "", math.inf
+        commands = _Commands(self, policy, period, ends)
+        if len(self._commands) >= 10_000:  # keys come and go: bounded
+            self._commands.clear()
+        self._commands[policy.prefix] = (policy, commands)
+        return commands
+
     async def admit(self, policy: KeyPolicy, tokens: int, nanos: int) -> Decision:
         if time.monotonic() < self._down_until:
             return self._unavailable(policy)
         now = self.clock()
-        prefix = policy.prefix
-        period = period_id(policy.budget_period, now) if policy.has_budget else ""
+        commands = self._commands_for(policy, now)
         lease = new_lease() if policy.max_concurrency is not None else ""
+        data = commands.admit + encode_parts((tokens, nanos, lease))
         try:
-            result = await self._run(
-                "admit",
-                [
-                    _key(prefix, "rpm"),
-                    _key(prefix, "tpm"),
-                    _key(prefix, "concurrency"),
-                    budget_key(prefix, period or "none"),
-                ],
-                [
-                    policy.rpm or 0,
-                    policy.tpm or 0,
-                    policy.max_concurrency or 0,
-                    _none(policy.budget_tokens),
-                    _none(policy.budget_nanos),
-                    tokens,
-                    nanos,
-                    lease,
-                    LEASE_SECONDS * 1000,
-                    self.process,
-                    budget_ttl(policy.budget_period),
-                ],
-            )
+            result = await self._request(self._scripts["admit"], data)
         except (RedisError, OSError) as error:
             self._failed(error)
             return self._unavailable(policy)
         self._recovered()
-        ok, reason, wait_ms, rr, rreset, tr, treset, charged, hold_t, hold_n = result
-        requests = (
-            RateState(policy.rpm, int(rr), int(rreset) / 1000)
-            if policy.rpm is not None and int(rr) >= 0
-            else None
-        )
-        token_state = (
-            RateState(policy.tpm, int(tr), int(treset) / 1000)
-            if policy.tpm is not None and int(tr) >= 0
-            else None
-        )
-        headers = rate_headers(requests, token_state)
-        if not int(ok):
-            reason = reason.decode() if isinstance(reason, bytes) else str(reason)
+        try:
+            ok, reason, wait_ms, rr, rreset, tr, treset, charged, hold_t, hold_n = (
+                result.split(b" ")
+            )
+            rr, tr = int(rr), int(tr)
+        except (AttributeError, ValueError):  # not the script's answer
+            self._failed(RedisError(f"Unexpected limiter reply {result!r:.80}"))
+            return self._unavailable(policy)
+        headers: list[tuple[bytes, bytes]] = []
+        requests = token_state = None
+        rpm_limit, tpm_limit = commands.limit_headers
+        if rpm_limit and rr >= 0:
+            requests = RateState(policy.rpm, rr, int(rreset) / 1000)  # type: ignore[arg-type]
+            headers += (
+                (b"x-ratelimit-limit-requests", rpm_limit),
+                (b"x-ratelimit-remaining-requests", b"%d" % rr),
+                (b"x-ratelimit-reset-requests", format_reset(int(rreset) / 1000)),
+            )
+        if tpm_limit and tr >= 0:
+            token_state = RateState(policy.tpm, tr, int(treset) / 1000)  # type: ignore[arg-type]
+            headers += (
+                (b"x-ratelimit-limit-tokens", tpm_limit),
+                (b"x-ratelimit-remaining-tokens", b"%d" % tr),
+                (b"x-ratelimit-reset-tokens", format_reset(int(treset) / 1000)),
+            )
+        if ok != b"1":
+            reason = reason.decode()
             wait = int(wait_ms) / 1000
             if reason == BUDGET:
                 wait = budget_retry_after(policy, now)
             return Decision(None, reason, wait, requests, token_state, headers)
         ticket = Ticket(
             policy,
-            period=period,
+            period=commands.period,
             lease=lease,
             charged_tokens=int(charged),
             held_tokens=int(hold_t),
             held_nanos=int(hold_n),
+            handle=commands,
         )
         if lease:
-            self._leases[lease] = _key(prefix, "concurrency")
+            self._leases[lease] = commands.concurrency_key
         return Decision(ticket, "", 0.0, requests, token_state, headers)
 
     async def cover(
@@ -440,28 +542,22 @@ class RedisLimiter:
         budgeted = bool(ticket.period)
         if not (delta or ticket.lease or budgeted):
             return
-        prefix = policy.prefix
-        self._settles.append(
-            (
-                [
-                    _key(prefix, "tpm"),
-                    _key(prefix, "concurrency"),
-                    budget_key(prefix, ticket.period or "none"),
-                ],
-                [
-                    policy.tpm or 0,
+        commands = ticket.handle
+        if not isinstance(commands, _Commands):  # admitted by another limiter
+            return
+        self._queue(
+            commands.settle
+            + encode_parts(
+                (
                     delta,
                     ticket.lease,
-                    self.process,
                     ticket.held_tokens,
                     ticket.held_nanos,
                     tokens if budgeted else 0,
                     nanos if budgeted else 0,
-                    budget_ttl(policy.budget_period),
-                ],
+                )
             )
         )
-        self._wake.set()
 
     async def acquire_backend(self, backend: str, limit: int) -> str | None:
         key = backend_key(backend)
@@ -498,54 +594,122 @@ class RedisLimiter:
             return
         key = backend_key(backend)
         self._released.setdefault(key, []).append(lease)
-        self._settles.append((["", key, ""], [0, 0, lease, "", 0, 0, 0, 0, 0]))
-        self._wake.set()
+        self._queue((key, lease))
 
-    # Background ----------------------------------------------------------------
+    # Writing -------------------------------------------------------------------
 
-    async def _send_settles(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            await self._flush_settles()
+    def _queue(self, entry: bytes | tuple[str, str]) -> None:
+        """Queue a settle or release; written on the loop's next turn (after
+        the answer that caused it has gone out), or ahead of the next command
+        this process sends, whichever comes first: in one write either way."""
+        self._pending.append(entry)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush_soon)
+
+    def _flush_soon(self) -> None:
+        self._flush_scheduled = False
+        if not self._pending or self._redis is None:
+            return
+        if self._redis.is_open:
+            self._write_pending()
+        else:  # (re)connect first, off the request path
+            task = asyncio.get_running_loop().create_task(self._flush_settles())
+            self._tasks.append(task)
+            task.add_done_callback(self._forget_task)
+
+    def _forget_task(self, task: asyncio.Task[Any]) -> None:
+        with contextlib.suppress(ValueError):
+            self._tasks.remove(task)
+
+    def _write_pending(self) -> asyncio.Future[Any] | None:
+        """Write every pending settle and release in one go (connection open)."""
+        pending, self._pending = self._pending, []
+        commands: list[bytes] = []
+        script = self._scripts["settle"]
+        for entry in pending:
+            if isinstance(entry, bytes):
+                commands.append(entry)
+                continue
+            key, lease = entry  # a backend lease's release (release_backend)
+            released = self._released.get(key, [])
+            if lease not in released:
+                continue  # taken over by a request since: nothing to free
+            released.remove(lease)
+            if not released:
+                del self._released[key]
+            commands.append(
+                encode(
+                    (
+                        "EVALSHA",
+                        script.sha,
+                        3,
+                        "",
+                        key,
+                        "",
+                        0,
+                        "",
+                        0,
+                        0,
+                        lease,
+                        0,
+                        0,
+                        0,
+                        0,
+                    )
+                )
+            )
+        assert self._redis is not None
+        last = self._redis.send_quietly(commands, script)
+        if last is not None:
+            self._last_written = last
+        return last
 
     async def _flush_settles(self) -> None:
+        """Write what is pending and wait until Redis has answered it."""
         redis = self._redis
-        while self._settles and redis is not None:
-            batch = [
-                self._settles.popleft() for _ in range(min(len(self._settles), 500))
-            ]
-            script = self._scripts["settle"]
-            # Written back to back on the one connection: pipelined.
-            results = await asyncio.gather(
-                *(self._send_settle(redis, script, keys, args) for keys, args in batch),
-                return_exceptions=True,
-            )
-            for result in results:
-                if isinstance(result, RedisError | OSError):
-                    # Holds and leases expire or are reconciled; spend is
-                    # recounted from the usage tables by the reconciliation.
-                    self._failed(result)
-                    return
-                if isinstance(result, BaseException):
-                    raise result
+        if redis is None or not self._pending:
+            return
+        try:
+            await redis.open()
+        except (RedisError, OSError) as error:
+            # Holds and leases expire or are reconciled; spend is recounted
+            # from the usage tables by the reconciliation.
+            self._failed(error)
+            self._drop_pending()
+            return
+        last = self._write_pending()
+        if last is not None:
+            await last
 
-    async def _send_settle(
-        self, redis: RespConnection, script: Script, keys: list[str], args: list[Any]
-    ) -> Any:
-        if not keys[0]:  # a backend lease's release (release_backend)
-            released = self._released.get(keys[1], [])
-            if args[2] not in released:
-                return None  # taken over by a request since: nothing to free
-            released.remove(args[2])
-            if not released:
-                del self._released[keys[1]]
-        return await redis.run(script, keys, args)
+    def _drop_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for entry in pending:
+            if isinstance(entry, tuple):
+                key, lease = entry
+                released = self._released.get(key, [])
+                if lease in released:
+                    released.remove(lease)
+                    if not released:
+                        del self._released[key]
+
+    async def _request(self, script: Script, data: bytes) -> Any:
+        redis = self._redis
+        if redis is None:
+            raise RedisConnectionError("The limiter is not started")
+        if self._pending and redis.is_open:
+            # Settles and releases go first: a slot freed here is free for
+            # this command.
+            self._write_pending()
+        return await redis.run_encoded(script, data)
 
     async def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        if self._redis is None:
-            raise RedisConnectionError("The limiter is not started")
-        return await self._redis.run(self._scripts[name], keys, args)
+        script = self._scripts[name]
+        return await self._request(
+            script, encode(("EVALSHA", script.sha, len(keys), *keys, *args))
+        )
+
+    # Background ----------------------------------------------------------------
 
     async def _renew_periodically(self) -> None:
         while True:
