@@ -33,6 +33,7 @@ from routing.groups import listen_to_group
 from routing.holder import SnapshotHolder
 from routing.metrics import GatewayMetrics, MetricsEndpoint, Network, parse_networks
 from routing.proxy.upstream import ReplyLimits, UpstreamClient
+from routing.relay import protocol
 from routing.relay.dispatch import RelayHub
 from routing.relay.queue import RelayQueue
 from routing.state import GatewayState, build_state
@@ -175,7 +176,15 @@ class Gateway:
                 max_unsent=config.max_unsent_bytes,
             ),
         )
-        self.relay = RelayHub()
+        # A consumer in another process gets as long to take a request as a
+        # worker gets to answer its pings (at least 5 s).
+        self.relay = RelayHub(
+            accept_timeout=max(
+                protocol.MISSED_HEARTBEATS_BEFORE_GONE
+                * settings.NEXUS_RELAY_HEARTBEAT_SECONDS,
+                5.0,
+            )
+        )
         self.relay_queue = RelayQueue(
             settings.NEXUS_RELAY_QUEUE_MAX, settings.NEXUS_RELAY_QUEUE_TIMEOUT
         )

@@ -509,7 +509,7 @@ async def test_a_silent_gateway_is_left_and_dialled_again(
     start_worker()
     first = await gateway.next_peer()
     await first.register(heartbeat_interval=0.05)
-    second = await gateway.next_peer()  # no ping for 4 intervals: reconnect
+    second = await gateway.next_peer()  # no ping for 5 intervals: reconnect
     await second.register()
     assert first.closed.is_set()
 

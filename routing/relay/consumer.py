@@ -10,8 +10,8 @@ details), takes its ``register``, makes it a ``relay`` backend
   ``start_request``) or from any other over the channel layer
   (``relay.request`` events to this consumer's channel), and sends each piece
   of the worker's answer back to the process that asked, in order;
-* pings every heartbeat interval; a worker silent for 3 intervals is Gone
-  (socket closed, backend unhealthy, its requests fail over);
+* pings every heartbeat interval; a worker that leaves 3 pings unanswered
+  is Gone (socket closed, backend unhealthy, its requests fail over);
 * obeys the admin and API over the channel layer: close (revoked, 4001),
   drain (graceful_shutdown), refresh (models_refresh).
 
@@ -45,7 +45,13 @@ from backends.workers import (
     update_worker_models,
 )
 from routing.relay import protocol
-from routing.relay.dispatch import CANCEL_EVENT, REQUEST_EVENT, Event, RelayHub
+from routing.relay.dispatch import (
+    ACCEPTED,
+    CANCEL_EVENT,
+    REQUEST_EVENT,
+    Event,
+    RelayHub,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +109,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.backend_name = ""
         self.registered = False
         self.interval = float(settings.NEXUS_RELAY_HEARTBEAT_SECONDS)
-        self.last_pong = time.monotonic()
+        # Pings sent since the worker's last pong (3 unanswered: Gone).
+        self.unanswered = 0
         self.max_concurrency = 1
         # Requests sent to the worker and not finished, by request id.
         self.routes: dict[str, _Route] = {}
@@ -235,7 +242,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
                     "Relay worker %s: %s", self.backend_name, message.message
                 )
         elif isinstance(message, protocol.Pong):
-            self.last_pong = time.monotonic()
+            self.unanswered = 0
             self.hub.loads[self.backend_name] = message.load
         elif isinstance(message, protocol.ModelsUpdate):
             self.hub.loads[self.backend_name] = message.load
@@ -266,7 +273,6 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.registered = True
         self.max_concurrency = message.max_concurrency
         self.hub.loads[self.backend_name] = message.load
-        self.last_pong = time.monotonic()
         self.hub.attach(self.channel_name, self)
         if previous and self.channel_layer is not None:
             # The same worker reconnected before its old socket was seen gone.
@@ -334,25 +340,33 @@ class WorkerConsumer(AsyncWebsocketConsumer):
     # Heartbeats ------------------------------------------------------------------
 
     async def _heartbeat(self) -> None:
+        """Ping every interval; a worker that left 3 pings unanswered is Gone.
+
+        Pings sent, not time since the last pong, make it Gone: a serving
+        process that stalled (a busy machine, a slow database) sent no pings
+        meanwhile, and must not blame its workers for its own silence. The
+        ping goes out before the database is told of the heartbeat, so a slow
+        database does not delay it either.
+        """
         assert self.worker_id is not None
-        gone_after = protocol.MISSED_HEARTBEATS_BEFORE_GONE * self.interval
         while True:
             await asyncio.sleep(self.interval)
-            if time.monotonic() - self.last_pong > gone_after:
+            if self.unanswered >= protocol.MISSED_HEARTBEATS_BEFORE_GONE:
                 logger.warning(
                     "Relay worker %s missed %d heartbeats: gone",
                     self.backend_name,
-                    protocol.MISSED_HEARTBEATS_BEFORE_GONE,
+                    self.unanswered,
                 )
                 await self._close(protocol.CloseCode.NORMAL)
                 return
+            self.unanswered += 1
+            await self._send(protocol.Ping(timestamp=time.time()))
             may_stay = await database_sync_to_async(see_worker)(
                 self.worker_id, self.channel_name
             )
             if not may_stay:
                 await self._close(protocol.CloseCode.AUTH_FAILED)
                 return
-            await self._send(protocol.Ping(timestamp=time.time()))
 
     async def _send(self, message: protocol.Message) -> None:
         if not self._closing:
@@ -371,6 +385,9 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             self._pass_on(request_id, route, ("error", refusal))
             return
         self.routes[request_id] = route
+        if reply_to:
+            # The process that asked waits this long for a sign of life.
+            self._pass_on(request_id, route, (ACCEPTED, None))
         asyncio.get_running_loop().create_task(self.send(text_data=frame))
 
     def cancel_request(self, request_id: str, reason: str) -> None:

@@ -57,8 +57,10 @@ REPLY_EVENT = "relay.reply"
 # Headers the worker passes to its local backend (never the client's auth).
 _FORWARDED_HEADERS = ("content-type", "accept")
 
-# A reply event: (kind, payload). Kinds: "chunk" (text), "complete"
+# A reply event: (kind, payload). Kinds: "accepted" (None: a consumer in
+# another process took the request), "chunk" (text), "complete"
 # ((status, headers, body)), "error" ((message, code)), "gone" (reason).
+ACCEPTED = "accepted"
 Event = tuple[str, Any]
 
 
@@ -168,7 +170,7 @@ class RelayResponse:
 class RelayHub:
     """This process's side of the relay (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, accept_timeout: float = 15.0) -> None:
         # Consumers holding a worker's socket in this process, by channel name.
         self.links: dict[str, WorkerLink] = {}
         # Requests in flight at each worker connected here, as its last pong
@@ -179,6 +181,9 @@ class RelayHub:
         self._layer: Any = None
         self._ready = asyncio.Event()
         self._sequence = 0
+        # How long a consumer in another process may take to say it took a
+        # request (its first event) before the request goes elsewhere.
+        self.accept_timeout = accept_timeout
         # Called (soon, after the proxy's own bookkeeping) when a relay
         # request of this process ends: a waiting request may take the slot.
         self.on_slot_free: Callable[[], None] | None = None
@@ -341,13 +346,21 @@ class RelayHub:
         self, call: RelayCall, frame: str, stream: bool, max_reply: int
     ) -> RelayResponse | str:
         """One worker's answer up to its first byte, or why it gave none."""
+        link = self.links.get(call.channel)
+        remote = link is None
+        if remote:
+            if self._layer is None:
+                return "no channel layer"
+            await self._ready.wait()
+            if _process_of(call.channel) == _process_of(self.reply_channel):
+                # Its consumer was in this process and is gone: sent over the
+                # layer, the request would wait for an answer forever.
+                return "worker gone"
         self.calls[call.request_id] = call
         try:
-            link = self.links.get(call.channel)
             if link is not None:
                 link.start_request(call.request_id, frame, "")
-            elif self._layer is not None:
-                await self._ready.wait()
+            else:
                 await self._layer.send(
                     call.channel,
                     {
@@ -357,13 +370,24 @@ class RelayHub:
                         "frame": frame,
                     },
                 )
-            else:
-                self.calls.pop(call.request_id, None)
-                return "no channel layer"
             pieces: list[bytes] = []
             size = 0
             while True:
-                kind, payload = await call.events.get()
+                if remote:
+                    # The consumer says at once that it took the request; one
+                    # that does not (its process died or stalls) is passed by.
+                    try:
+                        async with asyncio.timeout(self.accept_timeout):
+                            kind, payload = await call.events.get()
+                    except TimeoutError:
+                        self.finish(call, cancel=True)
+                        call.finished = True
+                        return f"no answer from its serving process in {self.accept_timeout:g} s"
+                    remote = False
+                    if kind == ACCEPTED:
+                        continue
+                else:
+                    kind, payload = await call.events.get()
                 if kind == "chunk":
                     piece = payload.encode()
                     if stream:
@@ -424,6 +448,15 @@ class RelayHub:
 
 _STREAM_HEAD = {"content-type": "text/event-stream"}
 _JSON_HEAD = {"content-type": "application/json"}
+
+
+def _process_of(channel: str) -> str:
+    """The part of a channel name that names the process it lives in.
+
+    Channels' layers name a process's channels "<prefix>!<its own part>" (the
+    in-memory layer: one prefix, one process).
+    """
+    return channel.partition("!")[0]
 
 
 def _next_worker(
