@@ -34,7 +34,7 @@ from routing.holder import SnapshotHolder
 from routing.metrics import GatewayMetrics, MetricsEndpoint, Network, parse_networks
 from routing.proxy.upstream import ReplyLimits, UpstreamClient
 from routing.relay import protocol
-from routing.relay.dispatch import RelayHub
+from routing.relay.dispatch import LOAD_GROUP, RelayHub
 from routing.relay.queue import RelayQueue
 from routing.state import GatewayState, build_state
 from routing.versioning import read_config_version
@@ -183,7 +183,8 @@ class Gateway:
                 protocol.MISSED_HEARTBEATS_BEFORE_GONE
                 * settings.NEXUS_RELAY_HEARTBEAT_SECONDS,
                 5.0,
-            )
+            ),
+            stats=self.stats,
         )
         self.relay_queue = RelayQueue(
             settings.NEXUS_RELAY_QUEUE_MAX, settings.NEXUS_RELAY_QUEUE_TIMEOUT
@@ -255,6 +256,10 @@ class Gateway:
             ),
             loop.create_task(self._refresh_gauges_periodically(), name="gauges"),
             loop.create_task(self.relay.run(), name="relay-replies"),
+            loop.create_task(
+                listen_to_group(LOAD_GROUP, self.relay.on_load_message),
+                name="relay-load-listen",
+            ),
         ]
         self.limiter.start()
         if isinstance(self.limiter, LocalLimiter):

@@ -152,7 +152,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         for task in self._tasks:
             task.cancel()
         self.hub.detach(self.channel_name)
-        self.hub.loads.pop(self.backend_name, None)
+        if self.registered:
+            self.hub.report_load(self.backend_name, None)
         routes, self.routes = self.routes, {}
         for request_id, route in routes.items():
             self._pass_on(request_id, route, ("gone", "worker gone"))
@@ -243,9 +244,9 @@ class WorkerConsumer(AsyncWebsocketConsumer):
                 )
         elif isinstance(message, protocol.Pong):
             self.unanswered = 0
-            self.hub.loads[self.backend_name] = message.load
+            self.hub.report_load(self.backend_name, message.load)
         elif isinstance(message, protocol.ModelsUpdate):
-            self.hub.loads[self.backend_name] = message.load
+            self.hub.report_load(self.backend_name, message.load)
             assert self.worker_id is not None
             await database_sync_to_async(update_worker_models)(
                 self.worker_id, message.models
@@ -272,7 +273,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             return
         self.registered = True
         self.max_concurrency = message.max_concurrency
-        self.hub.loads[self.backend_name] = message.load
+        self.hub.report_load(self.backend_name, message.load)
         self.hub.attach(self.channel_name, self)
         if previous and self.channel_layer is not None:
             # The same worker reconnected before its old socket was seen gone.

@@ -54,6 +54,9 @@ MAX_ATTEMPTS = 3
 REQUEST_EVENT = "relay.request"
 CANCEL_EVENT = "relay.cancel"
 REPLY_EVENT = "relay.reply"
+# Every serving process hears each worker's pong load on this group.
+LOAD_GROUP = "nexus.relay.load"
+LOAD_EVENT = "relay.load"
 # Headers the worker passes to its local backend (never the client's auth).
 _FORWARDED_HEADERS = ("content-type", "accept")
 
@@ -170,12 +173,15 @@ class RelayResponse:
 class RelayHub:
     """This process's side of the relay (see the module docstring)."""
 
-    def __init__(self, accept_timeout: float = 15.0) -> None:
+    def __init__(
+        self, accept_timeout: float = 15.0, stats: LiveStats | None = None
+    ) -> None:
         # Consumers holding a worker's socket in this process, by channel name.
         self.links: dict[str, WorkerLink] = {}
-        # Requests in flight at each worker connected here, as its last pong
-        # said (all processes' requests): a requeue prefers the least loaded.
-        self.loads: dict[str, int] = {}
+        # Where the workers' pongs go: the router scores by them, here and
+        # (over LOAD_GROUP) in every other serving process.
+        self.stats: LiveStats | None = stats
+        self._publishing: set[asyncio.Task[None]] = set()
         self.calls: dict[str, RelayCall] = {}
         self.reply_channel = ""
         self._layer: Any = None
@@ -241,6 +247,43 @@ class RelayHub:
 
     def detach(self, channel: str) -> None:
         self.links.pop(channel, None)
+
+    def report_load(self, backend: str, load: int | None) -> None:
+        """A worker connected here said how many requests it has in flight
+        (None: it went away); every serving process's router hears of it."""
+        self._apply_load(backend, load)
+        if self._layer is not None:
+            task = asyncio.get_running_loop().create_task(
+                self._publish_load(backend, load)
+            )
+            self._publishing.add(task)
+            task.add_done_callback(self._publishing.discard)
+
+    def on_load_message(self, message: dict[str, Any]) -> None:
+        """A message of LOAD_GROUP: a worker's load, from whichever process
+        holds its socket (this one's own come back too: the same numbers)."""
+        backend, load = message.get("backend"), message.get("load")
+        if isinstance(backend, str) and (load is None or isinstance(load, int)):
+            self._apply_load(backend, load)
+
+    def _apply_load(self, backend: str, load: int | None) -> None:
+        if self.stats is None:
+            return
+        if load is None:
+            self.stats.forget_load(backend)
+        else:
+            self.stats.report_load(backend, load)
+
+    async def _publish_load(self, backend: str, load: int | None) -> None:
+        try:
+            async with asyncio.timeout(5.0):
+                await self._layer.group_send(
+                    LOAD_GROUP, {"type": LOAD_EVENT, "backend": backend, "load": load}
+                )
+        except Exception:
+            logger.warning(
+                "Could not pass on relay worker %s's load", backend, exc_info=True
+            )
 
     def deliver(self, request_id: str, event: Event) -> None:
         """Hand an event of a worker's answer to a request of this process."""
@@ -329,9 +372,7 @@ class RelayHub:
                 on_close = None
             if len(tried) >= MAX_ATTEMPTS:
                 break
-            other = _next_worker(
-                backends, channels, stats, self.loads, target.model.name, tried
-            )
+            other = _next_worker(backends, channels, stats, target.model.name, tried)
             if other is None:
                 break
             tried.append(other.name)
@@ -463,13 +504,12 @@ def _next_worker(
     backends: Mapping[str, BackendSpec],
     channels: Mapping[str, str],
     stats: LiveStats,
-    loads: Mapping[str, int],
     model: str,
     tried: list[str],
 ) -> BackendSpec | None:
     """Another connected, healthy relay worker serving `model` with room, least
-    loaded first (its pong's load where known here, else this process's
-    requests to it); counted in flight when found."""
+    loaded first (the router's count: its pong's load or this process's
+    requests, the larger); counted in flight when found."""
     candidates = [
         backend
         for name, backend in backends.items()
@@ -481,9 +521,7 @@ def _next_worker(
         and not backend.health_stale
         and any(m.name == model and m.enabled for m in backend.models)
     ]
-    candidates.sort(
-        key=lambda backend: loads.get(backend.name, stats.in_flight(backend.name))
-    )
+    candidates.sort(key=lambda backend: stats.load(backend.name))
     for backend in candidates:
         if stats.try_begin(backend, model):
             return backend

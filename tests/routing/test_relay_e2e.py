@@ -527,6 +527,50 @@ def test_worker_on_one_serving_process_serves_requests_at_another(
     wait_for(lambda: stats()["client_disconnects"] == 1, timeout=5)
 
 
+def _explained_in_flight(server: NexusServer, backend: str) -> int:
+    answer = httpx.post(
+        f"{server.base_url}/api/v1/route/explain",
+        json={"model": MODEL},
+        headers=_staff_headers(),
+        timeout=5,
+    )
+    for candidate in answer.json().get("candidates") or []:
+        if candidate.get("backend") == backend:
+            return int(candidate.get("in_flight") or 0)
+    return -1
+
+
+@pytest.mark.skipif(not settings.REDIS_URL, reason="production mode (Redis layer)")
+def test_every_serving_process_routes_by_the_load_workers_report(
+    relay: Relay,
+    nexus_server_factory: Callable[..., NexusServer],
+) -> None:
+    """A worker busy with one process's requests is avoided by another that
+    has none in flight there: the worker's pongs reach every process."""
+    mock_a, _ = relay.start("gpu-a", "--latency-ms", "5000")
+    mock_b, _ = relay.start("gpu-b")
+    other = nexus_server_factory(NEXUS_RELAY_HEARTBEAT_SECONDS=HEARTBEAT)
+    wait_until_live(other)
+    wait_routable(other, "gpu-b")
+    sdk = _sdk(relay.server, relay.key)
+    slow = threading.Thread(
+        target=lambda: sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "slow"}]
+        )
+    )
+    slow.start()
+    # Equal workers: the tie goes to the first, gpu-a (the slow one).
+    wait_for(lambda: _chats(mock_a) == 1)
+    # The other process sent nothing there, yet counts gpu-a's request.
+    wait_for(lambda: _explained_in_flight(other, "gpu-a") == 1)
+    raw = _sdk(other, relay.key).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "quick"}]
+    )
+    assert raw.headers["x-nexus-backend"] == "gpu-b"
+    slow.join(timeout=30)
+    assert _chats(mock_b) == 1
+
+
 def test_busy_workers_queue_requests_first_come_first_served_and_bounded(
     relay: Relay, nexus_server_factory: Callable[..., NexusServer]
 ) -> None:
