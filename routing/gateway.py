@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from channels.db import database_sync_to_async
 from django.conf import settings
 
+from backends.workers import sweep_silent_workers
 from routing.admission.gate import AdmissionGate
 from routing.breaker import BREAKER_GROUP, BreakerSettings, CircuitBreaker
 from routing.core import Health, LiveStats, Router, RouterSnapshot
@@ -49,6 +50,9 @@ from usage.spill import UsageSpill
 logger = logging.getLogger(__name__)
 
 GAUGE_REFRESH_SECONDS = 1.0
+# A relay worker whose heartbeats stopped reaching the database for this many
+# heartbeats, on a serving process that does not hold its socket, is Gone.
+RELAY_SILENCE_HEARTBEATS = 3
 # Collect the young generation less often: a proxy allocates many short-lived
 # objects per request and keeps few, so the default 700 runs it constantly.
 GC_THRESHOLDS = (7000, 20, 20)
@@ -260,6 +264,7 @@ class Gateway:
                 listen_to_group(LOAD_GROUP, self.relay.on_load_message),
                 name="relay-load-listen",
             ),
+            loop.create_task(self._sweep_workers_periodically(), name="relay-sweep"),
         ]
         self.limiter.start()
         if isinstance(self.limiter, LocalLimiter):
@@ -341,6 +346,24 @@ class Gateway:
                 self.refresh_gauges()
             except Exception:
                 logger.warning("Could not update the gauges", exc_info=True)
+
+    async def _sweep_workers_periodically(self) -> None:
+        """Make Gone the relay workers of a serving process that died.
+
+        Every heartbeat, workers not seen for 3 heartbeats and not connected
+        here are Gone (backends.workers.sweep_silent_workers): within 4
+        heartbeats of their process's death, rather than when their health
+        result goes stale (3 health intervals).
+        """
+        interval = settings.NEXUS_RELAY_HEARTBEAT_SECONDS
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await database_sync_to_async(sweep_silent_workers)(
+                    RELAY_SILENCE_HEARTBEATS * interval, list(self.relay.links)
+                )
+            except Exception:
+                logger.warning("Could not sweep silent relay workers", exc_info=True)
 
     async def _reconcile_periodically(self, limiter: LocalLimiter) -> None:
         """Raise this process's budget counters to the rolled-up spend (embedded)."""

@@ -571,6 +571,32 @@ def test_every_serving_process_routes_by_the_load_workers_report(
     assert _chats(mock_b) == 1
 
 
+@pytest.mark.skipif(not settings.REDIS_URL, reason="production mode (Redis layer)")
+def test_workers_of_a_killed_serving_process_are_gone_everywhere_soon(
+    relay: Relay,
+    nexus_server_factory: Callable[..., NexusServer],
+) -> None:
+    relay.start("gpu-a")
+    other = nexus_server_factory(NEXUS_RELAY_HEARTBEAT_SECONDS=HEARTBEAT)
+    wait_until_live(other)
+    wait_routable(other, "gpu-a")
+    relay.server.process.send_signal(signal.SIGKILL)  # it tells no one
+    # Not seen for 3 heartbeats: the other process makes it Gone (its health
+    # result alone would count for 30 s more).
+    wait_for(
+        lambda: Backend.objects.get(name="gpu-a").status == HealthStatus.UNHEALTHY,
+        timeout=10,
+    )
+    assert Worker.objects.get(name="gpu-a").channel_name == ""
+    wait_for(lambda: any("serving process went silent" in line for line in other.log))
+    wait_until_live(other)
+    with pytest.raises(openai.APIStatusError) as refused:
+        _sdk(other, relay.key).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "anyone?"}]
+        )
+    assert refused.value.status_code == 503
+
+
 def test_busy_workers_queue_requests_first_come_first_served_and_bounded(
     relay: Relay, nexus_server_factory: Callable[..., NexusServer]
 ) -> None:
@@ -578,8 +604,12 @@ def test_busy_workers_queue_requests_first_come_first_served_and_bounded(
     policy = RoutingPolicy.load()
     policy.admission_enabled = False
     policy.save()
+    # The same heartbeat as the fixture's server: each sweeps the workers of
+    # the other that it has not seen for 3 of its own heartbeats.
     server = nexus_server_factory(
-        NEXUS_RELAY_QUEUE_MAX="1", NEXUS_RELAY_QUEUE_TIMEOUT="2.5"
+        NEXUS_RELAY_QUEUE_MAX="1",
+        NEXUS_RELAY_QUEUE_TIMEOUT="2.5",
+        NEXUS_RELAY_HEARTBEAT_SECONDS=HEARTBEAT,
     )
     mock, _ = relay.start(
         "gpu-a",
