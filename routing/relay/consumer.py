@@ -29,6 +29,7 @@ import time
 from typing import Any
 from urllib.parse import parse_qs
 
+from channels.consumer import get_handler_name
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
@@ -59,6 +60,11 @@ REGISTER_TIMEOUT = 10.0
 # Requests one worker may hold at once beyond its max_concurrency (races
 # between processes): past this many it is refused with "at_capacity".
 _SLACK = 16
+
+# A request from another process that has no answer yet after this long gets
+# an "accepted" event back (that process gives up on a silent consumer after
+# 3 heartbeats, at least 5 s: routing/relay/dispatch.py).
+ACCEPT_NOTICE_SECONDS = 1.0
 
 # Events waiting for the channel layer, per request, before it is failed.
 _MAX_BACKLOG = 4096
@@ -118,6 +124,21 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self._closing = False
         self._gone = False  # disconnect() ran
         self.draining = False  # it takes no new requests
+
+    async def dispatch(self, message: dict[str, Any]) -> None:
+        """Channels' dispatch without its ``close_old_connections`` per message.
+
+        Channels runs that in the sync thread before every message it hands
+        to a handler: here every frame of a worker's answer, a thread round
+        trip per chunk, queued behind any database call of the process (the
+        profile of ``make bench BENCH_ARGS=--relay`` showed it). This
+        consumer touches the database only through ``database_sync_to_async``,
+        which closes old connections itself.
+        """
+        handler = getattr(self, get_handler_name(message), None)
+        if handler is None:
+            raise ValueError(f"No handler for message type {message['type']}")
+        await handler(message)
 
     # Connection ----------------------------------------------------------------
 
@@ -386,10 +407,23 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             self._pass_on(request_id, route, ("error", refusal))
             return
         self.routes[request_id] = route
+        loop = asyncio.get_running_loop()
         if reply_to:
-            # The process that asked waits this long for a sign of life.
+            # The process that asked waits for a sign of life: the answer, or
+            # when that is slow, a word that the request was taken (not sent
+            # for a quick answer: it would cost a message through the layer).
+            loop.call_later(ACCEPT_NOTICE_SECONDS, self._notice, request_id, route)
+        loop.create_task(self.send(text_data=frame))
+
+    def _notice(self, request_id: str, route: _Route) -> None:
+        """Tell the process that asked that its request was taken, unless it
+        heard something of it already (or it ended)."""
+        if (
+            self.routes.get(request_id) is route
+            and not route.seq
+            and not route.flushing
+        ):
             self._pass_on(request_id, route, (ACCEPTED, None))
-        asyncio.get_running_loop().create_task(self.send(text_data=frame))
 
     def cancel_request(self, request_id: str, reason: str) -> None:
         if self.routes.pop(request_id, None) is not None and not self._closing:
