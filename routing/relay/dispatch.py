@@ -415,8 +415,9 @@ class RelayHub:
             size = 0
             while True:
                 if remote:
-                    # The consumer says at once that it took the request; one
-                    # that does not (its process died or stalls) is passed by.
+                    # The consumer answers, or says within a second that it
+                    # took the request; one that does neither (its process
+                    # died or stalls) is passed by.
                     try:
                         async with asyncio.timeout(self.accept_timeout):
                             kind, payload = await call.events.get()
