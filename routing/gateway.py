@@ -51,8 +51,11 @@ logger = logging.getLogger(__name__)
 
 GAUGE_REFRESH_SECONDS = 1.0
 # A relay worker whose heartbeats stopped reaching the database for this many
-# heartbeats, on a serving process that does not hold its socket, is Gone.
+# heartbeats (and at least RELAY_SILENCE_MIN_SECONDS: a slow database must not
+# sweep a live process's workers), on a serving process that does not hold its
+# socket, is Gone.
 RELAY_SILENCE_HEARTBEATS = 3
+RELAY_SILENCE_MIN_SECONDS = 10.0
 # Collect the young generation less often: a proxy allocates many short-lived
 # objects per request and keeps few, so the default 700 runs it constantly.
 GC_THRESHOLDS = (7000, 20, 20)
@@ -350,17 +353,18 @@ class Gateway:
     async def _sweep_workers_periodically(self) -> None:
         """Make Gone the relay workers of a serving process that died.
 
-        Every heartbeat, workers not seen for 3 heartbeats and not connected
-        here are Gone (backends.workers.sweep_silent_workers): within 4
-        heartbeats of their process's death, rather than when their health
-        result goes stale (3 health intervals).
+        Every heartbeat, workers not seen for 3 heartbeats (at least 10 s) and
+        not connected here are Gone (backends.workers.sweep_silent_workers):
+        within 4 heartbeats of their process's death (20 s by default), rather
+        than when their health result goes stale (3 health intervals).
         """
         interval = settings.NEXUS_RELAY_HEARTBEAT_SECONDS
         while True:
             await asyncio.sleep(interval)
             try:
                 await database_sync_to_async(sweep_silent_workers)(
-                    RELAY_SILENCE_HEARTBEATS * interval, list(self.relay.links)
+                    max(RELAY_SILENCE_HEARTBEATS * interval, RELAY_SILENCE_MIN_SECONDS),
+                    list(self.relay.links),
                 )
             except Exception:
                 logger.warning("Could not sweep silent relay workers", exc_info=True)

@@ -581,11 +581,12 @@ def test_workers_of_a_killed_serving_process_are_gone_everywhere_soon(
     wait_until_live(other)
     wait_routable(other, "gpu-a")
     relay.server.process.send_signal(signal.SIGKILL)  # it tells no one
-    # Not seen for 3 heartbeats: the other process makes it Gone (its health
-    # result alone would count for 30 s more).
+    # Not seen for 3 heartbeats (10 s at least): the other process makes it
+    # Gone (without it, its row would say healthy until the worker came back,
+    # and its health result would count for 30 s).
     wait_for(
         lambda: Backend.objects.get(name="gpu-a").status == HealthStatus.UNHEALTHY,
-        timeout=10,
+        timeout=25,
     )
     assert Worker.objects.get(name="gpu-a").channel_name == ""
     wait_for(lambda: any("serving process went silent" in line for line in other.log))
