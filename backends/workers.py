@@ -15,8 +15,9 @@ import hashlib
 import hmac
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
@@ -285,9 +286,16 @@ def see_worker(worker_id: int, channel_name: str) -> bool:
     False when its secret was revoked or another connection took its place.
     """
     now = timezone.now()
-    seen = Worker.objects.filter(
-        pk=worker_id, is_active=True, channel_name=channel_name
-    ).update(last_seen_at=now)
+    active = Worker.objects.filter(pk=worker_id, is_active=True)
+    seen = active.filter(channel_name=channel_name).update(last_seen_at=now)
+    if not seen:
+        # Another serving process swept it (this one was silent: stalled, or
+        # its database slow): its socket is alive here, so it is ours again.
+        seen = active.filter(channel_name="").update(
+            channel_name=channel_name, last_seen_at=now
+        )
+        if seen:
+            Backend.objects.announce_change()
     if seen:
         # A heartbeat is this backend's health check: it keeps the result
         # fresh, and brings back a backend marked unhealthy or unknown (after
@@ -321,6 +329,41 @@ def forget_worker(worker_id: int, channel_name: str, reason: str) -> None:
         worker.channel_name = ""
         worker.save(update_fields=("channel_name",))
         _mark_backend_gone(worker, reason)
+
+
+def sweep_silent_workers(silent_for: float, keep: Collection[str]) -> list[str]:
+    """Make Gone the workers whose heartbeats stopped reaching the database.
+
+    The serving process holding a worker's socket notes each heartbeat
+    (``see_worker``); one that died (SIGKILL, a lost machine) notes nothing
+    and tells no one. Every serving process sweeps, now and then, the
+    workers not seen for `silent_for` seconds, except those whose socket it
+    holds itself (`keep`: their own heartbeats judge them). Returns the
+    names of those made Gone. A worker swept by mistake (its process only
+    stalled) is claimed back at its next heartbeat.
+    """
+    cutoff = timezone.now() - timedelta(seconds=silent_for)
+    swept: list[str] = []
+    silent = (
+        Worker.objects.exclude(channel_name="")
+        .exclude(channel_name__in=list(keep))
+        .filter(models.Q(last_seen_at__lt=cutoff) | models.Q(last_seen_at=None))
+    )
+    for pk in list(silent.values_list("pk", flat=True)):
+        with transaction.atomic():
+            worker = silent.select_for_update().filter(pk=pk).first()
+            if worker is None:
+                continue  # seen meanwhile, or gone already
+            worker.channel_name = ""
+            worker.save(update_fields=("channel_name",))
+            _mark_backend_gone(worker, "no heartbeat from its serving process")
+            swept.append(worker.name)
+    if swept:
+        logger.warning(
+            "Relay workers gone (their serving process went silent): %s",
+            ", ".join(swept),
+        )
+    return swept
 
 
 def _mark_backend_gone(worker: Worker, reason: str) -> None:

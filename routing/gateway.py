@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from channels.db import database_sync_to_async
 from django.conf import settings
 
+from backends.workers import sweep_silent_workers
 from routing.admission.gate import AdmissionGate
 from routing.breaker import BREAKER_GROUP, BreakerSettings, CircuitBreaker
 from routing.core import Health, LiveStats, Router, RouterSnapshot
@@ -33,7 +34,8 @@ from routing.groups import listen_to_group
 from routing.holder import SnapshotHolder
 from routing.metrics import GatewayMetrics, MetricsEndpoint, Network, parse_networks
 from routing.proxy.upstream import ReplyLimits, UpstreamClient
-from routing.relay.dispatch import RelayHub
+from routing.relay import protocol
+from routing.relay.dispatch import LOAD_GROUP, RelayHub
 from routing.relay.queue import RelayQueue
 from routing.state import GatewayState, build_state
 from routing.versioning import read_config_version
@@ -48,6 +50,12 @@ from usage.spill import UsageSpill
 logger = logging.getLogger(__name__)
 
 GAUGE_REFRESH_SECONDS = 1.0
+# A relay worker whose heartbeats stopped reaching the database for this many
+# heartbeats (and at least RELAY_SILENCE_MIN_SECONDS: a slow database must not
+# sweep a live process's workers), on a serving process that does not hold its
+# socket, is Gone.
+RELAY_SILENCE_HEARTBEATS = 3
+RELAY_SILENCE_MIN_SECONDS = 10.0
 # Collect the young generation less often: a proxy allocates many short-lived
 # objects per request and keeps few, so the default 700 runs it constantly.
 GC_THRESHOLDS = (7000, 20, 20)
@@ -179,7 +187,16 @@ class Gateway:
                 max_unsent=config.max_unsent_bytes,
             ),
         )
-        self.relay = RelayHub()
+        # A consumer in another process gets as long to take a request as a
+        # worker gets to answer its pings (at least 5 s).
+        self.relay = RelayHub(
+            accept_timeout=max(
+                protocol.MISSED_HEARTBEATS_BEFORE_GONE
+                * settings.NEXUS_RELAY_HEARTBEAT_SECONDS,
+                5.0,
+            ),
+            stats=self.stats,
+        )
         self.relay_queue = RelayQueue(
             settings.NEXUS_RELAY_QUEUE_MAX, settings.NEXUS_RELAY_QUEUE_TIMEOUT
         )
@@ -250,6 +267,11 @@ class Gateway:
             ),
             loop.create_task(self._refresh_gauges_periodically(), name="gauges"),
             loop.create_task(self.relay.run(), name="relay-replies"),
+            loop.create_task(
+                listen_to_group(LOAD_GROUP, self.relay.on_load_message),
+                name="relay-load-listen",
+            ),
+            loop.create_task(self._sweep_workers_periodically(), name="relay-sweep"),
         ]
         self.limiter.start()
         if isinstance(self.limiter, LocalLimiter):
@@ -331,6 +353,25 @@ class Gateway:
                 self.refresh_gauges()
             except Exception:
                 logger.warning("Could not update the gauges", exc_info=True)
+
+    async def _sweep_workers_periodically(self) -> None:
+        """Make Gone the relay workers of a serving process that died.
+
+        Every heartbeat, workers not seen for 3 heartbeats (at least 10 s) and
+        not connected here are Gone (backends.workers.sweep_silent_workers):
+        within 4 heartbeats of their process's death (20 s by default), rather
+        than when their health result goes stale (3 health intervals).
+        """
+        interval = settings.NEXUS_RELAY_HEARTBEAT_SECONDS
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await database_sync_to_async(sweep_silent_workers)(
+                    max(RELAY_SILENCE_HEARTBEATS * interval, RELAY_SILENCE_MIN_SECONDS),
+                    list(self.relay.links),
+                )
+            except Exception:
+                logger.warning("Could not sweep silent relay workers", exc_info=True)
 
     async def _reconcile_periodically(self, limiter: LocalLimiter) -> None:
         """Raise this process's budget counters to the rolled-up spend (embedded)."""

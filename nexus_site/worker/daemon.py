@@ -261,9 +261,10 @@ class Worker:
     async def _receive_loop(
         self, ws: aiohttp.ClientWebSocketResponse, heartbeat: float
     ) -> None:
-        # The gateway pings every interval and gives up on a worker after
-        # MISSED_HEARTBEATS_BEFORE_GONE; one interval more and this side gives up.
-        silence_limit = heartbeat * (MISSED_HEARTBEATS_BEFORE_GONE + 1)
+        # The gateway pings every interval and gives up on a worker that left
+        # MISSED_HEARTBEATS_BEFORE_GONE pings unanswered; this side gives up
+        # two intervals later than that (a busy gateway's pings come late).
+        silence_limit = heartbeat * (MISSED_HEARTBEATS_BEFORE_GONE + 2)
         while True:
             try:
                 message = await self._receive(ws, silence_limit)

@@ -274,6 +274,18 @@ class Router:
                 ]
                 pendings = [n for n, ok in zip(pendings, confirmed, strict=True) if ok]
                 names = [p.backend_name for p in survivors]
+        reported = stats.reported_loads
+        if reported:
+            # Backends that report their own load (relay workers, whose count
+            # has every serving process's requests) score by the larger count.
+            # Capacity above stays this process's count: the gateway-wide
+            # limiter holds the slots, and a report is a heartbeat old.
+            pendings = [
+                pending
+                if (other := reported.get(name)) is None or other < pending
+                else other
+                for pending, name in zip(pendings, names, strict=True)
+            ]
         fresh_after = stats.clock() - stats.stale_after
         latencies = [
             seen[0] if seen is not None and seen[1] >= fresh_after else p.avg_latency_ms

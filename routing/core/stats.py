@@ -94,11 +94,37 @@ class LiveStats:
         self._marked: dict[str, set[str]] = {}
         self._model_latency: dict[tuple[str, str], LatencyWindow] = {}
         self._trends: dict[str, TrendTracker] = {}
+        # backend name -> requests in flight there as the backend itself last
+        # said (a relay worker's pong: every serving process's requests),
+        # moved by this process's own requests since.
+        self._reported: dict[str, int] = {}
 
     @property
     def in_flight_counts(self) -> Mapping[str, int]:
         """Live view of requests in flight per backend (absent means zero)."""
         return self._in_flight
+
+    @property
+    def reported_loads(self) -> Mapping[str, int]:
+        """Live view of the load backends report themselves (absent: none)."""
+        return self._reported
+
+    def report_load(self, backend: str, load: int) -> None:
+        """`backend` says it has `load` requests in flight (all processes')."""
+        with self._lock:
+            self._reported[backend] = max(int(load), 0)
+
+    def forget_load(self, backend: str) -> None:
+        """`backend` no longer reports its load (its worker went away)."""
+        with self._lock:
+            self._reported.pop(backend, None)
+
+    def load(self, backend: str) -> int:
+        """Requests in flight at `backend`: this process's, or more when the
+        backend reported more (the scoring's pending count)."""
+        here = self._in_flight.get(backend, 0)
+        reported = self._reported.get(backend)
+        return here if reported is None or reported < here else reported
 
     @property
     def in_flight_by_model(self) -> Mapping[tuple[str, str], int]:
@@ -157,6 +183,7 @@ class LiveStats:
         """Count one more request in flight to `backend`."""
         with self._lock:
             self._in_flight[backend] = self._in_flight.get(backend, 0) + 1
+            self._move_reported(backend, 1)
             self._track_load(backend)
 
     def try_begin(self, backend: BackendSpec, model: str = "") -> bool:
@@ -171,6 +198,7 @@ class LiveStats:
             if current >= backend.capacity:
                 return False
             self._in_flight[name] = current + 1
+            self._move_reported(name, 1)
             self._track_load(name)
             key = (name, model)
             self._in_flight_models[key] = self._in_flight_models.get(key, 0) + 1
@@ -180,6 +208,7 @@ class LiveStats:
         """Count one request to `backend` (for `model`) as finished (never below 0)."""
         with self._lock:
             self._in_flight[backend] = max(self._in_flight.get(backend, 0) - 1, 0)
+            self._move_reported(backend, -1)
             self._track_load(backend)
             key = (backend, model)
             count = self._in_flight_models.get(key, 0) - 1
@@ -292,6 +321,13 @@ class LiveStats:
         if tracker is None:
             tracker = self._trends[backend] = TrendTracker(self.clock())
         return tracker
+
+    def _move_reported(self, backend: str, by: int) -> None:
+        """Our own request began or ended there: the backend's count moved too
+        (until its next report says; call with the lock held)."""
+        reported = self._reported.get(backend)
+        if reported is not None:
+            self._reported[backend] = max(reported + by, 0)
 
     def _track_load(self, backend: str) -> None:
         """Feed the trend the new in-flight count (call with the lock held)."""

@@ -25,6 +25,7 @@ from routing.proxy.legs import Call, Leg, LegStream, Unservable, openai_call
 from routing.proxy.outbound import OPENAI_ADAPTER, adapter_for
 from routing.relay.dispatch import (
     RELAY_KIND,
+    RelayUnavailable,
     open_relay,
     relay_backend,
 )
@@ -164,6 +165,8 @@ def _describe(error: BaseException) -> str:
         return "connection failed"
     if isinstance(error, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
         return "closed the connection"
+    if isinstance(error, RelayUnavailable):
+        return f"no relay worker took it ({error})"
     return "transport error"
 
 

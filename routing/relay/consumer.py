@@ -10,8 +10,8 @@ details), takes its ``register``, makes it a ``relay`` backend
   ``start_request``) or from any other over the channel layer
   (``relay.request`` events to this consumer's channel), and sends each piece
   of the worker's answer back to the process that asked, in order;
-* pings every heartbeat interval; a worker silent for 3 intervals is Gone
-  (socket closed, backend unhealthy, its requests fail over);
+* pings every heartbeat interval; a worker that leaves 3 pings unanswered
+  is Gone (socket closed, backend unhealthy, its requests fail over);
 * obeys the admin and API over the channel layer: close (revoked, 4001),
   drain (graceful_shutdown), refresh (models_refresh).
 
@@ -29,6 +29,7 @@ import time
 from typing import Any
 from urllib.parse import parse_qs
 
+from channels.consumer import get_handler_name
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
@@ -45,7 +46,13 @@ from backends.workers import (
     update_worker_models,
 )
 from routing.relay import protocol
-from routing.relay.dispatch import CANCEL_EVENT, REQUEST_EVENT, Event, RelayHub
+from routing.relay.dispatch import (
+    ACCEPTED,
+    CANCEL_EVENT,
+    REQUEST_EVENT,
+    Event,
+    RelayHub,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +60,11 @@ REGISTER_TIMEOUT = 10.0
 # Requests one worker may hold at once beyond its max_concurrency (races
 # between processes): past this many it is refused with "at_capacity".
 _SLACK = 16
+
+# A request from another process that has no answer yet after this long gets
+# an "accepted" event back (that process gives up on a silent consumer after
+# 3 heartbeats, at least 5 s: routing/relay/dispatch.py).
+ACCEPT_NOTICE_SECONDS = 1.0
 
 # Events waiting for the channel layer, per request, before it is failed.
 _MAX_BACKLOG = 4096
@@ -103,7 +115,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.backend_name = ""
         self.registered = False
         self.interval = float(settings.NEXUS_RELAY_HEARTBEAT_SECONDS)
-        self.last_pong = time.monotonic()
+        # Pings sent since the worker's last pong (3 unanswered: Gone).
+        self.unanswered = 0
         self.max_concurrency = 1
         # Requests sent to the worker and not finished, by request id.
         self.routes: dict[str, _Route] = {}
@@ -111,6 +124,21 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self._closing = False
         self._gone = False  # disconnect() ran
         self.draining = False  # it takes no new requests
+
+    async def dispatch(self, message: dict[str, Any]) -> None:
+        """Channels' dispatch without its ``close_old_connections`` per message.
+
+        Channels runs that in the sync thread before every message it hands
+        to a handler: here every frame of a worker's answer, a thread round
+        trip per chunk, queued behind any database call of the process (the
+        profile of ``make bench BENCH_ARGS=--relay`` showed it). This
+        consumer touches the database only through ``database_sync_to_async``,
+        which closes old connections itself.
+        """
+        handler = getattr(self, get_handler_name(message), None)
+        if handler is None:
+            raise ValueError(f"No handler for message type {message['type']}")
+        await handler(message)
 
     # Connection ----------------------------------------------------------------
 
@@ -145,7 +173,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         for task in self._tasks:
             task.cancel()
         self.hub.detach(self.channel_name)
-        self.hub.loads.pop(self.backend_name, None)
+        if self.registered:
+            self.hub.report_load(self.backend_name, None)
         routes, self.routes = self.routes, {}
         for request_id, route in routes.items():
             self._pass_on(request_id, route, ("gone", "worker gone"))
@@ -235,10 +264,10 @@ class WorkerConsumer(AsyncWebsocketConsumer):
                     "Relay worker %s: %s", self.backend_name, message.message
                 )
         elif isinstance(message, protocol.Pong):
-            self.last_pong = time.monotonic()
-            self.hub.loads[self.backend_name] = message.load
+            self.unanswered = 0
+            self.hub.report_load(self.backend_name, message.load)
         elif isinstance(message, protocol.ModelsUpdate):
-            self.hub.loads[self.backend_name] = message.load
+            self.hub.report_load(self.backend_name, message.load)
             assert self.worker_id is not None
             await database_sync_to_async(update_worker_models)(
                 self.worker_id, message.models
@@ -265,8 +294,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             return
         self.registered = True
         self.max_concurrency = message.max_concurrency
-        self.hub.loads[self.backend_name] = message.load
-        self.last_pong = time.monotonic()
+        self.hub.report_load(self.backend_name, message.load)
         self.hub.attach(self.channel_name, self)
         if previous and self.channel_layer is not None:
             # The same worker reconnected before its old socket was seen gone.
@@ -334,25 +362,33 @@ class WorkerConsumer(AsyncWebsocketConsumer):
     # Heartbeats ------------------------------------------------------------------
 
     async def _heartbeat(self) -> None:
+        """Ping every interval; a worker that left 3 pings unanswered is Gone.
+
+        Pings sent, not time since the last pong, make it Gone: a serving
+        process that stalled (a busy machine, a slow database) sent no pings
+        meanwhile, and must not blame its workers for its own silence. The
+        ping goes out before the database is told of the heartbeat, so a slow
+        database does not delay it either.
+        """
         assert self.worker_id is not None
-        gone_after = protocol.MISSED_HEARTBEATS_BEFORE_GONE * self.interval
         while True:
             await asyncio.sleep(self.interval)
-            if time.monotonic() - self.last_pong > gone_after:
+            if self.unanswered >= protocol.MISSED_HEARTBEATS_BEFORE_GONE:
                 logger.warning(
                     "Relay worker %s missed %d heartbeats: gone",
                     self.backend_name,
-                    protocol.MISSED_HEARTBEATS_BEFORE_GONE,
+                    self.unanswered,
                 )
                 await self._close(protocol.CloseCode.NORMAL)
                 return
+            self.unanswered += 1
+            await self._send(protocol.Ping(timestamp=time.time()))
             may_stay = await database_sync_to_async(see_worker)(
                 self.worker_id, self.channel_name
             )
             if not may_stay:
                 await self._close(protocol.CloseCode.AUTH_FAILED)
                 return
-            await self._send(protocol.Ping(timestamp=time.time()))
 
     async def _send(self, message: protocol.Message) -> None:
         if not self._closing:
@@ -371,7 +407,23 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             self._pass_on(request_id, route, ("error", refusal))
             return
         self.routes[request_id] = route
-        asyncio.get_running_loop().create_task(self.send(text_data=frame))
+        loop = asyncio.get_running_loop()
+        if reply_to:
+            # The process that asked waits for a sign of life: the answer, or
+            # when that is slow, a word that the request was taken (not sent
+            # for a quick answer: it would cost a message through the layer).
+            loop.call_later(ACCEPT_NOTICE_SECONDS, self._notice, request_id, route)
+        loop.create_task(self.send(text_data=frame))
+
+    def _notice(self, request_id: str, route: _Route) -> None:
+        """Tell the process that asked that its request was taken, unless it
+        heard something of it already (or it ended)."""
+        if (
+            self.routes.get(request_id) is route
+            and not route.seq
+            and not route.flushing
+        ):
+            self._pass_on(request_id, route, (ACCEPTED, None))
 
     def cancel_request(self, request_id: str, reason: str) -> None:
         if self.routes.pop(request_id, None) is not None and not self._closing:

@@ -54,11 +54,16 @@ MAX_ATTEMPTS = 3
 REQUEST_EVENT = "relay.request"
 CANCEL_EVENT = "relay.cancel"
 REPLY_EVENT = "relay.reply"
+# Every serving process hears each worker's pong load on this group.
+LOAD_GROUP = "nexus.relay.load"
+LOAD_EVENT = "relay.load"
 # Headers the worker passes to its local backend (never the client's auth).
 _FORWARDED_HEADERS = ("content-type", "accept")
 
-# A reply event: (kind, payload). Kinds: "chunk" (text), "complete"
+# A reply event: (kind, payload). Kinds: "accepted" (None: a consumer in
+# another process took the request), "chunk" (text), "complete"
 # ((status, headers, body)), "error" ((message, code)), "gone" (reason).
+ACCEPTED = "accepted"
 Event = tuple[str, Any]
 
 
@@ -168,17 +173,23 @@ class RelayResponse:
 class RelayHub:
     """This process's side of the relay (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, accept_timeout: float = 15.0, stats: LiveStats | None = None
+    ) -> None:
         # Consumers holding a worker's socket in this process, by channel name.
         self.links: dict[str, WorkerLink] = {}
-        # Requests in flight at each worker connected here, as its last pong
-        # said (all processes' requests): a requeue prefers the least loaded.
-        self.loads: dict[str, int] = {}
+        # Where the workers' pongs go: the router scores by them, here and
+        # (over LOAD_GROUP) in every other serving process.
+        self.stats: LiveStats | None = stats
+        self._publishing: set[asyncio.Task[None]] = set()
         self.calls: dict[str, RelayCall] = {}
         self.reply_channel = ""
         self._layer: Any = None
         self._ready = asyncio.Event()
         self._sequence = 0
+        # How long a consumer in another process may take to say it took a
+        # request (its first event) before the request goes elsewhere.
+        self.accept_timeout = accept_timeout
         # Called (soon, after the proxy's own bookkeeping) when a relay
         # request of this process ends: a waiting request may take the slot.
         self.on_slot_free: Callable[[], None] | None = None
@@ -236,6 +247,43 @@ class RelayHub:
 
     def detach(self, channel: str) -> None:
         self.links.pop(channel, None)
+
+    def report_load(self, backend: str, load: int | None) -> None:
+        """A worker connected here said how many requests it has in flight
+        (None: it went away); every serving process's router hears of it."""
+        self._apply_load(backend, load)
+        if self._layer is not None:
+            task = asyncio.get_running_loop().create_task(
+                self._publish_load(backend, load)
+            )
+            self._publishing.add(task)
+            task.add_done_callback(self._publishing.discard)
+
+    def on_load_message(self, message: dict[str, Any]) -> None:
+        """A message of LOAD_GROUP: a worker's load, from whichever process
+        holds its socket (this one's own come back too: the same numbers)."""
+        backend, load = message.get("backend"), message.get("load")
+        if isinstance(backend, str) and (load is None or isinstance(load, int)):
+            self._apply_load(backend, load)
+
+    def _apply_load(self, backend: str, load: int | None) -> None:
+        if self.stats is None:
+            return
+        if load is None:
+            self.stats.forget_load(backend)
+        else:
+            self.stats.report_load(backend, load)
+
+    async def _publish_load(self, backend: str, load: int | None) -> None:
+        try:
+            async with asyncio.timeout(5.0):
+                await self._layer.group_send(
+                    LOAD_GROUP, {"type": LOAD_EVENT, "backend": backend, "load": load}
+                )
+        except Exception:
+            logger.warning(
+                "Could not pass on relay worker %s's load", backend, exc_info=True
+            )
 
     def deliver(self, request_id: str, event: Event) -> None:
         """Hand an event of a worker's answer to a request of this process."""
@@ -324,9 +372,7 @@ class RelayHub:
                 on_close = None
             if len(tried) >= MAX_ATTEMPTS:
                 break
-            other = _next_worker(
-                backends, channels, stats, self.loads, target.model.name, tried
-            )
+            other = _next_worker(backends, channels, stats, target.model.name, tried)
             if other is None:
                 break
             tried.append(other.name)
@@ -341,13 +387,21 @@ class RelayHub:
         self, call: RelayCall, frame: str, stream: bool, max_reply: int
     ) -> RelayResponse | str:
         """One worker's answer up to its first byte, or why it gave none."""
+        link = self.links.get(call.channel)
+        remote = link is None
+        if remote:
+            if self._layer is None:
+                return "no channel layer"
+            await self._ready.wait()
+            if _process_of(call.channel) == _process_of(self.reply_channel):
+                # Its consumer was in this process and is gone: sent over the
+                # layer, the request would wait for an answer forever.
+                return "worker gone"
         self.calls[call.request_id] = call
         try:
-            link = self.links.get(call.channel)
             if link is not None:
                 link.start_request(call.request_id, frame, "")
-            elif self._layer is not None:
-                await self._ready.wait()
+            else:
                 await self._layer.send(
                     call.channel,
                     {
@@ -357,13 +411,25 @@ class RelayHub:
                         "frame": frame,
                     },
                 )
-            else:
-                self.calls.pop(call.request_id, None)
-                return "no channel layer"
             pieces: list[bytes] = []
             size = 0
             while True:
-                kind, payload = await call.events.get()
+                if remote:
+                    # The consumer answers, or says within a second that it
+                    # took the request; one that does neither (its process
+                    # died or stalls) is passed by.
+                    try:
+                        async with asyncio.timeout(self.accept_timeout):
+                            kind, payload = await call.events.get()
+                    except TimeoutError:
+                        self.finish(call, cancel=True)
+                        call.finished = True
+                        return f"no answer from its serving process in {self.accept_timeout:g} s"
+                    remote = False
+                    if kind == ACCEPTED:
+                        continue
+                else:
+                    kind, payload = await call.events.get()
                 if kind == "chunk":
                     piece = payload.encode()
                     if stream:
@@ -426,17 +492,25 @@ _STREAM_HEAD = {"content-type": "text/event-stream"}
 _JSON_HEAD = {"content-type": "application/json"}
 
 
+def _process_of(channel: str) -> str:
+    """The part of a channel name that names the process it lives in.
+
+    Channels' layers name a process's channels "<prefix>!<its own part>" (the
+    in-memory layer: one prefix, one process).
+    """
+    return channel.partition("!")[0]
+
+
 def _next_worker(
     backends: Mapping[str, BackendSpec],
     channels: Mapping[str, str],
     stats: LiveStats,
-    loads: Mapping[str, int],
     model: str,
     tried: list[str],
 ) -> BackendSpec | None:
     """Another connected, healthy relay worker serving `model` with room, least
-    loaded first (its pong's load where known here, else this process's
-    requests to it); counted in flight when found."""
+    loaded first (the router's count: its pong's load or this process's
+    requests, the larger); counted in flight when found."""
     candidates = [
         backend
         for name, backend in backends.items()
@@ -448,9 +522,7 @@ def _next_worker(
         and not backend.health_stale
         and any(m.name == model and m.enabled for m in backend.models)
     ]
-    candidates.sort(
-        key=lambda backend: loads.get(backend.name, stats.in_flight(backend.name))
-    )
+    candidates.sort(key=lambda backend: stats.load(backend.name))
     for backend in candidates:
         if stats.try_begin(backend, model):
             return backend

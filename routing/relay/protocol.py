@@ -42,9 +42,13 @@ DEFAULT_HEARTBEAT_SECONDS = 5.0
 MISSED_HEARTBEATS_BEFORE_GONE = 3
 # One frame (either way); bigger ones close the socket with TOO_BIG.
 MAX_FRAME_BYTES = 16 * 1024 * 1024
-# What the worker puts in one response_chunk: with JSON's worst-case escaping
-# (6 bytes for a control character) it still fits in a frame.
-MAX_CHUNK_CHARS = 1024 * 1024
+# What the worker puts in one response_chunk (or an inline body): with JSON's
+# worst-case escaping (6 bytes for a control character) the frame still fits
+# in 1 MiB, Daphne's default limit on a message it receives, so a gateway
+# under plain `daphne` (without nexus_run's 16 MiB) takes every answer too.
+MAX_CHUNK_CHARS = 160 * 1024
+# Daphne's default --websocket-max-message-size.
+DAPHNE_DEFAULT_MESSAGE_BYTES = 1024 * 1024
 
 # The only endpoints a worker forwards to its local backend (POST).
 RELAY_ENDPOINTS = frozenset(

@@ -7,6 +7,7 @@ tests/routing/test_relay_e2e.py.
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from io import StringIO
 from typing import Any
 
@@ -14,11 +15,12 @@ import pytest
 from django.contrib.messages import get_messages
 from django.core.management import CommandError, call_command
 from django.test import Client
+from django.utils import timezone
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from backends.models import Backend, HealthStatus, Worker
-from backends.workers import register_worker, see_worker
+from backends.workers import register_worker, see_worker, sweep_silent_workers
 from tests.factories import BackendFactory, StaffUserFactory
 
 pytestmark = pytest.mark.django_db
@@ -146,3 +148,27 @@ def test_a_heartbeat_brings_an_undrained_worker_back() -> None:
     assert see_worker(worker.pk, "chan-1")
     assert backends.get().status == HealthStatus.HEALTHY
     assert not see_worker(worker.pk, "an-old-connection")
+
+
+def test_a_sweep_makes_silent_workers_gone_and_a_heartbeat_claims_one_back() -> None:
+    for name in ("dead", "mine", "fresh"):
+        worker, _ = Worker.objects.create_worker(name)
+        register_worker(worker.pk, f"chan-{name}", "10.0.0.5", ["m"], 1)
+    long_ago = timezone.now() - timedelta(seconds=60)
+    Worker.objects.filter(name__in=("dead", "mine")).update(last_seen_at=long_ago)
+
+    # "mine" is held by the sweeping process itself: its own heartbeats judge it.
+    assert sweep_silent_workers(15.0, keep=["chan-mine"]) == ["dead"]
+    assert Worker.objects.get(name="dead").channel_name == ""
+    assert Backend.objects.get(name="dead").status == HealthStatus.UNHEALTHY
+    assert Backend.objects.get(name="fresh").status == HealthStatus.HEALTHY
+    assert Worker.objects.get(name="mine").channel_name == "chan-mine"
+
+    # Its process had only stalled: the next heartbeat there claims it back.
+    dead = Worker.objects.get(name="dead")
+    assert see_worker(dead.pk, "chan-dead")
+    assert Worker.objects.get(name="dead").channel_name == "chan-dead"
+    assert Backend.objects.get(name="dead").status == HealthStatus.HEALTHY
+    # A connection that took its place elsewhere is not taken back.
+    register_worker(dead.pk, "chan-new", "10.0.0.6", ["m"], 1)
+    assert not see_worker(dead.pk, "chan-dead")

@@ -156,3 +156,42 @@ def test_stats_survive_a_snapshot_swap() -> None:
     assert route.target.backend.name == "b"
     assert route.decision.snapshot_version == 2
     assert old.version == 1
+
+
+def test_a_reported_load_moves_with_this_process_requests_until_the_next_report() -> (
+    None
+):
+    stats = LiveStats()
+    assert stats.load("w") == 0
+    stats.report_load("w", 3)  # a relay worker's pong: every process's requests
+    assert stats.load("w") == 3
+    stats.begin("w")
+    assert stats.load("w") == 4
+    stats.end("w")
+    stats.end("w")
+    assert stats.load("w") == 2
+    stats.report_load("w", 0)
+    stats.begin("w")
+    assert stats.load("w") == 1  # never below this process's own count
+    stats.forget_load("w")
+    assert stats.load("w") == 1
+    assert "w" not in stats.reported_loads
+
+
+def test_the_router_scores_a_backend_by_the_load_it_reports() -> None:
+    snap = RouterSnapshot.build(
+        version=1, backends=(backend("a", max_concurrency=8), backend("b"))
+    )
+    stats = LiveStats()
+    router = Router()
+    pick = lambda: router.select(RequestRequirements(model="m"), snap, stats)
+    assert pick().target.backend.name == "a"  # a tie goes to the first
+    stats.report_load("a", 5)  # busy with other serving processes' requests
+    route = pick()
+    assert route.target.backend.name == "b"
+    shown = {c.target.backend.name: c.in_flight for c in route.decision.candidates}
+    assert shown == {"a": 5, "b": 0}  # what --explain shows
+    # Capacity stays this process's count: a stale report refuses nothing.
+    stats.report_load("b", 50)
+    stats.report_load("a", 8)
+    assert pick().target.backend.name == "a"

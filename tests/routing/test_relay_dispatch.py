@@ -176,3 +176,67 @@ def test_closing_a_stream_early_cancels_it_at_the_worker() -> None:
     link = asyncio.run(run())
     assert len(link.cancelled) == 1
     assert link.cancelled[0].startswith("req.")
+
+
+class FakeLayer:
+    """Another serving process's consumers, over a channel layer: `answers`
+    says what each channel's consumer does with a request (nothing: its
+    process died; else the events it sends back, in order)."""
+
+    def __init__(self, hub: RelayHub, answers: dict[str, list[tuple[str, object]]]):
+        self.hub = hub
+        self.answers = answers
+        self.sent: list[tuple[str, dict[str, object]]] = []
+
+    async def send(self, channel: str, message: dict[str, object]) -> None:
+        self.sent.append((channel, message))
+        rid = str(message["request_id"])
+        if message["type"] == "relay.request":
+            for seq, event in enumerate(self.answers.get(channel, [])):
+                self.hub.calls[rid].deliver(seq, event)
+
+
+def test_a_request_skips_a_dead_consumer_here_and_a_silent_process_there() -> None:
+    async def run() -> tuple[bytes, str, list[str]]:
+        hub = RelayHub(accept_timeout=0.2)
+        layer = FakeLayer(
+            hub,
+            {
+                "other!c": [("accepted", None), ("complete", (200, {}, '{"ok":1}'))],
+            },
+        )
+        hub._layer = layer
+        hub.reply_channel = "this!reply"
+        hub._ready.set()
+        # a: its consumer was in this process and left; b: another process
+        # that never answers; c: another process that serves it.
+        channels = {"a": "this!a", "b": "other!b", "c": "other!c"}
+        backends = {name: _backend(name) for name in channels}
+        async with asyncio.timeout(5):
+            response = await hub.open(
+                channels,
+                backends,
+                LiveStats(),
+                Target(backends["a"], backends["a"].models[0]),
+                "req",
+                "/v1/chat/completions",
+                b'{"model":"llama3:8b"}',
+                {},
+                False,
+                1024,
+            )
+        body = await _read_all(response)
+        await asyncio.sleep(0)  # the cancel goes out in a task of its own
+        kinds = [f"{channel}:{message['type']}" for channel, message in layer.sent]
+        return body, response.backend_name, kinds  # type: ignore[attr-defined]
+
+    body, served_by, sent = asyncio.run(run())
+    assert body == b'{"ok":1}'
+    assert served_by == "c"
+    # Nothing went to this process's gone consumer; the silent one was told
+    # to cancel in case it wakes up.
+    assert sorted(sent) == [
+        "other!b:relay.cancel",
+        "other!b:relay.request",
+        "other!c:relay.request",
+    ]

@@ -216,6 +216,8 @@ def test_another_protocol_version_is_unsupported() -> None:
 def test_a_chunk_of_the_largest_size_fits_in_a_frame_even_fully_escaped() -> None:
     worst = ResponseChunk(request_id="r" * 256, chunk="\x01" * protocol.MAX_CHUNK_CHARS)
     assert len(encode(worst).encode()) <= protocol.MAX_FRAME_BYTES
+    # Under plain daphne too (its default message limit, not nexus_run's).
+    assert len(encode(worst).encode()) <= protocol.DAPHNE_DEFAULT_MESSAGE_BYTES
 
 
 def test_close_codes_and_names() -> None:
