@@ -17,6 +17,7 @@ from django.contrib.auth.hashers import PBKDF2PasswordHasher
 from django.test import override_settings
 
 from nexus_site.mock_backend import MockBackendProcess, spawn_mock_backend
+from tests import zygote
 from tests.worker_isolation import SPARE_REDIS_URL, redis_urls_for_worker
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -140,7 +141,7 @@ def _fresh_gateway_state() -> Iterator[None]:
 
 def start_mock_backend(*args: str, timeout: float = 20.0) -> MockBackendProcess:
     """Start a mock backend on a free port and wait until it accepts requests."""
-    return spawn_mock_backend(*args, timeout=timeout)
+    return spawn_mock_backend(*args, timeout=timeout, popen=zygote.Popen)
 
 
 @pytest.fixture
@@ -260,7 +261,7 @@ def start_nexus_server(**extra_env: str) -> NexusServer:
 
     port = _free_port()
     env = server_env() | extra_env
-    process = subprocess.Popen(
+    process = zygote.Popen(
         [
             sys.executable,
             "-m",

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +50,7 @@ def spawn_mock_backend(
     command_prefix: Sequence[str] = (),
     new_session: bool = False,
     module: str = "nexus_site.mock_backend",
+    popen: Callable[..., subprocess.Popen[str]] = subprocess.Popen,
 ) -> MockBackendProcess:
     """Start ``python -m nexus_site.mock_backend`` with ``args`` on a free port.
 
@@ -59,7 +60,8 @@ def spawn_mock_backend(
     ``command_prefix`` goes before the interpreter (e.g. ``taskset -c 0``), and
     ``new_session`` keeps the terminal's Ctrl-C away from the child.
     ``module`` runs another server that prints the same kind of start-up line
-    (``nexus_site.mock_backend.hostile``).
+    (``nexus_site.mock_backend.hostile``). ``popen`` starts the child (the
+    tests pass one that forks it from a process with the imports done).
 
     Raises MockStartError, with the child's output, if it exits or does not
     print its address within ``timeout`` seconds.
@@ -76,7 +78,7 @@ def spawn_mock_backend(
         *args,
     ]
     if output is None:
-        process = subprocess.Popen(
+        process = popen(
             argv,
             cwd=cwd,
             env=env,
@@ -89,7 +91,7 @@ def spawn_mock_backend(
         base_url, seen = _read_ready_line(process, timeout)
     else:
         with output.open("w") as log:
-            process = subprocess.Popen(
+            process = popen(
                 argv,
                 cwd=cwd,
                 env=env,

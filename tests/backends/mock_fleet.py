@@ -15,6 +15,7 @@ import httpx
 
 from backends.models import Backend, HealthStatus
 from nexus_site.mock_backend import MockBackendProcess, spawn_mock_backend
+from tests import zygote
 from tests.factories import BackendFactory
 
 
@@ -69,7 +70,9 @@ class KindMock:
 
 
 def start_kind_mock(kind: str, *args: str) -> KindMock:
-    process = spawn_mock_backend("--kind", kind, "--name", f"mock-{kind}", *args)
+    process = spawn_mock_backend(
+        "--kind", kind, "--name", f"mock-{kind}", *args, popen=zygote.Popen
+    )
     return KindMock(kind, process, httpx.Client(base_url=process.base_url))
 
 

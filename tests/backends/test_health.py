@@ -309,7 +309,7 @@ def test_a_round_over_100_backends_takes_about_one_probe_timeout(
 ) -> None:
     # Long enough that a loaded machine still answers the 70 live probes and
     # refuses the 10 closed ports in time; short beside 20 silent probes in turn.
-    settings.NEXUS_HEALTH_PROBE_TIMEOUT = 3.0
+    settings.NEXUS_HEALTH_PROBE_TIMEOUT = 5.0
     refused = closed_port_url()
     with (
         running_mocks(
@@ -330,15 +330,15 @@ def test_a_round_over_100_backends_takes_about_one_probe_timeout(
         started = time.monotonic()
         reports = check_all()
         elapsed = time.monotonic() - started
-    # Probed one after another, the 20 silent backends alone would take 60 s.
-    assert elapsed < 3.0 + 12.0, elapsed
+    # Probed one after another, the 20 silent backends alone would take 100 s.
+    assert elapsed < 5.0 + 12.0, elapsed
     assert len(reports) == 100
     by_error: dict[str, int] = {}
     for report in reports:
         by_error[report.error] = by_error.get(report.error, 0) + 1
     assert by_error == {
         "": 70,
-        "no answer within 3 s": 20,
+        "no answer within 5 s": 20,
         "connection refused": 10,
     }
     assert Backend.objects.filter(status=HealthStatus.HEALTHY).count() == 70

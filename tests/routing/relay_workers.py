@@ -8,6 +8,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+from tests import zygote
 from tests.conftest import REPO_ROOT, MockBackendProcess, NexusServer
 
 
@@ -44,7 +45,7 @@ def start_worker(
 ) -> WorkerProcess:
     """Run a worker for `server` in front of `backend`, with the secret in its
     environment (as an operator would set it) and `args` added."""
-    process = subprocess.Popen(
+    process = zygote.Popen(
         [
             sys.executable,
             "-m",
