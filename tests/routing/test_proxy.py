@@ -588,22 +588,22 @@ def test_a_full_backend_is_not_sent_more_than_its_max_concurrency(
     _mock(gateway.a, latency_ms=400)
     waited_before = _dequeued(gateway)
 
-    async def one(sdk: openai.AsyncOpenAI) -> int:
+    async def one(sdk: openai.AsyncOpenAI) -> tuple[int, str]:
         try:
             await sdk.chat.completions.create(model="limited:1b", messages=chat("x"))
         except openai.APIStatusError as error:
-            return error.status_code
-        return 200
+            return error.status_code, error.message
+        return 200, ""
 
-    async def run() -> list[int]:
+    async def run() -> list[tuple[int, str]]:
         sdk = gateway.async_sdk()
         try:
             return await asyncio.gather(*(one(sdk) for _ in range(4)))
         finally:
             await sdk.close()
 
-    statuses = sorted(asyncio.run(run()))
-    assert statuses == [200, 200, 200, 200]
+    answers = sorted(asyncio.run(run()))
+    assert answers == [(200, "")] * 4
     assert _stats(gateway.a)["requests"]["/v1/chat/completions"] == 4
     assert _dequeued(gateway) - waited_before == 3
 
