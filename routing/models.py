@@ -8,7 +8,7 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
-from django.db.models import BaseConstraint, F, Q
+from django.db.models import BaseConstraint, CheckConstraint, F, Q
 from django.db.models.lookups import Exact
 
 from routing.admission import AdmissionSettings, FlowKey, Sizing
@@ -386,11 +386,14 @@ class RoutingPolicy(models.Model):
     def get_constraints(
         self,
     ) -> list[tuple[type[models.Model], Sequence[BaseConstraint]]]:
-        # clean() reports weights that do not sum to 100 with their actual sum;
-        # the check constraint is the database's backstop, and validating it too
-        # would repeat the error in Django's generic words.
+        # Each check constraint is the database's backstop for a rule checked
+        # before it with clearer words: the singleton's id by save(), the
+        # strategy by the field's choices, the retries by its validator, and the
+        # weights' sum by clean() (which names the actual sum). Validating them
+        # again would cost a query each on every save from the admin and the
+        # API, and repeat an error in Django's generic words.
         return [
-            (model, [c for c in constraints if c.name != WEIGHTS_CONSTRAINT])
+            (model, [c for c in constraints if not isinstance(c, CheckConstraint)])
             for model, constraints in super().get_constraints()
         ]
 
