@@ -39,6 +39,10 @@ def _assert_percentiles(summary: dict[str, float | int | None]) -> None:
 
 
 @needs_wrk
+@pytest.mark.skipif(
+    not settings.NEXUS_PRODUCTION,
+    reason="`make bench` serves in production mode: its smoke run is tested there",
+)
 @pytest.mark.timeout(300)
 @pytest.mark.django_db(transaction=True)
 def test_smoke_run_reports_every_figure_for_each_kind_of_target(
