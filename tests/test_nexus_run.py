@@ -228,7 +228,7 @@ def test_run_command_brings_up_everything_and_ctrl_c_stops_it(
             os.killpg(nexus.process.pid, signal.SIGKILL)
 
     # A second run keeps the admin password secret and the demo key stable.
-    again = _start(run_env)
+    again = _start(run_env, "--workers", "1")  # what is kept, not the cores again
     try:
         again.expect(r"Press Ctrl-C to stop")
         assert again.expect(r"Demo API key:\s+(nx-\S+)").group(1) == demo_key
@@ -407,7 +407,7 @@ def test_demo_tool_calls_and_demo_backends_kept_until_the_operator_removes_them(
 def test_demo_off_starts_no_mock_backends(run_env: dict[str, str]) -> None:
     run_env["NEXUS_DEMO"] = "0"
     run_env["NEXUS_ADMIN_PASSWORD"] = "a-chosen-admin-password"
-    nexus = _start(run_env)
+    nexus = _start(run_env, "--workers", "1")
     try:
         nexus.expect(r"Press Ctrl-C to stop")
         output = nexus.output()
