@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 
+from tests import zygote
 from tests.conftest import spare_redis_url
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -168,13 +169,10 @@ def _demo_key_is_valid(env: dict[str, str], raw_key: str) -> bool:
         "from usage.models import ApiKey; import sys; "
         f"sys.exit(0 if ApiKey.objects.for_raw_key({raw_key!r}) else 3)"
     )
-    result = subprocess.run(
+    result = zygote.run(
         [sys.executable, "manage.py", "shell", "-c", code],
         cwd=REPO_ROOT,
         env=env,
-        capture_output=True,
-        text=True,
-        check=False,
         timeout=60,
     )
     return result.returncode == 0
@@ -344,12 +342,11 @@ def test_demo_tool_calls_and_demo_backends_kept_until_the_operator_removes_them(
     # The operator adds a backend of their own, and an alias to a demo model.
     config = tmp_path / "nexus.toml"
     config.write_text(OWN_CONFIG)
-    subprocess.run(
+    zygote.run(
         [sys.executable, "manage.py", "nexus_import_config", str(config)],
         cwd=REPO_ROOT,
         env=run_env,
         check=True,
-        capture_output=True,
         timeout=60,
     )
 
@@ -429,13 +426,10 @@ def test_busy_port_is_a_clear_error(run_env: dict[str, str]) -> None:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        result = subprocess.run(
+        result = zygote.run(
             [sys.executable, "manage.py", "nexus_run", "--port", str(port)],
             cwd=REPO_ROOT,
             env=run_env,
-            capture_output=True,
-            text=True,
-            check=False,
             timeout=60,
         )
     assert result.returncode != 0

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 
+from tests import zygote
+
 pytestmark = pytest.mark.mode_independent
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -33,13 +35,10 @@ def _run_settings(env: dict[str, str], code: str) -> subprocess.CompletedProcess
     }
     clean.update(env)
     clean["DJANGO_SETTINGS_MODULE"] = "nexus_site.settings"
-    return subprocess.run(
+    return zygote.run(
         [sys.executable, "-c", f"import django; django.setup(); {code}"],
         cwd=REPO_ROOT,
         env=clean,
-        check=False,
-        capture_output=True,
-        text=True,
         timeout=60,
     )
 
@@ -306,13 +305,10 @@ def _check_deploy(tmp_path: Path, **extra: str) -> subprocess.CompletedProcess[s
         "ALLOWED_HOSTS": "nexus.example.com",
         **extra,
     }
-    return subprocess.run(
+    return zygote.run(
         [sys.executable, "manage.py", "check", "--deploy"],
         cwd=REPO_ROOT,
         env=env,
-        check=False,
-        capture_output=True,
-        text=True,
         timeout=60,
     )
 

@@ -9,7 +9,8 @@ forkserver (multiprocessing) imports those once per test worker (see
 server reads from its own environment) and forks a child per server.
 
 ``Popen`` takes the arguments of ``subprocess.Popen`` for
-``[sys.executable, "-m", module, *args]`` or ``[sys.executable, script, *args]``
+``[sys.executable, "-m", module, *args]``, ``[sys.executable, "-c", code]`` or
+``[sys.executable, script, *args]``
 and gives back an object with the ``Popen`` methods the tests use (``pid``,
 ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``, ``returncode``,
 ``stdout``). The child ends the way the interpreter would (non-daemon threads
@@ -87,6 +88,64 @@ def Popen(
     )
 
 
+def run(
+    args: Sequence[str],
+    *,
+    cwd: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    input: str | None = None,
+    timeout: float | None = None,
+    check: bool = False,
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(args, capture_output=True, text=True, ...)`` for
+    ``[sys.executable, ...]``, forked; raises ``subprocess.TimeoutExpired`` (and
+    ``CalledProcessError`` with ``check``) as it does."""
+    assert args[0] == sys.executable, args
+    process = ForkedProcess(
+        list(args[1:]),
+        cwd=os.fspath(cwd) if cwd is not None else os.getcwd(),
+        env=dict(os.environ if env is None else env),
+        output=subprocess.PIPE,
+        new_session=False,
+        separate_stderr=True,
+        with_stdin=input is not None,
+    )
+    read: dict[str, str] = {}
+    streams = {"stdout": process.stdout, "stderr": process.stderr}
+    readers = [
+        threading.Thread(target=lambda n=name, s=stream: read.update({n: s.read()}))
+        for name, stream in streams.items()
+    ]
+    for reader in readers:
+        reader.start()
+    if process.stdin is not None:
+        with process.stdin:
+            process.stdin.write(input or "")
+    try:
+        code = process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise
+    finally:
+        for reader in readers:
+            reader.join()
+    result = subprocess.CompletedProcess(
+        list(args), code, read.get("stdout", ""), read.get("stderr", "")
+    )
+    if check:
+        result.check_returncode()
+    return result
+
+
+def _reader(output: Any) -> tuple[IO[str] | None, int]:
+    """The parent's end of a child's output (PIPE) and the child's fd."""
+    if output != subprocess.PIPE:
+        return None, os.dup(output.fileno())
+    read_fd, write_fd = os.pipe()
+    return open(read_fd, encoding="utf-8", errors="replace", buffering=1), write_fd
+
+
 class ForkedProcess:
     """A server forked from the forkserver, seen through Popen's methods."""
 
@@ -98,20 +157,25 @@ class ForkedProcess:
         env: dict[str, str],
         output: Any,
         new_session: bool,
+        separate_stderr: bool = False,
+        with_stdin: bool = False,
     ) -> None:
         self.args = [sys.executable, *argv]
-        if output == subprocess.PIPE:
-            read_fd, write_fd = os.pipe()
-            self.stdout: IO[str] | None = open(  # noqa: SIM115 - closed at exit
-                read_fd, encoding="utf-8", errors="replace", buffering=1
-            )
-        else:
-            write_fd = os.dup(output.fileno())
-            self.stdout = None
-        writer = Connection(write_fd, readable=False)
+        self.stdout, write_fd = _reader(output)
+        # The child's stdout, stderr (None: its stdout) and stdin (None: none).
+        pipes: list[Connection | None] = [Connection(write_fd, readable=False)]
+        self.stderr: IO[str] | None = None
+        if separate_stderr:
+            self.stderr, error_fd = _reader(subprocess.PIPE)
+        pipes.append(Connection(error_fd, readable=False) if separate_stderr else None)
+        self.stdin: IO[str] | None = None
+        if with_stdin:
+            read_fd, input_fd = os.pipe()
+            self.stdin = open(input_fd, "w", encoding="utf-8")  # noqa: SIM115
+        pipes.append(Connection(read_fd, writable=False) if with_stdin else None)
         self._process = _forkserver().Process(
             target=_run,
-            args=(argv, cwd, env, writer, new_session),
+            args=(argv, cwd, env, pipes, new_session),
             name=" ".join(argv[:2]),
             daemon=True,  # terminated if a test worker exits without stopping it
         )
@@ -123,7 +187,9 @@ class ForkedProcess:
             self._process.start()
         finally:
             sys.modules["__main__"] = main
-            writer.close()
+            for pipe in pipes:
+                if pipe is not None:
+                    pipe.close()
         self.pid: int = self._process.pid
 
     @property
@@ -153,14 +219,28 @@ class ForkedProcess:
 
 
 def _run(
-    argv: list[str], cwd: str, env: dict[str, str], output: Connection, session: bool
+    argv: list[str],
+    cwd: str,
+    env: dict[str, str],
+    pipes: list[Connection | None],
+    session: bool,
 ) -> None:
-    """In the forked child: become ``python *argv`` and exit as it would."""
+    """In the forked child: become ``python *argv`` and exit as it would.
+
+    ``pipes``: its stdout, its stderr (None: the same as stdout) and its stdin
+    (None: left as multiprocessing sets it)."""
     if session:
         os.setsid()
+    output, errors, given = pipes
+    assert output is not None
     os.dup2(output.fileno(), 1)
-    os.dup2(output.fileno(), 2)
-    output.close()
+    os.dup2((errors or output).fileno(), 2)
+    if given is not None:
+        os.dup2(given.fileno(), 0)
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    for pipe in pipes:
+        if pipe is not None:
+            pipe.close()
     sys.stdout = io.TextIOWrapper(
         io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True
     )
@@ -175,7 +255,11 @@ def _run(
     os.chdir(cwd)
     code = 0
     try:
-        if argv[0] == "-m":
+        if argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            sys.path.insert(0, cwd)
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
+        elif argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
             sys.path.insert(0, cwd)
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)

@@ -23,6 +23,7 @@ from backends.models import Backend, BackendKind, BackendModel
 from routing.config_file import export_config, import_config, read_config
 from routing.config_file.problems import ConfigError
 from routing.models import Alias, FallbackChain, RoutingPolicy, Strategy
+from tests import zygote
 from tests.factories import (
     AliasFactory,
     BackendFactory,
@@ -1019,14 +1020,11 @@ def test_command_line_exit_status_and_messages(tmp_path: Path) -> None:
     def manage(
         *args: str, stdin: str | None = None
     ) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
+        return zygote.run(
             [sys.executable, "manage.py", *args],
-            check=False,
             cwd=REPO_ROOT,
             env=env,
             input=stdin,
-            capture_output=True,
-            text=True,
             timeout=60,
         )
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +22,7 @@ from playwright.sync_api import Page, expect, sync_playwright
 
 from backends.models import Backend, BackendModel, HealthStatus
 from routing.models import RoutingPolicy
+from tests import zygote
 from tests.conftest import REPO_ROOT, MockBackendProcess, NexusServer, server_env
 from tests.factories import UsageBucketFactory
 from usage.models import ApiKey
@@ -213,12 +213,11 @@ def _x_range_seconds(page: Any, element_id: str) -> float:
 
 def _roll_up(env: dict[str, str]) -> None:
     """Write shipped usage and roll it up, as Celery beat does every 10 s."""
-    subprocess.run(
+    zygote.run(
         [sys.executable, "manage.py", "nexus_flush_usage"],
         cwd=REPO_ROOT,
         env=env,
         check=True,
-        capture_output=True,
         timeout=60,
     )
 
