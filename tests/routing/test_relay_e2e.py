@@ -665,6 +665,41 @@ def test_busy_workers_wait_in_admissions_queue_which_is_bounded(
     assert _chats(mock) == 3  # the late request never reached the worker
 
 
+def test_under_fleet_a_busy_workers_requests_wait_in_its_line(relay: Relay) -> None:
+    policy = RoutingPolicy.load()
+    policy.strategy = "fleet"
+    policy.full_clean()
+    policy.save()
+    mock, _ = relay.start(
+        "gpu-a", "--latency-ms", "1000", worker_args=("--max-concurrency", "1")
+    )
+    results: dict[str, object] = {}
+
+    def ask(label: str) -> None:
+        reply = _sdk(relay.server, relay.key).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": label}]
+        )
+        results[label] = reply.choices[0].message.content
+
+    first = threading.Thread(target=ask, args=("first",))
+    first.start()
+    wait_for(lambda: _in_flight(mock) == 1)
+    second = threading.Thread(target=ask, args=("second",))
+    second.start()
+    # Admission lets it through to the worker's line, where it waits.
+    wait_for(
+        lambda: relay.server.metric("nexus_fleet_queue_waiting", 'backend="gpu-a"') == 1
+    )
+    assert _in_flight(mock) == 1
+    first.join(timeout=30)
+    second.join(timeout=30)
+    assert results == {
+        "first": "[gpu-a/llama3:8b] echo: first",
+        "second": "[gpu-a/llama3:8b] echo: second",
+    }
+    assert _chats(mock) == 2
+
+
 def test_with_admission_off_a_busy_worker_is_refused_like_any_full_backend(
     relay: Relay,
 ) -> None:
