@@ -509,10 +509,6 @@ NEXUS_HEALTH_INTERVAL = _bounded_float("NEXUS_HEALTH_INTERVAL", 10.0, 0.1, 86_40
 NEXUS_RELAY_HEARTBEAT_SECONDS = _bounded_float(
     "NEXUS_RELAY_HEARTBEAT_SECONDS", 5.0, 0.05, 300
 )
-# Requests waiting for a busy relay worker (per serving process), and how long
-# each may wait: past either, 503 queue_full / queue_timeout.
-NEXUS_RELAY_QUEUE_MAX = _bounded_int("NEXUS_RELAY_QUEUE_MAX", 100, 0, 100_000)
-NEXUS_RELAY_QUEUE_TIMEOUT = _bounded_float("NEXUS_RELAY_QUEUE_TIMEOUT", 30.0, 0.1, 3600)
 NEXUS_HEALTH_PROBE_TIMEOUT = _bounded_float("NEXUS_HEALTH_PROBE_TIMEOUT", 5.0, 0.1, 600)
 # Consecutive failed probes that make a backend unhealthy, and consecutive good
 # ones that bring an unhealthy backend back (an unknown one needs one).

@@ -36,7 +36,6 @@ from routing.metrics import GatewayMetrics, MetricsEndpoint, Network, parse_netw
 from routing.proxy.upstream import ReplyLimits, UpstreamClient
 from routing.relay import protocol
 from routing.relay.dispatch import LOAD_GROUP, RelayHub
-from routing.relay.queue import RelayQueue
 from routing.state import GatewayState, build_state
 from routing.versioning import read_config_version
 from usage.buffer import UsageBuffer
@@ -197,10 +196,6 @@ class Gateway:
             ),
             stats=self.stats,
         )
-        self.relay_queue = RelayQueue(
-            settings.NEXUS_RELAY_QUEUE_MAX, settings.NEXUS_RELAY_QUEUE_TIMEOUT
-        )
-        self.relay.on_slot_free = self.relay_queue.wake_first
         self.metrics = GatewayMetrics()
         self.admission = AdmissionGate(self.metrics, share=config.admission_share)
         self.live_usage = LiveUsage(

@@ -683,18 +683,18 @@ class ProxyApp:
     ) -> tuple[Route, RouterSnapshot]:
         """Route the request, holding it first when its model has no backend.
 
-        While every relay worker of the model is busy, the request waits in
-        line for one (routing/relay/queue.py). With the policy's hold_seconds
-        > 0, a request whose model exists but has no backend able to take it
-        now waits for one (routing/fleet); when the time is up it goes down the
-        fallback chain through the full pipeline, and is refused if that finds
-        nothing either.
+        With the policy's hold_seconds > 0, a request whose model exists but
+        has no backend able to take it now waits for one (routing/fleet); when
+        the time is up it goes down the fallback chain through the full
+        pipeline, and is refused if that finds nothing either. Relay workers
+        are backends like any other here: requests for busy ones wait in
+        admission's queue (before this) or the fleet's lines (after it).
         """
         gateway = self.gateway
         router, stats, fleet = gateway.router, gateway.stats, gateway.fleet
         routes = state.routes
         try:
-            route = await gateway.relay_queue.select(gateway, requirements, state)
+            route = router.select(requirements, routes, stats)
         except RoutingError as error:
             if not fleet.should_hold(error.decision, routes):
                 raise _routing_error(error) from error

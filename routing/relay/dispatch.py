@@ -190,9 +190,6 @@ class RelayHub:
         # How long a consumer in another process may take to say it took a
         # request (its first event) before the request goes elsewhere.
         self.accept_timeout = accept_timeout
-        # Called (soon, after the proxy's own bookkeeping) when a relay
-        # request of this process ends: a waiting request may take the slot.
-        self.on_slot_free: Callable[[], None] | None = None
 
     # Lifecycle -------------------------------------------------------------
 
@@ -465,8 +462,6 @@ class RelayHub:
     def finish(self, call: RelayCall, cancel: bool) -> None:
         """Forget a call; tell its worker to stop when it has not ended."""
         self.calls.pop(call.request_id, None)
-        if self.on_slot_free is not None:
-            asyncio.get_running_loop().call_soon(self.on_slot_free)
         if not cancel:
             return
         link = self.links.get(call.channel)

@@ -598,58 +598,133 @@ def test_workers_of_a_killed_serving_process_are_gone_everywhere_soon(
     assert refused.value.status_code == 503
 
 
-def test_busy_workers_queue_requests_first_come_first_served_and_bounded(
-    relay: Relay, nexus_server_factory: Callable[..., NexusServer]
+def test_busy_workers_wait_in_admissions_queue_which_is_bounded(
+    relay: Relay,
 ) -> None:
-    # Admission control has its own line for a busy fleet: off, to see this one.
+    # Admission control is on by default; its band for the worker's pool is
+    # the worker's max_concurrency (1), its queue holds one request.
     policy = RoutingPolicy.load()
-    policy.admission_enabled = False
+    assert policy.admission_enabled
+    policy.admission_total_capacity = 1
+    policy.admission_flow_capacity = 1
+    policy.admission_critical_reserved = 0
     policy.save()
-    # The same heartbeat as the fixture's server: each sweeps the workers of
-    # the other that it has not seen for 3 of its own heartbeats.
-    server = nexus_server_factory(
-        NEXUS_RELAY_QUEUE_MAX="1",
-        NEXUS_RELAY_QUEUE_TIMEOUT="2.5",
-        NEXUS_RELAY_HEARTBEAT_SECONDS=HEARTBEAT,
+    _, other_key = ApiKey.objects.create_key("relay-tests-other")
+    server = relay.server
+    mock, _ = relay.start(  # it waits until the server has the above
+        "gpu-a", "--latency-ms", "1000", worker_args=("--max-concurrency", "1")
     )
-    mock, _ = relay.start(
-        "gpu-a",
-        "--latency-ms",
-        "1000",
-        at=server,
-        worker_args=("--max-concurrency", "1"),
-    )
-    sdk = _sdk(server, relay.key)
     results: dict[str, object] = {}
 
-    def ask(label: str) -> None:
+    def ask(label: str, key: str = relay.key) -> None:
         try:
-            reply = sdk.chat.completions.create(
+            reply = _sdk(server, key).chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": label}]
             )
             results[label] = reply.choices[0].message.content
         except openai.APIStatusError as error:
-            results[label] = (error.status_code, error.code)
+            results[label] = (
+                error.status_code,
+                error.type,
+                error.code,
+                error.response.headers.get("retry-after"),
+            )
 
     first = threading.Thread(target=ask, args=("first",))
     first.start()
     wait_for(lambda: _in_flight(mock) == 1)
     second = threading.Thread(target=ask, args=("second",))
     second.start()
-    time.sleep(0.3)  # let it take the one place in line
-    ask("third")
+    # The worker is busy: the second request waits in admission's queue, not
+    # at the worker (which would refuse it) and not in a line of the relay's.
+    wait_for(lambda: server.metric("nexus_admission_queue_length") == 1)
+    assert _in_flight(mock) == 1
+    ask("third", other_key)  # another flow: the queue itself is full
     first.join(timeout=30)
     second.join(timeout=30)
     assert results == {
         "first": "[gpu-a/llama3:8b] echo: first",
-        "second": "[gpu-a/llama3:8b] echo: second",  # waited its turn
-        "third": (503, "queue_full"),
+        "second": "[gpu-a/llama3:8b] echo: second",  # served when the slot freed
+        "third": (503, "server_error", "queue_full", "1"),
     }
+    assert _chats(mock) == 2
+    assert server.metric("nexus_admission_queue_length") == 0
 
+    # A request that waits past the queue's TTL gets its 503 there too.
+    policy.admission_queue_ttl = 1.0
+    policy.save()
+    wait_until_live(server)
     httpx.post(f"{mock.base_url}/_mock/config", json={"latency_ms": 6000}, timeout=5)
     slow = threading.Thread(target=ask, args=("slow",))
     slow.start()
     wait_for(lambda: _in_flight(mock) == 1)
     ask("late")
-    assert results["late"] == (503, "queue_timeout")
+    assert results["late"] == (503, "server_error", "queue_ttl_expired", "1")
     slow.join(timeout=30)
+    assert results["slow"] == "[gpu-a/llama3:8b] echo: slow"
+    assert _chats(mock) == 3  # the late request never reached the worker
+
+
+def test_under_fleet_a_busy_workers_requests_wait_in_its_line(relay: Relay) -> None:
+    policy = RoutingPolicy.load()
+    policy.strategy = "fleet"
+    policy.full_clean()
+    policy.save()
+    mock, _ = relay.start(
+        "gpu-a", "--latency-ms", "1000", worker_args=("--max-concurrency", "1")
+    )
+    results: dict[str, object] = {}
+
+    def ask(label: str) -> None:
+        reply = _sdk(relay.server, relay.key).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": label}]
+        )
+        results[label] = reply.choices[0].message.content
+
+    first = threading.Thread(target=ask, args=("first",))
+    first.start()
+    wait_for(lambda: _in_flight(mock) == 1)
+    second = threading.Thread(target=ask, args=("second",))
+    second.start()
+    # Admission lets it through to the worker's line, where it waits.
+    wait_for(
+        lambda: relay.server.metric("nexus_fleet_queue_waiting", 'backend="gpu-a"') == 1
+    )
+    assert _in_flight(mock) == 1
+    first.join(timeout=30)
+    second.join(timeout=30)
+    assert results == {
+        "first": "[gpu-a/llama3:8b] echo: first",
+        "second": "[gpu-a/llama3:8b] echo: second",
+    }
+    assert _chats(mock) == 2
+
+
+def test_with_admission_off_a_busy_worker_is_refused_like_any_full_backend(
+    relay: Relay,
+) -> None:
+    # Off, admission's queue is gone for every backend, a worker's included.
+    policy = RoutingPolicy.load()
+    policy.admission_enabled = False
+    policy.save()
+    mock, _ = relay.start(
+        "gpu-a", "--latency-ms", "1000", worker_args=("--max-concurrency", "1")
+    )
+    sdk = _sdk(relay.server, relay.key)
+    first = threading.Thread(
+        target=sdk.chat.completions.create,
+        kwargs={"model": MODEL, "messages": [{"role": "user", "content": "first"}]},
+    )
+    first.start()
+    wait_for(lambda: _in_flight(mock) == 1)
+    with pytest.raises(openai.APIStatusError) as refused:
+        sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "second"}]
+        )
+    first.join(timeout=30)
+    # The router's answer for any backend at its max_concurrency: no line of
+    # the relay's own, and nothing sent to the worker (which would refuse it).
+    assert refused.value.status_code == 503
+    assert refused.value.code == "no_healthy_backend"
+    assert "1 at max concurrency" in refused.value.message
+    assert _chats(mock) == 1
