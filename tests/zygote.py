@@ -80,11 +80,7 @@ def Popen(
             start_new_session=start_new_session,
         )
     return ForkedProcess(
-        list(args[1:]),
-        cwd=os.fspath(cwd) if cwd is not None else os.getcwd(),
-        env=dict(os.environ if env is None else env),
-        output=stdout,
-        new_session=start_new_session,
+        list(args[1:]), cwd=cwd, env=env, output=stdout, new_session=start_new_session
     )
 
 
@@ -103,8 +99,8 @@ def run(
     assert args[0] == sys.executable, args
     process = ForkedProcess(
         list(args[1:]),
-        cwd=os.fspath(cwd) if cwd is not None else os.getcwd(),
-        env=dict(os.environ if env is None else env),
+        cwd=cwd,
+        env=env,
         output=subprocess.PIPE,
         new_session=False,
         separate_stderr=True,
@@ -153,8 +149,8 @@ class ForkedProcess:
         self,
         argv: list[str],
         *,
-        cwd: str,
-        env: dict[str, str],
+        cwd: str | os.PathLike[str] | None,
+        env: Mapping[str, str] | None,
         output: Any,
         new_session: bool,
         separate_stderr: bool = False,
@@ -175,7 +171,13 @@ class ForkedProcess:
         pipes.append(Connection(read_fd, writable=False) if with_stdin else None)
         self._process = _forkserver().Process(
             target=_run,
-            args=(argv, cwd, env, pipes, new_session),
+            args=(
+                argv,
+                os.getcwd() if cwd is None else os.fspath(cwd),
+                dict(os.environ if env is None else env),
+                pipes,
+                new_session,
+            ),
             name=" ".join(argv[:2]),
             daemon=True,  # terminated if a test worker exits without stopping it
         )
