@@ -245,6 +245,29 @@ def wait_until(
         time.sleep(0.05)
 
 
+HEAD_OF_MEGABYTES = 8 * 1024 * 1024
+
+
+def send_a_head_of_megabytes(sock: Any, path: str) -> tuple[int, bytes]:
+    """Send 8 MiB of header lines as fast as the server takes them; return how
+    many bytes went out and what came back before the server hung up."""
+    import contextlib
+
+    line = b"X-Filler: " + b"y" * 8000 + b"\r\n"
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode())
+    sent = 0
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        while sent < HEAD_OF_MEGABYTES:
+            sock.sendall(line)
+            sent += len(line)
+        sock.sendall(b"\r\n")
+    data = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            data += chunk
+    return sent, data
+
+
 def mock_stats(mock: MockBackendProcess) -> dict[str, Any]:
     """The mock backend's /_mock/stats (requests seen, in flight, loads...)."""
     import httpx

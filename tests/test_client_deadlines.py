@@ -25,7 +25,13 @@ from django.core.management import call_command
 
 from nexus_site.mock_backend import MockBackendProcess
 from nexus_site.serving import server_commands
-from tests.conftest import REPO_ROOT, _free_port, server_env
+from tests.conftest import (
+    HEAD_OF_MEGABYTES,
+    REPO_ROOT,
+    _free_port,
+    send_a_head_of_megabytes,
+    server_env,
+)
 from usage.models import ApiKey
 
 MAX_BODY = 100_000
@@ -162,18 +168,9 @@ def test_a_chunked_body_with_a_valid_key_is_cut_at_the_limit(served: Served) -> 
 def test_a_head_of_megabytes_is_refused_not_held(served: Served) -> None:
     # 8 MiB of header lines, sent as fast as the server takes them: the server
     # refuses (4xx) or hangs up before the end, instead of holding them.
-    line = b"X-Filler: " + b"y" * 8000 + b"\r\n"
     with served.connect() as sock:
-        sock.sendall(f"POST {PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode())
-        sent = 0
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            while sent < 8 * 1024 * 1024:
-                sock.sendall(line)
-                sent += len(line)
-            sock.sendall(b"\r\n")
-        with contextlib.suppress(ConnectionResetError):
-            data = _read_until_closed(sock)
-    assert sent < 8 * 1024 * 1024 or data.startswith((b"HTTP/1.1 4", b"HTTP/1.0 4"))
+        sent, data = send_a_head_of_megabytes(sock, PATH)
+    assert sent < HEAD_OF_MEGABYTES or data.startswith((b"HTTP/1.1 4", b"HTTP/1.0 4"))
 
 
 @pytest.mark.parametrize("path", ["/admin/login/", "/api/v1/backends/"])

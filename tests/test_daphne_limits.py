@@ -23,7 +23,13 @@ import pytest
 from django.conf import settings
 from django.core.management import call_command
 
-from tests.conftest import NexusServer, start_nexus_server, wait_until
+from tests.conftest import (
+    HEAD_OF_MEGABYTES,
+    NexusServer,
+    send_a_head_of_megabytes,
+    start_nexus_server,
+    wait_until,
+)
 from usage.models import ApiKey, UsageRecord
 from usage.stream import drain_usage_stream
 
@@ -286,18 +292,7 @@ def test_an_upload_within_the_limits_is_served(server: Server) -> None:
 
 
 def test_a_head_of_megabytes_is_refused_not_held(server: Server) -> None:
-    line = b"X-Filler: " + b"y" * 8000 + b"\r\n"
     with server.connect() as sock:
-        sock.sendall(f"POST {PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode())
-        sent = 0
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            while sent < 8 * 1024 * 1024:
-                sock.sendall(line)
-                sent += len(line)
-            sock.sendall(b"\r\n")
-        data = b""
-        with contextlib.suppress(ConnectionResetError):
-            while chunk := sock.recv(65536):
-                data += chunk
+        sent, data = send_a_head_of_megabytes(sock, PATH)
     # Twisted stops reading past 16 KiB of headers (a 400) and hangs up.
-    assert sent < 8 * 1024 * 1024 or data.startswith(b"HTTP/1.1 4")
+    assert sent < HEAD_OF_MEGABYTES or data.startswith(b"HTTP/1.1 4")
