@@ -22,16 +22,20 @@ TEST_WORKERS ?= 3
 PYTEST := $(BIN)/python -m pytest -p tests.worker_isolation \
 	-n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: run test lint test-embedded test-production test-tools setup-tools \
+.PHONY: run test lint lint-then-embedded test-embedded test-production test-tools setup-tools \
 	smoke-pythons bench bench-peers soak
 
 run: $(VENV)/.installed
 	$(BIN)/python manage.py nexus_run
 
-# Lint, then both modes at once; each mode's output is printed when it is done.
-test: lint
+# Both modes at once, lint first on the embedded side (the shorter one); each
+# side's output is printed when it is done, and a failure in either fails.
+test: $(VENV)/.installed-dev
 	@$(MAKE) --no-print-directory -j2 --output-sync=target \
-		test-embedded test-production
+		lint-then-embedded test-production
+
+lint-then-embedded: lint
+	@$(MAKE) --no-print-directory test-embedded
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
