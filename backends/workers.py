@@ -19,13 +19,13 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
-from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.core.exceptions import ValidationError
 from django.db import models, transaction
 from django.utils import timezone
 
 from backends.kinds import ModelInfo
+from backends.layer import run_on_layer
 from backends.models import Backend, BackendKind, HealthStatus
 
 logger = logging.getLogger(__name__)
@@ -387,6 +387,6 @@ def notify_worker(channel_name: str, event: dict[str, object]) -> None:
     if layer is None:
         return
     try:
-        async_to_sync(layer.send)(channel_name, event)
+        run_on_layer(lambda: layer.send(channel_name, event))
     except Exception:
         logger.warning("Could not reach worker channel %s", channel_name, exc_info=True)

@@ -32,10 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
-from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.conf import settings
 
+from backends.layer import run_on_layer
 from backends.tasks import persist_breaker_opening
 from routing.core import LiveStats
 
@@ -168,7 +168,10 @@ class CircuitBreaker:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             # Called from sync code (a thread, a command): it may wait for I/O.
-            async_to_sync(self._publish)(event)
+            try:
+                run_on_layer(lambda: self._publish(event))
+            except TimeoutError:
+                logger.warning("Could not announce a circuit opening", exc_info=True)
             return
         task = loop.create_task(self._publish(event))
         self._background.add(task)

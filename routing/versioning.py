@@ -15,11 +15,11 @@ from __future__ import annotations
 import logging
 from typing import TypedDict
 
-from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.models import F
 
+from backends.layer import run_on_layer
 from routing.models import ConfigVersion
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def broadcast_config_version(version: int) -> None:
         return
     event: ConfigChangedEvent = {"type": "config.changed", "version": version}
     try:
-        async_to_sync(layer.group_send)(CONFIG_GROUP, event)
+        run_on_layer(lambda: layer.group_send(CONFIG_GROUP, event))
     except Exception:
         # The periodic version check in every process repairs a lost broadcast.
         logger.warning("Could not broadcast config version %s", version, exc_info=True)

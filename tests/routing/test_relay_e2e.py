@@ -407,6 +407,18 @@ def test_worker_killed_mid_stream_ends_it_with_an_error_event(relay: Relay) -> N
             pass
 
 
+def test_sigterm_just_after_a_worker_left_stops_the_serving_process(
+    relay: Relay,
+) -> None:
+    """The serving process's database work for the closed socket must not hold
+    up its exit: it used to wait for ever on the stopped event loop to
+    broadcast the configuration change, until killed."""
+    _, worker = relay.start("gpu-a")
+    worker.kill()
+    relay.server.process.terminate()
+    assert relay.server.process.wait(timeout=8) == 0
+
+
 def test_a_silent_worker_is_gone_after_three_heartbeats(relay: Relay) -> None:
     _, worker = relay.start("gpu-a")
     worker.process.send_signal(signal.SIGSTOP)
