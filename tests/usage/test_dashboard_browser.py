@@ -245,7 +245,10 @@ def test_dashboard_shows_admission_queues_bands_and_refusals_live(
     flood, flood_key = ApiKey.objects.create_key("flood")
     light, light_key = ApiKey.objects.create_key("light")
     User.objects.create_superuser(USERNAME, "dash@example.com", PASSWORD)
-    server = nexus_server_factory(WHITENOISE_USE_FINDERS="true")
+    # Its requests are held by the mock until the end: stop without a long drain.
+    server = nexus_server_factory(
+        WHITENOISE_USE_FINDERS="true", NEXUS_DRAIN_SECONDS="1"
+    )
     workers = ThreadPoolExecutor(max_workers=6)
 
     def send(key: str, criticality: str = "default") -> Future[httpx.Response]:
