@@ -131,6 +131,37 @@ def test_a_batch_failing_midway_keeps_earlier_batches_and_requeues_the_rest(
 
 
 @pytest.mark.django_db
+def test_events_arriving_while_a_write_fails_are_kept_behind_the_failed_batch() -> None:
+    # The flusher writes from a database thread while requests keep appending:
+    # the failed batch goes back in front of them and, although the bounded
+    # buffer then holds more than its bound, none of them is pushed out.
+    buffer = UsageBuffer(maxlen=1000)
+    in_flight = UsageEventFactory.build_batch(600)
+    meanwhile = UsageEventFactory.build_batch(500)
+    for event in in_flight:
+        buffer.append(event)
+
+    def arrivals_then_failure(execute: Callable[..., Any], sql: str, *args: Any) -> Any:
+        if sql.lstrip().upper().startswith("INSERT") and "usagerecord" in sql:
+            for event in meanwhile:
+                buffer.append(event)
+            raise OperationalError("connection reset")
+        return execute(sql, *args)
+
+    with (
+        connection.execute_wrapper(arrivals_then_failure),
+        pytest.raises(OperationalError),
+    ):
+        flush_usage(buffer)
+
+    assert flush_usage(buffer) == 1100
+    assert buffer.dropped_total == 0
+    assert list(
+        UsageRecord.objects.order_by("pk").values_list("event_id", flat=True)
+    ) == [e.event_id for e in in_flight + meanwhile]
+
+
+@pytest.mark.django_db
 def test_retrying_a_flush_that_did_commit_writes_nothing_twice(
     buffer: UsageBuffer,
 ) -> None:
