@@ -10,18 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db import OperationalError, connections
 
+import usage.spill
 from tests.tcp_cut import TcpCut
 from usage.buffer import UsageBuffer, UsageEvent
+from usage.flush import DatabaseFlusher
 from usage.models import UsageRecord
 from usage.spill import UsageSpill, replay_spilled, spill_excess
+from usage.stream import RedisShipper, clear_usage_stream, drain_usage_stream
 
 
 def _event(index: int, tag: str = "spill") -> UsageEvent:
@@ -135,6 +142,46 @@ async def test_a_torn_last_line_is_dropped_not_fatal(tmp_path: Path) -> None:
     spill._own.handle.write(b'{"fields": ["request_id"], "ev')  # a crash mid-write
     spill._own.handle.flush()
     assert len(await _replay_all(spill)) == 5
+
+
+async def test_a_cancelled_replay_ends_only_after_its_commit(tmp_path: Path) -> None:
+    # A stop cancels the replay while its thread notes a batch as done (and
+    # may empty the file). Were the cancel passed on at once, the stop's last
+    # spill would append to the file beside that thread, which could truncate
+    # the fresh lines away. The thread is held by a hook: nothing real makes
+    # a truncate() slow on demand.
+    spill = UsageSpill(tmp_path, keep_in_memory=0)
+    spill.open()
+    spill.spill(_buffer(10))
+    entered, release, committed = (threading.Event() for _ in range(3))
+    commit = spill.commit
+
+    def held_commit(end: int) -> None:
+        entered.set()
+        release.wait(30)
+        commit(end)
+        committed.set()
+
+    spill.commit = held_commit  # type: ignore[method-assign]
+    delivered: list[UsageEvent] = []
+
+    async def deliver(events: list[UsageEvent]) -> None:
+        delivered.extend(events)
+
+    replay = asyncio.create_task(replay_spilled(spill, deliver))
+    await _until(entered.is_set, "the replay commits", 10)
+    replay.cancel()
+    # A cancel passed on at once ends the task within this; one that waits
+    # for the thread does not, and ends once the commit is let through.
+    done, _ = await asyncio.wait({replay}, timeout=0.5)
+    release.set()
+    assert not done
+    with pytest.raises(asyncio.CancelledError):
+        await replay
+    assert committed.is_set()
+    assert len(delivered) == 10
+    spill.close()
+    assert list(tmp_path.iterdir()) == []  # emptied, then removed: all handed on
 
 
 @pytest.mark.skipif(not settings.REDIS_URL, reason="the Redis transport needs Redis")
@@ -256,4 +303,132 @@ async def test_events_arriving_while_a_shipment_fails_are_all_kept(
         cutter.close()
         from django.db import connections
 
+        await sync_to_async(connections.close_all)()
+
+
+class _Outage:
+    """A hand-on outage for one transport, and the sink of a process start."""
+
+    def __init__(self, transport: str, spill_dir: Path) -> None:
+        self.transport = transport
+        self.spill_dir = spill_dir
+        self.cutter: TcpCut | None = None
+
+    def _failing_inserts(
+        self, execute: Callable[..., Any], sql: str, *args: Any
+    ) -> Any:
+        if sql.lstrip().upper().startswith("INSERT") and "usagerecord" in sql:
+            raise OperationalError("database is unreachable")
+        return execute(sql, *args)
+
+    async def begin(self) -> None:
+        if self.transport == "redis":
+            await sync_to_async(clear_usage_stream)()
+            redis_url = urlsplit(settings.REDIS_URL)
+            self.cutter = TcpCut(
+                (redis_url.hostname or "127.0.0.1", redis_url.port or 6379)
+            )
+            self.cutter.cut()
+        else:
+            # In the flusher's database thread: sync_to_async runs code there.
+            await sync_to_async(self._fail_inserts)(True)
+
+    async def end(self) -> None:
+        if self.cutter is not None:
+            self.cutter.close()
+            self.cutter = None
+        else:
+            await sync_to_async(self._fail_inserts)(False)
+
+    def _fail_inserts(self, on: bool) -> None:
+        wrappers = connections["default"].execute_wrappers
+        if self._failing_inserts in wrappers:
+            wrappers.remove(self._failing_inserts)
+        if on:
+            wrappers.append(self._failing_inserts)
+
+    def start(self, buffer: UsageBuffer) -> RedisShipper | DatabaseFlusher:
+        """Start a sink over this directory (through the outage, if on)."""
+        spill = UsageSpill(self.spill_dir, keep_in_memory=100)
+        sink: RedisShipper | DatabaseFlusher
+        if self.transport == "redis":
+            url = settings.REDIS_URL
+            if self.cutter is not None:
+                port = self.cutter.port
+                url = urlsplit(url)._replace(netloc=f"127.0.0.1:{port}").geturl()
+            sink = RedisShipper(buffer, redis_url=url, interval=0.01, spill=spill)
+        else:
+            sink = DatabaseFlusher(buffer, interval=0.01, spill=spill)
+        sink.start()
+        return sink
+
+    async def count(self, prefix: str) -> int:
+        if self.transport == "redis":
+            await sync_to_async(drain_usage_stream)()
+        return await UsageRecord.objects.filter(request_id__startswith=prefix).acount()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("transport", ["database", "redis"])
+async def test_a_stop_during_a_spill_keeps_every_event_for_the_next_start(
+    transport: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The sink is stopped (a shutdown during an outage) while its thread is
+    # writing events it took from the buffer to the spill file. The stop must
+    # wait for that write: its own last spill and close() beside it lost the
+    # thread's events (a write to a closed file).
+    if transport == "redis" and not settings.REDIS_URL:
+        pytest.skip("the Redis transport needs Redis")
+
+    # Nothing real holds a local disk write still for as long as a test needs
+    # (a slow disk is a matter of luck): the spill thread is held here, after
+    # it took its events from the buffer and before it writes them, as a slow
+    # write() would hold it. Only that thread, and only its first batch.
+    entered, release = threading.Event(), threading.Event()
+    encode = usage.spill.encode_events
+
+    def held_encode(events: list[UsageEvent]) -> bytes:
+        in_thread = threading.current_thread() is not threading.main_thread()
+        if in_thread and not entered.is_set():
+            entered.set()
+            release.wait(30)
+        return encode(events)
+
+    monkeypatch.setattr(usage.spill, "encode_events", held_encode)
+    outage = _Outage(transport, tmp_path)
+    await outage.begin()
+    buffer = UsageBuffer(maxlen=1000)
+    sink = outage.start(buffer)
+    try:
+        for index in range(500):
+            buffer.append(_event(index, "stopped"))
+        await _until(entered.is_set, "the sink spills", 10)
+        assert len(buffer) == 100  # the thread holds the 400 oldest
+        for index in range(500, 550):
+            buffer.append(_event(index, "stopped"))  # arriving meanwhile
+        stopping = asyncio.create_task(sink.stop())
+        # A stop that does not wait for the thread is over within this; one
+        # that waits is not, and goes on once the write is let through.
+        await asyncio.wait({stopping}, timeout=1)
+        release.set()
+        await stopping
+        assert len(buffer) == 0
+    finally:
+        release.set()
+        await sink.stop()
+        await outage.end()
+    try:
+        assert await outage.count("stopped-") == 0
+
+        # The next process start, the outage over: the file is replayed.
+        next_start = outage.start(UsageBuffer(maxlen=1000))
+        try:
+            replayed = next_start.spill
+            assert replayed is not None
+            await _until(lambda: not replayed.pending, "the file was replayed", 20)
+        finally:
+            await next_start.stop()
+        written = await outage.count("stopped-")
+        assert (written, replayed.replayed_total) == (550, 550)  # each once
+    finally:
         await sync_to_async(connections.close_all)()
