@@ -1,7 +1,7 @@
 """The in-process usage recorder: the proxy appends, a shipper drains. No ORM.
 
-Appending is a deque append (atomic in CPython), so the request path takes no
-lock and never waits. Each serving process's gateway owns one buffer; in the
+Appending is a deque append (each deque operation is atomic in CPython), so
+the request path takes no lock and never waits. Each serving process's gateway owns one buffer; in the
 embedded default ``usage/flush.py`` writes it to the database, in production
 ``usage/stream.py`` ships it to a Redis stream that the Celery worker drains.
 """
@@ -92,8 +92,10 @@ class UsageBuffer:
         # A last-resort bound: during an outage the gateway's task spills
         # what is over a tenth of it to disk (usage/spill.py); only a burst
         # faster than that task would hit it, and the oldest events are then
-        # dropped first and counted, never silently.
-        self._events: deque[UsageEvent] = deque(maxlen=maxlen)
+        # dropped first and counted, never silently. Only append() enforces
+        # it: a deque's own maxlen would make requeue() push the newest
+        # events out of the other end, uncounted.
+        self._events: deque[UsageEvent] = deque()
         self.dropped = 0  # since the flusher last reported drops
         self.dropped_total = 0  # since the process started
         self._maxlen = maxlen
@@ -103,10 +105,16 @@ class UsageBuffer:
         return self._maxlen
 
     def append(self, event: UsageEvent) -> None:
-        if self._maxlen is not None and len(self._events) == self._maxlen:
-            self.dropped += 1
-            self.dropped_total += 1
-        self._events.append(event)
+        events = self._events
+        if self._maxlen is not None and len(events) >= self._maxlen:
+            try:
+                events.popleft()
+            except IndexError:
+                pass  # a drain in another thread emptied it meanwhile
+            else:
+                self.dropped += 1
+                self.dropped_total += 1
+        events.append(event)
 
     def drain(self, limit: int | None = None) -> list[UsageEvent]:
         """Remove and return up to `limit` events, oldest first."""
@@ -117,7 +125,13 @@ class UsageBuffer:
         return events
 
     def requeue(self, events: list[UsageEvent]) -> None:
-        """Put events back at the front (a flush that failed); order is kept."""
+        """Put events back at the front (a flush that failed); order is kept.
+
+        Nothing is dropped, even past the bound: these events were taken out
+        by a hand-on that failed while newer ones kept arriving, and the
+        caller spills what is over its share next. So the buffer holds at
+        most its bound plus one batch, as while that batch was in flight.
+        """
         self._events.extendleft(reversed(events))
 
     def __len__(self) -> int:

@@ -33,7 +33,12 @@ from django.db import DataError, IntegrityError, models, transaction
 
 from usage.buffer import UsageBuffer, UsageEvent
 from usage.models import UsageRecord
-from usage.spill import UsageSpill, replay_spilled, spill_excess
+from usage.spill import (
+    UsageSpill,
+    finish_before_cancel,
+    replay_spilled,
+    spill_excess,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +148,9 @@ class DatabaseFlusher:
                 continue  # skip the hop to the database thread when idle
             try:
                 if len(self.buffer):
-                    await flush(self.buffer)
+                    # A cancel (stop()) waits for the write in the database
+                    # thread: it holds the events it took from the buffer.
+                    await finish_before_cancel(flush(self.buffer))
                 await replay_spilled(spill, self._deliver)
             except Exception:
                 if failures % _LOG_EVERY == 0:

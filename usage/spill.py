@@ -14,7 +14,9 @@ everything in it is handed on.
 Each process holds an exclusive lock (``flock``) on its own file. A file
 nobody holds belongs to a process that died with events in it: the next
 process to open its spill adopts it and replays it too. Nothing here runs on
-the request path: the gateway's task calls it through a worker thread.
+the request path: the gateway's task calls it through a worker thread, and
+a cancelled task (a shutdown) waits for that thread before it ends, so the
+shutdown's last spill never touches the file beside it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 from usage.buffer import UsageBuffer, UsageEvent, decode_events, encode_events
 
@@ -37,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 SPILL_BATCH = 1000
 _SUFFIX = ".jsonl"
+
+_T = TypeVar("_T")
 
 
 @dataclass(slots=True)
@@ -170,12 +174,33 @@ class UsageSpill:
         queued.handle.close()
 
 
+async def finish_before_cancel(call: Awaitable[_T]) -> _T:
+    """Await `call`; if cancelled meanwhile, wait for it to end, then raise.
+
+    For work in a thread, which a cancel cannot stop: raised at once, the
+    cancel would let its canceller (a shutdown) use the buffer and the spill
+    file while the thread still does. The thread's own outcome is then
+    dropped: the cancel is what the caller sees.
+    """
+    future = asyncio.ensure_future(call)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        while not future.done():
+            # Cancelled again (the loop closing): the thread still runs.
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([future])
+        if not future.cancelled():
+            future.exception()  # retrieved, not raised: the cancel is
+        raise
+
+
 async def spill_excess(spill: UsageSpill | None, buffer: UsageBuffer) -> None:
     """After a failed hand-on: move what is over the memory share to disk."""
     if spill is None or len(buffer) <= spill.keep_in_memory:
         return
     try:
-        moved = await asyncio.to_thread(spill.spill, buffer)
+        moved = await finish_before_cancel(asyncio.to_thread(spill.spill, buffer))
     except OSError:
         logger.exception("Could not spill usage events to %s", spill.directory)
         return
@@ -203,13 +228,13 @@ async def replay_spilled(
         return 0
     replayed = 0
     for _ in range(max_batches):
-        events, end = await asyncio.to_thread(spill.read_batch)
+        events, end = await finish_before_cancel(asyncio.to_thread(spill.read_batch))
         if not end:
             spill.pending = False
             break
         if events:
             await deliver(events)
-        await asyncio.to_thread(spill.commit, end)
+        await finish_before_cancel(asyncio.to_thread(spill.commit, end))
         replayed += len(events)
     if replayed:
         spill.replayed_total += replayed

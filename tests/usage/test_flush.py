@@ -7,6 +7,7 @@ import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -128,6 +129,37 @@ def test_a_batch_failing_midway_keeps_earlier_batches_and_requeues_the_rest(
     assert set(UsageRecord.objects.values_list("event_id", flat=True)) == {
         e.event_id for e in events
     }
+
+
+@pytest.mark.django_db
+def test_events_arriving_while_a_write_fails_are_kept_behind_the_failed_batch() -> None:
+    # The flusher writes from a database thread while requests keep appending:
+    # the failed batch goes back in front of them and, although the bounded
+    # buffer then holds more than its bound, none of them is pushed out.
+    buffer = UsageBuffer(maxlen=1000)
+    in_flight = UsageEventFactory.build_batch(600)
+    meanwhile = UsageEventFactory.build_batch(500)
+    for event in in_flight:
+        buffer.append(event)
+
+    def arrivals_then_failure(execute: Callable[..., Any], sql: str, *args: Any) -> Any:
+        if sql.lstrip().upper().startswith("INSERT") and "usagerecord" in sql:
+            for event in meanwhile:
+                buffer.append(event)
+            raise OperationalError("connection reset")
+        return execute(sql, *args)
+
+    with (
+        connection.execute_wrapper(arrivals_then_failure),
+        pytest.raises(OperationalError),
+    ):
+        flush_usage(buffer)
+
+    assert flush_usage(buffer) == 1100
+    assert buffer.dropped_total == 0
+    assert list(
+        UsageRecord.objects.order_by("pk").values_list("event_id", flat=True)
+    ) == [e.event_id for e in in_flight + meanwhile]
 
 
 @pytest.mark.django_db
@@ -332,6 +364,79 @@ async def test_the_background_flusher_survives_a_database_outage(
         while await count() < 3:
             await asyncio.sleep(0.02)
     await flusher.stop()
+
+
+@pytest.mark.usefixtures("_close_worker_connections")
+@pytest.mark.django_db(transaction=True)
+async def test_a_stop_during_a_failing_write_keeps_its_events_for_the_next_start(
+    tmp_path: Path,
+) -> None:
+    # The flusher is stopped (a shutdown during a database outage) while its
+    # database thread holds a batch it took from the buffer. The stop must
+    # wait for that write: it found the buffer empty, closed the spill file,
+    # and the batch came back to the buffer after it, to be lost at exit.
+    from django.db import connections
+
+    from usage.spill import UsageSpill
+
+    # The outage as the other tests make it (inserts fail in the flusher's
+    # thread), held until the test lets it fail: nothing real keeps a write
+    # waiting for as long as the test needs, then fails it.
+    entered, release = threading.Event(), threading.Event()
+
+    def held_then_failing(execute: Callable[..., Any], sql: str, *args: Any) -> Any:
+        if sql.lstrip().upper().startswith("INSERT") and "usagerecord" in sql:
+            entered.set()
+            release.wait(30)
+            raise OperationalError("database is unreachable")
+        return execute(sql, *args)
+
+    def install() -> None:
+        connections["default"].execute_wrappers.append(held_then_failing)
+
+    def remove() -> None:
+        connections["default"].execute_wrappers.remove(held_then_failing)
+
+    count = database_sync_to_async(
+        UsageRecord.objects.filter(request_id__startswith="stopped-").count
+    )
+    await database_sync_to_async(install)()
+    buffer = UsageBuffer(maxlen=1000)
+    flusher = DatabaseFlusher(
+        buffer, interval=0.02, spill=UsageSpill(tmp_path, keep_in_memory=100)
+    )
+    flusher.start()
+    try:
+        for index in range(300):
+            buffer.append(UsageEventFactory.build(request_id=f"stopped-{index}"))
+        async with asyncio.timeout(10):
+            while not entered.is_set():
+                await asyncio.sleep(0.01)
+        assert len(buffer) == 0  # the thread holds all 300
+        stopping = asyncio.create_task(flusher.stop())
+        # A stop that does not wait for the thread is over within this; one
+        # that waits is not, and goes on once the write has failed.
+        await asyncio.wait({stopping}, timeout=1)
+        release.set()
+        await stopping
+        assert len(buffer) == 0
+    finally:
+        release.set()
+        await flusher.stop()
+        await database_sync_to_async(remove)()
+    assert await count() == 0
+
+    # The next process start: the database is back, the file is replayed.
+    spill = UsageSpill(tmp_path, keep_in_memory=100)
+    next_start = DatabaseFlusher(UsageBuffer(maxlen=1000), interval=0.02, spill=spill)
+    next_start.start()
+    try:
+        async with asyncio.timeout(20):
+            while spill.pending:
+                await asyncio.sleep(0.02)
+    finally:
+        await next_start.stop()
+    assert (await count(), spill.replayed_total) == (300, 300)  # each once
 
 
 EXIT_SCRIPT = """
