@@ -14,13 +14,14 @@ PRODUCTION := env -u PYTHONDONTWRITEBYTECODE NEXUS_TEST_MODE=production \
 	ALLOWED_HOSTS=127.0.0.1,localhost,testserver
 
 # Each mode runs on TEST_WORKERS pytest-xdist workers, a whole test file to a
-# worker (module-scoped servers start once). tests/worker_isolation.py gives each
+# worker (module-scoped servers start once), the longest files first
+# (tests/file_order.py, from tests/file_seconds.json). tests/worker_isolation.py gives each
 # worker Redis databases of its own: two each, counting up from TEST_REDIS_URL's
 # (databases 1 to 6 by default). PostgreSQL test databases get pytest-django's
 # per-worker suffix (test_test_gw0...).
 TEST_WORKERS ?= 3
-PYTEST := $(BIN)/python -m pytest -p tests.worker_isolation \
-	-n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(BIN)/python -m pytest -p tests.worker_isolation -p tests.file_order \
+	-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: run test lint lint-then-embedded test-embedded test-production test-tools setup-tools \
 	smoke-pythons bench bench-peers soak

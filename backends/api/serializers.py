@@ -95,8 +95,10 @@ class ModelCleanSerializer(serializers.ModelSerializer[M], Generic[M]):
                 continue
             if current is None:
                 instance = self.instance
-                has_one = instance is not None and not isinstance(instance, list)
-                current = self.to_representation(instance) if has_one else {}
+                if instance is None or isinstance(instance, list):
+                    current = {}
+                else:
+                    current = self.to_representation(instance)
             if name not in current or current[name] != value:
                 hint = self.read_only_hints.get(name, "")
                 errors[name] = [f"This field is read-only.{' ' if hint else ''}{hint}"]
