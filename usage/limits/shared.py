@@ -339,11 +339,14 @@ class _Commands:
                 ttl,
             )
         )
-        # 3 + 3 keys + 3 static + 6 per-request arguments.
+        # 3 + 3 keys + 3 static + 6 per-request arguments. EVAL, not EVALSHA:
+        # nobody awaits a settle, and a NOSCRIPT answer (a Redis that lost
+        # its scripts) would be sent again behind the commands written after
+        # it, such as the next admission that needs the slot it frees.
         self.settle = b"*15\r\n" + encode_parts(
             (
-                "EVALSHA",
-                scripts["settle"].sha,
+                "EVAL",
+                SETTLE,
                 3,
                 _key(prefix, "tpm"),
                 self.concurrency_key,
@@ -385,7 +388,6 @@ class RedisLimiter:
             for name, source in (
                 ("admit", ADMIT),
                 ("cover", COVER),
-                ("settle", SETTLE),
                 ("acquire", ACQUIRE),
                 ("renew", RENEW),
             )
@@ -626,7 +628,6 @@ class RedisLimiter:
         """Write every pending settle and release in one go (connection open)."""
         pending, self._pending = self._pending, []
         commands: list[bytes] = []
-        script = self._scripts["settle"]
         for entry in pending:
             if isinstance(entry, bytes):
                 commands.append(entry)
@@ -638,29 +639,11 @@ class RedisLimiter:
             released.remove(lease)
             if not released:
                 del self._released[key]
-            commands.append(
-                encode(
-                    (
-                        "EVALSHA",
-                        script.sha,
-                        3,
-                        "",
-                        key,
-                        "",
-                        0,
-                        "",
-                        0,
-                        0,
-                        lease,
-                        0,
-                        0,
-                        0,
-                        0,
-                    )
-                )
-            )
+            # A plain command: it cannot be refused for a missing script and
+            # sent again after the acquire that needs the slot.
+            commands.append(encode(("ZREM", key, lease)))
         assert self._redis is not None
-        last = self._redis.send_quietly(commands, script)
+        last = self._redis.send_quietly(commands)
         if last is not None:
             self._last_written = last
         return last
@@ -697,10 +680,14 @@ class RedisLimiter:
         redis = self._redis
         if redis is None:
             raise RedisConnectionError("The limiter is not started")
-        if self._pending and redis.is_open:
+        if self._pending:
             # Settles and releases go first: a slot freed here is free for
-            # this command.
-            self._write_pending()
+            # this command (on a connection being opened too: after the
+            # set-up, ahead of this command).
+            if not redis.is_open:
+                await redis.open()
+            if self._pending:
+                self._write_pending()
         return await redis.run_encoded(script, data)
 
     async def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
