@@ -6,7 +6,11 @@ backend). Each admission is one round trip (``EVALSHA`` of a Lua script that
 checks and takes everything atomically, on Redis's own clock; the command is
 encoded once per key and budget period, bar its per-request arguments);
 settles are queued and written together on the loop's next turn, after the
-answer that caused them, and always ahead of the next command. Concurrency slots
+answer that caused them, and always ahead of the next command (in its write).
+Redis answers nothing to a settle or a release (``CLIENT REPLY SKIP``), and
+neither can be refused for a script Redis lost (a settle is an ``EVAL`` of its
+source, a release a plain ``ZREM``): an ``EVALSHA`` answered ``NOSCRIPT`` would
+run again only behind the commands written after it. Concurrency slots
 are leases that this process renews while it holds them, so a process killed
 without warning frees its slots when they expire (LEASE_SECONDS). Budget holds
 are kept per process (``ht:<process>`` fields) and the beat reconciliation
