@@ -264,3 +264,49 @@ def test_settles_survive_a_redis_that_lost_its_scripts(redis_url: str) -> None:
     assert int(stored[b"st"]) == 40
     assert {v for f, v in stored.items() if f[:3] in (b"ht:", b"hn:")} == {b"0"}
     assert ttl > 0  # a month's counter expires after its period
+
+
+def test_a_freed_backend_slot_is_free_for_the_next_acquire_after_a_script_flush(
+    redis_url: str,
+) -> None:
+    # A Redis that has loaded the acquire script but not the others (new, or
+    # restarted, and this the first release since): the release written behind
+    # a request's answer must still reach Redis before the acquire of the
+    # request admission control sends next, or that one gets 503 backends_busy.
+    limiter = RedisLimiter(redis_url)
+    client = redis.Redis.from_url(redis_url)
+    client.script_flush()
+
+    async def main():
+        first = await limiter.acquire_backend("gpu-2", 1)
+        limiter.release_backend("gpu-2", first)
+        await asyncio.sleep(0)  # the loop's next turn: the release is written
+        return first, await limiter.acquire_backend("gpu-2", 1)
+
+    first, second = run(main, limiter)
+    client.close()
+
+    assert first is not None
+    assert second is not None and second != first
+
+
+def test_a_key_slot_freed_by_a_settle_is_free_for_the_next_admit_after_a_script_flush(
+    redis_url: str,
+) -> None:
+    # The same for a key's slot: its settle is written ahead of the next
+    # admission, and must run ahead of it too.
+    limiter = RedisLimiter(redis_url)
+    client = redis.Redis.from_url(redis_url)
+    client.script_flush()
+    policy = KeyPolicy("nx-serial2", max_concurrency=1)
+
+    async def main():
+        first = await limiter.admit(policy, 10, 0)
+        limiter.settle(first.ticket, 5, 0)
+        return first, await limiter.admit(policy, 10, 0)
+
+    first, second = run(main, limiter)
+    client.close()
+
+    assert first.allowed
+    assert second.reason == ""

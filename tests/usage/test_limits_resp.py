@@ -129,33 +129,29 @@ def test_a_reply_split_over_many_reads_is_put_together() -> None:
         client.close()
 
 
-def test_quiet_commands_reload_a_flushed_script_and_report_other_errors() -> None:
-    script = Script("redis.call('INCR', KEYS[1]) return 1 -- " + str(id(object())))
+def test_unanswered_commands_run_in_order_and_keep_the_replies_matched() -> None:
+    # The limiter's settles: written after CLIENT REPLY SKIP, alone or ahead
+    # of an awaited command; every reply still goes to its own caller.
     client = redis.Redis.from_url(settings.REDIS_URL)
     client.delete("nx:resp-quiet")
-    errors: list[Exception] = []
+    skip = encode(("CLIENT", "REPLY", "SKIP"))
+    incr = skip + encode(("INCR", "nx:resp-quiet"))
 
-    async def main() -> None:
-        connection = RespConnection(
-            settings.REDIS_URL, timeout=5, on_error=errors.append
-        )
+    async def main() -> list:
+        connection = RespConnection(settings.REDIS_URL, timeout=5)
         try:
             await connection.open()
-            command = encode(("EVALSHA", script.sha, 1, "nx:resp-quiet"))
-            # Redis lacks the script: loaded, and both commands run once.
-            last = connection.send_quietly([command, command], script)
-            assert last is not None
-            await last
-            last = connection.send_quietly([encode(("NO-SUCH-COMMAND",))])
-            assert last is not None
-            await last
+            assert connection.send_unanswered(incr + incr)
+            first = await connection.call("GET", "nx:resp-quiet")
+            second = await connection.request(
+                encode(("GET", "nx:resp-quiet")), before=incr
+            )
+            return [first, second, await connection.call("PING")]
         finally:
             await connection.close()
 
     try:
-        asyncio.run(main())
-        assert client.get("nx:resp-quiet") == b"2"
-        assert len(errors) == 1 and "unknown command" in str(errors[0])
+        assert asyncio.run(main()) == [b"2", b"3", b"PONG"]
     finally:
         client.delete("nx:resp-quiet")
         client.close()

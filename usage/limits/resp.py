@@ -11,9 +11,10 @@ limiter needs: commands with bulk-string arguments, and RESP2 replies.
 It is an ``asyncio.Protocol``: replies are parsed from the received bytes in
 the loop's own read callback and handed straight to the waiting callers (no
 reader task between them, no await per reply element), and one timer per
-connection enforces the timeout instead of one per command. Commands can
-also be sent without a caller waiting (``send_quietly``: the limiter's
-settles), their errors reported to a callback.
+connection enforces the timeout instead of one per command. Commands that
+Redis is told not to answer (``CLIENT REPLY SKIP`` before each: the limiter's
+settles) can be written with no caller waiting (``send_unanswered``), or ahead
+of a command that is awaited (``request(data, before=...)``), in the same write.
 
 Errors are redis-py's exception types, so callers handle both alike: a reply
 error is ``ResponseError`` (``NoScriptError`` for an unknown script), a lost
@@ -29,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
@@ -54,21 +55,13 @@ class Script:
 
 
 class _Waiter:
-    """One command whose reply is awaited (``future``) or reported (quiet)."""
+    """One command whose reply is awaited."""
 
-    __slots__ = ("data", "deadline", "future", "script")
+    __slots__ = ("deadline", "future")
 
-    def __init__(
-        self,
-        future: asyncio.Future[Reply] | None,
-        deadline: float,
-        data: bytes = b"",
-        script: Script | None = None,
-    ) -> None:
+    def __init__(self, future: asyncio.Future[Reply], deadline: float) -> None:
         self.future = future
         self.deadline = deadline
-        self.data = data  # a quiet command, to send again after SCRIPT LOAD
-        self.script = script
 
 
 class _Link(asyncio.Protocol):
@@ -95,12 +88,7 @@ class _Link(asyncio.Protocol):
 class RespConnection:
     """A single Redis connection shared by every caller of one event loop."""
 
-    def __init__(
-        self,
-        url: str,
-        timeout: float,
-        on_error: Callable[[Exception], None] | None = None,
-    ) -> None:
+    def __init__(self, url: str, timeout: float) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("redis", ""):
             raise ValueError(f"only redis:// URLs are supported, not {parts.scheme}")
@@ -110,8 +98,6 @@ class RespConnection:
         self.username = unquote(parts.username) if parts.username else None
         self.password = unquote(parts.password) if parts.password else None
         self.timeout = timeout
-        # Errors of commands sent with send_quietly (nobody awaits them).
-        self.on_error = on_error
         self._transport: asyncio.Transport | None = None
         self._link: _Link | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -129,13 +115,15 @@ class RespConnection:
         """Send one command and return its reply."""
         return await self.request(encode(args))
 
-    async def request(self, data: bytes) -> Reply:
-        """Send one encoded command (``encode``) and return its reply."""
+    async def request(self, data: bytes, before: bytes = b"") -> Reply:
+        """Send one encoded command (``encode``) and return its reply.
+
+        `before`: encoded commands Redis sends no reply to, written ahead of
+        it in the same write.
+        """
         if not self.is_open:
             await self._connect()
-        future = self._write(data)
-        assert future is not None
-        return await future
+        return await self._write(before + data if before else data)
 
     async def run(self, script: Script, keys: list[str], args: list[Any]) -> Reply:
         """EVALSHA the script, loading it first if Redis does not have it."""
@@ -143,40 +131,34 @@ class RespConnection:
             script, encode(("EVALSHA", script.sha, len(keys), *keys, *args))
         )
 
-    async def run_encoded(self, script: Script, data: bytes) -> Reply:
-        """Send an encoded EVALSHA of `script`; load the script if Redis lacks it."""
+    async def run_encoded(
+        self, script: Script, data: bytes, before: bytes = b""
+    ) -> Reply:
+        """Send an encoded EVALSHA of `script`; load the script if Redis lacks it.
+
+        `before` as for ``request`` (written once, not again with the retry).
+        """
         try:
-            return await self.request(data)
+            return await self.request(data, before)
         except NoScriptError:
             await self.call("SCRIPT", "LOAD", script.source)
             return await self.request(data)
 
-    def send_quietly(
-        self, commands: Iterable[bytes], script: Script | None = None
-    ) -> asyncio.Future[Reply] | None:
-        """Write encoded commands nobody waits for (the connection must be open).
+    def send_unanswered(self, data: bytes) -> bool:
+        """Write encoded commands that Redis sends no reply to (each one after
+        ``CLIENT REPLY SKIP``; anything else would shift every reply after it).
 
-        Reply errors go to ``on_error``, except NOSCRIPT for `script`'s
-        EVALSHA, which loads the script and sends the command again. Returns a
-        future of the last command's reply (ignore it, or await it to know
-        that all were answered); None when there were no commands.
+        Nothing reports how they went: a later awaited command's reply means
+        that they ran before it. False if the connection is not open.
         """
-        last: asyncio.Future[Reply] | None = None
-        data = []
-        deadline = self._now() + self.timeout
-        waiting = self._waiting
-        for command in commands:
-            data.append(command)
-            waiting.append(_Waiter(None, deadline, command, script))
-        if not data:
-            return None
-        last = self._loop_or_running().create_future()
-        waiting[-1].future = last
-        self._send(b"".join(data))
-        return last
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return False
+        transport.write(data)
+        return True
 
     async def open(self) -> None:
-        """Open the connection if it is not (send_quietly needs it open)."""
+        """Open the connection if it is not (send_unanswered needs it open)."""
         if not self.is_open:
             await self._connect()
 
@@ -282,9 +264,7 @@ class RespConnection:
                 if parsed is None:
                     break
                 reply, position = parsed
-                self._deliver(waiting.popleft(), reply)
-                if self._waiting is not waiting:
-                    return  # the connection failed meanwhile (a resend)
+                self._deliver(waiting.popleft(), reply)  # IndexError: unasked
         except (ValueError, IndexError) as error:
             self._drop(ConnectionError(f"Redis connection broken: {error}"))
             return
@@ -297,29 +277,12 @@ class RespConnection:
 
     def _deliver(self, waiter: _Waiter, reply: Reply | ResponseError) -> None:
         future = waiter.future
-        if isinstance(reply, ResponseError):
-            if waiter.data:  # a quiet command
-                if isinstance(reply, NoScriptError) and waiter.script is not None:
-                    self._resend(waiter)
-                    return
-                if self.on_error is not None:
-                    self.on_error(reply)
-                if future is not None and not future.done():
-                    future.set_result(None)
-                return
-            if future is not None and not future.done():
-                future.set_exception(reply)
+        if future.done():
             return
-        if future is not None and not future.done():
+        if isinstance(reply, ResponseError):
+            future.set_exception(reply)
+        else:
             future.set_result(reply)
-
-    def _resend(self, waiter: _Waiter) -> None:
-        assert waiter.script is not None
-        deadline = self._now() + self.timeout
-        load = encode(("SCRIPT", "LOAD", waiter.script.source))
-        self._waiting.append(_Waiter(None, deadline, load))
-        self._waiting.append(_Waiter(waiter.future, deadline, waiter.data))
-        self._send(load + waiter.data)
 
     def _drop(self, error: Exception) -> None:
         transport, self._transport, self._link = self._transport, None, None
@@ -333,18 +296,11 @@ class RespConnection:
             self._timer = None
         self._buffer = b""
         waiting, self._waiting = self._waiting, deque()
-        quiet_failed = False
         for waiter in waiting:
             future = waiter.future
-            if waiter.data:
-                quiet_failed = True
-                if future is not None and not future.done():
-                    future.set_result(None)
-            elif future is not None and not future.done():
+            if not future.done():
                 future.set_exception(error)
                 future.exception()
-        if quiet_failed and self.on_error is not None:
-            self.on_error(error)
 
 
 def encode(args: Iterable[Arg]) -> bytes:

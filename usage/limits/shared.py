@@ -6,7 +6,11 @@ backend). Each admission is one round trip (``EVALSHA`` of a Lua script that
 checks and takes everything atomically, on Redis's own clock; the command is
 encoded once per key and budget period, bar its per-request arguments);
 settles are queued and written together on the loop's next turn, after the
-answer that caused them, and always ahead of the next command. Concurrency slots
+answer that caused them, and always ahead of the next command (in its write).
+Redis answers nothing to a settle or a release (``CLIENT REPLY SKIP``), and
+neither can be refused for a script Redis lost (a settle is an ``EVAL`` of its
+source, a release a plain ``ZREM``): an ``EVALSHA`` answered ``NOSCRIPT`` would
+run again only behind the commands written after it. Concurrency slots
 are leases that this process renews while it holds them, so a process killed
 without warning frees its slots when they expire (LEASE_SECONDS). Budget holds
 are kept per process (``ht:<process>`` fields) and the beat reconciliation
@@ -195,7 +199,10 @@ return {ok, int(held[1]), int(held[2])}
 
 # KEYS: tpm, concurrency, budget. ARGV: tpm, process, budget ttl s (0: none),
 # then per request: tokens to add to the TPM bucket (negative gives back),
-# lease ("": none), held tokens, held nanos, used tokens, used nanos.
+# lease ("": none), held tokens, held nanos, used tokens, used nanos. Spent
+# counts are added, this process's holds lessened by this request's (a field
+# at 0 stays: the next admission sets it again); the counter's expiry is set
+# when it is created (admission or here). Sent whole (EVAL) with each settle.
 SETTLE = """
 local function int(x) return string.format('%.0f', x) end
 local tpm, delta = tonumber(ARGV[1]), tonumber(ARGV[4])
@@ -213,14 +220,11 @@ local ut, un = tonumber(ARGV[8]), tonumber(ARGV[9])
 if ht > 0 or hn > 0 or ut > 0 or un > 0 then
   if ut > 0 then redis.call('HINCRBY', KEYS[3], 'st', int(ut)) end
   if un > 0 then redis.call('HINCRBY', KEYS[3], 'sn', int(un)) end
-  -- This process's holds, less this request's (a field at 0 stays: the
-  -- next admission sets it again).
   local tf, nf = 'ht:' .. ARGV[2], 'hn:' .. ARGV[2]
   local own = redis.call('HMGET', KEYS[3], tf, nf)
   local t = math.max((tonumber(own[1]) or 0) - ht, 0)
   local n = math.max((tonumber(own[2]) or 0) - hn, 0)
   redis.call('HSET', KEYS[3], tf, int(t), nf, int(n))
-  -- The counter's expiry is set when it is created (admission or here).
   if not own[1] and not own[2] and tonumber(ARGV[3]) > 0 then
     redis.call('EXPIRE', KEYS[3], ARGV[3])
   end
@@ -265,6 +269,11 @@ if tonumber(ARGV[2]) > sn then redis.call('HSET', KEYS[1], 'sn', ARGV[2]) end
 if tonumber(ARGV[3]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
 return 1
 """
+
+
+# Written before each settle and release (see RedisLimiter._take_pending).
+_NO_REPLY = encode(("CLIENT", "REPLY", "SKIP"))
+_PING = encode(("PING",))
 
 
 def _key(prefix: str, what: str) -> str:
@@ -339,11 +348,14 @@ class _Commands:
                 ttl,
             )
         )
-        # 3 + 3 keys + 3 static + 6 per-request arguments.
+        # 3 + 3 keys + 3 static + 6 per-request arguments. EVAL, not EVALSHA:
+        # nobody awaits a settle, and a NOSCRIPT answer (a Redis that lost
+        # its scripts) would be sent again behind the commands written after
+        # it, such as the next admission that needs the slot it frees.
         self.settle = b"*15\r\n" + encode_parts(
             (
-                "EVALSHA",
-                scripts["settle"].sha,
+                "EVAL",
+                SETTLE,
                 3,
                 _key(prefix, "tpm"),
                 self.concurrency_key,
@@ -385,7 +397,6 @@ class RedisLimiter:
             for name, source in (
                 ("admit", ADMIT),
                 ("cover", COVER),
-                ("settle", SETTLE),
                 ("acquire", ACQUIRE),
                 ("renew", RENEW),
             )
@@ -401,8 +412,8 @@ class RedisLimiter:
         # (unless a request took the slot over meanwhile).
         self._pending: list[bytes | tuple[str, str]] = []
         self._flush_scheduled = False
-        # The last settle written: answered (or failed) once it is done.
-        self._last_written: asyncio.Future[Any] | None = None
+        # Settles or releases were written that no reply has confirmed yet.
+        self._unconfirmed = False
         self._tasks: list[asyncio.Task[Any]] = []
         self._down_until = 0.0
         self._outage_logged = False
@@ -410,7 +421,7 @@ class RedisLimiter:
     # Lifecycle -----------------------------------------------------------------
 
     def start(self) -> None:
-        self._redis = RespConnection(self.url, self.timeout, on_error=self._failed)
+        self._redis = RespConnection(self.url, self.timeout)
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._renew_periodically(), name="limiter-renew"),
@@ -423,8 +434,6 @@ class RedisLimiter:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._redis is not None:
             await self._flush_settles()
-            if self._last_written is not None:
-                await self._last_written  # answered, or failed by the timeout
             await self._redis.close()
             self._redis = None
 
@@ -609,10 +618,13 @@ class RedisLimiter:
 
     def _flush_soon(self) -> None:
         self._flush_scheduled = False
-        if not self._pending or self._redis is None:
+        redis = self._redis
+        if not self._pending or redis is None:
             return
-        if self._redis.is_open:
-            self._write_pending()
+        if redis.is_open:
+            self._unconfirmed = True
+            if not redis.send_unanswered(self._take_pending()):
+                self._failed(RedisConnectionError("Redis connection lost"))
         else:  # (re)connect first, off the request path
             task = asyncio.get_running_loop().create_task(self._flush_settles())
             self._tasks.append(task)
@@ -622,65 +634,46 @@ class RedisLimiter:
         with contextlib.suppress(ValueError):
             self._tasks.remove(task)
 
-    def _write_pending(self) -> asyncio.Future[Any] | None:
-        """Write every pending settle and release in one go (connection open)."""
+    def _take_pending(self) -> bytes:
+        """Every pending settle and release, encoded to be written in one go.
+
+        Each comes after ``CLIENT REPLY SKIP``: Redis runs it and answers
+        nothing, so nothing has to be read back for it (one wake-up of this
+        process less per request). Its outcome is not reported: a lost settle's
+        holds are reconciled by beat, a lost release's lease expires.
+        """
         pending, self._pending = self._pending, []
         commands: list[bytes] = []
-        script = self._scripts["settle"]
         for entry in pending:
-            if isinstance(entry, bytes):
-                commands.append(entry)
-                continue
-            key, lease = entry  # a backend lease's release (release_backend)
-            released = self._released.get(key, [])
-            if lease not in released:
-                continue  # taken over by a request since: nothing to free
-            released.remove(lease)
-            if not released:
-                del self._released[key]
-            commands.append(
-                encode(
-                    (
-                        "EVALSHA",
-                        script.sha,
-                        3,
-                        "",
-                        key,
-                        "",
-                        0,
-                        "",
-                        0,
-                        0,
-                        lease,
-                        0,
-                        0,
-                        0,
-                        0,
-                    )
-                )
-            )
-        assert self._redis is not None
-        last = self._redis.send_quietly(commands, script)
-        if last is not None:
-            self._last_written = last
-        return last
+            if isinstance(entry, tuple):
+                key, lease = entry  # a backend lease's release (release_backend)
+                released = self._released.get(key, [])
+                if lease not in released:
+                    continue  # taken over by a request since: nothing to free
+                released.remove(lease)
+                if not released:
+                    del self._released[key]
+                # A plain command: it cannot be refused for a missing script
+                # (and so run after the acquire that needs the slot).
+                entry = encode(("ZREM", key, lease))
+            commands += (_NO_REPLY, entry)
+        return b"".join(commands)
 
     async def _flush_settles(self) -> None:
-        """Write what is pending and wait until Redis has answered it."""
+        """Write what is pending and wait until Redis has run it."""
         redis = self._redis
-        if redis is None or not self._pending:
+        if redis is None or not (self._pending or self._unconfirmed):
             return
         try:
             await redis.open()
+            self._unconfirmed = False
+            # Answered once everything written before it has run.
+            await redis.request(_PING, self._take_pending())
         except (RedisError, OSError) as error:
             # Holds and leases expire or are reconciled; spend is recounted
             # from the usage tables by the reconciliation.
             self._failed(error)
             self._drop_pending()
-            return
-        last = self._write_pending()
-        if last is not None:
-            await last
 
     def _drop_pending(self) -> None:
         pending, self._pending = self._pending, []
@@ -697,11 +690,15 @@ class RedisLimiter:
         redis = self._redis
         if redis is None:
             raise RedisConnectionError("The limiter is not started")
-        if self._pending and redis.is_open:
-            # Settles and releases go first: a slot freed here is free for
-            # this command.
-            self._write_pending()
-        return await redis.run_encoded(script, data)
+        before = b""
+        if self._pending:
+            # Settles and releases go first, in the same write: a slot freed
+            # here is free for this command (on a connection being opened
+            # too: after the set-up, ahead of this command).
+            if not redis.is_open:
+                await redis.open()
+            before = self._take_pending()
+        return await redis.run_encoded(script, data, before)
 
     async def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
         script = self._scripts[name]
