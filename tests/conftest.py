@@ -277,13 +277,28 @@ def mock_stats(mock: MockBackendProcess) -> dict[str, Any]:
 
 
 def start_nexus_server(**extra_env: str) -> NexusServer:
+    """Start Daphne serving Nexus on a free port; return it once it answers.
+
+    The port is free when picked but may be taken before Daphne binds it (by
+    another test's server or an outgoing connection): Daphne then exits with a
+    listen failure, and it starts again on another port. It is ready only once
+    its own log says it listens, so a server that took the port first is never
+    mistaken for it.
+    """
+    for _ in range(3):
+        server = _start_daphne(server_env() | extra_env)
+        if server is not None:
+            return server
+    raise RuntimeError("Nexus server did not start: no free port after 3 tries")
+
+
+def _start_daphne(env: dict[str, str]) -> NexusServer | None:
     import threading
     import time
 
     import httpx
 
     port = _free_port()
-    env = server_env() | extra_env
     process = zygote.Popen(
         [
             sys.executable,
@@ -310,10 +325,17 @@ def start_nexus_server(**extra_env: str) -> NexusServer:
 
     threading.Thread(target=drain, daemon=True).start()
     server = NexusServer(process, f"http://127.0.0.1:{port}", log)
+    listening = f"Listening on TCP address 127.0.0.1:{port}"
+    says_so = env.get("LOG_LEVEL", "INFO").upper() in ("DEBUG", "INFO")
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if process.poll() is not None:
+            if any("Listen failure" in line for line in log):
+                return None  # the port was taken meanwhile
             break
+        if says_so and not any(listening in line for line in log):
+            time.sleep(0.05)
+            continue
         try:
             httpx.get(f"{server.base_url}/admin/login/", timeout=1)
             return server
