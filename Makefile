@@ -13,15 +13,18 @@ PRODUCTION := env -u PYTHONDONTWRITEBYTECODE NEXUS_TEST_MODE=production \
 	REDIS_URL=$(TEST_REDIS_URL) SECRET_KEY=tests-only-not-secret \
 	ALLOWED_HOSTS=127.0.0.1,localhost,testserver
 
-# Each mode runs on TEST_WORKERS pytest-xdist workers, a whole test file to a
-# worker (module-scoped servers start once), the longest files first
-# (tests/file_order.py, from tests/file_seconds.json). tests/worker_isolation.py gives each
-# worker Redis databases of its own: two each, counting up from TEST_REDIS_URL's
-# (databases 1 to 6 by default). PostgreSQL test databases get pytest-django's
-# per-worker suffix (test_test_gw0...).
-TEST_WORKERS ?= 3
+# Each mode runs on pytest-xdist workers (TEST_WORKERS sets both counts), a
+# whole test file to a worker (module-scoped servers start once), the longest
+# files first (tests/file_order.py, from tests/file_seconds.json). Production
+# mode gets one worker more: its tests wait on PostgreSQL, Redis and servers
+# more than they use the CPU. tests/worker_isolation.py gives each worker Redis
+# databases of its own: two each, counting up from TEST_REDIS_URL's (databases
+# 1 to 8 by default). PostgreSQL test databases get pytest-django's per-worker
+# suffix (test_test_gw0...).
+EMBEDDED_WORKERS := $(or $(TEST_WORKERS),3)
+PRODUCTION_WORKERS := $(or $(TEST_WORKERS),4)
 PYTEST := $(BIN)/python -m pytest -p tests.worker_isolation -p tests.file_order \
-	-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	--dist loadfile --no-loadscope-reorder
 
 .PHONY: run test lint lint-then-embedded test-embedded test-production test-tools setup-tools \
 	smoke-pythons bench bench-peers soak
@@ -46,10 +49,10 @@ lint: $(VENV)/.installed-dev
 	$(EMBEDDED) NEXUS_STATE_DIR=.nexus-test $(BIN)/python manage.py makemigrations --check --dry-run
 
 test-embedded: $(VENV)/.installed-dev test-tools
-	$(EMBEDDED) $(PYTEST) $(PYTEST_ARGS)
+	$(EMBEDDED) $(PYTEST) -n $(EMBEDDED_WORKERS) $(PYTEST_ARGS)
 
 test-production: $(VENV)/.installed-dev test-tools
-	$(PRODUCTION) $(PYTEST) $(PYTEST_ARGS)
+	$(PRODUCTION) $(PYTEST) -n $(PRODUCTION_WORKERS) $(PYTEST_ARGS)
 
 # Not a test: the proxy's latency, throughput and memory under Daphne, uvicorn
 # and granian, in one and N processes, against issue 11's goals, with

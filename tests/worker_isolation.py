@@ -13,7 +13,7 @@ broadcasts, tasks and usage events.
 Worker ``gwN`` of a run on ``REDIS_URL=redis://host:port/B`` uses database
 ``B + 2N`` as its own and ``B + 2N + 1`` as its spare (for a server that must
 hear no broadcast from the tests, or a Nexus of its own): three workers on the
-default ``/1`` use databases 1 to 6. A run without xdist uses B and B + 1.
+default ``/1`` use databases 1 to 6, four 1 to 8. A run without xdist uses B and B + 1.
 
 This has to happen before Django reads its settings, which pytest-django does
 while loading the initial conftests: hence a plugin, not a conftest fixture.
