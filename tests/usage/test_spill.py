@@ -63,6 +63,19 @@ async def _until(condition: Callable[[], object], what: str, timeout: float) -> 
         await asyncio.sleep(0.01)
 
 
+def _redis_through_cut() -> tuple[TcpCut, str]:
+    """A TcpCut in front of the test Redis, and the Redis URL through it."""
+    redis_url = urlsplit(settings.REDIS_URL)
+    cutter = TcpCut((redis_url.hostname or "127.0.0.1", redis_url.port or 6379))
+    return cutter, redis_url._replace(netloc=f"127.0.0.1:{cutter.port}").geturl()
+
+
+async def _arrived(prefix: str) -> int:
+    """Usage rows whose request id starts with `prefix`, the stream drained first."""
+    await sync_to_async(drain_usage_stream)()
+    return await UsageRecord.objects.filter(request_id__startswith=prefix).acount()
+
+
 async def _replay_all(spill: UsageSpill) -> list[UsageEvent]:
     delivered: list[UsageEvent] = []
 
@@ -189,14 +202,8 @@ async def test_a_cancelled_replay_ends_only_after_its_commit(tmp_path: Path) -> 
 async def test_a_long_redis_outage_costs_no_memory_and_loses_nothing(
     tmp_path: Path,
 ) -> None:
-    from asgiref.sync import sync_to_async
-
-    from usage.stream import RedisShipper, clear_usage_stream, drain_usage_stream
-
     await sync_to_async(clear_usage_stream)()
-    redis_url = urlsplit(settings.REDIS_URL)
-    cutter = TcpCut((redis_url.hostname or "127.0.0.1", redis_url.port or 6379))
-    url = redis_url._replace(netloc=f"127.0.0.1:{cutter.port}").geturl()
+    cutter, url = _redis_through_cut()
     buffer = UsageBuffer(maxlen=1000)
     spill = UsageSpill(tmp_path, keep_in_memory=100)
     shipper = RedisShipper(buffer, redis_url=url, interval=0.01, spill=spill)
@@ -228,10 +235,7 @@ async def test_a_long_redis_outage_costs_no_memory_and_loses_nothing(
         while written < 20_000:
             assert time.monotonic() < deadline, f"only {written} of 20000 arrived"
             await asyncio.sleep(0.2)
-            await sync_to_async(drain_usage_stream)()
-            written = await UsageRecord.objects.filter(
-                request_id__startswith="outage-"
-            ).acount()
+            written = await _arrived("outage-")
         assert written == 20_000  # and none twice (event ids are unique)
         assert not spill.pending
     finally:
@@ -239,8 +243,6 @@ async def test_a_long_redis_outage_costs_no_memory_and_loses_nothing(
         cutter.close()
         # The ORM's connection of sync_to_async's thread: closed, or the test
         # database cannot be dropped at the end of the session.
-        from django.db import connections
-
         await sync_to_async(connections.close_all)()
 
 
@@ -254,14 +256,9 @@ async def test_events_arriving_while_a_shipment_fails_are_all_kept(
     # bounded buffer (the full production runs of the test above lost the
     # newest 100 of 20,000 this way).
     import redis
-    from asgiref.sync import sync_to_async
-
-    from usage.stream import RedisShipper, clear_usage_stream, drain_usage_stream
 
     await sync_to_async(clear_usage_stream)()
-    redis_url = urlsplit(settings.REDIS_URL)
-    cutter = TcpCut((redis_url.hostname or "127.0.0.1", redis_url.port or 6379))
-    url = redis_url._replace(netloc=f"127.0.0.1:{cutter.port}").geturl()
+    cutter, url = _redis_through_cut()
     server = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5)
     buffer = UsageBuffer(maxlen=1000)
     spill = UsageSpill(tmp_path, keep_in_memory=100)
@@ -291,18 +288,13 @@ async def test_events_arriving_while_a_shipment_fails_are_all_kept(
         while written < 1100:
             assert time.monotonic() < deadline, f"only {written} of 1100 arrived"
             await asyncio.sleep(0.1)
-            await sync_to_async(drain_usage_stream)()
-            written = await UsageRecord.objects.filter(
-                request_id__startswith="in-flight-"
-            ).acount()
+            written = await _arrived("in-flight-")
         assert written == 1100
     finally:
         server.client_unpause()
         server.close()
         await shipper.stop()
         cutter.close()
-        from django.db import connections
-
         await sync_to_async(connections.close_all)()
 
 
@@ -313,6 +305,7 @@ class _Outage:
         self.transport = transport
         self.spill_dir = spill_dir
         self.cutter: TcpCut | None = None
+        self.cut_url = ""
 
     def _failing_inserts(
         self, execute: Callable[..., Any], sql: str, *args: Any
@@ -324,10 +317,7 @@ class _Outage:
     async def begin(self) -> None:
         if self.transport == "redis":
             await sync_to_async(clear_usage_stream)()
-            redis_url = urlsplit(settings.REDIS_URL)
-            self.cutter = TcpCut(
-                (redis_url.hostname or "127.0.0.1", redis_url.port or 6379)
-            )
+            self.cutter, self.cut_url = _redis_through_cut()
             self.cutter.cut()
         else:
             # In the flusher's database thread: sync_to_async runs code there.
@@ -352,10 +342,7 @@ class _Outage:
         spill = UsageSpill(self.spill_dir, keep_in_memory=100)
         sink: RedisShipper | DatabaseFlusher
         if self.transport == "redis":
-            url = settings.REDIS_URL
-            if self.cutter is not None:
-                port = self.cutter.port
-                url = urlsplit(url)._replace(netloc=f"127.0.0.1:{port}").geturl()
+            url = self.cut_url if self.cutter is not None else settings.REDIS_URL
             sink = RedisShipper(buffer, redis_url=url, interval=0.01, spill=spill)
         else:
             sink = DatabaseFlusher(buffer, interval=0.01, spill=spill)
@@ -364,7 +351,7 @@ class _Outage:
 
     async def count(self, prefix: str) -> int:
         if self.transport == "redis":
-            await sync_to_async(drain_usage_stream)()
+            return await _arrived(prefix)
         return await UsageRecord.objects.filter(request_id__startswith=prefix).acount()
 
 
