@@ -85,28 +85,24 @@ class Soak:
 
     # Setup -----------------------------------------------------------------
 
+    def _spawn_mock(self, letter: str) -> MockBackendProcess:
+        """Mock backend soak-a or soak-b (B is killed and started again)."""
+        return spawn_mock_backend(
+            "--models",
+            MODEL,
+            "--name",
+            f"soak-{letter}",
+            "--chunks",
+            "8",
+            output=self.scratch / f"mock-{letter}.log",
+        )
+
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
-            self.mock_a = spawn_mock_backend(
-                "--models",
-                MODEL,
-                "--name",
-                "soak-a",
-                "--chunks",
-                "8",
-                output=self.scratch / "mock-a.log",
-            )
+            self.mock_a = self._spawn_mock("a")
             stack.callback(self.mock_a.stop)
-            self.mock_b = spawn_mock_backend(
-                "--models",
-                MODEL,
-                "--name",
-                "soak-b",
-                "--chunks",
-                "8",
-                output=self.scratch / "mock-b.log",
-            )
+            self.mock_b = self._spawn_mock("b")
             # Killed and started again during the run: stop the current one.
             stack.callback(lambda: self.mock_b.stop())
             self.hostile = spawn_mock_backend(
@@ -358,15 +354,7 @@ class Soak:
         self.mock_b.process.kill()
         self.mock_b.process.wait()
         await self.traffic(300)
-        self.mock_b = spawn_mock_backend(
-            "--models",
-            MODEL,
-            "--name",
-            "soak-b",
-            "--chunks",
-            "8",
-            output=self.scratch / "mock-b.log",
-        )
+        self.mock_b = self._spawn_mock("b")
         await sync_to_async(_move_backend)("soak-b", self.mock_b.base_url)
         await self.traffic(300)
 
