@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="After measuring each Nexus target, record a py-spy profile "
         "(collapsed stacks) under 16 connections into the output directory, "
-        "and report its top frames.",
+        "and report its top frames (with --limits: one per key, at c=1).",
     )
     parser.add_argument(
         "--output",
@@ -330,6 +330,7 @@ def _limits(options: argparse.Namespace) -> int:
             seconds,
             options.wrk,
             _progress,
+            options.output if options.profile else None,
         )
     except BenchError as error:
         sys.stderr.write(f"The benchmark failed: {error}\n")

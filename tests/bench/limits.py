@@ -8,7 +8,10 @@ price on the model, so that costs are computed too. Latency at concurrency 1
 comes from raw per-request samples of a keep-alive client (not wrk's
 corrected percentiles), the two keys in alternating rounds so that drift in
 the machine's load falls on both alike; throughput from wrk at 16
-connections, where wrk is installed.
+connections, where wrk is installed. With ``--profile``, py-spy records the
+serving process for 10 s at c=1 for each key (``limits-<key>.txt`` in the
+output directory, and the requests served meanwhile in ``limits.json``), so
+that the two can be compared per request.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import contextlib
 import json
 import shutil
 import statistics
+import threading
 from collections.abc import Callable, Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -35,6 +39,7 @@ from tests.bench.clients import (
     write_wrk_script,
 )
 from tests.bench.processes import TargetSpec, start_target
+from tests.bench.profiles import record_profile
 from usage.models import ApiKey, ModelPrice
 
 MODEL = "nexus-bench-limits"
@@ -53,6 +58,7 @@ BODY = json.dumps(
 ).encode()
 ROUNDS = 6
 WRK_CONNECTIONS = 16
+PROFILE_SECONDS = 10.0
 
 
 @contextlib.contextmanager
@@ -103,6 +109,7 @@ def run_limits_benchmark(
     seconds: float,
     wrk: str,
     progress: Callable[[str], None],
+    profile_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Measure latency at c=1 and throughput with limits off and on."""
     mock = spawn_mock("--models", MODEL, "--name", BACKEND, env=env)
@@ -147,6 +154,12 @@ def run_limits_benchmark(
                         "errors": errors[name],
                         "cpu_us_per_request": cpu[name] / max(count, 1) * 1e6,
                     }
+                if profile_dir is not None:
+                    for name in KEYS:
+                        progress(f"profile at c=1: {name}")
+                        results[name]["profile"] = _profile(
+                            server, endpoints[name], profile_dir / f"limits-{name}.txt"
+                        )
                 if shutil.which(wrk):
                     for name in KEYS:
                         progress(f"wrk c={WRK_CONNECTIONS}: {name}")
@@ -163,6 +176,24 @@ def run_limits_benchmark(
     finally:
         mock.stop()
     return results
+
+
+def _profile(server: Any, endpoint: Endpoint, output: Path) -> dict[str, Any]:
+    """py-spy on the serving process while one client sends requests back to
+    back: where a request's CPU goes with this key (samples per request)."""
+    runs = []
+    load = threading.Thread(
+        target=lambda: runs.append(
+            measure_concurrently(endpoint, 1, PROFILE_SECONDS, expect=b"choices")
+        )
+    )
+    load.start()
+    try:
+        summary = record_profile(server.pids(), int(PROFILE_SECONDS), output)
+    finally:
+        load.join()
+    summary["requests"] = len(runs[0].latencies_ns) if runs else 0
+    return summary
 
 
 def _pct(samples_ns: list[int], pct: int) -> float:

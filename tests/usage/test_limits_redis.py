@@ -12,7 +12,12 @@ from django.conf import settings
 
 from usage.limits.limiter import BUDGET, CONCURRENCY, REQUESTS, TOKENS, UNAVAILABLE
 from usage.limits.policy import KeyPolicy, period_id
-from usage.limits.shared import RedisLimiter, budget_key
+from usage.limits.shared import (
+    COALESCE_SECONDS,
+    RESERVE_SECONDS,
+    RedisLimiter,
+    budget_key,
+)
 
 pytestmark = pytest.mark.skipif(
     not settings.REDIS_URL, reason="the embedded default has no Redis"
@@ -310,3 +315,317 @@ def test_a_key_slot_freed_by_a_settle_is_free_for_the_next_admit_after_a_script_
 
     assert first.allowed
     assert second.reason == ""
+
+
+# Reserves (usage.limits.shared._Reserve): a busy key's requests admitted here
+# without a round trip, never more than the limits allow gateway-wide.
+
+ROOMY = {
+    "rpm": 1_000_000,
+    "tpm": 100_000_000,
+    "max_concurrency": 10_000,
+    "budget_period": "month",
+    "budget_tokens": 10**12,
+    "budget_nanos": 10**15,
+}
+
+
+def count_round_trips(limiter: RedisLimiter) -> list[int]:
+    """Count the limiter's awaited Redis commands (admissions, covers, renews)."""
+    calls = [0]
+    connection = limiter._redis
+    assert connection is not None
+    original = connection.run_encoded
+
+    async def counted(*args, **kwargs):
+        calls[0] += 1
+        return await original(*args, **kwargs)
+
+    connection.run_encoded = counted  # type: ignore[method-assign]
+    return calls
+
+
+def budget_fields(prefix: str, period: str) -> dict[bytes, int]:
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    stored = client.hgetall(budget_key(prefix, period))
+    client.close()
+    return {field: int(value) for field, value in stored.items()}
+
+
+def test_a_busy_keys_requests_are_admitted_without_a_round_trip_each(
+    redis_url: str,
+) -> None:
+    limiter = RedisLimiter(redis_url)
+    policy = KeyPolicy("nx-busy1", **{**ROOMY, "rpm": 6000})  # 100 a second
+
+    async def main():
+        trips = count_round_trips(limiter)
+        decisions = []
+        started = time.monotonic()
+        for _ in range(200):
+            decision = await limiter.admit(policy, 100, 1000)
+            decisions.append(decision)
+            limiter.settle(decision.ticket, 60, 600)
+        elapsed = time.monotonic() - started
+        # The settles of a key holding a reserve are summed and written a
+        # moment later, all of them.
+        await asyncio.sleep(COALESCE_SECONDS + 0.1)
+        period = decisions[0].ticket.period
+        settled = budget_fields("nx-busy1", period)[b"st"]
+        return decisions, trips[0], settled, elapsed
+
+    decisions, trips, settled, elapsed = run(main, limiter)
+
+    assert settled == 200 * 60
+
+    assert all(d.allowed for d in decisions)
+    # The first admission takes no reserve (the key was idle), the second and
+    # each one after a reserve ran out take 64 more: 200 requests, 5 round
+    # trips (and the leases' renewal at start).
+    assert trips <= 6, trips
+    # Every answer has its rate-limit headers: the bucket as this process sees
+    # it, 200 taken and refilled at 100 a second meanwhile.
+    remaining = [
+        int(dict(d.headers)[b"x-ratelimit-remaining-requests"]) for d in decisions
+    ]
+    assert remaining[0] == 5999
+    assert 5800 <= remaining[-1] <= 5800 + elapsed * 100 + 1, (remaining, elapsed)
+    # Spend is settled request by request; the stop gave the reserve back.
+    fields = budget_fields("nx-busy1", decisions[0].ticket.period)
+    assert fields[b"st"] == 200 * 60 and fields[b"sn"] == 200 * 600
+    assert {v for f, v in fields.items() if f[:1] == b"h"} == {0}
+    client = redis.Redis.from_url(redis_url)
+    assert client.zcard("nx:{nx-busy1}:concurrency") == 0
+    client.close()
+
+
+def test_reserves_never_let_three_processes_past_an_rpm_limit(redis_url: str) -> None:
+    # 3 processes admit a busy key's requests as fast as they can: from a full
+    # bucket of 3000, 3000 plus 50 a second are admitted, no more, and hardly
+    # fewer (near the limit no reserve is granted: each admission is exact).
+    limiters = [RedisLimiter(redis_url) for _ in range(3)]
+    policy = KeyPolicy("nx-busy2", rpm=3000)
+
+    async def main():
+        admitted = 0
+        started = time.monotonic()
+
+        async def hammer(limiter: RedisLimiter) -> None:
+            nonlocal admitted
+            refused_in_a_row = 0
+            while refused_in_a_row < 20:
+                decision = await limiter.admit(policy, 1, 0)
+                if decision.allowed:
+                    admitted += 1
+                    refused_in_a_row = 0
+                else:
+                    refused_in_a_row += 1
+
+        await asyncio.gather(*(hammer(limiter) for limiter in limiters))
+        return admitted, time.monotonic() - started
+
+    admitted, elapsed = run(main, *limiters)
+
+    ceiling = 3000 + elapsed * 50
+    assert ceiling * 0.99 <= admitted <= ceiling + 1, (admitted, elapsed)
+
+
+def test_reserved_slots_never_exceed_a_keys_concurrency_and_all_come_back(
+    redis_url: str,
+) -> None:
+    one, two = RedisLimiter(redis_url), RedisLimiter(redis_url)
+    policy = KeyPolicy("nx-busy3", max_concurrency=1000)
+
+    async def main():
+        tickets = []
+        refused = {one: False, two: False}
+        while not all(refused.values()):
+            for limiter in (one, two):
+                decision = await limiter.admit(policy, 0, 0)
+                if decision.allowed:
+                    tickets.append((limiter, decision.ticket))
+                else:
+                    refused[limiter] = True
+        held = len(tickets)
+        for limiter, ticket in tickets:
+            limiter.settle(ticket, 0, 0)
+        return held
+
+    held = run(main, one, two)
+
+    # Exactly the cap: the slots a process holds in reserve are its own to
+    # use, and near the cap it holds none idle.
+    assert held == 1000
+    client = redis.Redis.from_url(redis_url)
+    assert client.zcard("nx:{nx-busy3}:concurrency") == 0  # none leaked
+    client.close()
+
+
+def test_reserves_never_overspend_a_budget_across_processes(redis_url: str) -> None:
+    one, two = RedisLimiter(redis_url), RedisLimiter(redis_url)
+    policy = KeyPolicy("nx-busy4", budget_period="day", budget_tokens=1_000_000)
+
+    async def main():
+        spent = 0
+        refused = {one: False, two: False}
+        while not all(refused.values()):
+            for limiter in (one, two):
+                decision = await limiter.admit(policy, 1000, 0)
+                if decision.allowed:
+                    # A stream cut at its hold is billed what it held.
+                    held = decision.ticket.held_tokens
+                    spent += held
+                    limiter.settle(decision.ticket, held, 0)
+                else:
+                    refused[limiter] = True
+                    assert decision.reason == BUDGET
+        return spent
+
+    spent = run(main, one, two)
+
+    assert spent == 1_000_000
+    fields = budget_fields("nx-busy4", period_id("day", time.time()))
+    assert fields[b"st"] == 1_000_000
+    assert {v for f, v in fields.items() if f[:1] == b"h"} == {0}
+
+
+def test_an_unused_reserve_goes_back_after_a_moment(redis_url: str) -> None:
+    one, two = RedisLimiter(redis_url), RedisLimiter(redis_url)
+    policy = KeyPolicy(
+        "nx-busy5", budget_period="month", budget_tokens=100_000, max_concurrency=500
+    )
+
+    async def main():
+        for _ in range(3):
+            decision = await one.admit(policy, 100, 0)
+            one.settle(decision.ticket, 100, 0)
+        await one._flush_settles()
+        # `one` holds a reserve: `two` sees that much less left.
+        during = await two.admit(policy, 100_000, 0)
+        two.settle(during.ticket, 0, 0)
+        await asyncio.sleep(RESERVE_SECONDS + 0.2)
+        await one._flush_settles()
+        after = await two.admit(policy, 100_000, 0)
+        slots = redis.Redis.from_url(redis_url)
+        idle = slots.zcard("nx:{nx-busy5}:concurrency")
+        slots.close()
+        two.settle(after.ticket, 0, 0)
+        return during.ticket.held_tokens, after.ticket.held_tokens, idle
+
+    during, after, idle = run(main, one, two)
+
+    assert during < 100_000 - 300
+    assert after == 100_000 - 300  # all that is left: the reserve came back
+    assert idle == 1  # `two`'s request's slot only: the reserved slots are freed
+
+
+def test_a_hold_left_by_a_lost_settle_is_corrected_by_the_next_renewal(
+    redis_url: str,
+) -> None:
+    # Settles are written without a reply: one lost with a broken connection
+    # would leave its hold, and this process (alive) is not one whose holds
+    # the reconciliation drops. Its renewal sets them to what it holds.
+    limiter = RedisLimiter(redis_url)
+    policy = KeyPolicy("nx-lost1", budget_period="month", budget_tokens=10_000)
+    client = redis.Redis.from_url(redis_url)
+
+    async def main():
+        decision = await limiter.admit(policy, 100, 0)
+        key = budget_key("nx-lost1", decision.ticket.period)
+        client.hset(key, f"ht:{limiter.process}", 5000)  # as if a settle was lost
+        await limiter.renew()
+        while_running = int(client.hget(key, f"ht:{limiter.process}"))
+        other = await limiter.admit(policy, 9000, 0)
+        limiter.settle(decision.ticket, 100, 0)
+        limiter.settle(other.ticket, 0, 0)
+        client.hset(key, f"ht:{limiter.process}", 777)
+        await limiter.renew()
+        return key, while_running, other.ticket.held_tokens
+
+    key, while_running, other_held = run(main, limiter)
+
+    assert while_running == 100
+    assert other_held == 9000  # 10,000 - 100 held: the 5000 did not count
+    stored = budget_fields("nx-lost1", key.rsplit(":", 1)[1])
+    client.close()
+    assert stored[f"ht:{limiter.process}".encode()] == 0
+    assert stored[b"st"] == 100
+
+
+def test_near_a_budget_a_settle_is_seen_by_the_other_processes_at_once(
+    redis_url: str,
+) -> None:
+    # No reserve near a limit, and no settle kept back: a client alternating
+    # between two processes sees what its previous answer really used.
+    one, two = RedisLimiter(redis_url), RedisLimiter(redis_url)
+    policy = KeyPolicy("nx-near1", budget_period="day", budget_tokens=10_000)
+
+    async def main():
+        held = []
+        for index in range(40):
+            limiter = (one, two)[index % 2]
+            decision = await limiter.admit(policy, 5000, 0)
+            held.append(decision.ticket.held_tokens)
+            limiter.settle(decision.ticket, 200, 0)
+            # The client reads its answer and sends again (over other
+            # connections to Redis than the settle's: allow it to arrive).
+            await asyncio.sleep(0.003)
+        return held
+
+    held = run(main, one, two)
+
+    assert held == [min(5000, 10_000 - 200 * index) for index in range(40)]
+
+
+def test_a_limiter_that_fails_closed_refuses_at_once_when_redis_goes_down(
+    redis_url: str,
+) -> None:
+    # A busy key holds a reserve; Redis goes away: the reserve is not used
+    # once the connection is lost, so a limiter that fails closed answers 503
+    # (limits_unavailable) from the first request after, as configured.
+    from urllib.parse import urlsplit
+
+    from tests.tcp_cut import TcpCut
+
+    parts = urlsplit(redis_url)
+    cut = TcpCut((parts.hostname or "127.0.0.1", parts.port or 6379))
+    limiter = RedisLimiter(f"redis://127.0.0.1:{cut.port}{parts.path}", fail_open=False)
+    policy = KeyPolicy("nx-closed1", **ROOMY)
+
+    async def main():
+        before = [await limiter.admit(policy, 10, 0) for _ in range(3)]
+        assert limiter._commands[policy.prefix][1].reserve is not None
+        cut.cut()
+        await asyncio.sleep(0.05)  # the connection's loss reaches the loop
+        return before, await limiter.admit(policy, 10, 0)
+
+    try:
+        before, after = run(main, limiter)
+    finally:
+        cut.close()
+
+    assert all(d.allowed for d in before)
+    assert after.reason == UNAVAILABLE
+
+
+def test_headers_from_a_reserve_show_what_settles_gave_back(redis_url: str) -> None:
+    # Each request holds 10 tokens of a 60,000 TPM bucket (refilled at 1 a
+    # millisecond) and uses 1: the remaining tokens shown go down by 1 per
+    # request, not 10, though most are admitted from a reserve.
+    limiter = RedisLimiter(redis_url)
+    policy = KeyPolicy("nx-tpmback1", tpm=60_000)
+
+    async def main():
+        remaining = []
+        for _ in range(30):
+            decision = await limiter.admit(policy, 10, 0)
+            remaining.append(
+                int(dict(decision.headers)[b"x-ratelimit-remaining-tokens"])
+            )
+            limiter.settle(decision.ticket, 1, 0)
+        return remaining, limiter._commands[policy.prefix][1].reserve
+
+    remaining, reserve = run(main, limiter)
+
+    assert reserve is not None  # admitted from a reserve
+    assert remaining[-1] >= 60_000 - 10 - 29, remaining  # (300 taken without)

@@ -2,19 +2,23 @@
 
 Every serving process asks the same Redis, so N processes share one RPM, TPM,
 concurrency and budget counter per key (and one concurrency count per
-backend). Each admission is one round trip (``EVALSHA`` of a Lua script that
+backend). An admission is one round trip (``EVALSHA`` of a Lua script that
 checks and takes everything atomically, on Redis's own clock; the command is
-encoded once per key and budget period, bar its per-request arguments);
-settles are queued and written together on the loop's next turn, after the
-answer that caused them, and always ahead of the next command (in its write).
+encoded once per key and budget period, bar its per-request arguments), or
+none for a busy key far from its limits, admitted from the reserve an
+earlier admission took for it (``_Reserve``). Settles are queued and written
+together on the loop's next turn, after the answer that caused them, and
+always ahead of the next command (in its write); those of a key holding a
+reserve are summed for up to COALESCE_SECONDS first.
 Redis answers nothing to a settle or a release (``CLIENT REPLY SKIP``), and
 neither can be refused for a script Redis lost (a settle is an ``EVAL`` of its
 source, a release a plain ``ZREM``): an ``EVALSHA`` answered ``NOSCRIPT`` would
 run again only behind the commands written after it. Concurrency slots
 are leases that this process renews while it holds them, so a process killed
 without warning frees its slots when they expire (LEASE_SECONDS). Budget holds
-are kept per process (``ht:<process>`` fields) and the beat reconciliation
-drops those of processes that stopped renewing their liveness key.
+are kept per process (``ht:<process>`` fields): each process writes its own
+as it counts them with every renewal, and the beat reconciliation drops those
+of processes that stopped renewing their liveness key.
 
 If Redis cannot be reached, ``fail_open`` decides: let the request through
 unchecked, or refuse it (503). Either way it is logged (once per outage) and
@@ -41,12 +45,13 @@ from redis.exceptions import RedisError
 from usage.limits.limiter import (
     BUDGET,
     UNAVAILABLE,
+    WINDOW,
     Decision,
     RateState,
     Ticket,
     budget_retry_after,
-    format_reset,
     new_lease,
+    rate_headers,
 )
 from usage.limits.policy import BudgetPeriod, KeyPolicy, period_end, period_id
 from usage.limits.resp import RespConnection, Script, encode, encode_parts
@@ -54,6 +59,17 @@ from usage.limits.resp import RespConnection, Script, encode, encode_parts
 logger = logging.getLogger(__name__)
 
 LEASE_SECONDS = 60
+# A busy key's admission also takes a reserve for the requests that follow it
+# in this process (_Reserve): at most RESERVE_REQUESTS requests' worth, and at
+# most RESERVE_SHARE of what each of the key's limits has left; what is left
+# of it RESERVE_SECONDS after it was taken goes back.
+RESERVE_REQUESTS = 64
+RESERVE_SHARE = 0.01
+RESERVE_SECONDS = 0.5
+# The settles of a key holding a reserve (far from its limits, so nobody is
+# refused for a hold kept a moment longer) are summed and written together at
+# most this long after the first of them.
+COALESCE_SECONDS = 0.05
 RENEW_SECONDS = 10
 OUTAGE_BACKOFF = 1.0
 # Budget counters of a period outlive it a little (reports read the database).
@@ -67,10 +83,15 @@ local function int(x) return string.format('%.0f', x) end
 
 # KEYS: rpm, tpm, concurrency, budget. ARGV: rpm, tpm, max concurrency, budget
 # tokens, budget nanos (-1: none), lease ms, process, budget ttl s (0: none),
-# then per request: estimate tokens, estimate nanos, lease. Returns one string
-# (cheaper to read than an array): "ok reason retry-ms rpm-remaining
-# rpm-reset-ms tpm-remaining tpm-reset-ms charged hold-tokens hold-nanos";
-# reason "-" when allowed, -1 remaining: no such limit. Expired concurrency
+# then per request: estimate tokens, estimate nanos, lease, reserve wanted (in
+# requests like this one), reserve slots wanted. Returns one string (cheaper
+# to read than an array): "ok reason retry-ms rpm-remaining rpm-reset-ms
+# tpm-remaining tpm-reset-ms charged hold-tokens hold-nanos reserve-requests
+# reserve-slots reserve-tpm reserve-tokens reserve-nanos"; reason "-" when
+# allowed, -1 remaining: no such limit. The reserve (see _Reserve) is taken
+# only when the request is admitted, and is at most RESERVE_SHARE of what each
+# limit has left after it: its slots are leases named "<lease>:<i>", its
+# budget share is held in this process's hold fields. Expired concurrency
 # leases are swept only when the set looks full, and the budget counter's
 # expiry is set when it is created: the common admission makes as few calls
 # as it can.
@@ -97,7 +118,8 @@ local rr, rreset, tr, treset = -1, 0, -1, 0
 local rnew, tnew, charged = 0, 0, 0
 local function no(reason, wait)
   return table.concat({0, reason, int(math.ceil(wait)), int(rr),
-    int(math.ceil(rreset)), int(tr), int(math.ceil(treset)), 0, 0, 0}, ' ')
+    int(math.ceil(rreset)), int(tr), int(math.ceil(treset)), 0, 0, 0, 0, 0, 0, 0, 0},
+    ' ')
 end
 if maxc > 0 and redis.call('ZCARD', KEYS[3]) >= maxc then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
@@ -115,9 +137,9 @@ if tpm > 0 then
   if not ok then return no('tokens', wait) end
 end
 local hold_t, hold_n, fresh, own_t, own_n = 0, 0, false, 0, 0
+local st, sn, ht, hn = 0, 0, 0, 0
 local own_tf, own_nf = 'ht:' .. ARGV[7], 'hn:' .. ARGV[7]
 if bt >= 0 or bn >= 0 then
-  local st, sn, ht, hn = 0, 0, 0, 0
   local vals = redis.call('HGETALL', KEYS[4])
   fresh = #vals == 0
   for i = 1, #vals, 2 do
@@ -142,8 +164,40 @@ if bt >= 0 or bn >= 0 then
     hold_n = math.min(est_n, left)
   end
 end
+local n, ns, res_t, res_bt, res_bn = tonumber(ARGV[12]), 0, 0, 0, 0
+if n > 0 then
+  local F = RESERVE_SHARE
+  if rpm > 0 then n = math.min(n, math.floor(rr * F)) end
+  if tpm > 0 and charged > 0 then n = math.min(n, math.floor(tr * F / charged)) end
+  if bt >= 0 and est_t > 0 then
+    n = math.min(n, math.floor((bt - st - ht - hold_t) * F / est_t))
+  end
+  if bn >= 0 and est_n > 0 then
+    n = math.min(n, math.floor((bn - sn - hn - hold_n) * F / est_n))
+  end
+  if maxc > 0 and n > 0 then
+    local free = maxc - redis.call('ZCARD', KEYS[3]) - 1
+    ns = math.min(n, tonumber(ARGV[13]), math.floor(free * F))
+    if ns < 1 then n = 0 end
+  end
+  if n < 1 then n, ns = 0, 0 end
+  if rpm > 0 then rnew = rnew + n * W / rpm end
+  if tpm > 0 then res_t = n * charged; tnew = tnew + res_t * W / tpm end
+  if bt >= 0 then res_bt = n * est_t end
+  if bn >= 0 then res_bn = n * est_n end
+end
 if maxc > 0 then
-  redis.call('ZADD', KEYS[3], int(now + tonumber(ARGV[6])), ARGV[11])
+  local expiry = int(now + tonumber(ARGV[6]))
+  if ns > 0 then
+    local add = {'ZADD', KEYS[3], expiry, ARGV[11]}
+    for i = 1, ns do
+      add[#add + 1] = expiry
+      add[#add + 1] = ARGV[11] .. ':' .. i
+    end
+    redis.call(unpack(add))
+  else
+    redis.call('ZADD', KEYS[3], expiry, ARGV[11])
+  end
   redis.call('PEXPIRE', KEYS[3], ARGV[6])
 end
 if rpm > 0 then
@@ -152,15 +206,50 @@ end
 if tpm > 0 then
   redis.call('SET', KEYS[2], tostring(tnew), 'PX', int(math.ceil(tnew - now) + 1000))
 end
-if hold_t > 0 and hold_n > 0 then
-  redis.call('HSET', KEYS[4], own_tf, int(own_t + hold_t), own_nf, int(own_n + hold_n))
-elseif hold_t > 0 then redis.call('HSET', KEYS[4], own_tf, int(own_t + hold_t))
-elseif hold_n > 0 then redis.call('HSET', KEYS[4], own_nf, int(own_n + hold_n)) end
-if fresh and (hold_t > 0 or hold_n > 0) and tonumber(ARGV[8]) > 0 then
+local all_t, all_n = hold_t + res_bt, hold_n + res_bn
+if all_t > 0 and all_n > 0 then
+  redis.call('HSET', KEYS[4], own_tf, int(own_t + all_t), own_nf, int(own_n + all_n))
+elseif all_t > 0 then redis.call('HSET', KEYS[4], own_tf, int(own_t + all_t))
+elseif all_n > 0 then redis.call('HSET', KEYS[4], own_nf, int(own_n + all_n)) end
+if fresh and (all_t > 0 or all_n > 0) and tonumber(ARGV[8]) > 0 then
   redis.call('EXPIRE', KEYS[4], ARGV[8])
 end
 return table.concat({1, '-', 0, int(rr), int(math.ceil(rreset)), int(tr),
-  int(math.ceil(treset)), int(charged), int(hold_t), int(hold_n)}, ' ')
+  int(math.ceil(treset)), int(charged), int(hold_t), int(hold_n), int(n), int(ns),
+  int(res_t), int(res_bt), int(res_bn)}, ' ')
+""".replace("RESERVE_SHARE", repr(RESERVE_SHARE))
+)
+
+# KEYS: rpm, tpm, concurrency, budget. ARGV: rpm, tpm, process, then the
+# reserve's leftovers: requests, TPM tokens, budget tokens, budget nanos, then
+# its idle slots' leases. Gives them back: the rate buckets' TATs move back
+# (never before now), this process's holds shrink, the slots are freed.
+RETURN = (
+    _NOW
+    + """
+local function give(key, limit, amount)
+  if limit > 0 and amount > 0 then
+    local tat = tonumber(redis.call('GET', key) or '0')
+    if tat > now then
+      tat = math.max(tat - amount * 60000 / limit, now)
+      redis.call('SET', key, tostring(tat), 'PX', int(math.ceil(tat - now) + 1000))
+    end
+  end
+end
+give(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[4]))
+give(KEYS[2], tonumber(ARGV[2]), tonumber(ARGV[5]))
+local bt, bn = tonumber(ARGV[6]), tonumber(ARGV[7])
+if bt > 0 or bn > 0 then
+  local tf, nf = 'ht:' .. ARGV[3], 'hn:' .. ARGV[3]
+  local own = redis.call('HMGET', KEYS[4], tf, nf)
+  if own[1] or own[2] then
+    local t = math.max((tonumber(own[1]) or 0) - bt, 0)
+    local n = math.max((tonumber(own[2]) or 0) - bn, 0)
+    redis.call('HSET', KEYS[4], tf, int(t), nf, int(n))
+  end
+end
+if #ARGV > 7 then redis.call('ZREM', KEYS[3], unpack(ARGV, 8)) end
+return 1
 """
 )
 
@@ -258,6 +347,20 @@ return 1
 """
 )
 
+# KEYS: budget. ARGV: process, held tokens, held nanos, ttl s (0: none). Sets
+# this process's holds to what it knows it holds (see RedisLimiter.renew).
+HOLDS = """
+local tf, nf = 'ht:' .. ARGV[1], 'hn:' .. ARGV[1]
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  if ARGV[2] == '0' and ARGV[3] == '0' then return 0 end
+  redis.call('HSET', KEYS[1], tf, ARGV[2], nf, ARGV[3])
+  if tonumber(ARGV[4]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[4]) end
+else
+  redis.call('HSET', KEYS[1], tf, ARGV[2], nf, ARGV[3])
+end
+return 1
+"""
+
 # KEYS: budget. ARGV: tokens, nanos, ttl s (0: none). Raises the spent counters
 # to at least the given values.
 RAISE_SPENT = """
@@ -301,17 +404,85 @@ def _none(value: int | None) -> int:
     return -1 if value is None else value
 
 
+class _Reserve:
+    """Limits taken ahead for a busy key's next requests in this process.
+
+    An admission that goes to Redis for a key this process admitted less than
+    RESERVE_SECONDS ago also takes, in the same script, up to RESERVE_REQUESTS
+    more requests' worth of each of the key's limits (RPM, TPM, budget holds
+    and concurrency slots), and never more than RESERVE_SHARE of what any of
+    them has left. The requests that follow are admitted here, with no round
+    trip, while the reserve covers them; the first it cannot cover goes to
+    Redis, which takes the leftovers back in the same write and may grant a
+    new reserve. What is left of a reserve RESERVE_SECONDS after it was taken
+    goes back, as does one whose key's policy or budget period changed, and
+    every reserve at stop.
+
+    Nothing is over-admitted: a reserve is taken from the shared counters
+    before it is used, and a budget's reserve is held in this process's hold
+    fields, which every process counts. What a reserve costs is the other way:
+    while a process holds one, the others see that much less left, at most
+    RESERVE_SHARE of it per process, for at most RESERVE_SECONDS. Near a
+    limit (less than RESERVE_SHARE of a request left to reserve) no reserve
+    is granted and every admission is one round trip, exact as before. A
+    process killed holding one loses its rate tokens (the buckets refill), its
+    budget share is dropped by the beat reconciliation with its other holds,
+    and its slots' leases expire.
+    """
+
+    __slots__ = (
+        "budget_nanos",
+        "budget_tokens",
+        "expires",
+        "requests",
+        "requests_reset",
+        "slot_cap",
+        "slots",
+        "tokens",
+        "tokens_reset",
+    )
+
+    def __init__(
+        self,
+        requests: int,
+        tokens: int,
+        budget_tokens: int,
+        budget_nanos: int,
+        slots: list[str],
+        expires: float,
+        requests_reset: float,
+        tokens_reset: float,
+    ) -> None:
+        self.requests = requests
+        self.tokens = tokens  # TPM tokens
+        self.budget_tokens = budget_tokens
+        self.budget_nanos = budget_nanos
+        self.slots = slots  # idle concurrency leases
+        self.slot_cap = len(slots)
+        self.expires = expires  # monotonic: what is left then goes back
+        # Monotonic instants the key's buckets are full again, as this process
+        # sees them (its own use counted, its leftovers not).
+        self.requests_reset = requests_reset
+        self.tokens_reset = tokens_reset
+
+
 class _Commands:
     """One key's admission and settle commands, encoded once (per policy and
-    budget period) but for their per-request arguments."""
+    budget period) but for their per-request arguments, and its reserve."""
 
     __slots__ = (
         "admit",
+        "busy_until",
         "concurrency_key",
         "ends",
-        "limit_headers",
+        "holds",
+        "in_flight",
+        "keys",
         "period",
+        "rates",
+        "reserve",
         "settle",
+        "unsettled",
     )
 
     def __init__(
@@ -327,17 +498,30 @@ class _Commands:
         self.period = period
         self.ends = ends  # Unix time the period ends (inf: never)
         self.concurrency_key = _key(prefix, "concurrency")
+        self.keys = (
+            _key(prefix, "rpm"),
+            _key(prefix, "tpm"),
+            self.concurrency_key,
+            budget,
+        )
+        self.rates = (policy.rpm or 0, policy.tpm or 0)
+        # What this process holds against the budget, shared by every
+        # _Commands of the same budget counter (see RedisLimiter.renew).
+        self.holds = limiter._holds_of(budget, ttl) if period else None
+        self.reserve: _Reserve | None = None
+        self.busy_until = 0.0  # monotonic: a request before then takes a reserve
+        self.in_flight = 0  # requests of the key holding a slot here
+        # Settles summed, not written yet: TPM delta, held tokens, held nanos,
+        # used tokens, used nanos (see RedisLimiter.settle).
+        self.unsettled: list[int] | None = None
         scripts = limiter._scripts
-        # 3 + 4 keys + 8 static + 3 per-request arguments.
-        self.admit = b"*18\r\n" + encode_parts(
+        # 3 + 4 keys + 8 static + 5 per-request arguments.
+        self.admit = b"*20\r\n" + encode_parts(
             (
                 "EVALSHA",
                 scripts["admit"].sha,
                 4,
-                _key(prefix, "rpm"),
-                _key(prefix, "tpm"),
-                self.concurrency_key,
-                budget,
+                *self.keys,
                 policy.rpm or 0,
                 policy.tpm or 0,
                 policy.max_concurrency or 0,
@@ -357,18 +541,24 @@ class _Commands:
                 "EVAL",
                 SETTLE,
                 3,
-                _key(prefix, "tpm"),
-                self.concurrency_key,
-                budget,
+                *self.keys[1:],
                 policy.tpm or 0,
                 limiter.process,
                 ttl,
             )
         )
-        self.limit_headers = (
-            str(policy.rpm).encode() if policy.rpm is not None else b"",
-            str(policy.tpm).encode() if policy.tpm is not None else b"",
-        )
+
+
+def _rate_headers(
+    policy: KeyPolicy, rr: int, rreset: float, tr: int, treset: float
+) -> tuple[list[tuple[bytes, bytes]], RateState | None, RateState | None]:
+    """The rate-limit headers and figures of an admission (-1: no such limit)."""
+    requests = tokens = None
+    if policy.rpm is not None and rr >= 0:
+        requests = RateState(policy.rpm, rr, rreset)
+    if policy.tpm is not None and tr >= 0:
+        tokens = RateState(policy.tpm, tr, treset)
+    return rate_headers(requests, tokens), requests, tokens
 
 
 class RedisLimiter:
@@ -404,6 +594,12 @@ class RedisLimiter:
         # Per key prefix: the commands of its current policy and period.
         self._commands: dict[str, tuple[KeyPolicy, _Commands]] = {}
         self._leases: dict[str, str] = {}  # lease -> concurrency set key
+        # Per budget counter: [tokens, nanos] this process holds (its requests'
+        # holds and its reserve), and the counter's expiry.
+        self._holds: dict[str, list[int]] = {}
+        self._holds_ttl: dict[str, int] = {}
+        # Admissions and covers sent whose holds are not counted yet.
+        self._unaccounted = 0
         # Backend leases released here whose release is not yet written to
         # Redis: the next request for that backend takes one over.
         self._released: dict[str, list[str]] = {}  # backend set key -> leases
@@ -412,6 +608,8 @@ class RedisLimiter:
         # (unless a request took the slot over meanwhile).
         self._pending: list[bytes | tuple[str, str]] = []
         self._flush_scheduled = False
+        self._unsettled: list[_Commands] = []  # keys with summed settles
+        self._coalescing: asyncio.TimerHandle | None = None
         # Settles or releases were written that no reply has confirmed yet.
         self._unconfirmed = False
         self._tasks: list[asyncio.Task[Any]] = []
@@ -432,7 +630,12 @@ class RedisLimiter:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._coalescing is not None:
+            self._coalescing.cancel()
+            self._coalescing = None
         if self._redis is not None:
+            for _, commands in self._commands.values():
+                self._retire(commands)
             await self._flush_settles()
             await self._redis.close()
             self._redis = None
@@ -445,6 +648,7 @@ class RedisLimiter:
             known, commands = cached
             if known is policy and now < commands.ends:
                 return commands
+            self._retire(commands)  # the policy or the budget period changed
         if policy.has_budget:
             period = period_id(policy.budget_period, now)
             ends = period_end(policy.budget_period, now) or math.inf
@@ -452,48 +656,80 @@ class RedisLimiter:
             period, ends = "", math.inf
         commands = _Commands(self, policy, period, ends)
         if len(self._commands) >= 10_000:  # keys come and go: bounded
+            for _, stale in self._commands.values():
+                self._retire(stale)
             self._commands.clear()
         self._commands[policy.prefix] = (policy, commands)
         return commands
 
+    def _holds_of(self, budget: str, ttl: int) -> list[int]:
+        self._holds_ttl[budget] = ttl
+        return self._holds.setdefault(budget, [0, 0])
+
     async def admit(self, policy: KeyPolicy, tokens: int, nanos: int) -> Decision:
-        if time.monotonic() < self._down_until:
-            return self._unavailable(policy)
         now = self.clock()
         commands = self._commands_for(policy, now)
-        lease = new_lease() if policy.max_concurrency is not None else ""
-        data = commands.admit + encode_parts((tokens, nanos, lease))
+        mono = time.monotonic()
+        if commands.reserve is not None:
+            redis = self._redis
+            # Not with the connection lost: Redis may be down, and a limiter
+            # that fails closed refuses from the moment it knows.
+            if redis is not None and redis.is_open:
+                decision = self._admit_reserved(commands, policy, tokens, nanos, mono)
+                if decision is not None:
+                    return decision
+            # Its leftovers go back ahead of this admission, in its write.
+            self._retire(commands)
+        if mono < self._down_until:
+            return self._unavailable(policy)
+        # A key admitted here moments ago is busy: take a reserve this time.
+        want = RESERVE_REQUESTS if mono < commands.busy_until else 0
+        commands.busy_until = mono + RESERVE_SECONDS
+        lease, slots = "", 0
+        if policy.max_concurrency is not None:
+            lease = new_lease()
+            slots = min(2 * commands.in_flight + 4, RESERVE_REQUESTS) if want else 0
+        data = commands.admit + encode_parts((tokens, nanos, lease, want, slots))
+        self._unaccounted += 1
         try:
-            result = await self._request(self._scripts["admit"], data)
+            return self._admitted(
+                policy,
+                commands,
+                lease,
+                await self._request(self._scripts["admit"], data),
+                now,
+                mono,
+            )
         except (RedisError, OSError) as error:
             self._failed(error)
             return self._unavailable(policy)
+        finally:
+            self._unaccounted -= 1
+
+    def _admitted(
+        self,
+        policy: KeyPolicy,
+        commands: _Commands,
+        lease: str,
+        result: Any,
+        now: float,
+        mono: float,
+    ) -> Decision:
+        """The decision of an admission Redis answered; what it took counted."""
         self._recovered()
         try:
-            ok, reason, wait_ms, rr, rreset, tr, treset, charged, hold_t, hold_n = (
-                result.split(b" ")
-            )
+            (ok, reason, wait_ms, rr, rreset, tr, treset, charged, hold_t, hold_n) = (
+                fields := result.split(b" ")
+            )[:10]
             rr, tr = int(rr), int(tr)
-        except (AttributeError, ValueError):  # not the script's answer
+            reserved, reserved_slots = int(fields[10]), int(fields[11])
+        except (AttributeError, ValueError, IndexError):  # not the script's answer
             self._failed(RedisError(f"Unexpected limiter reply {result!r:.80}"))
             return self._unavailable(policy)
-        headers: list[tuple[bytes, bytes]] = []
-        requests = token_state = None
-        rpm_limit, tpm_limit = commands.limit_headers
-        if rpm_limit and rr >= 0:
-            requests = RateState(policy.rpm, rr, int(rreset) / 1000)  # type: ignore[arg-type]
-            headers += (
-                (b"x-ratelimit-limit-requests", rpm_limit),
-                (b"x-ratelimit-remaining-requests", b"%d" % rr),
-                (b"x-ratelimit-reset-requests", format_reset(int(rreset) / 1000)),
-            )
-        if tpm_limit and tr >= 0:
-            token_state = RateState(policy.tpm, tr, int(treset) / 1000)  # type: ignore[arg-type]
-            headers += (
-                (b"x-ratelimit-limit-tokens", tpm_limit),
-                (b"x-ratelimit-remaining-tokens", b"%d" % tr),
-                (b"x-ratelimit-reset-tokens", format_reset(int(treset) / 1000)),
-            )
+        rreset_s, treset_s = int(rreset) / 1000, int(treset) / 1000
+        headers, requests, token_state = _rate_headers(
+            policy, rr, rreset_s, tr, treset_s
+        )
         if ok != b"1":
             reason = reason.decode()
             wait = int(wait_ms) / 1000
@@ -511,7 +747,151 @@ class RedisLimiter:
         )
         if lease:
             self._leases[lease] = commands.concurrency_key
+            commands.in_flight += 1
+        holds = commands.holds
+        if holds is not None:
+            holds[0] += ticket.held_tokens + int(fields[13])
+            holds[1] += ticket.held_nanos + int(fields[14])
+        if reserved > 0:
+            self._grant(
+                commands, fields, lease, reserved_slots, mono, rreset_s, treset_s
+            )
         return Decision(ticket, "", 0.0, requests, token_state, headers)
+
+    def _grant(
+        self,
+        commands: _Commands,
+        fields: list[bytes],
+        lease: str,
+        slots: int,
+        mono: float,
+        requests_reset: float,
+        tokens_reset: float,
+    ) -> None:
+        """Keep the reserve an admission took (see _Reserve)."""
+        leases = [f"{lease}:{index}" for index in range(1, slots + 1)]
+        for slot in leases:
+            self._leases[slot] = commands.concurrency_key
+        reserve = commands.reserve = _Reserve(
+            int(fields[10]),
+            int(fields[12]),
+            int(fields[13]),
+            int(fields[14]),
+            leases,
+            mono + RESERVE_SECONDS,
+            mono + requests_reset,
+            mono + tokens_reset,
+        )
+        asyncio.get_running_loop().call_later(
+            RESERVE_SECONDS, self._expire, commands, reserve
+        )
+
+    def _admit_reserved(
+        self,
+        commands: _Commands,
+        policy: KeyPolicy,
+        tokens: int,
+        nanos: int,
+        mono: float,
+    ) -> Decision | None:
+        """Admit from the key's reserve, or None if it cannot cover this request."""
+        reserve = commands.reserve
+        assert reserve is not None
+        if mono >= reserve.expires:
+            return None
+        charge = held_t = held_n = 0
+        if policy.rpm is not None and reserve.requests < 1:
+            return None
+        if policy.tpm is not None:
+            charge = min(tokens, policy.tpm)
+            if reserve.tokens < charge:
+                return None
+        if policy.budget_tokens is not None:
+            if reserve.budget_tokens < tokens:
+                return None
+            held_t = tokens
+        if policy.budget_nanos is not None:
+            if reserve.budget_nanos < nanos:
+                return None
+            held_n = nanos
+        lease = ""
+        if policy.max_concurrency is not None:
+            if not reserve.slots:
+                return None
+            lease = reserve.slots.pop()
+            commands.in_flight += 1
+        reserve.requests -= 1
+        reserve.tokens -= charge
+        reserve.budget_tokens -= held_t
+        reserve.budget_nanos -= held_n
+        # The headers: the buckets as this process sees them, its own use
+        # since the reserve counted (GCRA: each request moves the bucket's
+        # full-again instant on by its share of the minute).
+        rr = tr = -1
+        rreset = treset = 0.0
+        if policy.rpm is not None:
+            reserve.requests_reset = (
+                max(reserve.requests_reset, mono) + WINDOW / policy.rpm
+            )
+            rreset = reserve.requests_reset - mono
+            rr = max(int((WINDOW - rreset) * policy.rpm / WINDOW + 1e-9), 0)
+        if policy.tpm is not None:
+            reserve.tokens_reset = (
+                max(reserve.tokens_reset, mono) + charge * WINDOW / policy.tpm
+            )
+            treset = reserve.tokens_reset - mono
+            tr = max(int((WINDOW - treset) * policy.tpm / WINDOW + 1e-9), 0)
+        headers, requests, token_state = _rate_headers(policy, rr, rreset, tr, treset)
+        ticket = Ticket(
+            policy,
+            period=commands.period,
+            lease=lease,
+            charged_tokens=charge,
+            held_tokens=held_t,
+            held_nanos=held_n,
+            handle=commands,
+        )
+        return Decision(ticket, "", 0.0, requests, token_state, headers)
+
+    def _expire(self, commands: _Commands, reserve: _Reserve) -> None:
+        if commands.reserve is reserve:
+            self._retire(commands)
+
+    def _retire(self, commands: _Commands) -> None:
+        """Give the key's reserve back: its leftovers, written with the settles."""
+        reserve = commands.reserve
+        if reserve is None:
+            return
+        commands.reserve = None
+        slots, reserve.slots = reserve.slots, []
+        for slot in slots:
+            self._leases.pop(slot, None)
+        holds = commands.holds
+        if holds is not None:
+            holds[0] -= reserve.budget_tokens
+            holds[1] -= reserve.budget_nanos
+        rpm, tpm = commands.rates
+        requests = reserve.requests if rpm else 0
+        tokens = reserve.tokens if tpm else 0
+        if requests or tokens or reserve.budget_tokens or reserve.budget_nanos or slots:
+            self._queue(
+                encode(
+                    (
+                        "EVAL",
+                        RETURN,
+                        4,
+                        *commands.keys,
+                        rpm,
+                        tpm,
+                        self.process,
+                        requests,
+                        tokens,
+                        reserve.budget_tokens,
+                        reserve.budget_nanos,
+                        *slots,
+                    )
+                )
+            )
 
     async def cover(
         self, ticket: Ticket, used: tuple[int, int], want: tuple[int, int]
@@ -521,6 +901,7 @@ class RedisLimiter:
         if time.monotonic() < self._down_until:
             return self.fail_open
         policy = ticket.policy
+        self._unaccounted += 1
         try:
             ok, hold_t, hold_n = await self._run(
                 "cover",
@@ -535,38 +916,94 @@ class RedisLimiter:
                     *want,
                 ],
             )
+            holds = (
+                ticket.handle.holds if isinstance(ticket.handle, _Commands) else None
+            )
+            if holds is not None:
+                holds[0] += int(hold_t) - ticket.held_tokens
+                holds[1] += int(hold_n) - ticket.held_nanos
+            ticket.held_tokens, ticket.held_nanos = int(hold_t), int(hold_n)
+            return bool(int(ok))
         except (RedisError, OSError) as error:
             self._failed(error)
             return self.fail_open
-        ticket.held_tokens, ticket.held_nanos = int(hold_t), int(hold_n)
-        return bool(int(ok))
+        finally:
+            self._unaccounted -= 1
 
     def settle(self, ticket: Ticket, tokens: int, nanos: int) -> None:
         if ticket.unchecked:
             return
         policy = ticket.policy
-        if ticket.lease:
-            self._leases.pop(ticket.lease, None)
-        delta = tokens - ticket.charged_tokens if policy.tpm is not None else 0
-        budgeted = bool(ticket.period)
-        if not (delta or ticket.lease or budgeted):
-            return
         commands = ticket.handle
         if not isinstance(commands, _Commands):  # admitted by another limiter
+            return
+        lease = ticket.lease
+        if lease:
+            commands.in_flight -= 1
+            reserve = commands.reserve
+            if reserve is not None and len(reserve.slots) < reserve.slot_cap:
+                reserve.slots.append(lease)  # the key's next request here takes it
+                lease = ""
+            else:
+                self._leases.pop(lease, None)
+        delta = tokens - ticket.charged_tokens if policy.tpm is not None else 0
+        if delta and commands.reserve is not None:
+            # The next headers from the reserve show the difference given back
+            # (or taken), as Redis's bucket will once the settle is written.
+            reserve = commands.reserve
+            reserve.tokens_reset = max(
+                reserve.tokens_reset + delta * WINDOW / policy.tpm,  # type: ignore[operator]
+                time.monotonic(),
+            )
+        budgeted = bool(ticket.period)
+        holds = commands.holds
+        if holds is not None:
+            holds[0] -= ticket.held_tokens
+            holds[1] -= ticket.held_nanos
+        if not (delta or lease or budgeted):
+            return
+        used_t, used_n = (tokens, nanos) if budgeted else (0, 0)
+        if not lease and commands.reserve is not None:
+            # Far from its limits: summed with the key's other settles.
+            unsettled = commands.unsettled
+            if unsettled is None:
+                commands.unsettled = [
+                    delta,
+                    ticket.held_tokens,
+                    ticket.held_nanos,
+                    used_t,
+                    used_n,
+                ]
+                self._unsettled.append(commands)
+                if self._coalescing is None:
+                    self._coalescing = asyncio.get_running_loop().call_later(
+                        COALESCE_SECONDS, self._coalesced
+                    )
+            else:
+                unsettled[0] += delta
+                unsettled[1] += ticket.held_tokens
+                unsettled[2] += ticket.held_nanos
+                unsettled[3] += used_t
+                unsettled[4] += used_n
             return
         self._queue(
             commands.settle
             + encode_parts(
                 (
                     delta,
-                    ticket.lease,
+                    lease,
                     ticket.held_tokens,
                     ticket.held_nanos,
-                    tokens if budgeted else 0,
-                    nanos if budgeted else 0,
+                    used_t,
+                    used_n,
                 )
             )
         )
+
+    def _coalesced(self) -> None:
+        self._coalescing = None
+        if self._unsettled:
+            self._flush_soon()
 
     async def acquire_backend(self, backend: str, limit: int) -> str | None:
         key = backend_key(backend)
@@ -619,7 +1056,7 @@ class RedisLimiter:
     def _flush_soon(self) -> None:
         self._flush_scheduled = False
         redis = self._redis
-        if not self._pending or redis is None:
+        if not (self._pending or self._unsettled) or redis is None:
             return
         if redis.is_open:
             self._unconfirmed = True
@@ -644,6 +1081,15 @@ class RedisLimiter:
         """
         pending, self._pending = self._pending, []
         commands: list[bytes] = []
+        unsettled, self._unsettled = self._unsettled, []
+        for summed in unsettled:
+            sums, summed.unsettled = summed.unsettled, None
+            assert sums is not None
+            # TPM delta, "" (no lease), held and used tokens and nanos.
+            commands += (
+                _NO_REPLY,
+                summed.settle + encode_parts((sums[0], "", *sums[1:])),
+            )
         for entry in pending:
             if isinstance(entry, tuple):
                 key, lease = entry  # a backend lease's release (release_backend)
@@ -662,7 +1108,7 @@ class RedisLimiter:
     async def _flush_settles(self) -> None:
         """Write what is pending and wait until Redis has run it."""
         redis = self._redis
-        if redis is None or not (self._pending or self._unconfirmed):
+        if redis is None or not (self._pending or self._unsettled or self._unconfirmed):
             return
         try:
             await redis.open()
@@ -676,6 +1122,11 @@ class RedisLimiter:
             self._drop_pending()
 
     def _drop_pending(self) -> None:
+        # Lost: holds are set right by the next renewal, spend is recounted
+        # from the usage tables by the reconciliation.
+        for commands in self._unsettled:
+            commands.unsettled = None
+        self._unsettled = []
         pending, self._pending = self._pending, []
         for entry in pending:
             if isinstance(entry, tuple):
@@ -691,7 +1142,7 @@ class RedisLimiter:
         if redis is None:
             raise RedisConnectionError("The limiter is not started")
         before = b""
-        if self._pending:
+        if self._pending or self._unsettled:
             # Settles and releases go first, in the same write: a slot freed
             # here is free for this command (on a connection being opened
             # too: after the set-up, ahead of this command).
@@ -717,7 +1168,8 @@ class RedisLimiter:
             await asyncio.sleep(RENEW_SECONDS)
 
     async def renew(self) -> None:
-        """Extend the leases this process holds; mark the process alive."""
+        """Extend the leases this process holds; mark the process alive; set
+        its budget holds to what it knows they are."""
         leases = list(self._leases.items())
         await self._run(
             "renew",
@@ -728,6 +1180,41 @@ class RedisLimiter:
                 *(lease for lease, _ in leases),
             ],
         )
+        self._assert_holds()
+
+    def _assert_holds(self) -> None:
+        """Write this process's budget holds as absolute values.
+
+        Settles and reserve returns are written without a reply; one lost
+        with a broken connection would leave its hold in Redis, and a live
+        process's holds are not dropped by the reconciliation: the budget
+        would look that much more used until its period ends. So the holds
+        this process keeps count of are written as they are, behind every
+        pending settle (in the same write), and only when no admission or
+        cover is between its write and its hold being counted here (whose
+        hold Redis has, or will have, taken but this count has not): then
+        the count is exactly what Redis should hold. Otherwise it is done at the next renewal.
+        """
+        redis = self._redis
+        if redis is None or not self._holds or not redis.is_open or self._unaccounted:
+            return
+        writes = [self._take_pending()]
+        process = self.process
+        for budget, (tokens, nanos) in self._holds.items():
+            ttl = self._holds_ttl.get(budget, 0)
+            writes += (
+                _NO_REPLY,
+                encode(("EVAL", HOLDS, 1, budget, process, tokens, nanos, ttl)),
+            )
+        if not redis.send_unanswered(b"".join(writes)):
+            self._failed(RedisConnectionError("Redis connection lost"))
+            return
+        self._unconfirmed = True
+        used = {commands.keys[3] for _, commands in self._commands.values()}
+        for budget, held in list(self._holds.items()):
+            if held == [0, 0] and budget not in used:
+                del self._holds[budget]
+                self._holds_ttl.pop(budget, None)
 
     # Outages -------------------------------------------------------------------
 
