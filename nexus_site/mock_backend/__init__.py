@@ -59,6 +59,11 @@ Control API, on the same port, never authenticated nor counted in the stats:
   effective configuration. ``{"refuse_for_ms": N}`` stops listening (connects get
   ECONNREFUSED and open connections close) and listens again on the same port
   after N ms; ``{"refuse": true}`` refuses until the process gets SIGUSR1.
+- ``POST /_mock/hold`` with ``{"first": N}`` (with ``slots``): the next N
+  inference requests to get a slot wait in it until the Nth arrives, so that a
+  test sees N at the mock at once however slowly a loaded machine sends them;
+  ``POST /_mock/release`` lets the held ones go at once (else they go after
+  30 s).
 - ``POST /_mock/reset``: zero the stats and go back to the start-up configuration
   and RNG seed, so tests sharing one process do not depend on their order.
 

@@ -65,6 +65,8 @@ logger = logging.getLogger(__name__)
 
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 CONTROL_PREFIX = "/_mock/"
+# The longest a request is held by POST /_mock/hold.
+HOLD_SECONDS = 30.0
 _INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 # Also held to --slots (what a model server runs).
 _SLOTTED_PATHS = (*_INFERENCE_PATHS, "/v1/messages")
@@ -91,6 +93,10 @@ class MockBackend:
         self._background: set[asyncio.Task[None]] = set()
         # Requests waiting for one of the --slots, in arrival order.
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
+        # POST /_mock/hold: how many more requests in a slot are held, and
+        # the ones held (released together when the last of them arrives).
+        self._hold_left = 0
+        self._held: list[asyncio.Future[None]] = []
         self.memory: NodeMemory | None = None
         self._apply_config(config)
 
@@ -453,9 +459,34 @@ class MockBackend:
                 return
         stats.note_slots()
         try:
+            if self._hold_left and not await self._hold(conn):
+                stats.client_disconnects += 1
+                return
             await self._deliver(conn, reply, headers, config)
         finally:
             self._free_slot()
+
+    async def _hold(self, conn: HttpConnection) -> bool:
+        """Hold this request (in its slot) until the last of those that
+        POST /_mock/hold asked for arrives, /_mock/release, or HOLD_SECONDS;
+        False if the client left meanwhile."""
+        self._hold_left -= 1
+        if not self._hold_left:
+            self._release_held()
+            return True
+        held: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._held.append(held)
+        timer = asyncio.get_running_loop().call_later(HOLD_SECONDS, _resolve, held)
+        try:
+            return await conn.wait_for(held)
+        finally:
+            timer.cancel()
+
+    def _release_held(self) -> None:
+        self._hold_left = 0
+        held, self._held = self._held, []
+        for future in held:
+            _resolve(future)
 
     def _free_slot(self) -> None:
         # The slot passes straight to the oldest waiter, if there is one.
@@ -517,8 +548,24 @@ class MockBackend:
                 refuse_for, refuse_forever = _pop_refuse(changes)
                 self._change_config(changes)
                 body = self.describe_config()
+            elif route == "hold":
+                # {"first": N}: hold the next N requests that get a slot until
+                # the Nth arrives, so that a test sees them at the mock at once
+                # however slowly a loaded machine sends them.
+                _require_method(request, "POST")
+                first = parse_json_object(request.body).get("first")
+                if not isinstance(first, int) or isinstance(first, bool) or first < 1:
+                    raise ApiError(400, "first must be a positive integer.")
+                self._release_held()
+                self._hold_left = first
+                body = {"holding": first}
+            elif route == "release":
+                _require_method(request, "POST")
+                body = {"released": len(self._held)}
+                self._release_held()
             elif route == "reset":
                 _require_method(request, "POST")
+                self._release_held()
                 self.stats.reset()
                 self.memory = None
                 self._apply_config(self.initial_config)
@@ -658,3 +705,8 @@ def _model_wanted(request: Request) -> tuple[str, float | None, bool] | None:
 
 def _status_of(reply: bytes | ApiError) -> int:
     return reply.status if isinstance(reply, ApiError) else 200
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import functools
 import json
 import signal
 import socket
@@ -761,13 +762,7 @@ def test_slots_serve_a_few_at_once_and_queue_the_rest_in_order() -> None:
     )
     mock = control(process)
     try:
-        client = mock.client()
-
-        def ask(text: str) -> float:
-            client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": text}]
-            )
-            return time.monotonic()
+        ask = functools.partial(_ask, mock.client())
 
         started = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(5) as pool:
@@ -802,8 +797,46 @@ def test_slots_serve_a_few_at_once_and_queue_the_rest_in_order() -> None:
         process.stop()
 
 
+def _ask(client: openai.OpenAI, text: str) -> float:
+    """Ask the mock a chat question; return when the answer came."""
+    client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": text}]
+    )
+    return time.monotonic()
+
+
 def _wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.02)
+
+
+def test_held_requests_wait_in_their_slots_until_the_last_one_arrives() -> None:
+    process = spawn_mock_backend("--models", "m", "--slots", "4", "--name", "held")
+    mock = control(process)
+    try:
+        ask = functools.partial(_ask, mock.client())
+
+        assert mock.http.post("/_mock/hold", json={"first": 3}).json() == {"holding": 3}
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            first = pool.submit(ask, "one")
+            _wait_until(lambda: mock.stats()["busy_slots"] == 1)
+            second = pool.submit(ask, "two")
+            _wait_until(lambda: mock.stats()["busy_slots"] == 2)
+            assert not first.done() and not second.done()  # held in their slots
+            last = time.monotonic()
+            third = pool.submit(ask, "three")
+            assert min(f.result(timeout=10) for f in (first, second, third)) >= last
+        # Later requests are not held; /_mock/release lets held ones go early.
+        ask("four")
+        mock.http.post("/_mock/hold", json={"first": 5})
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            held = pool.submit(ask, "held")
+            _wait_until(lambda: mock.stats()["busy_slots"] == 1)
+            assert mock.http.post("/_mock/release").json() == {"released": 1}
+            held.result(timeout=10)
+        assert mock.http.post("/_mock/hold", json={"first": 0}).status_code == 400
+    finally:
+        mock.http.close()
+        process.stop()

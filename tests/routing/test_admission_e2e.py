@@ -159,15 +159,24 @@ def test_refusals_come_in_openais_shape_with_retry_after(
     _, key = ApiKey.objects.create_key("busy")
     server = nexus_server_factory()
     httpx.post(f"{slotted.base_url}/_mock/config", json={"latency_ms": 1000})
+    # The two let through wait at the mock until the other four have been
+    # queued or refused, however slowly a loaded machine sends them.
+    httpx.post(f"{slotted.base_url}/_mock/hold", json={"first": 3})
 
     async def scenario() -> list[Any]:
         client = _client(server, key)
         calls = [
-            client.chat.completions.with_raw_response.create(
-                model="m", messages=MESSAGES
+            asyncio.ensure_future(
+                client.chat.completions.with_raw_response.create(
+                    model="m", messages=MESSAGES
+                )
             )
             for _ in range(6)
         ]
+        deadline = time.monotonic() + 30
+        while sum(call.done() for call in calls) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(httpx.post, f"{slotted.base_url}/_mock/release")
         return await asyncio.gather(*calls, return_exceptions=True)
 
     outcomes = asyncio.run(scenario())
@@ -266,9 +275,14 @@ def test_an_idle_backend_takes_its_max_concurrency_before_anything_waits(
     # A server that runs 8 at once: with its max_concurrency said, 8 requests
     # at once on an idle fleet all go straight through; without it, the
     # default band (4 per backend + 10 %) lets 5 through and queues the rest.
+    # Those let through wait at the mock until all 8 have arrived there, or
+    # the others are queued, however slowly a loaded machine sends them (CI
+    # runs saw the first answered before the last arrived: peak 7, and a
+    # sixth let through).
     mock = mock_backend_factory(
-        "--models", "m", "--name", "wide", "--slots", "8", "--latency-ms", "800"
+        "--models", "m", "--name", "wide", "--slots", "8", "--latency-ms", "300"
     )
+    httpx.post(f"{mock.base_url}/_mock/hold", json={"first": 8})
     backend = Backend.objects.create(
         name="wide",
         base_url=mock.base_url,
@@ -281,12 +295,20 @@ def test_an_idle_backend_takes_its_max_concurrency_before_anything_waits(
 
     async def scenario() -> None:
         client = _client(server, key)
-        await asyncio.gather(
-            *(
+        calls = [
+            asyncio.ensure_future(
                 client.chat.completions.create(model="m", messages=MESSAGES)
-                for _ in range(8)
             )
-        )
+            for _ in range(8)
+        ]
+        if bypassed < 8:
+            await asyncio.to_thread(
+                wait_until,
+                lambda: server.metric("nexus_admission_queue_length") == 8 - bypassed,
+                what="the others queued",
+            )
+            await asyncio.to_thread(httpx.post, f"{mock.base_url}/_mock/release")
+        await asyncio.gather(*calls)
 
     asyncio.run(scenario())
     assert server.metric("nexus_admission_bypass_total") == bypassed
