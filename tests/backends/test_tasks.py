@@ -15,7 +15,7 @@ from django.conf import settings
 from backends.models import Backend, BackendModel, HealthStatus
 from backends.tasks import check_backends_health
 from tests.backends.mock_fleet import running_mocks
-from tests.conftest import REPO_ROOT, server_env
+from tests.conftest import REPO_ROOT, server_env, wait_until
 
 
 @pytest.mark.django_db
@@ -133,8 +133,14 @@ def test_a_celery_worker_runs_the_beat_scheduled_health_round(
             assert all(p.poll() is None for p in celery_processes)
             time.sleep(0.1)
         assert backend.status == HealthStatus.HEALTHY
-        # The round that brought it up also listed its models.
-        assert BackendModel.objects.filter(
-            backend=backend, name="llama3:8b", discovered=True
-        ).exists()
+        # The round that brought it up also lists its models, after the
+        # health results are saved (a loaded machine's worker may still be at
+        # it when the next round, on another worker, has saved its check).
+        wait_until(
+            BackendModel.objects.filter(
+                backend=backend, name="llama3:8b", discovered=True
+            ).exists,
+            timeout=30,
+            what="the models listed",
+        )
     assert Backend.objects.count() == 1

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
@@ -18,7 +18,9 @@ from tests.factories import (
 
 pytestmark = pytest.mark.django_db
 
-NOW = timezone.now().replace(second=0, microsecond=0)
+
+def _this_minute() -> datetime:
+    return timezone.now().replace(second=0, microsecond=0)
 
 
 @pytest.fixture
@@ -29,12 +31,15 @@ def api() -> APIClient:
 
 
 @pytest.fixture
-def buckets() -> None:
-    """Two hours of usage for two keys (one anonymous) on two backends."""
+def buckets() -> datetime:
+    """Two hours of usage for two keys (one anonymous) on two backends, up to
+    this minute (of the test, not of the collection: a long run must not move
+    the buckets out of a relative range), which it returns."""
+    now = _this_minute()
     ApiKeyFactory(name="ci-bot", raw_key="nx-cibot000-secret")
     common = {"prompt_tokens": 60, "completion_tokens": 40, "total_tokens": 100}
     UsageBucketFactory(
-        minute=NOW - timedelta(minutes=5),
+        minute=now - timedelta(minutes=5),
         backend="gpu-1",
         model="llama3:8b",
         api_key_prefix="nx-cibot000",
@@ -46,7 +51,7 @@ def buckets() -> None:
         **common,
     )
     UsageBucketFactory(
-        minute=NOW - timedelta(minutes=50),
+        minute=now - timedelta(minutes=50),
         backend="gpu-1",
         model="llama3:8b",
         api_key_prefix="nx-cibot000",
@@ -55,7 +60,7 @@ def buckets() -> None:
         **common,
     )
     UsageBucketFactory(
-        minute=NOW - timedelta(minutes=30),
+        minute=now - timedelta(minutes=30),
         backend="gpu-2",
         model="mistral:7b",
         api_key_prefix="",
@@ -64,13 +69,14 @@ def buckets() -> None:
         **common,
     )
     UsageBucketFactory(
-        minute=NOW - timedelta(days=2),
+        minute=now - timedelta(days=2),
         backend="gpu-2",
         model="llama3:8b",
         api_key_prefix="",
         requests=1,
         **common,
     )
+    return now
 
 
 def test_tokens_without_a_range_are_the_all_time_totals(api: APIClient) -> None:
@@ -105,7 +111,6 @@ def test_tokens_over_a_range_sum_the_buckets_per_series(api: APIClient) -> None:
     assert bot["key_name"] == "ci-bot"
 
 
-@pytest.mark.usefixtures("buckets")
 @pytest.mark.parametrize(
     ("params", "expected_requests"),
     [
@@ -114,15 +119,25 @@ def test_tokens_over_a_range_sum_the_buckets_per_series(api: APIClient) -> None:
         ({"since": "1h", "key": "-"}, 5),
         ({"since": "1h", "key": "nx-cibot000"}, 3),
         ({"since": "10m"}, 2),
-        ({"since": "3d", "until": (NOW - timedelta(minutes=40)).isoformat()}, 2),
+        (
+            {
+                "since": "3d",
+                "until": lambda now: (now - timedelta(minutes=40)).isoformat(),
+            },
+            2,
+        ),
         ({"since": "3d"}, 9),
-        ({"since": (NOW - timedelta(hours=1)).date().isoformat()}, 8),
+        ({"since": lambda now: (now - timedelta(hours=1)).date().isoformat()}, 8),
     ],
 )
 def test_tokens_filters(
-    api: APIClient, params: dict[str, str], expected_requests: int
+    api: APIClient,
+    buckets: datetime,
+    params: dict[str, str | Callable[[datetime], str]],
+    expected_requests: int,
 ) -> None:
-    body = api.get("/api/v1/usage/tokens", params).json()
+    query = {k: v(buckets) if callable(v) else v for k, v in params.items()}
+    body = api.get("/api/v1/usage/tokens", query).json()
 
     assert sum(row["requests"] for row in body["results"]) == expected_requests
 
