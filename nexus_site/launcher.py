@@ -8,6 +8,7 @@ grace period) instead of every process racing to handle SIGINT at once.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import signal
 import socket
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -99,6 +100,11 @@ class Supervisor:
         signal.signal(signal.SIGINT, request_stop)
         signal.signal(signal.SIGTERM, request_stop)
 
+    @property
+    def stopping(self) -> threading.Event:
+        """Set once SIGINT or SIGTERM asked the launcher to stop."""
+        return self._stop
+
     def wait(self) -> int:
         """Block until asked to stop or a child dies; return the exit status."""
         while not self._stop.wait(0.2):
@@ -165,15 +171,46 @@ def open_listener(host: str, port: int, backlog: int = 2048) -> socket.socket:
     return sock
 
 
-def wait_for_port(host: str, port: int, child: Child, timeout: float = 30.0) -> bool:
-    """Wait until something accepts connections on host:port, or the child dies."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def wait_until_serving(
+    host: str,
+    port: int,
+    child: Child,
+    stopping: threading.Event,
+    say: Callable[[str], None],
+    host_header: str = "localhost",
+    patience: float = 30.0,
+) -> bool:
+    """Wait until the serving processes answer HTTP on host:port.
+
+    The launcher opened the listening socket itself, so a connection succeeds
+    (into the backlog) long before a serving process has imported Django and
+    accepts it: only an answer, of any status, says that requests are served.
+    `host_header` should be one the site allows, so the probe logs no
+    disallowed host. Returns False if the child exits or a stop is requested
+    first; says once that it is still waiting after `patience` seconds (a slow
+    or busy machine).
+    """
+    target = _connectable(host)
+    started = time.monotonic()
+    told = False
+    while not stopping.is_set():
         if child.process.poll() is not None:
             return False
+        if not told and time.monotonic() - started > patience:
+            say(f"Still waiting for the web server to answer on {host}:{port}…")
+            told = True
+        connection = http.client.HTTPConnection(target, port, timeout=1.0)
         try:
-            with socket.create_connection((host, port), timeout=0.5):
-                return True
-        except OSError:
+            connection.request("GET", "/health", headers={"Host": host_header})
+            connection.getresponse().read()
+            return True
+        except (OSError, http.client.HTTPException):
             time.sleep(0.1)
+        finally:
+            connection.close()
     return False
+
+
+def _connectable(host: str) -> str:
+    """The address to reach a server listening on host from this machine."""
+    return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)

@@ -139,7 +139,8 @@ def _start(env: dict[str, str], *args: str) -> RunningNexus:
 @contextlib.contextmanager
 def _login(base: str, username: str, password: str) -> Iterator[httpx.Client]:
     """Log in to the admin through its login form, as a browser would."""
-    with httpx.Client(base_url=base, timeout=10) as client:
+    # A ceiling for a loaded CI machine, not an expectation.
+    with httpx.Client(base_url=base, timeout=30) as client:
         _submit_login(client, base, username, password)
         yield client
 

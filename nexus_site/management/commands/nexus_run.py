@@ -17,7 +17,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from nexus_site import demo
-from nexus_site.launcher import Child, Supervisor, open_listener, wait_for_port
+from nexus_site.launcher import Child, Supervisor, open_listener, wait_until_serving
 from nexus_site.serving import SERVERS, server_commands
 from routing.admission.gate import INDEX_ENV, PROCESSES_ENV
 
@@ -123,8 +123,16 @@ class Command(BaseCommand):
             )
             web = webs[0]
             background = () if web_only else self._start_celery(supervisor)
-            if not wait_for_port(host, port, web):
-                supervisor.say("The web server did not start; see [web] above.")
+            if not wait_until_serving(
+                host,
+                port,
+                web,
+                supervisor.stopping,
+                supervisor.say,
+                host_header=_allowed_host(),
+            ):
+                if not supervisor.stopping.is_set():
+                    supervisor.say("The web server did not start; see [web] above.")
             else:
                 self._banner(
                     host, port, admin_line, demo_key, demo_notes, web, *background
@@ -306,3 +314,11 @@ class Command(BaseCommand):
         lines += [f"  {note}" for note in demo_notes]
         lines += ["Press Ctrl-C to stop.", ""]
         self.stdout.write("\n".join(lines))
+
+
+def _allowed_host() -> str:
+    """A Host header the site accepts, for the launcher's readiness probe."""
+    for allowed in settings.ALLOWED_HOSTS:
+        if allowed != "*":
+            return allowed.lstrip(".")
+    return "localhost"
