@@ -110,6 +110,25 @@ def test_unknown_fields_are_refused(api: APIClient) -> None:
     assert response.json() == {"prority": ["Unknown field."]}
 
 
+@pytest.mark.parametrize("encoding", ["multipart", "form"])
+def test_bodies_that_are_not_json_are_refused_with_415(
+    api: APIClient, encoding: str
+) -> None:
+    fields = {"name": "gpu-form", "base_url": "http://10.1.2.3:8000", "kind": "vllm"}
+    if encoding == "multipart":
+        answer = api.post("/api/v1/backends", fields, format="multipart")
+    else:
+        answer = api.generic(
+            "POST",
+            "/api/v1/backends",
+            "name=gpu-form&base_url=http%3A%2F%2F10.1.2.3%3A8000&kind=vllm",
+            content_type="application/x-www-form-urlencoded",
+        )
+    assert answer.status_code == 415
+    assert "Unsupported media type" in answer.json()["detail"]
+    assert not Backend.objects.filter(name="gpu-form").exists()
+
+
 def test_what_a_get_returned_can_be_put_back(api: APIClient) -> None:
     backend = BackendFactory(name="gpu-1", unhealthy=True, api_key=SECRET)
     url = f"/api/v1/backends/{backend.pk}"
