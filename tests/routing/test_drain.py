@@ -147,8 +147,31 @@ def test_sigterm_to_daphne_finishes_every_stream_and_bills_it(
 
     streams.join()
     _assert_all_complete(streams)
-    assert server.process.wait(timeout=30) == 0
+    assert _exit_code(server, timeout=30) == 0
     assert _usage_records() == STREAMS
+
+
+def _exit_code(server: NexusServer, timeout: float) -> int:
+    """The server's exit code; if it is still running, fail with its stacks."""
+    try:
+        return server.process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stacks = subprocess.run(
+            [
+                Path(sys.executable).with_name("py-spy"),
+                "dump",
+                "--pid",
+                str(server.process.pid),
+            ],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        pytest.fail(
+            f"still running {timeout} s after its streams ended; its stacks:\n"
+            f"{stacks.stdout}{stacks.stderr}\nits log:\n" + "".join(server.log[-80:])
+        )
 
 
 def test_sigterm_to_nexus_run_drains_every_serving_process(

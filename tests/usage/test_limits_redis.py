@@ -629,3 +629,56 @@ def test_headers_from_a_reserve_show_what_settles_gave_back(redis_url: str) -> N
 
     assert reserve is not None  # admitted from a reserve
     assert remaining[-1] >= 60_000 - 10 - 29, remaining  # (300 taken without)
+
+
+def test_concurrent_requests_of_a_busy_key_lose_no_reserve(redis_url: str) -> None:
+    # A process serves 8 of a key's requests at a time (the gateway does):
+    # admissions that overlap must not each take a reserve and drop one, or
+    # the requests and slots it held are neither used nor given back.
+    limiter = RedisLimiter(redis_url)
+    policy = KeyPolicy("nx-overlap", **{**ROOMY, "rpm": 6000, "max_concurrency": 2000})
+    periods = set()
+
+    async def main():
+        admitted = 0
+
+        async def client() -> None:
+            nonlocal admitted
+            for _ in range(50):
+                decision = await limiter.admit(policy, 10, 100)
+                assert decision.allowed
+                admitted += 1
+                periods.add(decision.ticket.period)
+                await asyncio.sleep(0.001)  # the request is served
+                limiter.settle(decision.ticket, 6, 60)
+
+        round_trips = count_round_trips(limiter)
+        started = time.monotonic()
+        await asyncio.gather(*(client() for _ in range(8)))
+        assert round_trips[0] < admitted / 4  # reserves were taken and used
+        return admitted, time.monotonic() - started
+
+    admitted, elapsed = run(main, limiter)  # stopping gives the reserve back
+
+    # What a fresh process sees left: all but what was admitted (and refilled).
+    fresh = RedisLimiter(redis_url)
+
+    async def look():
+        return await fresh.admit(policy, 1, 0)
+
+    # Spend settled exactly, and no hold left behind by a dropped reserve.
+    (period,) = periods
+    fields = budget_fields("nx-overlap", period)
+    assert fields[b"st"] == admitted * 6 and fields[b"sn"] == admitted * 60
+    assert {v for f, v in fields.items() if f[:1] == b"h"} == {0}
+
+    after = run(look, fresh)
+    remaining = int(dict(after.headers)[b"x-ratelimit-remaining-requests"])
+    refilled = (elapsed + 1) * 100  # 6000 a minute, and a second to spare
+    assert 6000 - admitted - 1 <= remaining <= 6000 - admitted - 1 + refilled, (
+        admitted,
+        remaining,
+    )
+    client = redis.Redis.from_url(redis_url)
+    assert client.zcard("nx:{nx-overlap}:concurrency") == 1  # the fresh one's
+    client.close()

@@ -481,6 +481,7 @@ class _Commands:
         "period",
         "rates",
         "reserve",
+        "reserving",
         "settle",
         "unsettled",
     )
@@ -509,6 +510,9 @@ class _Commands:
         # _Commands of the same budget counter (see RedisLimiter.renew).
         self.holds = limiter._holds_of(budget, ttl) if period else None
         self.reserve: _Reserve | None = None
+        # An admission asking for a reserve is out: the key's requests that
+        # overlap it ask for none (one reserve at a time, see _grant).
+        self.reserving = False
         self.busy_until = 0.0  # monotonic: a request before then takes a reserve
         self.in_flight = 0  # requests of the key holding a slot here
         # Settles summed, not written yet: TPM delta, held tokens, held nanos,
@@ -682,9 +686,15 @@ class RedisLimiter:
             self._retire(commands)
         if mono < self._down_until:
             return self._unavailable(policy)
-        # A key admitted here moments ago is busy: take a reserve this time.
-        want = RESERVE_REQUESTS if mono < commands.busy_until else 0
+        # A key admitted here moments ago is busy: take a reserve this time,
+        # unless an admission that overlaps this one is taking one.
+        want = (
+            RESERVE_REQUESTS
+            if mono < commands.busy_until and not commands.reserving
+            else 0
+        )
         commands.busy_until = mono + RESERVE_SECONDS
+        commands.reserving = commands.reserving or want > 0
         lease, slots = "", 0
         if policy.max_concurrency is not None:
             lease = new_lease()
@@ -705,6 +715,8 @@ class RedisLimiter:
             return self._unavailable(policy)
         finally:
             self._unaccounted -= 1
+            if want:
+                commands.reserving = False
 
     def _admitted(
         self,
@@ -769,6 +781,9 @@ class RedisLimiter:
         tokens_reset: float,
     ) -> None:
         """Keep the reserve an admission took (see _Reserve)."""
+        # One reserve per key: one still here (taken by an admission that
+        # overlapped) goes back rather than being dropped with what it holds.
+        self._retire(commands)
         leases = [f"{lease}:{index}" for index in range(1, slots + 1)]
         for slot in leases:
             self._leases[slot] = commands.concurrency_key
