@@ -55,6 +55,29 @@ def _share_the_default_ssl_context() -> None:
 _share_the_default_ssl_context()
 
 
+def _always_set_up_the_test_database() -> None:
+    """Create the test database even when no selected test is marked django_db.
+
+    pytest-django creates only the databases the selected tests' markers name,
+    but module fixtures (a server on committed rows) use it through
+    ``django_db_blocker`` alone: run with ``-k`` on tests without the marker,
+    they wrote to the configured database, not the test one ("no such
+    table").
+    """
+    from pytest_django import fixtures
+
+    select = fixtures._get_databases_for_setup
+
+    def with_default(items: Any) -> tuple[set[str], set[str]]:
+        aliases, serialized = select(items)
+        return aliases | {"default"}, serialized
+
+    fixtures._get_databases_for_setup = with_default
+
+
+_always_set_up_the_test_database()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Refuse xdist workers that would share Redis databases (see worker_isolation)."""
     if os.environ.get("PYTEST_XDIST_WORKER") and not config.pluginmanager.has_plugin(

@@ -104,6 +104,7 @@ class ProxyApp:
 
     async def _serve(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         authorization = request_id = content_length = api_key = None
+        anthropic_client = False
         state: GatewayState | None = None
         key_prefix = ""
         for name, value in scope["headers"]:
@@ -115,12 +116,18 @@ class ProxyApp:
                 content_length = value
             elif name == b"x-api-key":
                 api_key = value
+            elif name == b"anthropic-version":
+                anthropic_client = True
         rid = _request_id(request_id)
         headers: Headers = [(b"x-request-id", rid.encode())]
         path, method = scope["path"], scope["method"]
         endpoint, surface = ENDPOINTS.get(path, _NO_ENDPOINT)
         if path in OLLAMA_INFO_PATHS or path in OLLAMA_UNSUPPORTED_PATHS:
             surface = ENDPOINTS["/api/chat"][1]  # Ollama's error shape
+        elif anthropic_client and endpoint is None:
+            # Anthropic's SDK lists models at the same path (its Models API):
+            # its key header, its shapes and its error shape.
+            surface = ANTHROPIC
         try:
             if path in OLLAMA_INFO_PATHS or path in OLLAMA_UNSUPPORTED_PATHS:
                 await self._ollama_info(
@@ -175,11 +182,19 @@ class ProxyApp:
                     state, endpoint, scope, key_prefix, rid, headers, receive, send
                 )
             elif path == MODELS_PATH:
-                body = self.models.body(state.routes, policy)
+                if surface is ANTHROPIC:
+                    query = scope.get("query_string", b"")
+                    body = self.models.anthropic_page(state.routes, policy, query)
+                else:
+                    body = self.models.body(state.routes, policy)
                 await _send_json(send, 200, body, headers)
             else:
                 model_id = path[len(MODELS_PATH) + 1 :]
-                entry = self.models.entry(state.routes, model_id, policy)
+                entry = (
+                    self.models.anthropic_entry(state.routes, model_id, policy)
+                    if surface is ANTHROPIC
+                    else self.models.entry(state.routes, model_id, policy)
+                )
                 if entry is None:
                     raise ProxyError(
                         404,

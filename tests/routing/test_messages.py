@@ -424,6 +424,40 @@ def test_the_key_is_read_from_x_api_key_or_a_bearer_token(gateway: Gateway) -> N
     assert "x-api-key" in response.json()["error"]["message"]
 
 
+def test_the_sdk_lists_and_retrieves_models_in_anthropics_shape(
+    gateway: Gateway,
+) -> None:
+    client = gateway.client()
+    models = list(client.models.list())
+    assert [m.id for m in models] == ["claude-x", "llama3:8b", "llava:7b"]
+    assert {m.type for m in models} == {"model"}
+    assert models[0].display_name == "claude-x" and models[0].created_at.year > 2000
+
+    # Pages by limit and the cursors, as the SDK follows them.
+    first = client.models.list(limit=2)
+    assert [m.id for m in first.data] == ["claude-x", "llama3:8b"]
+    assert first.has_more is True and first.last_id == "llama3:8b"
+    assert [m.id for page in first.iter_pages() for m in page.data] == [
+        "claude-x",
+        "llama3:8b",
+        "llava:7b",
+    ]
+    before = client.models.list(before_id="llava:7b", limit=1)
+    assert [m.id for m in before.data] == ["llama3:8b"] and before.has_more is True
+
+    assert client.models.retrieve("llava:7b").id == "llava:7b"
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.models.retrieve("gpt-9")
+    assert missing.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError):
+        client.models.list(limit=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        gateway.client(api_key="nx-not-a-key").models.list()
+
+    # OpenAI clients keep OpenAI's list at the same path.
+    assert {m.object for m in gateway.openai().models.list()} == {"model"}
+
+
 def test_a_backend_dying_mid_stream_ends_with_an_anthropic_error_event(
     gateway: Gateway,
 ) -> None:
