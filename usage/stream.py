@@ -20,7 +20,10 @@ from typing import Any, cast
 
 import redis
 import redis.asyncio
+import redis.asyncio.retry
+import redis.retry
 from django.conf import settings
+from redis.backoff import NoBackoff
 
 from usage.buffer import UsageBuffer, UsageEvent, decode_events, encode_events
 from usage.flush import flush_usage, keep_on_disk
@@ -37,6 +40,11 @@ SHIP_BATCH = 1000
 DRAIN_BATCH = 1000
 # During a Redis outage, log the failure once per this many attempts.
 _LOG_EVERY = 200
+# The shipper retries on its own (every second, spilling meanwhile): redis-py's
+# own retries (3, backing off up to 10 s, since redis-py 6) only held a failed
+# shipment, and a stop behind it, for half a minute.
+_NO_RETRY = redis.retry.Retry(NoBackoff(), 0)
+_NO_RETRY_ASYNC = redis.asyncio.retry.Retry(NoBackoff(), 0)
 
 
 def _add_batch(pipe: Any, events: list[UsageEvent]) -> None:
@@ -74,7 +82,10 @@ class RedisShipper:
         if self.spill is not None:
             self.spill.open()
         self._client = redis.asyncio.Redis.from_url(
-            self.redis_url, socket_timeout=5, socket_connect_timeout=5
+            self.redis_url,
+            socket_timeout=5,
+            socket_connect_timeout=5,
+            retry=_NO_RETRY_ASYNC,
         )
         self._task = asyncio.get_running_loop().create_task(
             self._run(), name="usage-shipper"
@@ -106,7 +117,7 @@ class RedisShipper:
         if not len(self.buffer):
             return
         client = redis.Redis.from_url(
-            self.redis_url, socket_timeout=5, socket_connect_timeout=5
+            self.redis_url, socket_timeout=5, socket_connect_timeout=5, retry=_NO_RETRY
         )
         try:
             while len(self.buffer):
