@@ -160,7 +160,13 @@ def _anthropic_params(query_string: bytes) -> tuple[int, str | None, str | None]
     limit = ANTHROPIC_DEFAULT_LIMIT
     if "limit" in params:
         raw = params["limit"][-1]
-        if not raw.isdigit() or not 1 <= int(raw) <= ANTHROPIC_MAX_LIMIT:
+        # ASCII digits only: int() takes "²" and other Unicode digits badly.
+        if not (
+            raw.isascii()
+            and raw.isdigit()
+            and len(raw) <= 4
+            and 1 <= int(raw) <= ANTHROPIC_MAX_LIMIT
+        ):
             raise ProxyError(
                 400,
                 f"limit: must be an integer from 1 to {ANTHROPIC_MAX_LIMIT}, "

@@ -449,8 +449,15 @@ def test_the_sdk_lists_and_retrieves_models_in_anthropics_shape(
     with pytest.raises(anthropic.NotFoundError) as missing:
         client.models.retrieve("gpt-9")
     assert missing.value.body["error"]["type"] == "not_found_error"
-    with pytest.raises(anthropic.BadRequestError):
-        client.models.list(limit=0)
+    for limit in ("0", "1001", "x", "²", "9" * 5000):
+        answer = httpx.get(
+            f"{gateway.server.base_url}/v1/models",
+            params={"limit": limit},
+            headers={"x-api-key": gateway.key, "anthropic-version": "2023-06-01"},
+            timeout=10,
+        )
+        assert answer.status_code == 400, (limit[:10], answer.text)
+        assert answer.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.AuthenticationError):
         gateway.client(api_key="nx-not-a-key").models.list()
 
