@@ -54,13 +54,9 @@ class ModelsList:
         model_id: str,
         policy: KeyPolicy | None = None,
     ) -> bytes | None:
-        self._refresh(snapshot)
-        entry = self._entries.get(model_id)
-        if entry is None or (
-            policy is not None and not _is_allowed(policy, snapshot, model_id)
-        ):
+        if not self._visible(snapshot, model_id, policy):
             return None
-        return json.dumps(entry).encode()
+        return json.dumps(self._entries[model_id]).encode()
 
     def anthropic_page(
         self,
@@ -101,9 +97,18 @@ class ModelsList:
         model_id: str,
         policy: KeyPolicy | None = None,
     ) -> bytes | None:
-        if self.entry(snapshot, model_id, policy) is None:
+        if not self._visible(snapshot, model_id, policy):
             return None
         return json.dumps(self._anthropic_entry(model_id)).encode()
+
+    def _visible(
+        self, snapshot: RouterSnapshot, model_id: str, policy: KeyPolicy | None
+    ) -> bool:
+        """Listed in this snapshot, and the key may use it."""
+        self._refresh(snapshot)
+        return model_id in self._entries and (
+            policy is None or _is_allowed(policy, snapshot, model_id)
+        )
 
     def _anthropic_entry(self, name: str) -> dict[str, Any]:
         created = datetime.fromtimestamp(self._entries[name]["created"], UTC)
