@@ -2,7 +2,7 @@
 
 An operator creates a ``Worker`` (admin, API or ``nexus_create_worker``) and
 gets its secret once; only a SHA-256 hash is stored, as for client keys. When
-the worker connects (routing/relay/consumer.py) and registers, its ``Backend``
+the worker connects (gateway/relay/consumer.py) and registers, its ``Backend``
 of kind ``relay`` is created or updated with the models and capacity it
 advertised; when it goes away that backend turns unhealthy and gets no
 traffic. The consumer's channel name is stored so that every serving process
@@ -25,8 +25,8 @@ from django.db import models, transaction
 from django.utils import timezone
 
 from backends.kinds import ModelInfo
-from backends.layer import run_on_layer
 from backends.models import Backend, BackendKind, HealthStatus
+from nexus_lib.layer import run_on_layer
 
 logger = logging.getLogger(__name__)
 

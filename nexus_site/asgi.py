@@ -24,10 +24,10 @@ from channels.auth import AuthMiddlewareStack
 from channels.routing import ProtocolTypeRouter, URLRouter
 from django.urls import re_path
 
-from nexus_site import serving
-from routing.gateway import Gateway, install_gateway
-from routing.proxy import OLLAMA_PATHS, ProxyApp
-from routing.relay.consumer import WorkerConsumer
+from gateway.process import Gateway, install_gateway
+from gateway.proxy import OLLAMA_PATHS, ProxyApp
+from gateway.relay.consumer import WorkerConsumer
+from nexus_site.servers import serving
 from usage.consumers import UsageStreamConsumer
 
 Scope = dict[str, Any]
@@ -210,7 +210,7 @@ http_routes = URLRouter(
         re_path(r"", django_asgi_app),  # type: ignore[arg-type]
     ]
 )
-# Relay workers behind NAT dial in here (see routing/relay/consumer.py).
+# Relay workers behind NAT dial in here (see gateway/relay/consumer.py).
 websocket_routes = URLRouter(
     [re_path(r"^ws/workers/?$", WorkerConsumer.as_asgi(hub=gateway.relay))]
 )

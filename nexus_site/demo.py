@@ -9,7 +9,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from backends.models import Backend, BackendKind, BackendModel, HealthStatus
-from nexus_site.mock_backend import MockBackendProcess, spawn_mock_backend
+from nexus_mock import MockBackendProcess, spawn_mock_backend
 from routing.models import Alias, ChainStep
 from usage.models import ApiKey
 
@@ -60,7 +60,7 @@ def spawn_demo_mock(spec: DemoBackend) -> MockBackendProcess:
     """Start the mock backend that plays ``spec``, slow enough to look real.
 
     A request that offers tools gets a scripted tool call (the mock's rule,
-    ``nexus_site.mock_backend.tools``), so tool calling can be tried at once.
+    ``nexus_mock.tools``), so tool calling can be tried at once.
     Its stdout stays an open pipe for the launcher to relay.
     """
     capabilities: list[str] = []

@@ -364,10 +364,10 @@ if REDIS_URL:
                 "hosts": [REDIS_URL],
                 # One list per serving process holds what comes to its
                 # channels, every chunk of the relay streams it serves among
-                # them (routing/relay): room for bursts.
+                # them (gateway/relay): room for bursts.
                 "channel_capacity": {"specific.*": 10_000},
                 # Group listeners re-join every 10 minutes
-                # (routing.groups.GROUP_REJOIN_SECONDS): a member of a process
+                # (nexus_lib.groups.GROUP_REJOIN_SECONDS): a member of a process
                 # that died without leaving (killed, crashed) is dropped after
                 # 30 minutes instead of channels_redis's day, and stops being
                 # sent every breaker, configuration and live-usage message.

@@ -5,18 +5,19 @@ from django.contrib.admin.views.decorators import staff_member_required
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from gateway import views as gateway_views
 from nexus_site import api
-from routing import views as routing_views
 from usage import views as usage_views
 
 urlpatterns = [
-    # For load balancers and monitoring: no login, no secrets (routing/views.py).
-    path("health", routing_views.health, name="health"),
+    # For load balancers and monitoring: no login, no secrets (gateway/views.py).
+    path("health", gateway_views.health, name="health"),
     path("admin/", admin.site.urls),
     path("dashboard/", usage_views.dashboard, name="dashboard"),
     path("dashboard/history", usage_views.history, name="dashboard-history"),
-    path("dashboard/fleet", routing_views.fleet, name="dashboard-fleet"),
+    path("dashboard/fleet", gateway_views.fleet, name="dashboard-fleet"),
     path("api/v1/", api.ApiIndexView.as_view(), name="api-index"),
+    path("api/v1/", include("gateway.urls")),
     path("api/v1/", include("routing.api.urls")),
     path("api/v1/", include("backends.api.urls")),
     path("api/v1/", include("usage.api.urls")),

@@ -1,15 +1,22 @@
-"""The only bridge from the database to the router core: build_snapshot()."""
+"""The only bridge from the database to what a serving process routes with.
+
+``build_snapshot()`` reads the routing tables into the router core's
+``RouterSnapshot``; ``build_state()`` adds the client keys, prices, spend and
+relay channels into the frozen ``GatewayState`` (routing/state.py).
+"""
 
 from __future__ import annotations
 
 import logging
 from datetime import datetime
+from types import MappingProxyType
 
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from backends.models import Backend, BackendKind, BackendModel, HealthStatus
+from backends.models import Backend, BackendKind, BackendModel, HealthStatus, Worker
+from routing.admission import AdmissionSettings, Criticality
 from routing.core import (
     FLEET_SETTINGS,
     MAX_RETRIES_ENV,
@@ -22,7 +29,11 @@ from routing.core import (
     make_policy,
 )
 from routing.models import Alias, FallbackChain, RoutingPolicy
+from routing.state import GatewayState, KeyAdmission
 from routing.versioning import read_config_version
+from usage.limits.policy import KeyPolicy, Price, resolve_prices
+from usage.limits.spend import read_budget_spend
+from usage.models import ApiKey, ModelPrice
 
 logger = logging.getLogger(__name__)
 
@@ -158,3 +169,73 @@ def _policy(stored: RoutingPolicy) -> Policy:
         max_retries=stored.max_retries,
         fleet=fleet,
     )
+
+
+def build_state() -> GatewayState:
+    """Read the routing tables and the active client keys (sync code only)."""
+    with transaction.atomic():
+        routes = build_snapshot()
+        active = list(ApiKey.objects.active())
+        stored_prices = {
+            price.model: Price(price.input_nanos, price.output_nanos)
+            for price in ModelPrice.objects.all()
+        }
+        spend = read_budget_spend()
+        policy = RoutingPolicy.objects.filter(pk=RoutingPolicy.SINGLETON_PK).first()
+        relay_channels = dict(
+            Worker.objects.exclude(channel_name="")
+            .filter(backend__isnull=False)
+            .values_list("backend__name", "channel_name")
+        )
+    keys: dict[str, str] = {}
+    key_admission: dict[str, KeyAdmission] = {}
+    policies: dict[str, KeyPolicy] = {}
+    for key in active:
+        keys[key.hashed_key] = key.prefix
+        limits = KeyAdmission(
+            key.admission_weight, Criticality.parse(key.max_criticality)
+        )
+        if limits != KeyAdmission():
+            key_admission[key.prefix] = limits
+        policies[key.prefix] = key_policy(key)
+    models = {
+        model.name for backend in routes.backends for model in backend.models
+    } | set(routes.routes)
+    prices = resolve_prices(stored_prices, models)
+    return GatewayState(
+        version=routes.version,
+        routes=routes,
+        keys=MappingProxyType(keys),
+        admission=_admission(policy),
+        key_admission=MappingProxyType(key_admission),
+        policies=MappingProxyType(policies),
+        prices=MappingProxyType(prices),
+        spend=MappingProxyType(spend),
+        relay_channels=MappingProxyType(relay_channels),
+    )
+
+
+def key_policy(key: ApiKey) -> KeyPolicy:
+    """The frozen policy the gateway enforces for one stored key."""
+    return KeyPolicy(
+        prefix=key.prefix,
+        allowed_models=key.model_patterns,
+        expires_at=key.expires_at.timestamp() if key.expires_at else None,
+        max_concurrency=key.max_concurrency,
+        rpm=key.rpm_limit,
+        tpm=key.tpm_limit,
+        budget_period=key.budget_period,
+        budget_tokens=key.budget_tokens,
+        budget_nanos=key.budget_nanos,
+    )
+
+
+def _admission(policy: RoutingPolicy | None) -> AdmissionSettings:
+    if policy is None:
+        return AdmissionSettings()
+    try:
+        return policy.admission_settings()
+    except ValueError as error:
+        # Only a row edited around the model's validation gets here.
+        logger.error("Invalid admission settings, using the defaults: %s", error)
+        return AdmissionSettings()

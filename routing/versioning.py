@@ -19,7 +19,7 @@ from channels.layers import get_channel_layer
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.models import F
 
-from backends.layer import run_on_layer
+from nexus_lib.layer import run_on_layer
 from routing.models import ConfigVersion
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import pytest
 from django.contrib.auth.hashers import PBKDF2PasswordHasher
 from django.test import override_settings
 
-from nexus_site.mock_backend import MockBackendProcess, spawn_mock_backend
+from nexus_mock import MockBackendProcess, spawn_mock_backend
 from tests import zygote
 from tests.worker_isolation import SPARE_REDIS_URL, redis_urls_for_worker
 
@@ -154,7 +154,7 @@ def _fast_password_hashing() -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def _fresh_gateway_state() -> Iterator[None]:
     """Each test starts without this process's cached gateway state."""
-    from routing.gateway import current_gateway
+    from gateway.process import current_gateway
 
     snapshots = current_gateway().snapshots
     snapshots.forget()

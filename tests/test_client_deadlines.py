@@ -1,7 +1,7 @@
 """Slow and oversized clients under uvicorn and granian, as ``nexus_run`` starts them.
 
 The servers run with the command lines ``nexus_run --server uvicorn|granian``
-uses (nexus_site.serving.server_commands), on raw sockets: a client dripping
+uses (nexus_site.servers.serving.server_commands), on raw sockets: a client dripping
 its head is disconnected after ``NEXUS_CLIENT_HEADER_TIMEOUT`` (uvicorn: with a
 408), one dripping its body gets the proxy's 408 after
 ``NEXUS_CLIENT_BODY_TIMEOUT``, and a chunked body with a valid key is cut with
@@ -23,8 +23,8 @@ import httpx
 import pytest
 from django.core.management import call_command
 
-from nexus_site.mock_backend import MockBackendProcess
-from nexus_site.serving import server_commands
+from nexus_mock import MockBackendProcess
+from nexus_site.servers.serving import server_commands
 from tests.conftest import (
     HEAD_OF_MEGABYTES,
     REPO_ROOT,

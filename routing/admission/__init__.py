@@ -3,7 +3,7 @@
 The pure core (no Django, no asyncio, an injected clock): ``settings``
 (the policy's knobs and the band they give), ``queue`` (FairRequestQueue),
 ``controller`` (stock, hysteresis, dispatch, release), ``errors``. The proxy's
-async glue lives in ``routing.admission.gate`` and imports this core.
+async glue lives in ``gateway.admission`` and imports this core.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ backends, this process's share of it (``AdmissionSettings.band``).
   safety timer.
 
 Pure Python with an injected clock: the proxy's async glue
-(``routing.admission.gate``) turns ``Ticket.on_done`` into a future.
+(``gateway.admission``) turns ``Ticket.on_done`` into a future.
 """
 
 from __future__ import annotations

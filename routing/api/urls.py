@@ -8,8 +8,6 @@ from routing.api.views import (
     AliasViewSet,
     EffectiveConfigView,
     FallbackChainViewSet,
-    LiveUsageView,
-    RouteExplainView,
     RoutingPolicyView,
 )
 
@@ -18,12 +16,9 @@ router.register("aliases", AliasViewSet, basename="alias")
 router.register("fallback-chains", FallbackChainViewSet, basename="fallback-chain")
 
 urlpatterns = [
-    path("route/explain", RouteExplainView.as_view(), name="route-explain"),
     path("policy", RoutingPolicyView.as_view(), name="routing-policy"),
     path("config", EffectiveConfigView.as_view(), name="effective-config"),
     path("config/import", ConfigImportView.as_view(), name="config-import"),
     path("config/export", ConfigExportView.as_view(), name="config-export"),
-    # Listed with the usage endpoints, but it reads this process's gateway.
-    path("usage/live", LiveUsageView.as_view(), name="usage-live"),
     *router.urls,
 ]

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from backends.models import Backend, HealthStatus
-from nexus_site.mock_backend import MockBackendProcess, spawn_mock_backend
+from nexus_mock import MockBackendProcess, spawn_mock_backend
 from tests import zygote
 from tests.factories import BackendFactory
 

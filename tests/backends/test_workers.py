@@ -1,7 +1,7 @@
 """Relay workers' secrets: the command, the API and the admin.
 
 What a worker does once connected is tested end to end in
-tests/routing/test_relay_e2e.py.
+tests/gateway/test_relay_e2e.py.
 """
 
 from __future__ import annotations

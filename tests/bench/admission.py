@@ -175,7 +175,7 @@ def _pct(samples: list[float], pct: int) -> float:
 
 def measure_bypass_cost(calls: int = 200_000) -> dict[str, float]:
     """Microseconds per request the bypass path adds (prepare + admit + release)."""
-    from routing.admission.gate import AdmissionGate
+    from gateway.admission import AdmissionGate
     from routing.core import BackendSpec, ModelSpec, RequestRequirements, RouterSnapshot
     from routing.state import GatewayState
 

@@ -245,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _admission(options: argparse.Namespace) -> int:
-    from nexus_site.mock_backend import spawn_mock_backend
+    from nexus_mock import spawn_mock_backend
     from tests.bench.admission import (
         format_admission_report,
         run_admission_benchmark,
@@ -269,7 +269,7 @@ def _admission(options: argparse.Namespace) -> int:
 
 
 def _fleet(options: argparse.Namespace) -> int:
-    from nexus_site.mock_backend import spawn_mock_backend
+    from nexus_mock import spawn_mock_backend
     from tests.bench.fleet import format_fleet_report, run_fleet_benchmark
 
     ensure_database()
@@ -314,7 +314,7 @@ def _relay(options: argparse.Namespace) -> int:
 
 
 def _limits(options: argparse.Namespace) -> int:
-    from nexus_site.mock_backend import spawn_mock_backend
+    from nexus_mock import spawn_mock_backend
     from tests.bench.limits import format_limits_report, run_limits_benchmark
 
     ensure_database()

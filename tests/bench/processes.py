@@ -2,7 +2,7 @@
 
 A serving target is Nexus under one ASGI server, in one process or in several
 sharing one port (started as ``nexus_run`` starts them, with
-``nexus_site.serving.server_commands`` and a listening socket opened once by
+``nexus_site.servers.serving.server_commands`` and a listening socket opened once by
 ``nexus_site.launcher.open_listener``), the ``bare-daphne`` reference app, or a
 peer gateway (LiteLLM). Single-process targets may be pinned to CPUs with
 ``taskset`` (set before exec, so every thread and child inherits it).
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import httpx
 
+from nexus_mock import MockStartError, spawn_mock_backend
 from nexus_site.launcher import open_listener
-from nexus_site.mock_backend import MockStartError, spawn_mock_backend
-from nexus_site.serving import SERVERS as NEXUS_SERVERS
-from nexus_site.serving import server_commands
+from nexus_site.servers.serving import SERVERS as NEXUS_SERVERS
+from nexus_site.servers.serving import server_commands
 from tests.bench.clients import BenchError
 
 START_TIMEOUT = 60.0

@@ -40,7 +40,7 @@ import httpx
 from django.db import transaction
 
 from backends.models import Backend, Worker
-from nexus_site.mock_backend.spawn import MockBackendProcess, spawn_mock_backend
+from nexus_mock.spawn import MockBackendProcess, spawn_mock_backend
 from routing.versioning import read_config_version
 from tests.bench.database import MODEL, child_environment, install_bench_rows
 
@@ -77,7 +77,7 @@ def _start_server(
         [
             sys.executable,
             "-m",
-            "nexus_site.daphne_main",
+            "nexus_site.servers.daphne_main",
             "-b",
             "127.0.0.1",
             "-p",
@@ -241,7 +241,7 @@ def _run_mode(
             [
                 sys.executable,
                 "-m",
-                "nexus_site.worker",
+                "nexus_worker",
                 "--server",
                 first_url,
                 "--backend",

@@ -44,7 +44,7 @@ from tests.factories import (
     BackendModelFactory,
     RoutingPolicyFactory,
 )
-from tests.routing.test_proxy_hot_path import make_gateway, serve
+from tests.gateway.test_proxy_hot_path import make_gateway, serve
 from tests.test_settings import _load_settings
 from usage.models import ApiKey
 

@@ -48,8 +48,8 @@ from django.core.management import call_command
 from django.db import connection
 
 from backends.models import Backend, BackendModel, HealthStatus
-from nexus_site.mock_backend import MockBackendProcess, spawn_mock_backend
-from nexus_site.mock_backend.hostile import MODES
+from nexus_mock import MockBackendProcess, spawn_mock_backend
+from tests.hostile_backend import MODES
 from tests.tcp_cut import TcpCut
 from usage.models import ApiKey
 from usage.stream import clear_usage_stream, drain_usage_stream
@@ -108,7 +108,7 @@ class Soak:
             self.hostile = spawn_mock_backend(
                 "--size",
                 str(64 * 1024 * 1024),
-                module="nexus_site.mock_backend.hostile",
+                module="tests.hostile_backend",
                 output=self.scratch / "hostile.log",
             )
             stack.callback(self.hostile.stop)
@@ -179,7 +179,7 @@ class Soak:
             [
                 sys.executable,
                 "-m",
-                "nexus_site.daphne_main",
+                "nexus_site.servers.daphne_main",
                 "-b",
                 "127.0.0.1",
                 "-p",

@@ -1,6 +1,6 @@
 """What a client key may do, and what a model costs: frozen values, no Django.
 
-The snapshot (routing/state.py) builds one ``KeyPolicy`` per active key and
+The snapshot (routing/snapshot.py) builds one ``KeyPolicy`` per active key and
 one ``Price`` per served model; the gateway reads only these on the request
 path. Money is counted in integer nano-USD (1e-9 USD) so that sums are exact:
 a price of $X per million tokens is X*1000 nano-USD per token.

@@ -1,6 +1,6 @@
-"""Serve a fake OpenAI-compatible model server (see ``nexus_site.mock_backend``).
+"""Serve a fake OpenAI-compatible model server (see ``nexus_mock``).
 
-The same flags and code as ``python -m nexus_site.mock_backend``; this command
+The same flags and code as ``python -m nexus_mock``; this command
 keeps the name users and scripts know.
 """
 
@@ -10,8 +10,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from nexus_site.mock_backend import ListenError
-from nexus_site.mock_backend.cli import (
+from nexus_mock import ListenError
+from nexus_mock.cli import (
     DESCRIPTION,
     UsageError,
     add_arguments,

@@ -16,10 +16,10 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from gateway.admission import INDEX_ENV, PROCESSES_ENV
 from nexus_site import demo
 from nexus_site.launcher import Child, Supervisor, open_listener, wait_until_serving
-from nexus_site.serving import SERVERS, server_commands
-from routing.admission.gate import INDEX_ENV, PROCESSES_ENV
+from nexus_site.servers.serving import SERVERS, server_commands
 
 
 class Command(BaseCommand):

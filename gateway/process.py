@@ -1,0 +1,426 @@
+"""One gateway per serving process: all its live state, with one lifecycle.
+
+The ASGI wiring (nexus_site/asgi.py) builds a ``Gateway`` from the settings and
+hands it to the proxy (``ProxyApp(gateway)``), the usage stream and /metrics.
+It owns what a serving process keeps between requests: the snapshot holder,
+the router and its live stats (in flight, latency, open circuits), the circuit
+breaker, the usage buffer and its shipper, the live usage counters and their
+publisher, the upstream HTTP client and the metrics. ``start()`` starts every
+background task on the running loop, ``stop()`` ends them after handing on the
+usage still held; ``drain()`` is the graceful part of a shutdown.
+
+Tests build their own gateways; Django views that need the serving process's
+live numbers ask ``current_gateway()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from channels.db import database_sync_to_async
+from django.conf import settings
+
+from backends.workers import sweep_silent_workers
+from gateway.admission import AdmissionGate
+from gateway.breaker import BREAKER_GROUP, BreakerSettings, CircuitBreaker
+from gateway.fleet.scheduler import FleetScheduler
+from gateway.holder import SnapshotHolder
+from gateway.metrics import GatewayMetrics, MetricsEndpoint, Network, parse_networks
+from gateway.proxy.upstream import ReplyLimits, UpstreamClient
+from gateway.relay.dispatch import LOAD_GROUP, RelayHub
+from nexus_lib.groups import listen_to_group
+from nexus_worker import protocol
+from routing.core import Health, LiveStats, Router, RouterSnapshot
+from routing.snapshot import build_state
+from routing.state import GatewayState
+from routing.versioning import read_config_version
+from usage.buffer import UsageBuffer
+from usage.flush import DatabaseFlusher
+from usage.limits.limiter import Limiter, LocalLimiter
+from usage.limits.spend import read_budget_spend
+from usage.live import LiveUsage
+from usage.publisher import USAGE_GROUP, UsagePublisher
+from usage.spill import UsageSpill
+
+logger = logging.getLogger(__name__)
+
+GAUGE_REFRESH_SECONDS = 1.0
+# A relay worker whose heartbeats stopped reaching the database for this many
+# heartbeats (and at least RELAY_SILENCE_MIN_SECONDS: a slow database must not
+# sweep a live process's workers), on a serving process that does not hold its
+# socket, is Gone.
+RELAY_SILENCE_HEARTBEATS = 3
+RELAY_SILENCE_MIN_SECONDS = 10.0
+# Collect the young generation less often: a proxy allocates many short-lived
+# objects per request and keeps few, so the default 700 runs it constantly.
+GC_THRESHOLDS = (7000, 20, 20)
+
+
+class UsageSink(Protocol):
+    """Hands the buffer's events on: to the database, or to a Redis stream."""
+
+    def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    def flush_on_exit(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """The settings a gateway runs with (read once, passed in)."""
+
+    auth_required: bool = True
+    max_body_bytes: int = 16 * 1024 * 1024
+    # A body still arriving this long after the head gets a 408 (the servers
+    # that hand the application the head first: uvicorn, granian).
+    client_body_timeout: float = 120.0
+    connect_timeout: float = 5.0
+    max_connections: int = 1000
+    max_reply_bytes: int = 32 * 1024 * 1024
+    max_event_bytes: int = 1024 * 1024
+    max_unsent_bytes: int = 8 * 1024 * 1024
+    config_poll_interval: float = 1.0
+    usage_buffer_max: int = 100_000
+    usage_transport: str = "database"  # or "redis"
+    access_log: bool = True
+    drain_seconds: float = 30.0
+    metrics_allow: tuple[str | Network, ...] = ("127.0.0.0/8", "::1/128")
+    metrics_token: str = ""
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
+    # How admission control learns its share of the band: "single" (the only
+    # process), "env" (the launcher's NEXUS_SERVING_*), "redis" (live registry).
+    admission_share: str = "single"
+    limits_backend: str = "local"  # or "redis"
+    limits_redis_url: str = ""
+    limits_fail_open: bool = True
+    limits_redis_timeout: float = 0.5
+    default_completion_tokens: int = 1024
+    reconcile_interval: float = 30.0
+
+    @classmethod
+    def from_settings(cls) -> GatewayConfig:
+        return cls(
+            auth_required=settings.NEXUS_AUTH_REQUIRED,
+            max_body_bytes=settings.NEXUS_MAX_BODY_BYTES,
+            client_body_timeout=settings.NEXUS_CLIENT_BODY_TIMEOUT,
+            connect_timeout=settings.NEXUS_UPSTREAM_CONNECT_TIMEOUT,
+            max_connections=settings.NEXUS_UPSTREAM_MAX_CONNECTIONS,
+            max_reply_bytes=settings.NEXUS_UPSTREAM_MAX_REPLY_BYTES,
+            max_event_bytes=settings.NEXUS_UPSTREAM_MAX_EVENT_BYTES,
+            max_unsent_bytes=settings.NEXUS_STREAM_MAX_UNSENT_BYTES,
+            config_poll_interval=settings.NEXUS_CONFIG_POLL_INTERVAL,
+            usage_buffer_max=settings.NEXUS_USAGE_BUFFER_MAX,
+            usage_transport=settings.NEXUS_USAGE_TRANSPORT,
+            access_log=settings.NEXUS_ACCESS_LOG,
+            drain_seconds=settings.NEXUS_DRAIN_SECONDS,
+            metrics_allow=tuple(settings.NEXUS_METRICS_ALLOW),
+            metrics_token=settings.NEXUS_METRICS_TOKEN,
+            breaker=BreakerSettings.from_settings(),
+            admission_share="redis" if settings.REDIS_URL else "env",
+            limits_backend=settings.NEXUS_LIMITS_BACKEND,
+            limits_redis_url=settings.NEXUS_LIMITS_REDIS_URL,
+            limits_fail_open=settings.NEXUS_LIMITS_ON_REDIS_ERROR == "open",
+            limits_redis_timeout=settings.NEXUS_LIMITS_REDIS_TIMEOUT,
+            default_completion_tokens=settings.NEXUS_LIMITS_DEFAULT_COMPLETION_TOKENS,
+            reconcile_interval=settings.NEXUS_LIMITS_RECONCILE_INTERVAL,
+        )
+
+
+def _make_sink(config: GatewayConfig, buffer: UsageBuffer) -> UsageSink:
+    # During an outage, what is over a tenth of the buffer's bound waits on disk.
+    spill = UsageSpill(
+        settings.NEXUS_USAGE_SPILL_DIR,
+        keep_in_memory=max(100, config.usage_buffer_max // 10),
+    )
+    if config.usage_transport == "redis":
+        from usage.stream import RedisShipper  # needs the redis package only here
+
+        return RedisShipper(buffer, spill=spill)
+    return DatabaseFlusher(buffer, spill=spill)
+
+
+def _make_limiter(config: GatewayConfig, on_error: Callable[[], None]) -> Limiter:
+    if config.limits_backend == "redis":
+        from usage.limits.shared import RedisLimiter  # needs Redis only here
+
+        return RedisLimiter(
+            config.limits_redis_url,
+            fail_open=config.limits_fail_open,
+            timeout=config.limits_redis_timeout,
+            on_error=on_error,
+        )
+    return LocalLimiter()
+
+
+class Gateway:
+    """The live state of one serving process (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: GatewayConfig | None = None,
+        *,
+        build: Callable[[], GatewayState] = build_state,
+        read_version: Callable[[], int] = read_config_version,
+        sink: Callable[[GatewayConfig, UsageBuffer], UsageSink] = _make_sink,
+    ) -> None:
+        self.config = config = config or GatewayConfig.from_settings()
+        self.snapshots: SnapshotHolder[GatewayState] = SnapshotHolder(
+            build,
+            poll_interval=config.config_poll_interval,
+            read_version=read_version,
+        )
+        self.router = Router()
+        self.stats = LiveStats()
+        self.breaker = CircuitBreaker(stats=self.stats, config=config.breaker)
+        self.buffer = UsageBuffer(maxlen=config.usage_buffer_max)
+        self.usage_sink = sink(config, self.buffer)
+        self.upstream = UpstreamClient(
+            max_connections=config.max_connections,
+            connect_timeout=config.connect_timeout,
+            limits=ReplyLimits(
+                max_reply=config.max_reply_bytes,
+                max_event=config.max_event_bytes,
+                max_unsent=config.max_unsent_bytes,
+            ),
+        )
+        # A consumer in another process gets as long to take a request as a
+        # worker gets to answer its pings (at least 5 s).
+        self.relay = RelayHub(
+            accept_timeout=max(
+                protocol.MISSED_HEARTBEATS_BEFORE_GONE
+                * settings.NEXUS_RELAY_HEARTBEAT_SECONDS,
+                5.0,
+            ),
+            stats=self.stats,
+        )
+        self.metrics = GatewayMetrics()
+        self.admission = AdmissionGate(self.metrics, share=config.admission_share)
+        self.live_usage = LiveUsage(
+            in_flight=lambda: self.stats.in_flight_by_model,
+            admission=self.admission.snapshot,
+            admission_changes=lambda: self.admission.controller.counts.events,
+        )
+        self.publisher = UsagePublisher(self.live_usage)
+        self.limiter = _make_limiter(config, self.metrics.limiter_errors.inc)
+        self.fleet = FleetScheduler(
+            self.stats,
+            self.metrics,
+            session=lambda: self.upstream.session,
+            routes=self._current_routes,
+            release_lease=self.limiter.release_backend,
+        )
+        self.metrics_endpoint = MetricsEndpoint(
+            self.metrics,
+            self.refresh_gauges,
+            parse_networks(config.metrics_allow),
+            config.metrics_token,
+        )
+        self.breaker.on_open = self._count_opening
+        self.snapshots.on_install = self._note_config
+        # Requests the proxy is serving now; draining waits for zero.
+        self.active = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    # Lifecycle -------------------------------------------------------------
+
+    @property
+    def started(self) -> bool:
+        return self._loop is not None
+
+    def ensure_started(self) -> None:
+        """Start on the running loop unless already running there (cheap)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop and not self.draining:
+            self.start()
+
+    def start(self) -> None:
+        """Start every background task on the running loop."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.snapshots.start()
+        self.usage_sink.start()
+        self.publisher.start()
+        self.upstream.open()
+        self.admission.start()
+        self.fleet.start()
+        self._tasks = [
+            loop.create_task(
+                listen_to_group(BREAKER_GROUP, self.breaker.on_message),
+                name="breaker-listen",
+            ),
+            loop.create_task(
+                listen_to_group(USAGE_GROUP, self.publisher.on_message),
+                name="usage-listen",
+            ),
+            loop.create_task(self._refresh_gauges_periodically(), name="gauges"),
+            loop.create_task(self.relay.run(), name="relay-replies"),
+            loop.create_task(
+                listen_to_group(LOAD_GROUP, self.relay.on_load_message),
+                name="relay-load-listen",
+            ),
+            loop.create_task(self._sweep_workers_periodically(), name="relay-sweep"),
+        ]
+        self.limiter.start()
+        if isinstance(self.limiter, LocalLimiter):
+            self._tasks.append(
+                loop.create_task(
+                    self._reconcile_periodically(self.limiter), name="reconcile"
+                )
+            )
+
+    async def stop(self) -> None:
+        """Stop every task; usage still held is handed on first."""
+        await self.relay.stop()
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.admission.stop()
+        await self.fleet.stop()
+        await self.snapshots.stop()
+        await self.publisher.stop()
+        await self.breaker.stop()
+        await self.usage_sink.stop()
+        await self.limiter.stop()
+        await self.upstream.close()
+        self._loop = None
+
+    # Draining --------------------------------------------------------------
+
+    def request_started(self) -> None:
+        self.active += 1
+        self._idle.clear()
+
+    def request_finished(self) -> None:
+        self.active -= 1
+        if self.active <= 0:
+            self.active = 0
+            self._idle.set()
+
+    async def drain(self, grace: float | None = None) -> bool:
+        """Refuse new requests and wait for those in flight; True if all ended."""
+        self.draining = True
+        timeout = self.config.drain_seconds if grace is None else grace
+        try:
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
+        except TimeoutError:
+            logger.warning(
+                "%d requests still in flight after the %g s drain period",
+                self.active,
+                timeout,
+            )
+            return False
+        return True
+
+    # State shown elsewhere -------------------------------------------------
+
+    def refresh_gauges(self) -> None:
+        """Copy in-flight, health and buffer numbers into the metrics."""
+        state = self.snapshots.peek()
+        in_flight = dict(self.stats.in_flight_counts)
+        names: list[tuple[str, bool]] = []
+        if state is not None:
+            for backend in state.routes.backends:
+                is_up = (
+                    backend.enabled
+                    and backend.status == Health.HEALTHY
+                    and not self.stats.is_circuit_open(backend.name)
+                )
+                names.append((backend.name, is_up))
+        self.metrics.set_backends(in_flight, names)
+        self.metrics.set_usage_buffer(len(self.buffer), self.buffer.dropped_total)
+        self.admission.refresh_metrics()
+        self.metrics.set_fleet_lines(self.fleet.queues.lines())
+
+    async def _refresh_gauges_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(GAUGE_REFRESH_SECONDS)
+            try:
+                self.refresh_gauges()
+            except Exception:
+                logger.warning("Could not update the gauges", exc_info=True)
+
+    async def _sweep_workers_periodically(self) -> None:
+        """Make Gone the relay workers of a serving process that died.
+
+        Every heartbeat, workers not seen for 3 heartbeats (at least 10 s) and
+        not connected here are Gone (backends.workers.sweep_silent_workers):
+        within 4 heartbeats of their process's death (20 s by default), rather
+        than when their health result goes stale (3 health intervals).
+        """
+        interval = settings.NEXUS_RELAY_HEARTBEAT_SECONDS
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await database_sync_to_async(sweep_silent_workers)(
+                    max(RELAY_SILENCE_HEARTBEATS * interval, RELAY_SILENCE_MIN_SECONDS),
+                    list(self.relay.links),
+                )
+            except Exception:
+                logger.warning("Could not sweep silent relay workers", exc_info=True)
+
+    async def _reconcile_periodically(self, limiter: LocalLimiter) -> None:
+        """Raise this process's budget counters to the rolled-up spend (embedded)."""
+        while True:
+            await asyncio.sleep(self.config.reconcile_interval)
+            try:
+                spend = await database_sync_to_async(read_budget_spend)()
+            except Exception:
+                logger.warning("Could not read the keys' spend", exc_info=True)
+            else:
+                limiter.reconcile(spend)
+
+    def _count_opening(self, backend_name: str) -> None:
+        self.metrics.breaker_openings.labels(backend_name).inc()
+
+    def _current_routes(self) -> RouterSnapshot | None:
+        state = self.snapshots.peek()
+        return None if state is None else state.routes
+
+    def _note_config(self, state: GatewayState) -> None:
+        self.metrics.config_version.set(state.version)
+        self.fleet.snapshot_installed()
+        if isinstance(self.limiter, LocalLimiter):
+            self.limiter.reconcile(state.spend)
+
+
+def tune_garbage_collector() -> None:
+    """Move start-up objects out of the collector's way and collect less often.
+
+    Everything alive after start-up (modules, settings, the first snapshot)
+    would otherwise be traversed by every full collection: ``gc.freeze()``
+    moves it to a permanent generation. Per-request objects are freed by
+    reference counting; the raised thresholds only make the rare cyclic
+    collections less frequent, which removes the loop stalls behind the tail
+    latency.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
+_current: Gateway | None = None
+
+
+def install_gateway(gateway: Gateway) -> None:
+    """Make `gateway` the one this process serves with (the ASGI wiring)."""
+    global _current
+    _current = gateway
+
+
+def current_gateway() -> Gateway:
+    """The gateway of this serving process (built on first use elsewhere)."""
+    global _current
+    if _current is None:
+        _current = Gateway()
+    return _current

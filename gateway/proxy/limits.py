@@ -1,0 +1,266 @@
+"""Keys' expiry, allow-lists, limits and budgets on the request path.
+
+Everything here reads the snapshot's frozen ``KeyPolicy`` and ``Price``
+values; the only I/O is the limiter's (one Redis round trip per admission in
+production, none in the embedded default). Refusals are ``ProxyError``s that
+each inbound surface renders in its own shape: 401 ``key_expired``, 403
+``model_not_allowed`` (the same for a model that does not exist, so a key
+learns nothing beyond its allow-list), 429 with ``Retry-After`` for rates,
+concurrency and budgets, 503 when the limiter is down and set to fail closed.
+The proxy calls these in one place (``ProxyApp._forward_watching_client``),
+before admission control, for every surface.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from gateway.proxy.errors import ProxyError
+from routing.core import RouterSnapshot
+from usage.limits.limiter import (
+    BUDGET,
+    CONCURRENCY,
+    COVER_BLOCK_TOKENS,
+    REQUESTS,
+    TOKENS,
+    UNAVAILABLE,
+    Decision,
+    Limiter,
+    Ticket,
+)
+from usage.limits.policy import FREE, KeyPolicy, Price
+
+if TYPE_CHECKING:
+    from gateway.metrics import GatewayMetrics
+
+Headers = list[tuple[bytes, bytes]]
+
+
+def check_expiry(policy: KeyPolicy, now: float, metrics: GatewayMetrics) -> None:
+    """Refuse an expired key with a 401."""
+    if policy.is_expired(now):
+        metrics.count_limited("expired")
+        assert policy.expires_at is not None
+        when = datetime.fromtimestamp(policy.expires_at, UTC)
+        raise ProxyError(
+            401,
+            f"This API key expired on {when:%Y-%m-%d %H:%M} UTC. Ask your Nexus "
+            "operator for a new one.",
+            code="key_expired",
+        )
+
+
+def is_model_allowed(policy: KeyPolicy, routes: RouterSnapshot, model: str) -> bool:
+    """Whether the key may ask for `model` (by name, or by its alias's target)."""
+    if not policy.allowed_models:
+        return True
+    target = routes.aliases.get(model)
+    return policy.allows(model) if target is None else policy.allows(model, target)
+
+
+def check_model(
+    policy: KeyPolicy, routes: RouterSnapshot, model: str, metrics: GatewayMetrics
+) -> None:
+    """Refuse a model outside the key's allow-list with a 403."""
+    if not is_model_allowed(policy, routes, model):
+        metrics.count_limited("model_not_allowed")
+        raise ProxyError(
+            403,
+            f"This API key is not allowed to use the model '{model[:200]}'.",
+            error_type="invalid_request_error",
+            param="model",
+            code="model_not_allowed",
+        )
+
+
+def price_estimate(
+    prices: Mapping[str, Price], routes: RouterSnapshot, model: str
+) -> Price:
+    """The price a request for `model` is held at before a backend is chosen:
+    the model's (or its alias target's); free when neither has one."""
+    price = prices.get(model)
+    if price is None:
+        target = routes.aliases.get(model)
+        price = prices.get(target) if target is not None else None
+    return FREE if price is None else price
+
+
+def completion_estimate(
+    payload: Mapping[str, Any], is_embeddings: bool, default: int
+) -> int:
+    """Completion tokens to hold for a request: its max_tokens (times n), or
+    `default`; none for embeddings. `payload` is the canonical (OpenAI) body."""
+    if is_embeddings:
+        return 0
+    limit = payload.get("max_completion_tokens", payload.get("max_tokens"))
+    tokens = limit if isinstance(limit, int) and limit >= 0 else default
+    choices = payload.get("n")
+    if isinstance(choices, int) and 1 < choices <= 128:
+        tokens *= choices
+    return tokens
+
+
+async def admit(
+    limiter: Limiter,
+    policy: KeyPolicy,
+    tokens: int,
+    nanos: int,
+    headers: Headers,
+    metrics: GatewayMetrics,
+) -> Ticket:
+    """Take the request's share of the key's limits, or raise the refusal.
+
+    The rate-limit headers of the answer go onto `headers` either way.
+    """
+    decision = await limiter.admit(policy, tokens, nanos)
+    headers += decision.headers
+    if decision.ticket is not None:
+        return decision.ticket
+    metrics.count_limited(decision.reason)
+    raise refusal(decision, policy, headers)
+
+
+def refusal(decision: Decision, policy: KeyPolicy, headers: Headers) -> ProxyError:
+    wait = decision.retry_after
+    if wait > 0:
+        headers += (
+            (b"retry-after", str(max(math.ceil(wait), 1)).encode()),
+            (b"retry-after-ms", str(max(math.ceil(wait * 1000), 1)).encode()),
+        )
+    reason = decision.reason
+    if reason == REQUESTS:
+        return ProxyError(
+            429,
+            f"Rate limit reached for requests per minute on this key (limit "
+            f"{policy.rpm}). Please try again in {wait:.3g}s.",
+            error_type="requests",
+            code="rate_limit_exceeded",
+        )
+    if reason == TOKENS:
+        return ProxyError(
+            429,
+            f"Rate limit reached for tokens per minute on this key (limit "
+            f"{policy.tpm}). Please try again in {wait:.3g}s.",
+            error_type="tokens",
+            code="rate_limit_exceeded",
+        )
+    if reason == CONCURRENCY:
+        return ProxyError(
+            429,
+            f"This key already has {policy.max_concurrency} requests in flight, "
+            "its limit. Retry when one has finished.",
+            error_type="requests",
+            code="concurrency_limit_exceeded",
+        )
+    if reason == BUDGET:
+        return ProxyError(
+            429,
+            f"This key's budget ({_describe_budget(policy)}) is used up.",
+            error_type="insufficient_quota",
+            code="budget_exceeded",
+        )
+    assert reason == UNAVAILABLE, reason
+    return ProxyError(
+        503,
+        "The gateway cannot check this key's limits right now; retry shortly.",
+        error_type="server_error",
+        code="limits_unavailable",
+    )
+
+
+def _describe_budget(policy: KeyPolicy) -> str:
+    parts = []
+    if policy.budget_tokens is not None:
+        parts.append(f"{policy.budget_tokens:,} tokens")
+    if policy.budget_nanos is not None:
+        parts.append(f"${policy.budget_nanos / 1e9:,.4f}")
+    period = {"day": "per UTC day", "month": "per UTC month"}.get(
+        policy.budget_period, "in all"
+    )
+    return f"{' and '.join(parts)} {period}"
+
+
+class BudgetMeter:
+    """Counts a budgeted stream's tokens as its events are relayed.
+
+    Tokens are estimated the way a stream without a usage block is billed:
+    the prompt estimate plus a quarter of the characters relayed, rounded up,
+    at the price of the model that answers (``use_model``). While that stays
+    within the ticket's hold nothing is asked; past it the limiter is asked
+    to grow the hold, and when the budget cannot cover what was already
+    relayed the stream is cut after that event. Events come as
+    ``(bytes, characters of text)`` pieces, one per event of the client's
+    protocol (``sse.counted_events``, ``LegStream.feed_counted``).
+    """
+
+    __slots__ = ("chars", "limiter", "price", "prices", "prompt", "ticket")
+
+    def __init__(
+        self,
+        limiter: Limiter,
+        ticket: Ticket,
+        prices: Mapping[str, Price],
+        model: str,
+        prompt: int,
+    ) -> None:
+        self.limiter = limiter
+        self.ticket = ticket
+        self.prices = prices
+        self.price = prices.get(model, FREE)
+        self.prompt = prompt
+        self.chars = 0
+
+    def use_model(self, model: str) -> None:
+        """Count at the price of the model that answers (a fallback's, maybe)."""
+        self.price = self.prices.get(model, FREE)
+
+    async def take(self, pieces: list[tuple[bytes, int]]) -> tuple[bytes, bool]:
+        """Count relayed events; return what of them to send and whether the
+        stream may go on (False: cut after the returned events)."""
+        added = 0
+        for _, chars in pieces:
+            added += chars
+        if not self._is_over(self.chars + added):
+            self.chars += added
+            return b"".join([piece for piece, _ in pieces]), True
+        # Find the event that crossed.
+        out: list[bytes] = []
+        for piece, chars in pieces:
+            out.append(piece)
+            self.chars += chars
+            if chars and self._is_over(self.chars) and not await self._cover():
+                return b"".join(out), False
+        return b"".join(out), True
+
+    def _usage(self, chars: int) -> tuple[int, int]:
+        completion = -(-chars // 4)
+        return self.prompt + completion, self.price.cost(self.prompt, completion)
+
+    def _is_over(self, chars: int) -> bool:
+        tokens, nanos = self._usage(chars)
+        ticket = self.ticket
+        policy = ticket.policy
+        return (policy.budget_tokens is not None and tokens > ticket.held_tokens) or (
+            policy.budget_nanos is not None and nanos > ticket.held_nanos
+        )
+
+    async def _cover(self) -> bool:
+        tokens, nanos = self._usage(self.chars)
+        want = (
+            tokens + COVER_BLOCK_TOKENS,
+            nanos + self.price.output_nanos * COVER_BLOCK_TOKENS,
+        )
+        return await self.limiter.cover(self.ticket, (tokens, nanos), want)
+
+    def cut_error(self) -> ProxyError:
+        """The error a cut stream ends with (each surface writes its event)."""
+        return ProxyError(
+            429,
+            f"This key's budget ({_describe_budget(self.ticket.policy)}) ran out "
+            "during the answer; the response is incomplete.",
+            error_type="insufficient_quota",
+            code="budget_exceeded",
+        )

@@ -1,0 +1,559 @@
+"""Sending a proxied request to a relay worker, wherever its socket lives.
+
+Each serving process has one ``RelayHub`` (owned by the gateway). A worker's
+WebSocket is held by one consumer in one process (gateway/relay/consumer.py).
+A request for that worker:
+
+* in the same process goes straight to the consumer, and the consumer hands
+  the worker's answer straight back (the embedded default: one process);
+* in another process goes to the consumer's channel over the Channels layer
+  (Redis in production), and the answer comes back, event by event, to this
+  process's reply channel, numbered so that a lost or reordered event is
+  seen (the stream fails rather than silently missing a piece).
+
+The proxy's ``forward`` (gateway/proxy/upstream.py) calls ``RelayHub.open``
+where it would call aiohttp, and gets a ``RelayResponse`` that reads like an
+``aiohttp.ClientResponse`` (status, headers, ``content.readany()``), so the
+checks, SSE relaying, translation for other surfaces and usage accounting are
+the very same code for relay backends. Failures are raised as aiohttp's
+errors for the same reason.
+
+A worker that dies, or refuses (draining, at capacity), before the first byte
+of its answer has the request sent to another worker serving the model, at
+most ``MAX_ATTEMPTS`` workers in all; after the first byte the stream ends
+with the surface's error event. Closing the response before its end (the
+client went away) sends a cancel to the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+import aiohttp
+from channels.layers import get_channel_layer
+from multidict import CIMultiDict
+
+from nexus_worker import protocol
+from routing.core import BackendSpec, Health, Target
+
+if TYPE_CHECKING:
+    from gateway.process import Gateway
+    from gateway.proxy.upstream import Exchange
+    from routing.core import LiveStats
+
+logger = logging.getLogger(__name__)
+
+RELAY_KIND = "relay"  # backends.models.BackendKind.RELAY
+MAX_ATTEMPTS = 3
+# Channel-layer event types (consumer <-> requesting process).
+REQUEST_EVENT = "relay.request"
+CANCEL_EVENT = "relay.cancel"
+REPLY_EVENT = "relay.reply"
+# Every serving process hears each worker's pong load on this group.
+LOAD_GROUP = "nexus.relay.load"
+LOAD_EVENT = "relay.load"
+# Headers the worker passes to its local backend (never the client's auth).
+_FORWARDED_HEADERS = ("content-type", "accept")
+
+# A reply event: (kind, payload). Kinds: "accepted" (None: a consumer in
+# another process took the request), "chunk" (text), "complete"
+# ((status, headers, body)), "error" ((message, code)), "gone" (reason).
+ACCEPTED = "accepted"
+Event = tuple[str, Any]
+
+
+class RelayUnavailable(aiohttp.ClientConnectionError):
+    """No worker took the request before its first byte (forward retries)."""
+
+
+class WorkerLink(Protocol):
+    """A consumer holding a worker's socket in this process."""
+
+    def start_request(self, request_id: str, frame: str, reply_to: str) -> None: ...
+    def cancel_request(self, request_id: str, reason: str) -> None: ...
+    async def leave(self) -> None: ...
+
+
+@dataclass(slots=True)
+class RelayCall:
+    """One attempt at one worker, as the requesting process follows it."""
+
+    request_id: str
+    channel: str
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    next_seq: int = 0
+    finished: bool = False
+
+    def deliver(self, seq: int | None, event: Event) -> None:
+        if seq is not None:
+            if seq != self.next_seq:
+                event = ("gone", f"relay event {self.next_seq} lost (got {seq})")
+            self.next_seq = seq + 1
+        self.events.put_nowait(event)
+
+
+class _Body:
+    """``response.content`` of a RelayResponse: what aiohttp's reader offers."""
+
+    __slots__ = ("_response",)
+
+    def __init__(self, response: RelayResponse) -> None:
+        self._response = response
+
+    async def readany(self) -> bytes:
+        return await self._response.read_next()
+
+    async def iter_any(self) -> Any:
+        while True:
+            data = await self._response.read_next()
+            if not data:
+                return
+            yield data
+
+
+class RelayResponse:
+    """A worker's answer, read like an ``aiohttp.ClientResponse``."""
+
+    content_length = None
+
+    def __init__(
+        self,
+        hub: RelayHub,
+        call: RelayCall,
+        status: int,
+        headers: Mapping[str, str],
+        first: list[bytes],
+        done: bool,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        self._hub = hub
+        self._call = call
+        self.status = status
+        self.headers = CIMultiDict(headers)
+        self._pending = deque(first)
+        self._done = done
+        self._on_close = on_close
+        self.content = _Body(self)
+        # Set when the request was requeued: the backend that served it.
+        self.backend_name = ""
+
+    async def read_next(self) -> bytes:
+        """The next piece of the body; b"" at its end. Raises on a broken stream."""
+        if self._pending:
+            return self._pending.popleft()
+        if self._done:
+            return b""
+        kind, payload = await self._call.events.get()
+        if kind == "chunk":
+            return payload.encode()
+        if kind == "complete":
+            self._done = True
+            _status, _headers, body = payload
+            return body.encode() if body else b""
+        self._done = True
+        message = payload[0] if kind == "error" else payload
+        raise aiohttp.ClientPayloadError(f"relay worker: {message}")
+
+    def close(self) -> None:
+        """Release the call; cancel it at the worker if it has not ended."""
+        call = self._call
+        if not call.finished:
+            call.finished = True
+            self._hub.finish(call, cancel=not self._done)
+        if self._on_close is not None:
+            on_close, self._on_close = self._on_close, None
+            on_close()
+
+
+class RelayHub:
+    """This process's side of the relay (see the module docstring)."""
+
+    def __init__(
+        self, accept_timeout: float = 15.0, stats: LiveStats | None = None
+    ) -> None:
+        # Consumers holding a worker's socket in this process, by channel name.
+        self.links: dict[str, WorkerLink] = {}
+        # Where the workers' pongs go: the router scores by them, here and
+        # (over LOAD_GROUP) in every other serving process.
+        self.stats: LiveStats | None = stats
+        self._publishing: set[asyncio.Task[None]] = set()
+        self.calls: dict[str, RelayCall] = {}
+        self.reply_channel = ""
+        self._layer: Any = None
+        self._ready = asyncio.Event()
+        self._sequence = 0
+        # How long a consumer in another process may take to say it took a
+        # request (its first event) before the request goes elsewhere.
+        self.accept_timeout = accept_timeout
+
+    # Lifecycle -------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Open this process's reply channel and pass on what comes to it.
+
+        Runs as one of the gateway's tasks, for the life of the process.
+        """
+        self._layer = layer = get_channel_layer()
+        if layer is None:
+            return
+        # The layer's default prefix: channels_redis reads every channel of a
+        # process from one list, named by that prefix.
+        self.reply_channel = channel = await layer.new_channel()
+        self._ready.set()
+        while True:
+            try:
+                message = await layer.receive(channel)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.warning("Relay reply channel failed; retrying", exc_info=True)
+                await asyncio.sleep(1.0)
+                continue
+            call = self.calls.get(message.get("request_id", ""))
+            seq = message.get("seq")
+            if call is None or not isinstance(seq, int):
+                continue
+            for offset, event in enumerate(message.get("events") or ()):
+                if isinstance(event, list | tuple) and len(event) == 2:
+                    call.deliver(seq + offset, (event[0], event[1]))
+
+    async def stop(self) -> None:
+        """The process is stopping: its workers are told to reconnect elsewhere.
+
+        Their backends turn Gone at once rather than when their health goes
+        stale (a stopping server cancels consumers without their disconnect).
+        """
+        links = list(self.links.values())
+        self.links.clear()
+        results = await asyncio.gather(
+            *(link.leave() for link in links), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                logger.warning("A relay worker did not leave cleanly: %r", result)
+
+    # The consumer's side -----------------------------------------------------
+
+    def attach(self, channel: str, link: WorkerLink) -> None:
+        self.links[channel] = link
+
+    def detach(self, channel: str) -> None:
+        self.links.pop(channel, None)
+
+    def report_load(self, backend: str, load: int | None) -> None:
+        """A worker connected here said how many requests it has in flight
+        (None: it went away); every serving process's router hears of it."""
+        self._apply_load(backend, load)
+        if self._layer is not None:
+            task = asyncio.get_running_loop().create_task(
+                self._publish_load(backend, load)
+            )
+            self._publishing.add(task)
+            task.add_done_callback(self._publishing.discard)
+
+    def on_load_message(self, message: dict[str, Any]) -> None:
+        """A message of LOAD_GROUP: a worker's load, from whichever process
+        holds its socket (this one's own come back too: the same numbers)."""
+        backend, load = message.get("backend"), message.get("load")
+        if isinstance(backend, str) and (load is None or isinstance(load, int)):
+            self._apply_load(backend, load)
+
+    def _apply_load(self, backend: str, load: int | None) -> None:
+        if self.stats is None:
+            return
+        if load is None:
+            self.stats.forget_load(backend)
+        else:
+            self.stats.report_load(backend, load)
+
+    async def _publish_load(self, backend: str, load: int | None) -> None:
+        try:
+            async with asyncio.timeout(5.0):
+                await self._layer.group_send(
+                    LOAD_GROUP, {"type": LOAD_EVENT, "backend": backend, "load": load}
+                )
+        except Exception:
+            logger.warning(
+                "Could not pass on relay worker %s's load", backend, exc_info=True
+            )
+
+    def deliver(self, request_id: str, event: Event) -> None:
+        """Hand an event of a worker's answer to a request of this process."""
+        call = self.calls.get(request_id)
+        if call is not None:
+            call.deliver(None, event)
+
+    async def send_events(
+        self, reply_to: str, request_id: str, seq: int, events: list[Event]
+    ) -> None:
+        """Send events of a worker's answer to the process that asked; the
+        first is number `seq`, the others follow it."""
+        await self._layer.send(
+            reply_to,
+            {
+                "type": REPLY_EVENT,
+                "request_id": request_id,
+                "seq": seq,
+                "events": [list(event) for event in events],
+            },
+        )
+
+    # The proxy's side --------------------------------------------------------
+
+    async def open(
+        self,
+        channels: Mapping[str, str],
+        backends: Mapping[str, BackendSpec],
+        stats: LiveStats,
+        target: Target,
+        request_id: str,
+        endpoint: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        stream: bool,
+        max_reply: int,
+    ) -> RelayResponse:
+        """Send the request to the target's worker; return once it answers.
+
+        A stream returns at its first chunk, a whole reply when complete.
+        Raises RelayUnavailable when no worker (of at most MAX_ATTEMPTS)
+        answered; aiohttp.ClientPayloadError when a reply is over `max_reply`.
+        """
+        frame_headers = {
+            name: headers[name] for name in _FORWARDED_HEADERS if name in headers
+        }
+        try:
+            text = body.decode()
+        except UnicodeDecodeError:
+            raise RelayUnavailable("the request body is not UTF-8") from None
+        tried = [target.backend.name]
+        backend_name = target.backend.name
+        on_close: Callable[[], None] | None = None
+        reasons: list[str] = []
+        while True:
+            channel = channels.get(backend_name, "")
+            if channel:
+                self._sequence += 1
+                call = RelayCall(f"{request_id}.{self._sequence}", channel)
+                frame = protocol.encode(
+                    protocol.Request(
+                        request_id=call.request_id,
+                        model=target.model.name,
+                        endpoint=endpoint,
+                        body=text,
+                        headers=frame_headers,
+                        is_streaming=stream,
+                    )
+                )
+                try:
+                    response = await self._attempt(call, frame, stream, max_reply)
+                except BaseException:
+                    if on_close is not None:
+                        on_close()  # the requeued worker's in-flight count
+                    raise
+                if isinstance(response, RelayResponse):
+                    response._on_close = on_close
+                    if backend_name != target.backend.name:
+                        response.backend_name = backend_name
+                    return response
+                reasons.append(f"{backend_name}: {response}")
+            else:
+                reasons.append(f"{backend_name}: worker not connected")
+            if on_close is not None:
+                on_close()
+                on_close = None
+            if len(tried) >= MAX_ATTEMPTS:
+                break
+            other = _next_worker(backends, channels, stats, target.model.name, tried)
+            if other is None:
+                break
+            tried.append(other.name)
+            backend_name = other.name
+            model = target.model.name
+            if other.name != target.backend.name:
+                on_close = _ender(stats, other.name, model)
+            logger.info("Relay request %s requeued to %s", request_id, other.name)
+        raise RelayUnavailable("; ".join(reasons))
+
+    async def _attempt(
+        self, call: RelayCall, frame: str, stream: bool, max_reply: int
+    ) -> RelayResponse | str:
+        """One worker's answer up to its first byte, or why it gave none."""
+        link = self.links.get(call.channel)
+        remote = link is None
+        if remote:
+            if self._layer is None:
+                return "no channel layer"
+            await self._ready.wait()
+            if _process_of(call.channel) == _process_of(self.reply_channel):
+                # Its consumer was in this process and is gone: sent over the
+                # layer, the request would wait for an answer forever.
+                return "worker gone"
+        self.calls[call.request_id] = call
+        try:
+            if link is not None:
+                link.start_request(call.request_id, frame, "")
+            else:
+                await self._layer.send(
+                    call.channel,
+                    {
+                        "type": REQUEST_EVENT,
+                        "request_id": call.request_id,
+                        "reply_to": self.reply_channel,
+                        "frame": frame,
+                    },
+                )
+            pieces: list[bytes] = []
+            size = 0
+            while True:
+                if remote:
+                    # The consumer answers, or says within a second that it
+                    # took the request; one that does neither (its process
+                    # died or stalls) is passed by.
+                    try:
+                        async with asyncio.timeout(self.accept_timeout):
+                            kind, payload = await call.events.get()
+                    except TimeoutError:
+                        self.finish(call, cancel=True)
+                        call.finished = True
+                        return f"no answer from its serving process in {self.accept_timeout:g} s"
+                    remote = False
+                    if kind == ACCEPTED:
+                        continue
+                else:
+                    kind, payload = await call.events.get()
+                if kind == "chunk":
+                    piece = payload.encode()
+                    if stream:
+                        return RelayResponse(
+                            self, call, 200, _STREAM_HEAD, [piece], done=False
+                        )
+                    size += len(piece)
+                    if size > max_reply:
+                        self.finish(call, cancel=True)
+                        call.finished = True
+                        raise aiohttp.ClientPayloadError("relay reply over the limit")
+                    pieces.append(piece)
+                elif kind == "complete":
+                    status, headers, body = payload
+                    if body:
+                        pieces.append(body.encode())
+                    return RelayResponse(
+                        self, call, status, headers or _JSON_HEAD, pieces, done=True
+                    )
+                else:
+                    # Gone, or refused (draining, at capacity, its local
+                    # server down): nothing was sent, another worker may
+                    # serve it.
+                    self.calls.pop(call.request_id, None)
+                    call.finished = True
+                    return str(payload[0] if kind == "error" else payload)
+        except BaseException:
+            if not call.finished:
+                call.finished = True
+                self.finish(call, cancel=True)
+            raise
+
+    def finish(self, call: RelayCall, cancel: bool) -> None:
+        """Forget a call; tell its worker to stop when it has not ended."""
+        self.calls.pop(call.request_id, None)
+        if not cancel:
+            return
+        link = self.links.get(call.channel)
+        if link is not None:
+            link.cancel_request(call.request_id, "client disconnected")
+        elif self._layer is not None:
+            asyncio.get_running_loop().create_task(
+                self._send_cancel(call.channel, call.request_id)
+            )
+
+    async def _send_cancel(self, channel: str, request_id: str) -> None:
+        try:
+            await self._layer.send(
+                channel, {"type": CANCEL_EVENT, "request_id": request_id}
+            )
+        except Exception:
+            logger.warning(
+                "Could not cancel relay request %s", request_id, exc_info=True
+            )
+
+
+_STREAM_HEAD = {"content-type": "text/event-stream"}
+_JSON_HEAD = {"content-type": "application/json"}
+
+
+def _process_of(channel: str) -> str:
+    """The part of a channel name that names the process it lives in.
+
+    Channels' layers name a process's channels "<prefix>!<its own part>" (the
+    in-memory layer: one prefix, one process).
+    """
+    return channel.partition("!")[0]
+
+
+def _next_worker(
+    backends: Mapping[str, BackendSpec],
+    channels: Mapping[str, str],
+    stats: LiveStats,
+    model: str,
+    tried: list[str],
+) -> BackendSpec | None:
+    """Another connected, healthy relay worker serving `model` with room, least
+    loaded first (the router's count: its pong's load or this process's
+    requests, the larger); counted in flight when found."""
+    candidates = [
+        backend
+        for name, backend in backends.items()
+        if name not in tried
+        and name in channels
+        and backend.kind == RELAY_KIND
+        and backend.enabled
+        and backend.status == Health.HEALTHY
+        and not backend.health_stale
+        and any(m.name == model and m.enabled for m in backend.models)
+    ]
+    candidates.sort(key=lambda backend: stats.load(backend.name))
+    for backend in candidates:
+        if stats.try_begin(backend, model):
+            return backend
+    return None
+
+
+def _ender(stats: LiveStats, backend: str, model: str) -> Callable[[], None]:
+    return lambda: stats.end(backend, model)
+
+
+async def open_relay(
+    gateway: Gateway,
+    exchange: Exchange,
+    target: Target,
+    path: str,
+    body: bytes,
+    headers: Mapping[str, str],
+) -> aiohttp.ClientResponse:
+    """``forward``'s relay branch: the worker's answer, read like aiohttp's."""
+    state = gateway.snapshots.peek()
+    response = await gateway.relay.open(
+        state.relay_channels if state is not None else {},
+        state.routes.backends_by_name if state is not None else {},
+        gateway.stats,
+        target,
+        exchange.request_id,
+        path,
+        body,
+        headers,
+        exchange.stream,
+        gateway.upstream.limits.max_reply,
+    )
+    # Duck-typed: status, headers, content.readany()/iter_any(), close().
+    return cast(aiohttp.ClientResponse, response)
+
+
+def relay_backend(response: object) -> str:
+    """The backend that served a requeued relay request ("" otherwise)."""
+    return response.backend_name if isinstance(response, RelayResponse) else ""

@@ -1,0 +1,194 @@
+"""GET /health: whether Nexus can serve, with every backend's health."""
+
+from __future__ import annotations
+
+from typing import TypedDict
+from urllib.parse import urlsplit, urlunsplit
+
+from django.contrib.admin.views.decorators import staff_member_required
+from django.db import DatabaseError
+from django.http import HttpRequest, JsonResponse
+from django.utils import timezone
+from django.views.decorators.cache import never_cache
+from django.views.decorators.http import require_safe
+from rest_framework.authentication import TokenAuthentication
+from rest_framework.exceptions import AuthenticationFailed
+
+from backends.health import redact_error
+from backends.models import Backend, HealthStatus
+from gateway.process import current_gateway
+
+
+class BackendHealthRowDict(TypedDict):
+    """One backend as GET /health shows it to staff."""
+
+    name: str
+    kind: str
+    url: str
+    enabled: bool
+    status: str
+    circuit_open: bool
+    latency_ms: float | None
+    last_check_at: str | None
+    # The last result is older than 3 health intervals: treated as unknown.
+    stale: bool
+    last_error: str
+    models: int
+
+
+class HealthSummaryDict(TypedDict):
+    total: int
+    healthy: int
+    unhealthy: int
+    draining: int
+    unknown: int
+    disabled: int
+    stale: int
+
+
+class HealthDict(TypedDict, total=False):
+    status: str  # "ok", "degraded" or "unavailable"
+    database: str  # "ok" or "unreachable"
+    summary: HealthSummaryDict
+    backends: list[BackendHealthRowDict]  # staff only
+
+
+DATABASE_DOWN = (
+    "the configuration database is unreachable; the gateway keeps serving from "
+    "its last configuration"
+)
+
+
+@never_cache
+@require_safe
+def health(request: HttpRequest) -> JsonResponse:
+    """Answer 200 while some enabled backend is healthy, else 503.
+
+    Open to anyone, like any load balancer check, with the overall status and
+    the counts by health. Staff (a session or an admin token) also get each
+    backend: name, kind, status and the server part of its URL, never keys or
+    URL credentials. A healthy backend whose last check is stale counts as
+    unknown, as the router treats it.
+    """
+    try:
+        backends = list(Backend.objects.with_model_count().order_by("priority", "name"))
+    except DatabaseError:
+        return _health_without_database()
+    summary: HealthSummaryDict = {
+        "total": len(backends),
+        "healthy": 0,
+        "unhealthy": 0,
+        "draining": 0,
+        "unknown": 0,
+        "disabled": 0,
+        "stale": 0,
+    }
+    rows: list[BackendHealthRowDict] = []
+    serving = 0
+    breaker = current_gateway().breaker
+    now = timezone.now()
+    for backend in backends:
+        circuit_open = breaker.is_open(backend.name)
+        stale = backend.is_health_stale(now)
+        if not backend.enabled:
+            summary["disabled"] += 1
+        elif stale:
+            summary["unknown"] += 1
+            summary["stale"] += 1
+        else:
+            summary[HealthStatus(backend.status).value] += 1
+            if backend.status == HealthStatus.HEALTHY and not circuit_open:
+                serving += 1
+        rows.append(
+            {
+                "name": backend.name,
+                "kind": backend.kind,
+                "url": _public_url(backend.base_url),
+                "enabled": backend.enabled,
+                "status": backend.status,
+                "circuit_open": circuit_open,
+                "latency_ms": (
+                    None
+                    if backend.avg_latency_ms is None
+                    else round(backend.avg_latency_ms, 1)
+                ),
+                "last_check_at": (
+                    backend.last_check_at.isoformat() if backend.last_check_at else None
+                ),
+                "stale": stale,
+                "last_error": redact_error(backend.last_error, backend.api_key),
+                "models": backend.model_count,  # type: ignore[attr-defined]
+            }
+        )
+    if not serving:
+        status = "unavailable"
+    elif serving < summary["total"] - summary["disabled"]:
+        status = "degraded"
+    else:
+        status = "ok"
+    body: HealthDict = {"status": status, "database": "ok", "summary": summary}
+    if _is_staff(request):
+        body["backends"] = rows
+    return JsonResponse(body, status=200 if serving else 503)
+
+
+@never_cache
+@require_safe
+@staff_member_required
+def fleet(request: HttpRequest) -> JsonResponse:
+    """The fleet scheduler's state in this serving process (the dashboard)."""
+    return JsonResponse(dict(current_gateway().fleet.as_dict()))
+
+
+def _is_staff(request: HttpRequest) -> bool:
+    """A staff session, or a staff user's management API token."""
+    if request.user.is_authenticated and request.user.is_staff:
+        return True
+    try:
+        found = TokenAuthentication().authenticate(request)  # type: ignore[arg-type]
+    except AuthenticationFailed:
+        return False
+    return found is not None and bool(found[0].is_staff)
+
+
+def _health_without_database() -> JsonResponse:
+    """What this serving process still routes with while the database is down.
+
+    The gateway serves from its last snapshot, so a load balancer should keep
+    sending traffic: 200 while the snapshot has a healthy backend, and the
+    outage said in ``database`` and ``error``.
+    """
+    state = current_gateway().snapshots.peek()
+    breaker = current_gateway().breaker
+    serving = 0
+    if state is not None:
+        for backend in state.routes.backends:
+            if (
+                backend.enabled
+                and backend.status == HealthStatus.HEALTHY
+                and not breaker.is_open(backend.name)
+            ):
+                serving += 1
+    return JsonResponse(
+        {
+            "status": "degraded" if serving else "unavailable",
+            "database": "unreachable",
+            "error": DATABASE_DOWN,
+            "serving_backends": serving,
+        },
+        status=200 if serving else 503,
+    )
+
+
+def _public_url(url: str) -> str:
+    """Scheme, host and port only: no credentials, path or query."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return ""
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{host}:{port}" if port else host
+    return urlunsplit((parts.scheme, netloc, "", "", ""))

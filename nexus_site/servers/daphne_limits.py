@@ -1,0 +1,269 @@
+"""Limits Daphne enforces on clients before the application runs.
+
+Daphne (Twisted) reads a request's whole body, spooling anything over 100 kB to
+a temporary file, and only then starts the ASGI application; the time a client
+takes to send its head or body is bounded only by an idle timeout that every
+byte resets. So under Daphne:
+
+* **At the headers** (Twisted's ``gotLength()``, called once all headers are
+  in and before any body byte is read), ``gateway.proxy.head.refuse_head()``
+  decides: an upload to the gateway without a valid client key gets its 401,
+  and a ``Content-Length`` over ``NEXUS_MAX_BODY_BYTES`` its 413, in the
+  error shape of the path's surface (OpenAI's, Anthropic's on /v1/messages),
+  and the connection is closed without reading the body.
+* **While the body arrives**, a body sent without a length (chunked) is
+  counted and refused with a 413 once it passes the limit. Until then Twisted
+  spools it to an (unlinked) temporary file in ``TMPDIR``, not to memory, as
+  it does any body over 100 kB; the file is closed at the refusal. A body
+  within the limit is then handed to the application in memory, whole.
+* **Deadlines**: a request's head must arrive within
+  ``NEXUS_CLIENT_HEADER_TIMEOUT`` seconds of the connection opening (or of
+  the previous response on a kept-alive connection) and its body within
+  ``NEXUS_CLIENT_BODY_TIMEOUT`` seconds after the head; a client dripping
+  bytes gets a 408 and is disconnected. An idle kept-alive connection is closed
+  quietly after the header timeout.
+* **Unsent bytes**: the scope of every request carries the extension
+  ``nexus.transport`` with ``unsent_bytes()``, what the connection holds that
+  the client has not read yet, so the proxy can cut a stream whose reader
+  stalled (Daphne's ``send()`` never waits for the client).
+
+``install_daphne_limits()`` patches Daphne's request and factory classes once
+per process; ``nexus_site.servers.serving.prepare_daphne()`` calls it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings
+
+from gateway.process import Gateway
+from gateway.proxy import ProxyApp
+from gateway.proxy.errors import ProxyError
+from gateway.proxy.head import refuse_head, too_large
+from gateway.proxy.surfaces import OPENAI, Surface
+
+logger = logging.getLogger(__name__)
+
+_DEADLINE = "_nexus_deadline"
+_REFUSED = "_nexus_refused"
+_RECEIVED = "_nexus_received"
+
+
+@dataclass(frozen=True, slots=True)
+class ClientLimits:
+    """How much and how slowly a client may send (see the module docstring)."""
+
+    max_body: int
+    header_timeout: float
+    body_timeout: float
+
+    @classmethod
+    def from_settings(cls) -> ClientLimits:
+        return cls(
+            max_body=settings.NEXUS_MAX_BODY_BYTES,
+            header_timeout=settings.NEXUS_CLIENT_HEADER_TIMEOUT,
+            body_timeout=settings.NEXUS_CLIENT_BODY_TIMEOUT,
+        )
+
+
+class _Discard:
+    """A request body sink that keeps nothing (a refused upload)."""
+
+    closed = False
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def seek(self, *args: Any) -> None:
+        pass
+
+    def read(self, *args: Any) -> bytes:
+        return b""
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def install_daphne_limits(
+    gateway: Gateway, proxy: ProxyApp, limits: ClientLimits
+) -> None:
+    """Patch Daphne's request handling in this process (see the module docstring)."""
+    from daphne.http_protocol import HTTPFactory, WebRequest
+    from daphne.server import Server
+    from twisted.internet import reactor as twisted_reactor
+
+    reactor: Any = twisted_reactor
+
+    def arm(channel: Any, seconds: float, what: str) -> None:
+        disarm(channel)
+        setattr(channel, _DEADLINE, reactor.callLater(seconds, expire, channel, what))
+
+    def disarm(channel: Any) -> None:
+        call = getattr(channel, _DEADLINE, None)
+        if call is not None:
+            setattr(channel, _DEADLINE, None)
+            if call.active():
+                call.cancel()
+
+    def expire(channel: Any, what: str) -> None:
+        setattr(channel, _DEADLINE, None)
+        transport = channel.transport
+        if transport is None or transport.disconnecting:
+            return
+        if channel.requests:
+            # Part of a request arrived: say why before hanging up.
+            logger.info("Client too slow sending its %s; disconnected", what)
+            error = ProxyError(
+                408,
+                f"The request {what} did not arrive in time.",
+                code="request_timeout",
+            )
+            transport.write(_raw_response(error))
+        transport.loseConnection()
+
+    build_protocol = HTTPFactory.buildProtocol
+
+    def build_protocol_with_deadline(self: Any, addr: Any) -> Any:
+        protocol = build_protocol(self, addr)
+        # Twisted wraps the HTTP/1.1 channel to switch to HTTP/2 if negotiated.
+        channel = getattr(protocol, "_channel", protocol)
+        arm(channel, limits.header_timeout, "head")
+        request_done = channel.requestDone
+
+        def request_done_and_rearm(request: Any) -> None:
+            request_done(request)
+            if channel.transport is not None and not channel.transport.disconnecting:
+                arm(channel, limits.header_timeout, "head")
+
+        channel.requestDone = request_done_and_rearm
+        connection_lost = channel.connectionLost
+
+        def connection_lost_and_disarm(reason: Any) -> None:
+            disarm(channel)
+            connection_lost(reason)
+
+        channel.connectionLost = connection_lost_and_disarm
+        return protocol
+
+    HTTPFactory.buildProtocol = build_protocol_with_deadline
+
+    def refuse(request: Any, error: ProxyError, surface: Surface = OPENAI) -> None:
+        setattr(request, _REFUSED, True)
+        channel = request.channel
+        path = getattr(channel, "_path", b"").partition(b"?")[0].decode("latin-1")
+        request_id = request.requestHeaders.getRawHeaders(b"x-request-id")
+        # Counted like the proxy's own refusals (a request and an error).
+        rid = proxy.record_head_refusal(
+            error, path, request_id[0] if request_id else None
+        )
+        # A body sent without a length was spooled to a temporary file (up to
+        # the limit): free its disk now, not when the request is collected.
+        spooled, request.content = getattr(request, "content", None), _Discard()
+        if spooled is not None:
+            spooled.close()
+        # Twisted would answer "100 Continue" after our refusal otherwise.
+        request.requestHeaders.removeHeader(b"Expect")
+        disarm(channel)
+        transport = channel.transport
+        if transport is not None:
+            transport.write(_raw_response(error, surface, rid))
+            transport.loseConnection()
+
+    got_length = WebRequest.gotLength
+
+    def got_length_or_refuse(self: Any, length: int | None) -> None:
+        channel = self.channel
+        headers = self.requestHeaders
+        authorization = headers.getRawHeaders(b"authorization")
+        api_key = headers.getRawHeaders(b"x-api-key")
+        state = gateway.snapshots.peek()
+        refusal = refuse_head(
+            method=getattr(channel, "_command", b""),
+            path=getattr(channel, "_path", b""),
+            content_length=length,
+            authorization=authorization[0] if authorization else None,
+            api_key=api_key[0] if api_key else None,
+            keys=None if state is None else state.keys,
+            auth_required=gateway.config.auth_required,
+            max_body=limits.max_body,
+        )
+        if refusal is not None:
+            refuse(self, *refusal)
+            return
+        setattr(self, _RECEIVED, 0)
+        got_length(self, length)
+        arm(channel, limits.body_timeout, "body")
+
+    WebRequest.gotLength = got_length_or_refuse
+
+    handle_content_chunk = WebRequest.handleContentChunk
+
+    def handle_counted_chunk(self: Any, data: bytes) -> None:
+        if getattr(self, _REFUSED, False):
+            return
+        received = getattr(self, _RECEIVED, 0) + len(data)
+        setattr(self, _RECEIVED, received)
+        if received > limits.max_body:  # sent without a length (chunked)
+            refuse(self, too_large(limits.max_body))
+            return
+        handle_content_chunk(self, data)
+
+    WebRequest.handleContentChunk = handle_counted_chunk
+
+    request_received = WebRequest.requestReceived
+
+    def request_received_unless_refused(self: Any, *args: Any) -> None:
+        if getattr(self, _REFUSED, False):
+            return
+        if self.channel is not None:
+            disarm(self.channel)
+        request_received(self, *args)
+
+    WebRequest.requestReceived = request_received_unless_refused
+
+    create_application = Server.create_application
+
+    def create_application_with_probe(self: Any, protocol: Any, scope: Any) -> Any:
+        extensions = scope.setdefault("extensions", {})
+        extensions["nexus.transport"] = {
+            "unsent_bytes": functools.partial(unsent_bytes, protocol)
+        }
+        return create_application(self, protocol, scope)
+
+    Server.create_application = create_application_with_probe
+
+
+def unsent_bytes(request: Any) -> int:
+    """Bytes written to the request's connection that the client has not read.
+
+    Twisted's TCP transport keeps them in ``dataBuffer`` (from ``offset``) and
+    ``_tempDataBuffer``; a transport without those (TLS) reports 0.
+    """
+    channel = getattr(request, "channel", None)
+    transport = getattr(channel, "transport", None)
+    if transport is None:
+        return 0
+    try:
+        return len(transport.dataBuffer) - transport.offset + transport._tempDataLen
+    except AttributeError:
+        return 0
+
+
+_REASONS = {401: b"Unauthorized", 408: b"Request Timeout", 413: b"Content Too Large"}
+
+
+def _raw_response(
+    error: ProxyError, surface: Surface = OPENAI, request_id: str = ""
+) -> bytes:
+    body = surface.error_body(error)
+    head = b"HTTP/1.1 %d %s\r\n" % (error.status, _REASONS.get(error.status, b"Error"))
+    head += b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body)
+    if error.status == 401:
+        head += b"www-authenticate: Bearer\r\n"
+    if request_id:
+        head += b"x-request-id: %s\r\n" % request_id.encode()
+    return head + b"connection: close\r\n\r\n" + body

@@ -1,0 +1,157 @@
+"""The worker's local model server: list its models, forward one request to it.
+
+The only HTTP the worker makes besides its WebSocket goes through here, to the
+``--backend`` base URL and nowhere else (no redirects followed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from nexus_worker.protocol import Request
+
+logger = logging.getLogger("nexus.worker")
+
+KINDS = ("auto", "ollama", "openai")
+# What a model list may be (bytes, entries): a local backend is trusted, bounded.
+MAX_LISTING_BYTES = 4 * 1024 * 1024
+MAX_MODELS = 2000
+# The request headers the gateway may pass on, and the response headers sent back.
+FORWARDED_REQUEST_HEADERS = ("content-type", "accept")
+FORWARDED_RESPONSE_HEADERS = ("content-type", "retry-after")
+
+
+class BackendError(Exception):
+    """The local backend refused, timed out or answered something unreadable."""
+
+
+class LocalBackend:
+    """One local model server (Ollama or OpenAI-compatible) at a base URL."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        *,
+        kind: str = "auto",
+        api_key: str | None = None,
+        read_timeout: float = 300.0,
+    ) -> None:
+        self.session = session
+        self.base_url = base_url.rstrip("/")
+        self.kind = kind
+        self.api_key = api_key
+        self.timeout = aiohttp.ClientTimeout(
+            total=None, connect=10.0, sock_read=read_timeout
+        )
+
+    async def list_models(self) -> list[str]:
+        """Return the backend's model names; with kind auto, learn the kind first.
+
+        Raises BackendError if the backend cannot be reached or its answer has no
+        model list.
+        """
+        if self.kind == "auto":
+            for kind in ("ollama", "openai"):
+                try:
+                    models = await self._list(kind)
+                except BackendError as exc:
+                    logger.debug("backend is not %s: %s", kind, exc)
+                    continue
+                self.kind = kind
+                logger.info("local backend %s speaks %s", self.base_url, kind)
+                return models
+            raise BackendError(
+                f"{self.base_url} answers neither /api/tags (Ollama) nor /v1/models"
+            )
+        return await self._list(self.kind)
+
+    async def _list(self, kind: str) -> list[str]:
+        path = "/api/tags" if kind == "ollama" else "/v1/models"
+        data = await self._get_json(path)
+        entries = data.get("models" if kind == "ollama" else "data")
+        if not isinstance(entries, list):
+            raise BackendError(f"{path} has no model list")
+        key = "name" if kind == "ollama" else "id"
+        names = [
+            entry[key]
+            for entry in entries
+            if isinstance(entry, dict) and isinstance(entry.get(key), str)
+        ]
+        if len(names) > MAX_MODELS:
+            logger.warning(
+                "the backend lists %d models; keeping %d", len(names), MAX_MODELS
+            )
+        return [name for name in names if 0 < len(name) <= 256][:MAX_MODELS]
+
+    async def _get_json(self, path: str) -> dict[str, Any]:
+        try:
+            async with self.session.get(
+                self.base_url + path,
+                headers=self._auth_headers(),
+                timeout=aiohttp.ClientTimeout(total=10.0),
+                allow_redirects=False,
+            ) as response:
+                if response.status != 200:
+                    raise BackendError(f"GET {path} answered {response.status}")
+                raw = await response.content.read(MAX_LISTING_BYTES + 1)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise BackendError(f"GET {path} failed: {exc!r}") from None
+        if len(raw) > MAX_LISTING_BYTES:
+            raise BackendError(f"GET {path} is over {MAX_LISTING_BYTES} bytes")
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            raise BackendError(f"GET {path} is not JSON") from None
+        if not isinstance(data, dict):
+            raise BackendError(f"GET {path} is not a JSON object")
+        return data
+
+    async def post(self, request: Request) -> aiohttp.ClientResponse:
+        """Send the gateway's request to the backend; return the response head.
+
+        The caller reads (or abandons) the body and must close the response.
+        Raises BackendError if the backend refuses or times out.
+        """
+        headers = {
+            name: value
+            for name, value in request.headers.items()
+            if name.lower() in FORWARDED_REQUEST_HEADERS
+        }
+        headers.update(self._auth_headers())
+        try:
+            return await self.session.post(
+                self.base_url + request.endpoint,
+                data=request.body.encode(),
+                headers=headers,
+                timeout=self.timeout,
+                allow_redirects=False,
+            )
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise BackendError(f"{self.base_url} did not answer: {exc!r}") from None
+
+    def _auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def response_headers(response: aiohttp.ClientResponse) -> dict[str, str]:
+    """Return the backend response headers worth passing back to the gateway."""
+    return {
+        name: response.headers[name]
+        for name in FORWARDED_RESPONSE_HEADERS
+        if name in response.headers
+    }
+
+
+async def iter_body(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """Yield the body's bytes as they arrive; raise BackendError if the read fails."""
+    try:
+        async for data in response.content.iter_any():
+            yield data
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise BackendError(f"the backend's response broke off: {exc!r}") from None

@@ -1,8 +1,0 @@
-"""The gateway's client API (OpenAI, Anthropic, Ollama): the hot path."""
-
-from __future__ import annotations
-
-from routing.proxy.app import ProxyApp
-from routing.proxy.surfaces import OLLAMA_PATHS
-
-__all__ = ["OLLAMA_PATHS", "ProxyApp"]

@@ -1,0 +1,275 @@
+"""The worker relay's wire protocol: every message round-trips; bad frames say why."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nexus_worker import protocol
+from nexus_worker.protocol import (
+    Cancel,
+    Error,
+    GracefulShutdown,
+    ModelsRefresh,
+    ModelsUpdate,
+    Ping,
+    Pong,
+    ProtocolError,
+    Register,
+    RegisterAck,
+    Request,
+    ResponseChunk,
+    ResponseComplete,
+    Unknown,
+    UnsupportedVersion,
+    decode,
+    encode,
+    websocket_url,
+)
+
+EVERY_MESSAGE = [
+    Register(
+        name="gpu-1",
+        models=["llama3:8b", "qwen2.5:7b"],
+        max_concurrency=4,
+        load=1,
+        backend_kind="ollama",
+        version="0.1.0",
+    ),
+    ModelsUpdate(models=["llama3:8b"], load=2),
+    ResponseChunk(request_id="r1", chunk='data: {"x": "é 😀"}\n\n'),
+    ResponseComplete(
+        request_id="r1", status=200, headers={"content-type": "text/event-stream"}
+    ),
+    ResponseComplete(request_id="r2", status=502, body='{"error": {}}'),
+    Pong(timestamp=1700000000.5, load=3),
+    Pong(timestamp=None, load=0),
+    Error(message="backend down", request_id="r3", code="backend_unavailable"),
+    Error(message="confused"),
+    RegisterAck(worker_id="w-1", models=["llama3:8b"], heartbeat_interval=0.5),
+    Request(
+        request_id="r4",
+        model="llama3:8b",
+        endpoint="/v1/chat/completions",
+        body='{"model": "llama3:8b", "stream": true}',
+        headers={"content-type": "application/json"},
+        is_streaming=True,
+    ),
+    Cancel(request_id="r4", reason="client disconnected"),
+    Ping(timestamp=1700000000.0),
+    GracefulShutdown(reason="maintenance", timeout_secs=30.0),
+    GracefulShutdown(),
+    ModelsRefresh(),
+]
+
+
+@pytest.mark.parametrize("message", EVERY_MESSAGE, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(message: protocol.Message) -> None:
+    text = encode(message)
+    assert json.loads(text)["type"] == message.type
+    assert decode(text) == message
+
+
+def test_frames_match_the_spec_tables() -> None:
+    assert json.loads(encode(Register(name="a", models=["m"], max_concurrency=2))) == {
+        "type": "register",
+        "name": "a",
+        "models": ["m"],
+        "max_concurrency": 2,
+        "load": 0,
+        "protocol_version": 1,
+    }
+    assert json.loads(encode(ResponseComplete(request_id="r", status=200))) == {
+        "type": "response_complete",
+        "request_id": "r",
+        "status": 200,
+        "headers": {},
+        "body": None,
+    }
+    assert json.loads(encode(GracefulShutdown())) == {
+        "type": "graceful_shutdown",
+        "reason": None,
+        "timeout_secs": None,
+    }
+    assert json.loads(encode(ModelsRefresh())) == {"type": "models_refresh"}
+
+
+def test_non_ascii_text_stays_utf8_on_the_wire() -> None:
+    text = encode(ResponseChunk(request_id="r", chunk="héllo 😀"))
+    assert "héllo 😀" in text
+
+
+def test_unknown_type_decodes_to_unknown_and_extra_fields_are_ignored() -> None:
+    assert decode('{"type": "telemetry", "x": 1}') == Unknown(type_name="telemetry")
+    assert decode('{"type": "ping", "timestamp": 1.0, "future": true}') == Ping(1.0)
+
+
+def test_a_long_unknown_type_is_cut_for_the_log() -> None:
+    unknown = decode(json.dumps({"type": "x" * 10_000}))
+    assert isinstance(unknown, Unknown)
+    assert len(unknown.type_name) == 64
+
+
+@pytest.mark.parametrize(
+    ("frame", "says"),
+    [
+        ("not json", "not JSON"),
+        ("[1, 2]", "not a JSON object"),
+        ('{"kind": "ping"}', 'no "type"'),
+        ('{"type": 7}', 'no "type"'),
+        ('{"type": "ping"}', "ping: missing field 'timestamp'"),
+        ('{"type": "ping", "timestamp": "now"}', "ping.timestamp: not a number"),
+        ('{"type": "ping", "timestamp": true}', "ping.timestamp: not a number"),
+        (
+            '{"type": "register", "name": "", "models": [], "max_concurrency": 1}',
+            "register.name: empty",
+        ),
+        (
+            '{"type": "register", "name": "a", "models": "m", "max_concurrency": 1}',
+            "register.models: not a list",
+        ),
+        (
+            '{"type": "register", "name": "a", "models": [1], "max_concurrency": 1}',
+            "register.models: not a string",
+        ),
+        (
+            '{"type": "register", "name": "a", "models": [], "max_concurrency": 0}',
+            "register.max_concurrency: 0 is not in 1..10000",
+        ),
+        (
+            '{"type": "register", "name": "a", "models": [], "max_concurrency": 1.5}',
+            "register.max_concurrency: not an integer",
+        ),
+        ('{"type": "pong", "timestamp": null, "load": -1}', "pong.load: -1 is not"),
+        (
+            '{"type": "response_complete", "request_id": "r", "status": 1000}',
+            "response_complete.status: 1000 is not in 100..599",
+        ),
+        (
+            json.dumps(
+                {
+                    "type": "response_complete",
+                    "request_id": "r",
+                    "status": 200,
+                    "headers": {"a": 1},
+                }
+            ),
+            "response_complete.headers: not a string",
+        ),
+        (
+            json.dumps(
+                {
+                    "type": "request",
+                    "request_id": "r",
+                    "model": "m",
+                    "endpoint": "/v1/completions",
+                    "body": "{}",
+                    "is_streaming": "yes",
+                }
+            ),
+            "request.is_streaming: not a boolean",
+        ),
+        ('{"type": "response_chunk", "chunk": "x"}', "missing field 'request_id'"),
+        (
+            json.dumps(
+                {"type": "response_chunk", "request_id": "r" * 257, "chunk": ""}
+            ),
+            "response_chunk.request_id: longer than 256 characters",
+        ),
+    ],
+)
+def test_bad_frames_raise_a_clear_protocol_error(frame: str, says: str) -> None:
+    with pytest.raises(ProtocolError) as caught:
+        decode(frame)
+    assert says in str(caught.value)
+
+
+def test_counts_are_bounded() -> None:
+    too_many_models = {"type": "models_update", "models": ["m"] * 2001, "load": 0}
+    with pytest.raises(ProtocolError, match="more than 2000 models"):
+        decode(json.dumps(too_many_models))
+    headers = {f"h{i}": "v" for i in range(65)}
+    frame = {"type": "response_complete", "request_id": "r", "status": 200}
+    with pytest.raises(ProtocolError, match="more than 64 headers"):
+        decode(json.dumps({**frame, "headers": headers}))
+
+
+def test_a_frame_over_the_limit_is_refused_before_parsing() -> None:
+    huge = "x" * (protocol.MAX_FRAME_BYTES + 1)
+    with pytest.raises(ProtocolError, match="over"):
+        decode(huge)
+
+
+def test_another_protocol_version_is_unsupported() -> None:
+    frame = {
+        "type": "register",
+        "name": "a",
+        "models": [],
+        "max_concurrency": 1,
+        "protocol_version": 2,
+    }
+    with pytest.raises(UnsupportedVersion, match="protocol_version 2 is not 1"):
+        decode(json.dumps(frame))
+
+
+def test_a_chunk_of_the_largest_size_fits_in_a_frame_even_fully_escaped() -> None:
+    worst = ResponseChunk(request_id="r" * 256, chunk="\x01" * protocol.MAX_CHUNK_CHARS)
+    assert len(encode(worst).encode()) <= protocol.MAX_FRAME_BYTES
+    # Under plain daphne too (its default message limit, not nexus_run's).
+    assert len(encode(worst).encode()) <= protocol.DAPHNE_DEFAULT_MESSAGE_BYTES
+
+
+def test_close_codes_and_names() -> None:
+    assert protocol.CloseCode.AUTH_FAILED == 4001
+    assert protocol.CloseCode.UNSUPPORTED_VERSION == 4002
+    assert protocol.CloseCode.TOO_BIG == 1009
+    assert protocol.SECRET_HEADER == "x-worker-secret"
+    assert protocol.PROTOCOL_VERSION == 1
+    assert protocol.DEFAULT_HEARTBEAT_SECONDS == 5.0
+
+
+@pytest.mark.parametrize(
+    ("base", "url"),
+    [
+        ("http://gateway:8000", "ws://gateway:8000/ws/workers/"),
+        ("http://gateway:8000/", "ws://gateway:8000/ws/workers/"),
+        ("https://llm.example.com", "wss://llm.example.com/ws/workers/"),
+        ("HTTPS://llm.example.com/nexus/", "wss://llm.example.com/nexus/ws/workers/"),
+        ("http://[::1]:8000/a/b", "ws://[::1]:8000/a/b/ws/workers/"),
+        ("wss://h/p", "wss://h/p/ws/workers/"),
+    ],
+)
+def test_websocket_url_from_the_gateway_base_url(base: str, url: str) -> None:
+    assert websocket_url(base) == url
+
+
+def test_websocket_url_carries_the_worker_name() -> None:
+    assert (
+        websocket_url("http://g:8000", name="gpu box")
+        == "ws://g:8000/ws/workers/?name=gpu+box"
+    )
+
+
+@pytest.mark.parametrize("base", ["ftp://h", "gateway:8000", "http://", ""])
+def test_websocket_url_refuses_what_is_not_an_http_url(base: str) -> None:
+    with pytest.raises(ValueError, match="not an http"):
+        websocket_url(base)
+
+
+def test_a_bad_frame_names_its_request_so_that_request_can_fail_at_once() -> None:
+    frame = {"type": "request", "request_id": "r9", "model": "m", "body": "{}"}
+    with pytest.raises(ProtocolError, match="missing field 'endpoint'") as caught:
+        decode(json.dumps(frame))
+    assert caught.value.request_id == "r9"
+    with pytest.raises(ProtocolError) as caught:
+        decode(json.dumps({"type": "ping", "timestamp": "x", "request_id": 5}))
+    assert caught.value.request_id is None
+
+
+def test_request_ids_leave_room_for_a_client_id_and_an_attempt_suffix() -> None:
+    # The proxy accepts client X-Request-IDs of up to 128 characters and the
+    # gateway numbers each attempt after it.
+    request_id = "c" * 128 + ".12345"
+    message = Cancel(request_id=request_id)
+    assert decode(encode(message)) == message
