@@ -435,7 +435,10 @@ _CLOSED = (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType
 
 
 def _version() -> str:
-    try:
-        return metadata.version("nexus")
-    except metadata.PackageNotFoundError:
-        return "unknown"
+    # Installed on its own (nexus_worker/pyproject.toml) or with the gateway.
+    for distribution in ("nexus-worker", "nexus"):
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
