@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any
 
 from django import forms
 from django.contrib.admin.widgets import AdminURLFieldWidget
-from django.core.exceptions import ValidationError
 
 from backends.models import Backend
 
@@ -91,14 +90,3 @@ class BackendAdminForm(BackendModelForm):
         elif not new_key:
             cleaned["api_key"] = self._stored_api_key
         return cleaned
-
-
-def describe_validation_error(error: ValidationError) -> str:
-    """One line for a command's error: "field: message ..." per problem."""
-    if hasattr(error, "error_dict"):
-        return " ".join(
-            f"{field}: {message}"
-            for field, messages in error.message_dict.items()
-            for message in messages
-        )
-    return " ".join(error.messages)

@@ -8,7 +8,7 @@ from typing import Any
 from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers
 
-from backends.api.serializers import ModelCleanSerializer, saving
+from nexus_lib.serializers import ModelCleanSerializer, saving
 from routing.core import FLEET_SETTING_NAMES, BackendSpec
 from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
 

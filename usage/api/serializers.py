@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from rest_framework import serializers
 
-from backends.api.serializers import ModelCleanSerializer
+from nexus_lib.serializers import ModelCleanSerializer
 from usage.models import (
     ANONYMOUS,
     SETTING_FIELDS,

@@ -8,8 +8,8 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from backends.forms import describe_validation_error
 from backends.models import Worker
+from nexus_lib.validation import describe_validation_error
 
 
 class Command(BaseCommand):

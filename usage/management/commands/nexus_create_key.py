@@ -10,7 +10,7 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from backends.forms import describe_validation_error
+from nexus_lib.validation import describe_validation_error
 from usage.models import ApiKey
 
 
