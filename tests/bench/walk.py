@@ -132,12 +132,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             mock.stop()
     packages = {"/".join(f.split("/")[:-1]) or f for f in walk.files}
-    print(f"status {reply.status_code}: {len(walk.functions)} Nexus functions in")
-    print(f"{len(walk.files)} files and {len(packages)} packages; deepest chain of")
-    print(f"Nexus calls {walk.deepest}. Files in the order first entered:")
+    lines = [
+        (
+            f"status {reply.status_code}: {len(walk.functions)} Nexus functions in "
+            f"{len(walk.files)} files and {len(packages)} packages; deepest chain of "
+            f"Nexus calls {walk.deepest}. Files in the order first entered:"
+        ),
+    ]
     for name in walk.files:
         calls = sum(n for (f, _), n in walk.functions.items() if f == name)
-        print(f"  {name} ({calls} calls)")
+        lines.append(f"  {name} ({calls} calls)")
+    sys.stdout.write("\n".join(lines) + "\n")
     return 0
 
 
