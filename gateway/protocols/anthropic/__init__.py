@@ -29,17 +29,16 @@ request has to be translated; an Anthropic backend gets them untouched.
 
 from gateway.protocols.anthropic.inbound import (
     UNSUPPORTED,
-    MessageStreamWriter,
     canonical_to_message,
     estimate_input_tokens,
     messages_to_canonical,
 )
 from gateway.protocols.anthropic.outbound import (
     DEFAULT_MAX_TOKENS,
-    MessageStreamReader,
     canonical_to_messages,
     message_to_canonical,
 )
+from gateway.protocols.anthropic.streams import MessageStreamReader, MessageStreamWriter
 from gateway.protocols.anthropic.wire import (
     ANTHROPIC_VERSION,
     error_body,

@@ -2,8 +2,8 @@
 
 ``messages_to_canonical`` checks a ``POST /v1/messages`` body and writes it as
 an OpenAI chat request; ``canonical_to_message`` writes a ``chat.completion``
-as a Message; ``MessageStreamWriter`` turns ``chat.completion.chunk`` dicts
-into Anthropic's stream events as they come.
+as a Message (``MessageStreamWriter``, in ``streams``, does the same for a
+stream); ``estimate_input_tokens`` answers ``count_tokens``.
 """
 
 from __future__ import annotations
@@ -13,12 +13,10 @@ from typing import Any
 
 from gateway.protocols.anthropic.wire import (
     FINISH_TO_STOP,
-    error_type_for,
     image_url_from_source,
-    sse_event,
     usage_from_canonical,
 )
-from gateway.protocols.base import BROKEN, BUDGET, TranslationError
+from gateway.protocols.base import TranslationError
 
 UNSUPPORTED = "unsupported_content"
 # Blocks that carry nothing a chat model needs to see again.
@@ -363,163 +361,6 @@ def _content_text(content: Any) -> str:
             if isinstance(part, dict) and isinstance(part.get("text"), str)
         )
     return ""
-
-
-class MessageStreamWriter:
-    """Canonical chunks in, Anthropic's stream events out, as they come.
-
-    The events are the API's: ``message_start``, a ``ping``, then per content
-    block ``content_block_start`` / ``content_block_delta`` (``text_delta``,
-    ``input_json_delta``) / ``content_block_stop``, then ``message_delta``
-    (stop reason, usage) and ``message_stop``. Chat streams report usage at
-    their end, so ``message_start`` carries 0 input tokens and ``message_delta``
-    the real counts (the SDK takes both from there).
-    """
-
-    __slots__ = (
-        "_block",
-        "_finish",
-        "_id",
-        "_index",
-        "_model",
-        "_started",
-        "_tools",
-        "_usage",
-    )
-
-    def __init__(self, model: str) -> None:
-        self._model = model
-        self._id = "msg_nexus"
-        self._started = False
-        self._index = -1  # the last block opened (-1: none yet)
-        self._block = ""  # "text" or "tool_use" while that block is open
-        self._tools: dict[int, int] = {}  # tool call index -> block index
-        self._finish: str | None = None
-        self._usage: dict[str, Any] | None = None
-
-    def feed(self, event: dict[str, Any]) -> list[bytes]:
-        out: list[bytes] = []
-        if not self._started:
-            self._id = message_id(event.get("id"))
-            out += self._start()
-        usage = event.get("usage")
-        if isinstance(usage, dict):
-            self._usage = usage
-        choices = event.get("choices")
-        if not isinstance(choices, list):
-            return out
-        for choice in choices:
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta")
-            if isinstance(delta, dict):
-                text = delta.get("content")
-                if isinstance(text, str) and text:
-                    if self._block != "text":
-                        out += self._open({"type": "text", "text": ""}, "text")
-                    out.append(
-                        _delta(self._index, {"type": "text_delta", "text": text})
-                    )
-                for call in delta.get("tool_calls") or ():
-                    if isinstance(call, dict):
-                        out += self._tool_delta(call)
-            finish = choice.get("finish_reason")
-            if isinstance(finish, str):
-                self._finish = finish
-        return out
-
-    def finish(self) -> list[bytes]:
-        out = [] if self._started else self._start()
-        out += self._close()
-        usage = usage_from_canonical(self._usage)
-        stop = FINISH_TO_STOP.get(self._finish or "stop", "end_turn")
-        out.append(
-            sse_event(
-                {
-                    "type": "message_delta",
-                    "delta": {"stop_reason": stop, "stop_sequence": None},
-                    "usage": usage,
-                }
-            )
-        )
-        out.append(sse_event({"type": "message_stop"}))
-        return out
-
-    def fail(self, message: str, code: str = BROKEN) -> list[bytes]:
-        # Anthropic's errors have a type and no code: a budget cut is a 429's.
-        status = 429 if code == BUDGET else 502
-        return [
-            sse_event(
-                {
-                    "type": "error",
-                    "error": {"type": error_type_for(status), "message": message},
-                }
-            )
-        ]
-
-    def _start(self) -> list[bytes]:
-        self._started = True
-        message: dict[str, Any] = {
-            "id": self._id,
-            "type": "message",
-            "role": "assistant",
-            "model": self._model,
-            "content": [],
-            "stop_reason": None,
-            "stop_sequence": None,
-            "usage": {"input_tokens": 0, "output_tokens": 0},
-        }
-        return [
-            sse_event({"type": "message_start", "message": message}),
-            sse_event({"type": "ping"}),
-        ]
-
-    def _tool_delta(self, call: dict[str, Any]) -> list[bytes]:
-        out: list[bytes] = []
-        position = call.get("index", 0)
-        position = position if isinstance(position, int) else 0
-        function = call.get("function")
-        function = function if isinstance(function, dict) else {}
-        index = self._tools.get(position)
-        if index is None:
-            block: dict[str, Any] = {
-                "type": "tool_use",
-                "id": call.get("id") or f"toolu_nexus_{position}",
-                "name": function.get("name") or "",
-                "input": {},
-            }
-            out += self._open(block, "tool_use")
-            index = self._tools[position] = self._index
-        arguments = function.get("arguments")
-        if isinstance(arguments, str) and arguments:
-            delta = {"type": "input_json_delta", "partial_json": arguments}
-            out.append(_delta(index, delta))
-        return out
-
-    def _open(self, block: dict[str, Any], kind: str) -> list[bytes]:
-        out = self._close()
-        self._index += 1
-        self._block = kind
-        out.append(
-            sse_event(
-                {
-                    "type": "content_block_start",
-                    "index": self._index,
-                    "content_block": block,
-                }
-            )
-        )
-        return out
-
-    def _close(self) -> list[bytes]:
-        if not self._block:
-            return []
-        self._block = ""
-        return [sse_event({"type": "content_block_stop", "index": self._index})]
-
-
-def _delta(index: int, delta: dict[str, Any]) -> bytes:
-    return sse_event({"type": "content_block_delta", "index": index, "delta": delta})
 
 
 # count_tokens

@@ -2,8 +2,8 @@
 
 ``canonical_to_messages`` writes an OpenAI chat request as a ``POST
 /v1/messages`` body; ``message_to_canonical`` reads a Message back as a
-``chat.completion``; ``MessageStreamReader`` reads Anthropic's stream events
-into ``chat.completion.chunk`` dicts as they come.
+``chat.completion`` (``MessageStreamReader``, in ``streams``, does the same for
+a stream).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from gateway.protocols.anthropic.wire import (
     image_source_from_url,
     usage_to_canonical,
 )
-from gateway.protocols.base import StreamFailed, TranslationError
+from gateway.protocols.base import TranslationError
 
 # Anthropic requires max_tokens; chat requests often leave it out.
 DEFAULT_MAX_TOKENS = 4096
@@ -276,7 +276,7 @@ def message_to_canonical(message: dict[str, Any], created: int = 0) -> dict[str,
     elif reply["content"] is None:
         reply["content"] = ""
     result: dict[str, Any] = {
-        "id": _completion_id(message.get("id")),
+        "id": completion_id(message.get("id")),
         "object": "chat.completion",
         "created": created,
         "model": message.get("model"),
@@ -296,119 +296,8 @@ def message_to_canonical(message: dict[str, Any], created: int = 0) -> dict[str,
     return result
 
 
-def _completion_id(message_id: Any) -> str:
+def completion_id(message_id: Any) -> str:
+    """A completion id made from a Message's id (``chatcmpl-`` and the same suffix)."""
     if isinstance(message_id, str) and message_id:
         return "chatcmpl-" + message_id.removeprefix("msg_")
     return "chatcmpl-nexus"
-
-
-class MessageStreamReader:
-    """Anthropic's stream events in, canonical chunks out, as they come.
-
-    Text deltas become ``content`` deltas; each ``tool_use`` block becomes a
-    tool call (its id and name when the block starts, then its
-    ``input_json_delta`` fragments as ``arguments``); thinking blocks are
-    left out. ``message_stop`` gives the chunk with the finish reason and the
-    usage-only chunk (input tokens from ``message_start``, output tokens from
-    ``message_delta``). An ``error`` event, or an end without ``message_stop``,
-    raises StreamFailed.
-    """
-
-    __slots__ = ("_created", "_done", "_finish", "_id", "_model", "_tools", "_usage")
-
-    def __init__(self, created: int = 0) -> None:
-        self._created = created
-        self._id = "chatcmpl-nexus"
-        self._model: Any = None
-        self._tools: dict[int, int] = {}  # block index -> tool call index
-        self._usage: dict[str, Any] = {}
-        self._finish = "stop"
-        self._done = False
-
-    def feed(self, event: dict[str, Any]) -> list[dict[str, Any]]:
-        kind = event.get("type")
-        if kind == "content_block_delta":
-            delta = event.get("delta")
-            if not isinstance(delta, dict):
-                return []
-            if delta.get("type") == "text_delta":
-                text = delta.get("text")
-                return [self._chunk({"content": text})] if text else []
-            if delta.get("type") == "input_json_delta":
-                position = self._tools.get(event.get("index", -1))
-                partial = delta.get("partial_json")
-                if position is None or not partial:
-                    return []
-                call = {"index": position, "function": {"arguments": partial}}
-                return [self._chunk({"tool_calls": [call]})]
-            return []
-        if kind == "content_block_start":
-            return self._block_start(event)
-        if kind == "message_start":
-            message = event.get("message")
-            message = message if isinstance(message, dict) else {}
-            self._id = _completion_id(message.get("id"))
-            self._model = message.get("model")
-            if isinstance(message.get("usage"), dict):
-                self._usage.update(message["usage"])
-            return [self._chunk({"role": "assistant", "content": ""})]
-        if kind == "message_delta":
-            delta = event.get("delta")
-            if isinstance(delta, dict) and delta.get("stop_reason"):
-                self._finish = STOP_TO_FINISH.get(delta["stop_reason"], "stop")
-            usage = event.get("usage")
-            if isinstance(usage, dict):
-                self._usage.update({k: v for k, v in usage.items() if v is not None})
-            return []
-        if kind == "message_stop":
-            self._done = True
-            last = self._chunk({}, finish=self._finish)
-            usage = usage_to_canonical(self._usage)
-            if usage is None:
-                return [last]
-            tail = self._chunk({})
-            tail["choices"] = []
-            tail["usage"] = usage
-            return [last, tail]
-        if kind == "error":
-            error = event.get("error")
-            message = error.get("message") if isinstance(error, dict) else None
-            raise StreamFailed(f"the backend reported an error: {message or event}")
-        return []  # ping, content_block_stop, and events added later
-
-    def finish(self) -> list[dict[str, Any]]:
-        if not self._done:
-            raise StreamFailed("the backend's stream ended before message_stop")
-        return []
-
-    def _block_start(self, event: dict[str, Any]) -> list[dict[str, Any]]:
-        block = event.get("content_block")
-        if not isinstance(block, dict):
-            return []
-        if block.get("type") == "text" and block.get("text"):
-            return [self._chunk({"content": block["text"]})]
-        if block.get("type") != "tool_use":
-            return []
-        position = self._tools[event.get("index", -1)] = len(self._tools)
-        given = block.get("input")
-        call = {
-            "index": position,
-            "id": block.get("id"),
-            "type": "function",
-            "function": {
-                "name": block.get("name"),
-                "arguments": json.dumps(given) if given else "",
-            },
-        }
-        return [self._chunk({"tool_calls": [call]})]
-
-    def _chunk(
-        self, delta: dict[str, Any], finish: str | None = None
-    ) -> dict[str, Any]:
-        return {
-            "id": self._id,
-            "object": "chat.completion.chunk",
-            "created": self._created,
-            "model": self._model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-        }
