@@ -21,9 +21,9 @@ from typing import Any, TypeVar
 import aiohttp
 import pytest
 from aiohttp import web
-from nexus_worker.daemon import Backoff, Worker, WorkerConfig
 
 from nexus_mock import MockBackendProcess
+from nexus_worker.daemon import Backoff, Worker, WorkerConfig
 from nexus_worker.protocol import (
     ERROR_AT_CAPACITY,
     ERROR_BACKEND_UNAVAILABLE,
