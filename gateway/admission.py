@@ -37,6 +37,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from nexus_lib.service import Service, periodic
 from routing.admission.controller import AdmissionController, error_of
 from routing.admission.errors import (
     AdmissionError,
@@ -79,7 +80,14 @@ class BadAdmissionHeader(ValueError):
 
 
 class AdmissionGate:
-    """Admission control for one serving process (see the module docstring)."""
+    """Admission control for one serving process (see the module docstring).
+
+    A service (nexus_lib.service): ``start()`` runs the safety timer (and the
+    registry heartbeat with Redis), ``stop()`` ends them and lets through
+    what still waits.
+    """
+
+    name = "admission"
 
     def __init__(
         self,
@@ -97,7 +105,11 @@ class AdmissionGate:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._expiry: asyncio.TimerHandle | None = None
         self._expiry_at = math.inf
-        self._tasks: list[asyncio.Task[Any]] = []
+        self._timers: list[Service] = [
+            periodic("admission-safety", SAFETY_INTERVAL, self._pump_all)
+        ]
+        if share == "redis":
+            self._timers.append(_ProcessRegistry(self._take_share))
         self._seen_attempts = 0
         self._seen_successes = 0
         if share == "env":
@@ -106,18 +118,16 @@ class AdmissionGate:
     # Lifecycle -------------------------------------------------------------
 
     def start(self) -> None:
-        loop = self._loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._safety_timer(), name="admission")]
-        if self.share == "redis":
-            self._tasks.append(
-                loop.create_task(self._register_process(), name="admission-share")
-            )
+        """Start the safety timer (and the registry heartbeat) on the running loop."""
+        self._loop = asyncio.get_running_loop()
+        for timer in self._timers:
+            timer.start()
 
     async def stop(self) -> None:
-        tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        """Stop the timers; what still waits is let through."""
+        await asyncio.gather(
+            *(timer.stop() for timer in self._timers), return_exceptions=True
+        )
         if self._expiry is not None:
             self._expiry.cancel()
             self._expiry = None
@@ -356,13 +366,12 @@ class AdmissionGate:
         if following is not None:
             self._schedule_expiry(following)
 
-    async def _safety_timer(self) -> None:
-        while True:
-            await asyncio.sleep(SAFETY_INTERVAL)
-            self._guard(self.controller.pump_all)
-            following = self._guard(self.controller.expire)
-            if following is not None and following < self._expiry_at:
-                self._schedule_expiry(following)
+    def _pump_all(self) -> None:
+        """Pump every queue and expire what is due (the safety timer's tick)."""
+        self._guard(self.controller.pump_all)
+        following = self._guard(self.controller.expire)
+        if following is not None and following < self._expiry_at:
+            self._schedule_expiry(following)
 
     def _guard(self, action: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -378,42 +387,63 @@ class AdmissionGate:
         except Exception:
             logger.exception("Could not open the admission queues")
 
-    async def _register_process(self) -> None:
-        """Keep this process in the live registry and take its share from it."""
+    def _take_share(self, members: list[str], me: str) -> None:
+        """Take this process's share of the band from the live registry."""
+        if me in members:
+            self._guard(self.controller.set_share, members.index(me), len(members))
+
+
+class _ProcessRegistry:
+    """Keeps this process in the live registry of serving processes (Redis).
+
+    A heartbeat a second adds it (and drops those gone stale); each answer,
+    the members in order, goes to `take_share`. Stopping leaves the registry.
+    """
+
+    name = "admission-share"
+
+    def __init__(self, take_share: Callable[[list[str], str], None]) -> None:
+        self._take_share = take_share
+        self._client: Any = None
+        self._me = ""
+        self._heartbeat = periodic(
+            "admission-share",
+            HEARTBEAT_SECONDS,
+            self._beat,
+            immediately=True,
+            error="Could not reach the process registry",
+            log=logger.warning,
+        )
+
+    def start(self) -> None:
+        """Start the heartbeat on the running loop (its first beat at once)."""
         from django.conf import settings as django_settings  # only in Redis mode
         from redis import asyncio as redis_asyncio
 
-        me = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        client = redis_asyncio.from_url(django_settings.REDIS_URL)
+        self._me = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._client = redis_asyncio.from_url(django_settings.REDIS_URL)
+        self._heartbeat.start()
+
+    async def stop(self) -> None:
+        """Stop the heartbeat and leave the registry."""
+        await self._heartbeat.stop()
+        client, self._client = self._client, None
+        if client is None:
+            return
         try:
-            while True:
-                try:
-                    now = time.time()
-                    async with client.pipeline(transaction=True) as pipe:
-                        pipe.zadd(REGISTRY_KEY, {me: now})
-                        pipe.zremrangebyscore(
-                            REGISTRY_KEY, "-inf", now - STALE_AFTER_SECONDS
-                        )
-                        pipe.zrange(REGISTRY_KEY, 0, -1)
-                        results = await pipe.execute()
-                    members = [m.decode() for m in results[2]]
-                    if me in members:
-                        self._guard(
-                            self.controller.set_share,
-                            members.index(me),
-                            len(members),
-                        )
-                except Exception:
-                    logger.warning(
-                        "Could not reach the process registry", exc_info=True
-                    )
-                await asyncio.sleep(HEARTBEAT_SECONDS)
-        finally:
-            try:
-                await asyncio.shield(client.zrem(REGISTRY_KEY, me))
-            except Exception:  # it goes stale on its own within seconds
-                logger.warning("Could not leave the process registry", exc_info=True)
-            await client.aclose()
+            await client.zrem(REGISTRY_KEY, self._me)
+        except Exception:  # it goes stale on its own within seconds
+            logger.warning("Could not leave the process registry", exc_info=True)
+        await client.aclose()
+
+    async def _beat(self) -> None:
+        now = time.time()
+        async with self._client.pipeline(transaction=True) as pipe:
+            pipe.zadd(REGISTRY_KEY, {self._me: now})
+            pipe.zremrangebyscore(REGISTRY_KEY, "-inf", now - STALE_AFTER_SECONDS)
+            pipe.zrange(REGISTRY_KEY, 0, -1)
+            results = await pipe.execute()
+        self._take_share([m.decode() for m in results[2]], self._me)
 
 
 class Pool(NamedTuple):

@@ -78,8 +78,12 @@ class BreakerSettings:
 class CircuitBreaker:
     """Per-backend circuit breakers of one process, shared with its router.
 
-    ``stats`` is the LiveStats the router reads; ``config`` the rules.
+    ``stats`` is the LiveStats the router reads; ``config`` the rules. A
+    service (nexus_lib.service) only for its stop: announcements under way are
+    sent before the process exits.
     """
+
+    name = "breaker"
 
     def __init__(self, *, stats: LiveStats, config: BreakerSettings) -> None:
         self.stats = stats
@@ -192,6 +196,9 @@ class CircuitBreaker:
         """Wait for pending announcements (tests, shutdown)."""
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    def start(self) -> None:
+        """Nothing to start: announcements run as circuits open."""
 
     async def stop(self) -> None:
         """Wait for pending announcements (shutdown)."""

@@ -24,6 +24,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from channels.db import database_sync_to_async
 
 from nexus_lib.groups import listen_to_group
+from nexus_lib.service import TaskService, periodic
 from routing.versioning import CONFIG_GROUP, read_config_version
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,13 @@ S = TypeVar("S", bound=Versioned)
 
 
 class SnapshotHolder(Generic[S]):
-    """The current snapshot of one process, and the tasks that refresh it."""
+    """The current snapshot of one process, and the tasks that refresh it.
+
+    A service (nexus_lib.service): ``start()`` runs the announcement listener
+    and the periodic version check, ``stop()`` ends them and any rebuild.
+    """
+
+    name = "snapshots"
 
     def __init__(
         self,
@@ -55,7 +62,16 @@ class SnapshotHolder(Generic[S]):
         self._snapshot: S | None = None
         self._wanted = 0
         self._rebuilding: asyncio.Task[None] | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._refreshers = (
+            TaskService("snapshot-listen", self._listen),
+            periodic(
+                "snapshot-poll",
+                lambda: self.poll_interval,
+                self._poll,
+                error="Checking the config version failed",
+                log=logger.warning,
+            ),
+        )
         self.rebuilds = 0
         # Called with each snapshot once it is the one routed with.
         self.on_install: Callable[[S], None] = _ignore
@@ -100,18 +116,19 @@ class SnapshotHolder(Generic[S]):
 
     def start(self) -> None:
         """Start the refresh tasks on the running loop."""
-        loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(self._listen(), name="snapshot-listen"),
-            loop.create_task(self._poll(), name="snapshot-poll"),
-        ]
+        for refresher in self._refreshers:
+            refresher.start()
 
     async def stop(self) -> None:
-        tasks = [*self._tasks, *([self._rebuilding] if self._rebuilding else [])]
-        for task in tasks:
+        """Stop the refresh tasks and any rebuild under way."""
+        rebuilding = [self._rebuilding] if self._rebuilding else []
+        for task in rebuilding:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._tasks = []
+        await asyncio.gather(
+            *(refresher.stop() for refresher in self._refreshers),
+            *rebuilding,
+            return_exceptions=True,
+        )
 
     def request_version(self, version: int) -> None:
         """Note that `version` exists; rebuild unless we already have it."""
@@ -139,13 +156,7 @@ class SnapshotHolder(Generic[S]):
                 return
 
     async def _poll(self) -> None:
-        read = database_sync_to_async(self._read_version)
-        while True:
-            await asyncio.sleep(self.poll_interval)
-            try:
-                await self.check(await read())
-            except Exception:
-                logger.warning("Checking the config version failed", exc_info=True)
+        await self.check(await database_sync_to_async(self._read_version)())
 
     async def check(self, version: int) -> None:
         """Act on the persisted version: rebuild if it moved, or if due anyway."""

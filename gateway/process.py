@@ -5,12 +5,17 @@ hands it to the proxy (``ProxyApp(gateway)``), the usage stream and /metrics.
 It owns what a serving process keeps between requests: the snapshot holder,
 the router and its live stats (in flight, latency, open circuits), the circuit
 breaker, the usage buffer and its shipper, the live usage counters and their
-publisher, the upstream HTTP client and the metrics. ``start()`` starts every
-background task on the running loop, ``stop()`` ends them after handing on the
-usage still held; ``drain()`` is the graceful part of a shutdown.
+publisher, the upstream HTTP client and the metrics.
+
+Whatever runs in the background is a service (nexus_lib.service), listed once
+in ``Gateway.services``: ``start()`` starts them in that order on the running
+loop, ``stop()`` stops them in reverse within the drain period (at least 5 s;
+the usage sink hands on the usage still held as it stops); ``drain()`` is the
+graceful part of a shutdown, before ``stop()``.
 
 Tests build their own gateways; Django views that need the serving process's
-live numbers ask ``current_gateway()``.
+live numbers ask ``current_gateway()``, which builds one on first use only
+where the ASGI wiring installed none (tests, a Django test client).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -34,6 +40,13 @@ from gateway.metrics import GatewayMetrics, MetricsEndpoint, Network, parse_netw
 from gateway.proxy.upstream import ReplyLimits, UpstreamClient
 from gateway.relay.dispatch import LOAD_GROUP, RelayHub
 from nexus_lib.groups import listen_to_group
+from nexus_lib.service import (
+    Service,
+    TaskService,
+    periodic,
+    start_in_order,
+    stop_in_reverse,
+)
 from nexus_worker import protocol
 from routing.core import Health, LiveStats, Router, RouterSnapshot
 from routing.snapshot import build_state
@@ -56,6 +69,9 @@ GAUGE_REFRESH_SECONDS = 1.0
 # socket, is Gone.
 RELAY_SILENCE_HEARTBEATS = 3
 RELAY_SILENCE_MIN_SECONDS = 10.0
+# A drain period of 0 refuses to wait for requests in flight, not for the usage
+# to be handed on: stopping the services may take at least this long.
+STOP_SECONDS_MIN = 5.0
 # Collect the young generation less often: a proxy allocates many short-lived
 # objects per request and keeps few, so the default 700 runs it constantly.
 GC_THRESHOLDS = (7000, 20, 20)
@@ -64,6 +80,8 @@ GC_THRESHOLDS = (7000, 20, 20)
 class UsageSink(Protocol):
     """Hands the buffer's events on: to the database, or to a Redis stream."""
 
+    @property
+    def name(self) -> str: ...
     def start(self) -> None: ...
     async def stop(self) -> None: ...
     def flush_on_exit(self) -> None: ...
@@ -226,7 +244,8 @@ class Gateway:
         self.draining = False
         self._idle = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._tasks: list[asyncio.Task[Any]] = []
+        self.services: list[Service] = self._list_services()
+        self._started: list[Service] = []
 
     # Lifecycle -------------------------------------------------------------
 
@@ -241,58 +260,72 @@ class Gateway:
             self.start()
 
     def start(self) -> None:
-        """Start every background task on the running loop."""
-        loop = asyncio.get_running_loop()
-        self._loop = loop
+        """Start every service, in order, on the running loop."""
+        self._loop = asyncio.get_running_loop()
         self._idle = asyncio.Event()
         self._idle.set()
-        self.snapshots.start()
-        self.usage_sink.start()
-        self.publisher.start()
-        self.upstream.open()
-        self.admission.start()
-        self.fleet.start()
-        self._tasks = [
-            loop.create_task(
-                listen_to_group(BREAKER_GROUP, self.breaker.on_message),
-                name="breaker-listen",
-            ),
-            loop.create_task(
-                listen_to_group(USAGE_GROUP, self.publisher.on_message),
-                name="usage-listen",
-            ),
-            loop.create_task(self._refresh_gauges_periodically(), name="gauges"),
-            loop.create_task(self.relay.run(), name="relay-replies"),
-            loop.create_task(
-                listen_to_group(LOAD_GROUP, self.relay.on_load_message),
-                name="relay-load-listen",
-            ),
-            loop.create_task(self._sweep_workers_periodically(), name="relay-sweep"),
-        ]
-        self.limiter.start()
-        if isinstance(self.limiter, LocalLimiter):
-            self._tasks.append(
-                loop.create_task(
-                    self._reconcile_periodically(self.limiter), name="reconcile"
-                )
-            )
+        self._started = []
+        start_in_order(self.services, self._started)
+
+    @property
+    def stop_seconds(self) -> float:
+        """How long ``stop()`` may take: the drain period (at least 5 s)."""
+        return max(self.config.drain_seconds, STOP_SECONDS_MIN)
 
     async def stop(self) -> None:
-        """Stop every task; usage still held is handed on first."""
-        await self.relay.stop()
-        tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await self.admission.stop()
-        await self.fleet.stop()
-        await self.snapshots.stop()
-        await self.publisher.stop()
-        await self.breaker.stop()
-        await self.usage_sink.stop()
-        await self.limiter.stop()
-        await self.upstream.close()
+        """Stop what started, in reverse, within ``stop_seconds``.
+
+        The usage sink hands on the usage still held as it stops; a service
+        whose stop overruns its share of the time is left behind (logged),
+        so that one stuck service cannot hold the process's exit.
+        """
+        started, self._started = self._started, []
+        await stop_in_reverse(started, self.stop_seconds)
         self._loop = None
+
+    def _list_services(self) -> list[Service]:
+        """The services in start order; they stop in reverse.
+
+        The order of stopping is the point: the relay first (its workers
+        reconnect elsewhere at once), then the listeners and periodic work,
+        admission (letting through what still waits), the fleet, the
+        snapshots, the publisher, the breaker's last announcements, the usage
+        sink (handing on the usage still held), the limiter (writing its last
+        settles), and the upstream client, which the others use, last.
+        """
+        services: list[Service] = [
+            _UpstreamService(self.upstream),
+            self.limiter,
+            self.usage_sink,
+            self.breaker,
+            self.publisher,
+            self.snapshots,
+            self.fleet,
+            self.admission,
+        ]
+        if isinstance(self.limiter, LocalLimiter):
+            services.append(self._reconciliation(self.limiter))
+        return [
+            *services,
+            _listener(BREAKER_GROUP, self.breaker.on_message, "breaker-listen"),
+            _listener(USAGE_GROUP, self.publisher.on_message, "usage-listen"),
+            periodic(
+                "gauges",
+                GAUGE_REFRESH_SECONDS,
+                self.refresh_gauges,
+                error="Could not update the gauges",
+                log=logger.warning,
+            ),
+            _listener(LOAD_GROUP, self.relay.on_load_message, "relay-load-listen"),
+            periodic(
+                "relay-sweep",
+                lambda: settings.NEXUS_RELAY_HEARTBEAT_SECONDS,
+                self._sweep_workers,
+                error="Could not sweep silent relay workers",
+                log=logger.warning,
+            ),
+            self.relay,
+        ]
 
     # Draining --------------------------------------------------------------
 
@@ -342,15 +375,7 @@ class Gateway:
         self.admission.refresh_metrics()
         self.metrics.set_fleet_lines(self.fleet.queues.lines())
 
-    async def _refresh_gauges_periodically(self) -> None:
-        while True:
-            await asyncio.sleep(GAUGE_REFRESH_SECONDS)
-            try:
-                self.refresh_gauges()
-            except Exception:
-                logger.warning("Could not update the gauges", exc_info=True)
-
-    async def _sweep_workers_periodically(self) -> None:
+    async def _sweep_workers(self) -> None:
         """Make Gone the relay workers of a serving process that died.
 
         Every heartbeat, workers not seen for 3 heartbeats (at least 10 s) and
@@ -359,26 +384,24 @@ class Gateway:
         than when their health result goes stale (3 health intervals).
         """
         interval = settings.NEXUS_RELAY_HEARTBEAT_SECONDS
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await database_sync_to_async(sweep_silent_workers)(
-                    max(RELAY_SILENCE_HEARTBEATS * interval, RELAY_SILENCE_MIN_SECONDS),
-                    list(self.relay.links),
-                )
-            except Exception:
-                logger.warning("Could not sweep silent relay workers", exc_info=True)
+        await database_sync_to_async(sweep_silent_workers)(
+            max(RELAY_SILENCE_HEARTBEATS * interval, RELAY_SILENCE_MIN_SECONDS),
+            list(self.relay.links),
+        )
 
-    async def _reconcile_periodically(self, limiter: LocalLimiter) -> None:
+    def _reconciliation(self, limiter: LocalLimiter) -> Service:
         """Raise this process's budget counters to the rolled-up spend (embedded)."""
-        while True:
-            await asyncio.sleep(self.config.reconcile_interval)
-            try:
-                spend = await database_sync_to_async(read_budget_spend)()
-            except Exception:
-                logger.warning("Could not read the keys' spend", exc_info=True)
-            else:
-                limiter.reconcile(spend)
+
+        async def reconcile() -> None:
+            limiter.reconcile(await database_sync_to_async(read_budget_spend)())
+
+        return periodic(
+            "reconcile",
+            self.config.reconcile_interval,
+            reconcile,
+            error="Could not read the keys' spend",
+            log=logger.warning,
+        )
 
     def _count_opening(self, backend_name: str) -> None:
         self.metrics.breaker_openings.labels(backend_name).inc()
@@ -392,6 +415,30 @@ class Gateway:
         self.fleet.snapshot_installed()
         if isinstance(self.limiter, LocalLimiter):
             self.limiter.reconcile(state.spend)
+
+
+class _UpstreamService:
+    """The upstream client as a service: its session lives from start to stop."""
+
+    name = "upstream"
+
+    def __init__(self, client: UpstreamClient) -> None:
+        self.client = client
+
+    def start(self) -> None:
+        """Open the session on the running loop."""
+        self.client.open()
+
+    async def stop(self) -> None:
+        """Close the session and its connections."""
+        await self.client.close()
+
+
+def _listener(
+    group: str, handle: Callable[[dict[str, Any]], None], name: str
+) -> TaskService:
+    """A service passing every message of `group` to `handle`."""
+    return TaskService(name, lambda: listen_to_group(group, handle))
 
 
 def tune_garbage_collector() -> None:
@@ -410,17 +457,32 @@ def tune_garbage_collector() -> None:
 
 
 _current: Gateway | None = None
+# Sync views ask for the gateway from asgiref's thread pool: two threads must
+# not both build one on first use.
+_current_lock = threading.Lock()
 
 
 def install_gateway(gateway: Gateway) -> None:
-    """Make `gateway` the one this process serves with (the ASGI wiring)."""
+    """Make `gateway` the one this process serves with (the ASGI wiring).
+
+    Raises ``RuntimeError`` if the process has another gateway already (one
+    built on first use, or installed before): one process serves with one
+    gateway, and the views would otherwise show another's numbers.
+    """
     global _current
-    _current = gateway
+    with _current_lock:
+        if _current is not None and _current is not gateway:
+            raise RuntimeError("This process has a gateway already")
+        _current = gateway
 
 
 def current_gateway() -> Gateway:
     """The gateway of this serving process (built on first use elsewhere)."""
     global _current
-    if _current is None:
-        _current = Gateway()
-    return _current
+    gateway = _current
+    if gateway is None:
+        with _current_lock:
+            if _current is None:
+                _current = Gateway()
+            gateway = _current
+    return gateway

@@ -19,8 +19,6 @@ is still there to conflict with.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import math
 import re
@@ -31,6 +29,7 @@ from channels.db import database_sync_to_async
 from django.conf import settings
 from django.db import DataError, IntegrityError, models, transaction
 
+from nexus_lib.service import periodic
 from usage.buffer import UsageBuffer, UsageEvent
 from usage.models import UsageRecord
 from usage.spill import (
@@ -83,11 +82,13 @@ def flush_usage(source: UsageBuffer, *, batch_size: int = FLUSH_BATCH_SIZE) -> i
 class DatabaseFlusher:
     """Writes one buffer to the database every `interval` seconds, in a task.
 
-    ``start()`` runs it on the running loop; it never raises (a failed flush is
-    logged and retried on the next tick). ``stop()`` ends it after writing
-    what the buffer still holds; ``flush_on_exit()`` does the same from sync
-    code when the interpreter exits.
+    A service (nexus_lib.service): ``start()`` runs it on the running loop; it
+    never raises (a failed flush is logged and retried on the next tick).
+    ``stop()`` ends it after writing what the buffer still holds;
+    ``flush_on_exit()`` does the same from sync code when the interpreter exits.
     """
+
+    name = "usage-flusher"
 
     def __init__(
         self,
@@ -100,23 +101,21 @@ class DatabaseFlusher:
             settings.NEXUS_USAGE_FLUSH_INTERVAL if interval is None else interval
         )
         self.spill = spill
-        self._task: asyncio.Task[None] | None = None
+        self._failures = 0
+        self._flushing = periodic(
+            "usage-flusher", lambda: self.interval, self._flush_once, log=logger.error
+        )
 
     def start(self) -> None:
         """Start the task on the running loop."""
         if self.spill is not None:
             self.spill.open()
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(), name="usage-flusher"
-        )
+        self._failures = 0
+        self._flushing.start()
 
     async def stop(self) -> None:
         """Stop the task; what the buffer still holds is written first."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._flushing.stop()
         if len(self.buffer):
             try:
                 await database_sync_to_async(flush_usage)(self.buffer)
@@ -138,33 +137,31 @@ class DatabaseFlusher:
     async def _deliver(self, events: list[UsageEvent]) -> None:
         await database_sync_to_async(_flush_events)(events)
 
-    async def _run(self) -> None:
-        flush = database_sync_to_async(flush_usage)
+    async def _flush_once(self) -> None:
         spill = self.spill
-        failures = 0
-        while True:
-            await asyncio.sleep(self.interval)
-            if not len(self.buffer) and not (spill is not None and spill.pending):
-                continue  # skip the hop to the database thread when idle
-            try:
-                if len(self.buffer):
-                    # A cancel (stop()) waits for the write in the database
-                    # thread: it holds the events it took from the buffer.
-                    await finish_before_cancel(flush(self.buffer))
-                await replay_spilled(spill, self._deliver)
-            except Exception:
-                if failures % _LOG_EVERY == 0:
-                    logger.exception(
-                        "Could not write %d usage events; will retry", len(self.buffer)
-                    )
-                failures += 1
-                await spill_excess(spill, self.buffer)
-            else:
-                if failures:
-                    logger.info(
-                        "Writing usage events again after %d failures", failures
-                    )
-                failures = 0
+        if not len(self.buffer) and not (spill is not None and spill.pending):
+            return  # skip the hop to the database thread when idle
+        try:
+            if len(self.buffer):
+                # A cancel (stop()) waits for the write in the database
+                # thread: it holds the events it took from the buffer.
+                await finish_before_cancel(
+                    database_sync_to_async(flush_usage)(self.buffer)
+                )
+            await replay_spilled(spill, self._deliver)
+        except Exception:
+            if self._failures % _LOG_EVERY == 0:
+                logger.exception(
+                    "Could not write %d usage events; will retry", len(self.buffer)
+                )
+            self._failures += 1
+            await spill_excess(spill, self.buffer)
+        else:
+            if self._failures:
+                logger.info(
+                    "Writing usage events again after %d failures", self._failures
+                )
+            self._failures = 0
 
 
 def _flush_events(events: list[UsageEvent]) -> None:

@@ -32,6 +32,7 @@ from typing import Any, TypedDict
 
 from channels.layers import get_channel_layer
 
+from nexus_lib.service import periodic
 from usage.live import (
     SLOT_SECONDS,
     AdmissionLiveDict,
@@ -93,7 +94,13 @@ class Subscription:
 
 
 class UsagePublisher:
-    """Publishes this process's counters and collects those of its peers."""
+    """Publishes this process's counters and collects those of its peers.
+
+    A service (nexus_lib.service): publishing runs from ``start()`` to
+    ``stop()``; peers' counters come in through ``on_message()``.
+    """
+
+    name = "publisher"
 
     def __init__(
         self, live_usage: LiveUsage, interval: float = PUBLISH_INTERVAL
@@ -102,7 +109,15 @@ class UsagePublisher:
         self.interval = interval
         self._known: dict[str, LiveSnapshotDict] = {}
         self._subscriptions: set[Subscription] = set()
-        self._task: asyncio.Task[None] | None = None
+        self._last_changes = -1
+        self._last_sent = 0.0
+        self._publishing = periodic(
+            "usage-publish",
+            lambda: self.interval,
+            self._publish,
+            error="Could not publish live usage",
+            log=logger.warning,
+        )
 
     @property
     def subscriber_count(self) -> int:
@@ -111,15 +126,12 @@ class UsagePublisher:
 
     def start(self) -> None:
         """Start publishing this process's counters on the running loop."""
-        self._task = asyncio.get_running_loop().create_task(
-            self._publish(), name="usage-publish"
-        )
+        self._last_changes, self._last_sent = -1, 0.0
+        self._publishing.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        """Stop publishing."""
+        await self._publishing.stop()
 
     def subscribe(self) -> Subscription:
         """Register a reader; it is woken whenever the merged state changes."""
@@ -161,30 +173,24 @@ class UsagePublisher:
         return merge_snapshots(snapshots, taken_at=now)
 
     async def _publish(self) -> None:
-        last_changes = -1
-        last_sent = 0.0
-        while True:
-            await asyncio.sleep(self.interval)
-            now = time.monotonic()
-            if (
-                self.live_usage.version() == last_changes
-                and now - last_sent < HEARTBEAT_SECONDS
-            ):
-                continue
-            snapshot = self.live_usage.snapshot()
-            last_changes, last_sent = snapshot["changes"], now
-            self.remember(snapshot)
-            layer = get_channel_layer()
-            if layer is None:
-                continue
-            message: UsageSnapshotMessage = {
-                "type": "usage.snapshot",
-                "snapshot": snapshot,
-            }
-            try:
-                await layer.group_send(USAGE_GROUP, message)
-            except Exception:
-                logger.warning("Could not publish live usage", exc_info=True)
+        """Send this process's counters if they moved or a heartbeat is due."""
+        now = time.monotonic()
+        if (
+            self.live_usage.version() == self._last_changes
+            and now - self._last_sent < HEARTBEAT_SECONDS
+        ):
+            return
+        snapshot = self.live_usage.snapshot()
+        self._last_changes, self._last_sent = snapshot["changes"], now
+        self.remember(snapshot)
+        layer = get_channel_layer()
+        if layer is None:
+            return
+        message: UsageSnapshotMessage = {
+            "type": "usage.snapshot",
+            "snapshot": snapshot,
+        }
+        await layer.group_send(USAGE_GROUP, message)
 
     def on_message(self, message: dict[str, Any]) -> None:
         """Handle a message of USAGE_GROUP (a process's counters)."""

@@ -14,7 +14,6 @@ once, so no lock is needed for exactness.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any, cast
 
@@ -25,6 +24,7 @@ import redis.retry
 from django.conf import settings
 from redis.backoff import NoBackoff
 
+from nexus_lib.service import periodic
 from usage.buffer import UsageBuffer, UsageEvent, decode_events, encode_events
 from usage.flush import flush_usage, keep_on_disk
 from usage.spill import UsageSpill, replay_spilled, spill_excess
@@ -59,7 +59,12 @@ def _add_batch(pipe: Any, events: list[UsageEvent]) -> None:
 
 
 class RedisShipper:
-    """Moves one buffer to the Redis stream, in a task of the serving process."""
+    """Moves one buffer to the Redis stream, in a task of the serving process.
+
+    A service (nexus_lib.service), as ``DatabaseFlusher``.
+    """
+
+    name = "usage-shipper"
 
     def __init__(
         self,
@@ -75,7 +80,11 @@ class RedisShipper:
             settings.NEXUS_USAGE_SHIP_INTERVAL if interval is None else interval
         )
         self._client: redis.asyncio.Redis | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._failures = 0
+        self._retry_at = 0.0
+        self._shipping = periodic(
+            "usage-shipper", lambda: self.interval, self._ship_once, log=logger.error
+        )
 
     def start(self) -> None:
         """Start shipping on the running loop (the client is made here, once)."""
@@ -87,17 +96,12 @@ class RedisShipper:
             socket_connect_timeout=5,
             retry=_NO_RETRY_ASYNC,
         )
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(), name="usage-shipper"
-        )
+        self._failures, self._retry_at = 0, 0.0
+        self._shipping.start()
 
     async def stop(self) -> None:
         """Stop the task after shipping what the buffer still holds."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._shipping.stop()
         client, self._client = self._client, None
         if client is None:
             return
@@ -158,43 +162,37 @@ class RedisShipper:
             _add_batch(pipe, events)
             await pipe.execute()
 
-    async def _run(self) -> None:
+    async def _ship_once(self) -> None:
         client = self._client
         assert client is not None
         spill = self.spill
-        loop = asyncio.get_running_loop()
-        failures = 0
-        retry_at = 0.0
-        while True:
-            await asyncio.sleep(self.interval)
-            if not len(self.buffer) and not (spill is not None and spill.pending):
-                continue
-            if failures and loop.time() < retry_at:
-                # Redis is down: retry about once a second, but keep memory
-                # at the spill threshold on every tick meanwhile.
-                await spill_excess(spill, self.buffer)
-                continue
-            try:
-                while len(self.buffer):
-                    await self._ship(client)
-                await replay_spilled(spill, self._deliver)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                if failures % _LOG_EVERY == 0:
-                    logger.exception(
-                        "Could not ship %d usage events to Redis; will retry",
-                        len(self.buffer),
-                    )
-                failures += 1
-                retry_at = loop.time() + 1.0
-                await spill_excess(spill, self.buffer)
-            else:
-                if failures:
-                    logger.info(
-                        "Shipping usage events again after %d failures", failures
-                    )
-                failures = 0
+        if not len(self.buffer) and not (spill is not None and spill.pending):
+            return
+        now = asyncio.get_running_loop().time()
+        if self._failures and now < self._retry_at:
+            # Redis is down: retry about once a second, but keep memory
+            # at the spill threshold on every tick meanwhile.
+            await spill_excess(spill, self.buffer)
+            return
+        try:
+            while len(self.buffer):
+                await self._ship(client)
+            await replay_spilled(spill, self._deliver)
+        except Exception:
+            if self._failures % _LOG_EVERY == 0:
+                logger.exception(
+                    "Could not ship %d usage events to Redis; will retry",
+                    len(self.buffer),
+                )
+            self._failures += 1
+            self._retry_at = asyncio.get_running_loop().time() + 1.0
+            await spill_excess(spill, self.buffer)
+        else:
+            if self._failures:
+                logger.info(
+                    "Shipping usage events again after %d failures", self._failures
+                )
+            self._failures = 0
 
 
 def drain_usage_stream(*, batch_size: int = DRAIN_BATCH) -> int:

@@ -42,6 +42,7 @@ from gateway.fleet.settings import (
     PREWARM_MEMORY_SECONDS,
     FleetSettings,
 )
+from nexus_lib.service import periodic
 from routing.core import LiveStats, Route, RouterSnapshot, Target
 from routing.core.decision import Decision, Outcome, Role, Via
 from routing.core.fleet import evictions_for, thermal_state
@@ -98,7 +99,13 @@ class Placement(NamedTuple):
 
 
 class FleetScheduler:
-    """Queues, warm-ups, rebalancing and held requests of one process."""
+    """Queues, warm-ups, rebalancing and held requests of one process.
+
+    A service (nexus_lib.service): ``start()`` runs the periodic rebalance,
+    ``stop()`` ends it and any warm-up under way.
+    """
+
+    name = "fleet"
 
     def __init__(
         self,
@@ -128,22 +135,29 @@ class FleetScheduler:
         self._settings: tuple[object, FleetSettings] | None = None
         self._changed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()  # warm-ups under way
+        self._rebalancing = periodic(
+            "fleet-rebalance",
+            self._rebalance_interval,
+            self._rebalance_now,
+            error="Rebalancing the fleet's queues failed",
+            log=logger.exception,
+        )
 
     # Lifecycle ----------------------------------------------------------------
 
     def start(self) -> None:
         """Start the rebalance task on the running loop."""
-        self._loop = loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
-        self._spawn(loop, self._rebalance_periodically(), "fleet-rebalance")
+        self._rebalancing.start()
 
     async def stop(self) -> None:
         """Stop the rebalance task and any warm-up under way."""
         tasks, self._tasks = self._tasks, set()
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(self._rebalancing.stop(), *tasks, return_exceptions=True)
         self._loop = None
 
     def _spawn(
@@ -451,22 +465,17 @@ class FleetScheduler:
 
     # Rebalance ------------------------------------------------------------------
 
-    async def _rebalance_periodically(self) -> None:
-        while True:
-            routes = self._routes()
-            interval = (
-                FleetSettings().rebalance_interval_seconds
-                if routes is None
-                else self.settings_for(routes).rebalance_interval_seconds
-            )
-            await asyncio.sleep(interval)
-            routes = self._routes()
-            if routes is None or not self.settings_for(routes).enabled:
-                continue
-            try:
-                self.rebalance(routes)
-            except Exception:
-                logger.exception("Rebalancing the fleet's queues failed")
+    def _rebalance_interval(self) -> float:
+        """The current policy's interval (read before each wait)."""
+        routes = self._routes()
+        if routes is None:
+            return FleetSettings().rebalance_interval_seconds
+        return self.settings_for(routes).rebalance_interval_seconds
+
+    def _rebalance_now(self) -> None:
+        routes = self._routes()
+        if routes is not None and self.settings_for(routes).enabled:
+            self.rebalance(routes)
 
     def rebalance(self, routes: RouterSnapshot) -> list[Move]:
         """Run one cycle: move waiters from deep lines to hot backends with room."""

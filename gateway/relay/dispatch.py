@@ -38,6 +38,7 @@ import aiohttp
 from channels.layers import get_channel_layer
 from multidict import CIMultiDict
 
+from nexus_lib.service import TaskService
 from nexus_worker import protocol
 from routing.core import BackendSpec, Health, Target
 
@@ -171,7 +172,13 @@ class RelayResponse:
 
 
 class RelayHub:
-    """This process's side of the relay (see the module docstring)."""
+    """This process's side of the relay (see the module docstring).
+
+    A service (nexus_lib.service): ``start()`` opens the reply channel,
+    ``stop()`` sends the workers away and closes it.
+    """
+
+    name = "relay"
 
     def __init__(
         self, accept_timeout: float = 15.0, stats: LiveStats | None = None
@@ -190,13 +197,18 @@ class RelayHub:
         # How long a consumer in another process may take to say it took a
         # request (its first event) before the request goes elsewhere.
         self.accept_timeout = accept_timeout
+        self._replies = TaskService("relay-replies", self.run)
 
     # Lifecycle -------------------------------------------------------------
+
+    def start(self) -> None:
+        """Run the reply channel (``run()``) in a task on the running loop."""
+        self._replies.start()
 
     async def run(self) -> None:
         """Open this process's reply channel and pass on what comes to it.
 
-        Runs as one of the gateway's tasks, for the life of the process.
+        Runs in a task of its own (``start()``), for the life of the process.
         """
         self._layer = layer = get_channel_layer()
         if layer is None:
@@ -227,6 +239,7 @@ class RelayHub:
 
         Their backends turn Gone at once rather than when their health goes
         stale (a stopping server cancels consumers without their disconnect).
+        The reply channel stops after.
         """
         links = list(self.links.values())
         self.links.clear()
@@ -236,6 +249,7 @@ class RelayHub:
         for result in results:
             if isinstance(result, BaseException):
                 logger.warning("A relay worker did not leave cleanly: %r", result)
+        await self._replies.stop()
 
     # The consumer's side -----------------------------------------------------
 

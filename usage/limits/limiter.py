@@ -142,8 +142,12 @@ def hold_for(
 
 
 class Limiter(Protocol):
-    """What the gateway asks; implemented in-process and on Redis."""
+    """What the gateway asks; implemented in-process and on Redis.
 
+    A service (nexus_lib.service): started and stopped with the gateway.
+    """
+
+    name: str
     shared: bool  # limits hold for the gateway as a whole (all processes)
 
     def start(self) -> None: ...
@@ -185,6 +189,7 @@ class LocalLimiter:
     process settled since.
     """
 
+    name = "limiter"
     shared = False
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
@@ -197,10 +202,10 @@ class LocalLimiter:
         self._budgets: dict[tuple[str, str], list[int]] = {}
 
     def start(self) -> None:
-        pass
+        """Nothing to start: the gateway reconciles budgets periodically."""
 
     async def stop(self) -> None:
-        pass
+        """Nothing to stop."""
 
     async def admit(self, policy: KeyPolicy, tokens: int, nanos: int) -> Decision:
         return self.admit_now(policy, tokens, nanos)

@@ -42,6 +42,7 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from nexus_lib.service import periodic
 from usage.limits.limiter import (
     BUDGET,
     UNAVAILABLE,
@@ -568,6 +569,7 @@ def _rate_headers(
 class RedisLimiter:
     """Limits and budgets in Redis, shared by every serving process."""
 
+    name = "limiter"
     shared = True
 
     def __init__(
@@ -616,24 +618,26 @@ class RedisLimiter:
         self._coalescing: asyncio.TimerHandle | None = None
         # Settles or releases were written that no reply has confirmed yet.
         self._unconfirmed = False
-        self._tasks: list[asyncio.Task[Any]] = []
+        self._tasks: list[asyncio.Task[Any]] = []  # settles being written
+        self._renewing = periodic(
+            "limiter-renew", RENEW_SECONDS, self._renew_once, immediately=True
+        )
         self._down_until = 0.0
         self._outage_logged = False
 
     # Lifecycle -----------------------------------------------------------------
 
     def start(self) -> None:
+        """Connect lazily and start renewing this process's leases."""
         self._redis = RespConnection(self.url, self.timeout)
-        loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(self._renew_periodically(), name="limiter-renew"),
-        ]
+        self._renewing.start()
 
     async def stop(self) -> None:
+        """Stop renewing; write what is pending and close the connection."""
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(self._renewing.stop(), *tasks, return_exceptions=True)
         if self._coalescing is not None:
             self._coalescing.cancel()
             self._coalescing = None
@@ -1174,13 +1178,11 @@ class RedisLimiter:
 
     # Background ----------------------------------------------------------------
 
-    async def _renew_periodically(self) -> None:
-        while True:
-            try:
-                await self.renew()
-            except (RedisError, OSError) as error:
-                self._failed(error)
-            await asyncio.sleep(RENEW_SECONDS)
+    async def _renew_once(self) -> None:
+        try:
+            await self.renew()
+        except (RedisError, OSError) as error:
+            self._failed(error)
 
     async def renew(self) -> None:
         """Extend the leases this process holds; mark the process alive; set
