@@ -72,6 +72,10 @@ RELAY_SILENCE_MIN_SECONDS = 10.0
 # A drain period of 0 refuses to wait for requests in flight, not for the usage
 # to be handed on: stopping the services may take at least this long.
 STOP_SECONDS_MIN = 5.0
+# ...and at most this long, so that a drain and a stop that both use all their
+# time still end inside the launcher's grace after the drain period
+# (nexus_site/launcher.py STOP_GRACE_SECONDS, 10 s) before it kills the process.
+STOP_SECONDS_MAX = 8.0
 # Collect the young generation less often: a proxy allocates many short-lived
 # objects per request and keeps few, so the default 700 runs it constantly.
 GC_THRESHOLDS = (7000, 20, 20)
@@ -269,8 +273,9 @@ class Gateway:
 
     @property
     def stop_seconds(self) -> float:
-        """How long ``stop()`` may take: the drain period (at least 5 s)."""
-        return max(self.config.drain_seconds, STOP_SECONDS_MIN)
+        """How long ``stop()`` may take: the drain period, within 5 to 8 s."""
+        drain = self.config.drain_seconds
+        return min(max(drain, STOP_SECONDS_MIN), STOP_SECONDS_MAX)
 
     async def stop(self) -> None:
         """Stop what started, in reverse, within ``stop_seconds``.

@@ -12,6 +12,7 @@ import pytest
 from gateway import process
 from gateway.process import Gateway, GatewayConfig, current_gateway, install_gateway
 from nexus_lib.service import Service
+from nexus_site.launcher import STOP_GRACE_SECONDS
 from usage.limits.limiter import LocalLimiter
 
 # Waits on events that the code under test sets; only a hang reaches it.
@@ -204,3 +205,9 @@ def test_a_process_refuses_a_second_gateway(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(RuntimeError, match="has a gateway already"):
         install_gateway(Gateway(GatewayConfig()))
     assert current_gateway() is first
+
+
+def test_a_long_drain_period_leaves_the_stop_inside_the_launchers_grace() -> None:
+    gateway = Gateway(GatewayConfig(drain_seconds=300))
+
+    assert gateway.stop_seconds == process.STOP_SECONDS_MAX < STOP_GRACE_SECONDS
