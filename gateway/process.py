@@ -34,10 +34,10 @@ from django.conf import settings
 from backends.workers import sweep_silent_workers
 from gateway.admission import AdmissionGate
 from gateway.breaker import BREAKER_GROUP, BreakerSettings, CircuitBreaker
+from gateway.client import ReplyLimits, UpstreamClient
 from gateway.fleet.scheduler import FleetScheduler
 from gateway.holder import SnapshotHolder
 from gateway.metrics import GatewayMetrics, MetricsEndpoint, Network, parse_networks
-from gateway.proxy.upstream import ReplyLimits, UpstreamClient
 from gateway.relay.dispatch import LOAD_GROUP, RelayHub
 from nexus_lib.groups import listen_to_group
 from nexus_lib.service import (
@@ -218,6 +218,8 @@ class Gateway:
                 5.0,
             ),
             stats=self.stats,
+            max_reply=config.max_reply_bytes,
+            state=self.snapshots.peek,
         )
         self.metrics = GatewayMetrics()
         self.admission = AdmissionGate(self.metrics, share=config.admission_share)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.proxy.app import ProxyApp
+from gateway.proxy.dispatch import ProxyApp
 from gateway.proxy.surfaces import OLLAMA_PATHS
 
 __all__ = ["OLLAMA_PATHS", "ProxyApp"]

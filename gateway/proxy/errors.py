@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from routing.core import RoutingError
+
 
 class ProxyError(Exception):
     """A request the proxy answers with an error instead of a backend's reply."""
@@ -66,3 +68,15 @@ def method_not_allowed(method: str, path: str) -> ProxyError:
 
 def unauthorized(message: str) -> ProxyError:
     return ProxyError(401, message, code="invalid_api_key")
+
+
+def routing_error(error: RoutingError) -> ProxyError:
+    """The client's answer to a request the router found no backend for."""
+    body = error.to_openai()["error"]
+    return ProxyError(
+        error.status,
+        body["message"],
+        error_type=body["type"],
+        param=body["param"],
+        code=body["code"],
+    )

@@ -1,6 +1,6 @@
 """One attempt at one backend when the request is not plain OpenAI to OpenAI.
 
-``forward`` (gateway/proxy/upstream.py) relays an OpenAI client's request to an
+``forward`` (gateway/proxy/forward.py) relays an OpenAI client's request to an
 OpenAI-speaking backend byte for byte, as before. Every other pairing of an
 inbound surface and a backend adapter gets a ``Leg``: the request to send
 (the client's body passed through when the backend speaks the client's
@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from gateway.exchange import Exchange
 from gateway.protocols.base import (
     BROKEN,
     StreamFailed,
@@ -25,13 +26,11 @@ from gateway.protocols.base import (
     loads,
 )
 from gateway.proxy.errors import ProxyError
+from gateway.proxy.limits import BudgetMeter
 from gateway.proxy.outbound import BackendAdapter, MalformedReply
 from gateway.proxy.sse import text_of_chunk
 from gateway.proxy.surfaces import OPENAI, Inbound, Surface, translation_error
 from routing.core import Target
-
-if TYPE_CHECKING:
-    from gateway.proxy.upstream import Exchange
 
 # Past this many bytes in one event (a hostile or broken backend), the stream
 # is ended with an error rather than buffered further (the gateway passes
@@ -53,6 +52,11 @@ class Call:
     raw: bytes
     # Headers of the client's that a native backend may need (lower-case names).
     client_headers: dict[str, str] = field(default_factory=dict)
+
+
+# One request's exchange as the proxy fills it (gateway/exchange.py sits below
+# the proxy and names neither class).
+ProxyExchange = Exchange[Call, BudgetMeter]
 
 
 def openai_call(endpoint: str, payload: dict[str, Any], raw: bytes) -> Call:
@@ -106,7 +110,7 @@ class Leg:
     def url(self) -> str:
         return self.target.backend.base_url.removesuffix("/v1") + self.path
 
-    def answer(self, exchange: Exchange, status: int, body: bytes) -> bytes:
+    def answer(self, exchange: ProxyExchange, status: int, body: bytes) -> bytes:
         """The client's body for a whole answer; note usage on the exchange.
 
         Raises ValueError when a successful answer is not what the backend's

@@ -7,7 +7,7 @@ each inbound surface renders in its own shape: 401 ``key_expired``, 403
 ``model_not_allowed`` (the same for a model that does not exist, so a key
 learns nothing beyond its allow-list), 429 with ``Retry-After`` for rates,
 concurrency and budgets, 503 when the limiter is down and set to fail closed.
-The proxy calls these in one place (``ProxyApp._forward_watching_client``),
+The proxy calls these in one place (``Pipeline._check_key``),
 before admission control, for every surface.
 """
 

@@ -11,7 +11,7 @@ A request for that worker:
   process's reply channel, numbered so that a lost or reordered event is
   seen (the stream fails rather than silently missing a piece).
 
-The proxy's ``forward`` (gateway/proxy/upstream.py) calls ``RelayHub.open``
+The proxy's ``forward`` (gateway/proxy/forward.py) calls ``RelayHub.open``
 where it would call aiohttp, and gets a ``RelayResponse`` that reads like an
 ``aiohttp.ClientResponse`` (status, headers, ``content.readany()``), so the
 checks, SSE relaying, translation for other surfaces and usage accounting are
@@ -32,7 +32,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import Any, Protocol
 
 import aiohttp
 from channels.layers import get_channel_layer
@@ -40,12 +40,8 @@ from multidict import CIMultiDict
 
 from nexus_lib.service import TaskService
 from nexus_worker import protocol
-from routing.core import BackendSpec, Health, Target
-
-if TYPE_CHECKING:
-    from gateway.process import Gateway
-    from gateway.proxy.upstream import Exchange
-    from routing.core import LiveStats
+from routing.core import BackendSpec, Health, LiveStats, Target
+from routing.state import GatewayState
 
 logger = logging.getLogger(__name__)
 
@@ -181,13 +177,23 @@ class RelayHub:
     name = "relay"
 
     def __init__(
-        self, accept_timeout: float = 15.0, stats: LiveStats | None = None
+        self,
+        accept_timeout: float = 15.0,
+        stats: LiveStats | None = None,
+        *,
+        max_reply: int = 32 * 1024 * 1024,
+        state: Callable[[], GatewayState | None] = lambda: None,
     ) -> None:
         # Consumers holding a worker's socket in this process, by channel name.
         self.links: dict[str, WorkerLink] = {}
         # Where the workers' pongs go: the router scores by them, here and
-        # (over LOAD_GROUP) in every other serving process.
-        self.stats: LiveStats | None = stats
+        # (over LOAD_GROUP) in every other serving process; requeued requests
+        # count in flight there too.
+        self.stats = stats if stats is not None else LiveStats()
+        # The gateway's current state: its relay backends and the channels of
+        # the consumers holding their workers' sockets (read per request).
+        self.state = state
+        self.max_reply = max_reply  # a whole (non-stream) reply, in bytes
         self._publishing: set[asyncio.Task[None]] = set()
         self.calls: dict[str, RelayCall] = {}
         self.reply_channel = ""
@@ -278,8 +284,6 @@ class RelayHub:
             self._apply_load(backend, load)
 
     def _apply_load(self, backend: str, load: int | None) -> None:
-        if self.stats is None:
-            return
         if load is None:
             self.stats.forget_load(backend)
         else:
@@ -321,23 +325,23 @@ class RelayHub:
 
     async def open(
         self,
-        channels: Mapping[str, str],
-        backends: Mapping[str, BackendSpec],
-        stats: LiveStats,
         target: Target,
         request_id: str,
         endpoint: str,
         body: bytes,
         headers: Mapping[str, str],
         stream: bool,
-        max_reply: int,
     ) -> RelayResponse:
         """Send the request to the target's worker; return once it answers.
 
         A stream returns at its first chunk, a whole reply when complete.
         Raises RelayUnavailable when no worker (of at most MAX_ATTEMPTS)
-        answered; aiohttp.ClientPayloadError when a reply is over `max_reply`.
+        answered; aiohttp.ClientPayloadError when a reply is over ``max_reply``.
         """
+        state = self.state()
+        channels = state.relay_channels if state is not None else {}
+        backends = state.routes.backends_by_name if state is not None else {}
+        stats, max_reply = self.stats, self.max_reply
         frame_headers = {
             name: headers[name] for name in _FORWARDED_HEADERS if name in headers
         }
@@ -540,32 +544,6 @@ def _next_worker(
 
 def _ender(stats: LiveStats, backend: str, model: str) -> Callable[[], None]:
     return lambda: stats.end(backend, model)
-
-
-async def open_relay(
-    gateway: Gateway,
-    exchange: Exchange,
-    target: Target,
-    path: str,
-    body: bytes,
-    headers: Mapping[str, str],
-) -> aiohttp.ClientResponse:
-    """``forward``'s relay branch: the worker's answer, read like aiohttp's."""
-    state = gateway.snapshots.peek()
-    response = await gateway.relay.open(
-        state.relay_channels if state is not None else {},
-        state.routes.backends_by_name if state is not None else {},
-        gateway.stats,
-        target,
-        exchange.request_id,
-        path,
-        body,
-        headers,
-        exchange.stream,
-        gateway.upstream.limits.max_reply,
-    )
-    # Duck-typed: status, headers, content.readany()/iter_any(), close().
-    return cast(aiohttp.ClientResponse, response)
 
 
 def relay_backend(response: object) -> str:

@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 
-HOT_PATH = ("gateway.proxy", "gateway.protocols")
+HOT_PATH = ("gateway.proxy", "gateway.protocols", "gateway.exchange")
 PROJECT = ("nexus_site", "gateway", "routing", "usage", "backends", "nexus_lib")
 
 _IMPORT_ALL = """
@@ -28,7 +28,7 @@ names = []
 for root in {roots!r}:
     package = importlib.import_module(root)
     names.append(root)
-    for info in pkgutil.walk_packages(package.__path__, root + "."):
+    for info in pkgutil.walk_packages(getattr(package, "__path__", ()), root + "."):
         importlib.import_module(info.name)
         names.append(info.name)
 print(json.dumps({{"imported": names, "loaded": sorted(sys.modules)}}))

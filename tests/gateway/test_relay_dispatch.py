@@ -15,7 +15,8 @@ import aiohttp
 import pytest
 
 from gateway.relay.dispatch import RelayHub, RelayUnavailable
-from routing.core import BackendSpec, LiveStats, ModelSpec, Target
+from routing.core import BackendSpec, ModelSpec, RouterSnapshot, Target
+from routing.state import GatewayState
 
 MODEL = "llama3:8b"
 
@@ -56,19 +57,29 @@ def _deliver(hub: RelayHub, request_id: str, *events: tuple[str, object]) -> Non
         hub.calls[request_id].deliver(seq, event)
 
 
+def _serve_workers(hub: RelayHub, channels: dict[str, str]) -> dict[str, BackendSpec]:
+    """Make `channels` the hub's connected workers (as the gateway's state says)."""
+    backends = {name: _backend(name) for name in channels}
+    state = GatewayState(
+        version=1,
+        routes=RouterSnapshot.build(backends=backends.values()),
+        keys={},
+        relay_channels=channels,
+    )
+    hub.state = lambda: state
+    hub.max_reply = 1024
+    return backends
+
+
 async def _open(hub: RelayHub, names: tuple[str, ...], stream: bool) -> object:
-    backends = {name: _backend(name) for name in names}
+    backends = _serve_workers(hub, {name: f"chan-{name}" for name in names})
     return await hub.open(
-        {name: f"chan-{name}" for name in names},
-        backends,
-        LiveStats(),
         Target(backends[names[0]], backends[names[0]].models[0]),
         "req",
         "/v1/chat/completions",
         b'{"model":"llama3:8b","stream":true}',
         {"content-type": "application/json", "authorization": "Bearer client"},
         stream,
-        1024,
     )
 
 
@@ -211,19 +222,15 @@ def test_a_request_skips_a_dead_consumer_here_and_a_silent_process_there() -> No
         # a: its consumer was in this process and left; b: another process
         # that never answers; c: another process that serves it.
         channels = {"a": "this!a", "b": "other!b", "c": "other!c"}
-        backends = {name: _backend(name) for name in channels}
+        backends = _serve_workers(hub, channels)
         async with asyncio.timeout(5):
             response = await hub.open(
-                channels,
-                backends,
-                LiveStats(),
                 Target(backends["a"], backends["a"].models[0]),
                 "req",
                 "/v1/chat/completions",
                 b'{"model":"llama3:8b"}',
                 {},
                 False,
-                1024,
             )
         body = await _read_all(response)
         await asyncio.sleep(0)  # the cancel goes out in a task of its own

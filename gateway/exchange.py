@@ -1,0 +1,74 @@
+"""One client request while the proxy serves it: its context and its record.
+
+The proxy's dispatcher builds one ``Exchange`` per request and hands it along
+the pipeline (key limits, admission, route, slot, forward); the accounting
+turns it into the usage event, the metrics and the access log line. It is the
+one place a request's facts live, so no step takes them as loose arguments.
+
+This module sits below the proxy (and the relay, the fleet, admission): it
+names none of their classes. The two type parameters stand for the proxy's
+own (``gateway.proxy.legs.Call``, ``gateway.proxy.limits.BudgetMeter``); the
+proxy spells the pair ``ProxyExchange``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from routing.core import RequestRequirements, Route
+from routing.state import GatewayState
+from usage.limits.limiter import Ticket
+from usage.limits.policy import KeyPolicy
+
+Headers = list[tuple[bytes, bytes]]
+CallT = TypeVar("CallT")
+MeterT = TypeVar("MeterT")
+
+
+@dataclass(slots=True)
+class Exchange(Generic[CallT, MeterT]):
+    """What the proxy knows and learns about one client request."""
+
+    request_id: str
+    # The label usage and metrics are recorded under ("chat", "messages", ...;
+    # "count_tokens"), "" for the paths that record nothing (model lists).
+    endpoint: str
+    path: str
+    requested_model: str = ""
+    stream: bool = False
+    # Who asks (set once the key is known) and what it was routed with.
+    key_prefix: str = ""
+    policy: KeyPolicy | None = None
+    state: GatewayState | None = None
+    requirements: RequestRequirements | None = None
+    # The body, parsed, and the client's bytes (passed on when they can be).
+    payload: dict[str, Any] = field(default_factory=dict)
+    raw: bytes = b""
+    # A request on a surface other than OpenAI's: what each leg is made from.
+    call: CallT | None = None
+    # The client's headers (admission reads them) and the answer's, as built
+    # (the request id, rate-limit headers, the backend that served it).
+    request_headers: Headers = field(default_factory=list)
+    response_headers: Headers = field(default_factory=list)
+    route: Route | None = None  # the router's choice, once routed
+    # perf_counter() when the request's body was read (a refusal: when
+    # refused), and when the answer began.
+    started: float = 0.0
+    first_byte: float | None = None
+    backend: str = ""
+    served_model: str = ""
+    status: int = 0
+    usage: dict[str, Any] | None = None
+    completion_chars: int = 0
+    error: str = ""
+    client_gone: bool = False
+    retries: int = 0
+    # Bytes sent that the client has not read yet, where the server tells
+    # (Daphne, through nexus_site.servers.daphne_limits); None elsewhere.
+    unsent_bytes: Callable[[], int] | None = None
+    # What the key's limits took for this request (settled with its usage).
+    limit_ticket: Ticket | None = None
+    # Set for a budgeted stream: counts it as it goes and may cut it short.
+    meter: MeterT | None = None

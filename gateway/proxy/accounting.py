@@ -1,0 +1,182 @@
+"""What a finished request leaves behind: its usage, its metrics, its log line.
+
+Every request the proxy answers for an endpoint ends here once, served or
+refused: the key's limit ticket is settled with what it cost, a usage event
+goes to the in-process buffer (memory only, no I/O) and the live counters,
+the request metrics are observed and the access log gets its line.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from gateway.exchange import Exchange
+from gateway.metrics import UNKNOWN, GatewayMetrics
+from gateway.proxy.errors import ProxyError
+from gateway.proxy.legs import ProxyExchange
+from routing.state import GatewayState
+from usage.buffer import UsageBuffer, UsageEvent
+from usage.limits.limiter import Limiter
+from usage.limits.policy import FREE
+from usage.live import LiveUsage
+
+access_logger = logging.getLogger("nexus.access")
+
+# A count a backend reports is believed up to this (far above any real request).
+MAX_REPORTED_TOKENS = 10**12
+
+
+class Accounting:
+    """Records finished requests for one gateway (see the module docstring)."""
+
+    def __init__(
+        self,
+        limiter: Limiter,
+        metrics: GatewayMetrics,
+        buffer: UsageBuffer,
+        live_usage: LiveUsage,
+        access_log: bool,
+    ) -> None:
+        self.limiter = limiter
+        self.metrics = metrics
+        self.buffer = buffer
+        self.live_usage = live_usage
+        self.access_log = access_log
+
+    def record(self, exchange: ProxyExchange) -> None:
+        """Hand the request's usage to the gateway (memory only, no I/O)."""
+        prompt, completion, total, reported = _token_counts(exchange)
+        state = exchange.state
+        cost = 0
+        if exchange.backend and state is not None:
+            price = state.prices.get(exchange.served_model, FREE)
+            cost = price.cost(prompt, completion)
+        if exchange.limit_ticket is not None:
+            self.limiter.settle(exchange.limit_ticket, total, cost)
+            exchange.limit_ticket = None
+        if cost:
+            self.metrics.observe_spend(exchange.key_prefix, cost)
+        if exchange.error == "budget_exceeded":
+            self.metrics.budget_cutoffs.inc()
+        now = time.perf_counter()
+        event = UsageEvent(
+            request_id=exchange.request_id,
+            endpoint=exchange.endpoint,  # type: ignore[arg-type]
+            api_key_prefix=exchange.key_prefix,
+            backend=exchange.backend,
+            requested_model=exchange.requested_model,
+            served_model=exchange.served_model,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=total,
+            estimated=not reported,
+            latency_ms=(now - exchange.started) * 1000,
+            status=exchange.status,
+            streamed=exchange.stream,
+            error=exchange.error,
+            cost_nanos=cost,
+        )
+        self.buffer.append(event)
+        self.live_usage.record(event)
+        self._observe(exchange, now, prompt, completion)
+        if self.access_log and access_logger.isEnabledFor(logging.INFO):
+            _log_access(exchange, event.latency_ms, prompt, completion)
+
+    def refuse(self, exchange: ProxyExchange, error: ProxyError) -> None:
+        """Record a request refused before any backend saw it.
+
+        It counts as a request and an error all the same, of no model and no
+        tokens, whatever its body asked for.
+        """
+        refused: ProxyExchange = Exchange(
+            request_id=exchange.request_id,
+            endpoint=exchange.endpoint,
+            path=exchange.path,
+            key_prefix=exchange.key_prefix,
+            state=exchange.state,
+            started=time.perf_counter(),
+            status=error.status,
+            error=error.code or error.error_type,
+        )
+        self.record(refused)
+
+    def _observe(
+        self, exchange: ProxyExchange, now: float, prompt: int, completion: int
+    ) -> None:
+        state = exchange.state
+        model = exchange.served_model or (
+            UNKNOWN if state is None else _known_model(state, exchange.requested_model)
+        )
+        first_byte = exchange.first_byte
+        self.metrics.observe_request(
+            exchange.endpoint,
+            model,
+            exchange.backend,
+            exchange.status,
+            now - exchange.started,
+            None if first_byte is None else first_byte - exchange.started,
+            prompt,
+            completion,
+        )
+
+
+def _token_counts(exchange: ProxyExchange) -> tuple[int, int, int, bool]:
+    """Return prompt, completion and total tokens, and whether they were reported.
+
+    A backend's usage block when it has one, else the estimate: the prompt's
+    from the request, a quarter of the characters of text answered.
+    """
+    usage = exchange.usage or {}
+    prompt = _token_count(usage.get("prompt_tokens"))
+    completion = _token_count(usage.get("completion_tokens", 0))
+    reported = prompt is not None and completion is not None
+    if not exchange.backend:
+        # Refused before any backend: no tokens were spent.
+        prompt = completion = 0
+        reported = True
+    elif prompt is None or completion is None:
+        requirements = exchange.requirements
+        prompt = 0 if requirements is None else requirements.estimated_tokens
+        completion = -(-exchange.completion_chars // 4)  # ceil(chars / 4)
+    total = _token_count(usage.get("total_tokens")) if reported else None
+    if not isinstance(total, int):
+        total = prompt + completion
+    return prompt, completion, total, reported
+
+
+def _token_count(value: Any) -> int | None:
+    """A token count a backend reported, if it is one (clamped into range)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return None
+    return min(max(value, 0), MAX_REPORTED_TOKENS)
+
+
+def _known_model(state: GatewayState, model: str) -> str:
+    """The model's name if the configuration knows it, else "unknown" (metrics)."""
+    routes = state.routes
+    if model in routes.routes or model in routes.aliases:
+        return model
+    return UNKNOWN
+
+
+def _log_access(
+    exchange: ProxyExchange, latency_ms: float, prompt: int, completion: int
+) -> None:
+    access_logger.info(
+        "request_id=%s endpoint=%s model=%s backend=%s status=%d "
+        "latency_ms=%.1f tokens_in=%d tokens_out=%d retries=%d%s%s",
+        exchange.request_id,
+        exchange.endpoint,
+        # Client-chosen: escaped so that it cannot forge log lines.
+        exchange.requested_model[:128].encode("unicode_escape").decode(),
+        exchange.backend or "-",
+        exchange.status,
+        latency_ms,
+        prompt,
+        completion,
+        exchange.retries,
+        " stream=1" if exchange.stream else "",
+        f" error={exchange.error}" if exchange.error else "",
+    )

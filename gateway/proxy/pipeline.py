@@ -1,0 +1,246 @@
+"""The way of one routed request: key limits, admission, route, slot, forward.
+
+Every surface comes through here once its body is read and made canonical
+(gateway/proxy/dispatch.py): the key's allow-list, rate limits, concurrency
+and budget are checked first (a refusal costs no place in a queue), then
+admission control, then the router (holding the request while its model has
+no backend, gateway/fleet), the fleet's slot, and ``forward``. A client that
+hangs up cancels it wherever it is. Whatever happens, the accounting records
+the request once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from gateway.admission import BadAdmissionHeader
+from gateway.fleet.errors import FleetRefusal
+from gateway.proxy import limits
+from gateway.proxy.accounting import Accounting
+from gateway.proxy.bodies import Receive
+from gateway.proxy.errors import ProxyError, bad_request, routing_error
+from gateway.proxy.forward import Upstream, forward
+from gateway.proxy.legs import ProxyExchange
+from gateway.proxy.relays import Send
+from routing.admission import AdmissionError
+from routing.core import RequestRequirements, Route, RouterSnapshot, RoutingError
+from routing.core.decision import Via
+from routing.state import GatewayState
+from usage.limits.policy import KeyPolicy
+
+if TYPE_CHECKING:
+    from gateway.process import Gateway
+
+# Status recorded when the client went away before the answer was complete.
+CLIENT_CLOSED = 499
+# Usage of a request no backend saw (refused or left while queued): nothing.
+_NOTHING_BILLED = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+
+
+class Pipeline:
+    """Serves routed requests with one gateway (see the module docstring)."""
+
+    def __init__(
+        self, gateway: Gateway, upstream: Upstream, accounting: Accounting
+    ) -> None:
+        self.gateway = gateway
+        self.upstream = upstream
+        self.accounting = accounting
+        self.default_completion = gateway.config.default_completion_tokens
+
+    async def serve(
+        self,
+        exchange: ProxyExchange,
+        state: GatewayState,
+        requirements: RequestRequirements,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """Serve the request and record it (an error too: it is raised on)."""
+        try:
+            await self._forward_watching_client(
+                exchange, state, requirements, receive, send
+            )
+        except ProxyError as error:
+            exchange.status = error.status
+            exchange.error = error.code or error.error_type
+            error.recorded = True
+            raise
+        finally:
+            self.accounting.record(exchange)
+
+    async def _forward_watching_client(
+        self,
+        exchange: ProxyExchange,
+        state: GatewayState,
+        requirements: RequestRequirements,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """Check the key, wait for admission, route and forward; a client that
+        hangs up cancels.
+
+        The key's ticket is settled by the accounting; the admission ticket is
+        released in every outcome (answer, error, retries, a stream cut short,
+        the client gone while waiting or while served), which is what brings
+        the stock back to 0.
+        """
+        gateway = self.gateway
+        if exchange.policy is not None:
+            await self._check_key(exchange, state, requirements, exchange.policy)
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.get_running_loop().create_task(
+            _cancel_on_disconnect(receive, task, exchange)
+        )
+        ticket = None
+        try:
+            try:
+                ticket = gateway.admission.prepare(
+                    state,
+                    requirements,
+                    exchange.payload,
+                    exchange.key_prefix,
+                    exchange.request_headers,
+                )
+                if ticket is not None:
+                    await gateway.admission.admit(ticket)
+            except BadAdmissionHeader as error:
+                raise bad_request(str(error), param=error.header) from None
+            except AdmissionError as error:
+                raise _admission_error(error, exchange) from None
+            route, routes = await self._route(state, requirements)
+            exchange.route = route
+            fleet = gateway.fleet
+            fleet.after_decision(route, routes)
+            try:
+                placed = await fleet.take_slot(route, routes)
+            except FleetRefusal as error:
+                raise _fleet_error(error, exchange) from None
+            await forward(self.upstream, exchange, placed, send)
+        except asyncio.CancelledError:
+            if not exchange.client_gone:
+                raise
+            task.uncancel()
+            exchange.status = CLIENT_CLOSED
+            exchange.error = "client_closed"
+            if ticket is not None and ticket.outcome is None:
+                exchange.usage = _NOTHING_BILLED  # left while queued
+        finally:
+            watcher.cancel()
+            gateway.admission.release(ticket)
+
+    async def _route(
+        self, state: GatewayState, requirements: RequestRequirements
+    ) -> tuple[Route, RouterSnapshot]:
+        """Route the request, holding it first when its model has no backend.
+
+        With the policy's hold_seconds > 0, a request whose model exists but
+        has no backend able to take it now waits for one (gateway/fleet); when
+        the time is up it goes down the fallback chain through the full
+        pipeline, and is refused if that finds nothing either. Relay workers
+        are backends like any other here: requests for busy ones wait in
+        admission's queue (before this) or the fleet's lines (after it).
+        """
+        gateway = self.gateway
+        router, stats, fleet = gateway.router, gateway.stats, gateway.fleet
+        routes = state.routes
+        try:
+            route = router.select(requirements, routes, stats)
+        except RoutingError as error:
+            if not fleet.should_hold(error.decision, routes):
+                raise routing_error(error) from error
+        else:
+            if not fleet.should_hold(route.decision, routes):
+                return route, routes
+
+        def route_primary(now: RouterSnapshot) -> tuple[Route, RouterSnapshot] | None:
+            try:
+                found = router.select(requirements, now, stats)
+            except RoutingError:
+                return None
+            return None if found.decision.via == Via.FALLBACK else (found, now)
+
+        held = await fleet.hold(route_primary)
+        if held is not None:
+            return held
+        latest = gateway.snapshots.peek()
+        routes = routes if latest is None else latest.routes
+        try:
+            return router.select(requirements, routes, stats), routes
+        except RoutingError as error:
+            raise routing_error(error) from error
+
+    async def _check_key(
+        self,
+        exchange: ProxyExchange,
+        state: GatewayState,
+        requirements: RequestRequirements,
+        policy: KeyPolicy,
+    ) -> None:
+        """Refuse what the key may not do, or take its share of its limits.
+
+        The rate-limit headers go onto the answer's headers (or the
+        refusal's); a budgeted stream gets a meter that may cut it short.
+        """
+        gateway = self.gateway
+        metrics = gateway.metrics
+        model = requirements.model
+        limits.check_model(policy, state.routes, model, metrics)
+        if not policy.is_limited:
+            return
+        prompt = requirements.estimated_tokens
+        call = exchange.call
+        if call is None:
+            canonical, endpoint = exchange.payload, exchange.endpoint
+        else:
+            canonical = call.inbound.canonical
+            endpoint = call.inbound.canonical_endpoint
+        completion = limits.completion_estimate(
+            canonical, endpoint == "embeddings", self.default_completion
+        )
+        price = limits.price_estimate(state.prices, state.routes, model)
+        ticket = await limits.admit(
+            gateway.limiter,
+            policy,
+            prompt + completion,
+            price.cost(prompt, completion),
+            exchange.response_headers,
+            metrics,
+        )
+        exchange.limit_ticket = ticket
+        if exchange.stream and policy.has_budget:
+            exchange.meter = limits.BudgetMeter(
+                gateway.limiter, ticket, state.prices, model, prompt
+            )
+
+
+def _fleet_error(error: FleetRefusal, exchange: ProxyExchange) -> ProxyError:
+    """The client's answer to a request the fleet queues did not run."""
+    exchange.usage = _NOTHING_BILLED
+    exchange.response_headers.append((b"retry-after", str(error.retry_after).encode()))
+    return ProxyError(503, error.message, error_type="server_error", code=error.code)
+
+
+def _admission_error(error: AdmissionError, exchange: ProxyExchange) -> ProxyError:
+    """The client's answer to a request admission control did not let through."""
+    exchange.usage = _NOTHING_BILLED
+    if error.retry_after is not None:
+        exchange.response_headers.append(
+            (b"retry-after", str(error.retry_after).encode())
+        )
+    return ProxyError(
+        error.status, error.message, error_type=error.error_type, code=error.code
+    )
+
+
+async def _cancel_on_disconnect(
+    receive: Receive, task: asyncio.Task[Any], exchange: ProxyExchange
+) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            exchange.client_gone = True
+            task.cancel()
+            return
