@@ -35,7 +35,6 @@ from typing import Any, TypedDict
 from channels.layers import get_channel_layer
 from django.conf import settings
 
-from backends.tasks import persist_breaker_opening
 from nexus_lib.layer import run_on_layer
 from routing.core import LiveStats
 
@@ -219,6 +218,11 @@ def _ignore(backend_name: str) -> None:
 
 def _queue_persist(backend_name: str, detail: str) -> None:
     """Queue the Celery task that marks the backend unhealthy (a worker thread)."""
+    # Imported here, in the worker thread, when a circuit first opens: the
+    # proxy imports this module, and the task's module loads Celery and the
+    # ORM, which nothing on the request path may load.
+    from backends.tasks import persist_breaker_opening
+
     try:
         persist_breaker_opening.delay(backend_name, detail)
     except Exception:
