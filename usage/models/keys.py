@@ -1,20 +1,24 @@
-"""Client API keys and token usage aggregates."""
+"""Client API keys, and what each key spends per day.
+
+``ApiKey`` is a client's credential (only a hash of the secret is stored) with
+its limits, budgets and admission settings; its queryset creates, finds and
+deactivates keys. ``KeySpend`` holds each key's requests, tokens and cost per
+UTC day, which budgets are checked against and reports rank keys by.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import secrets
-from collections.abc import Iterator, Mapping, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Any, ClassVar, Self, cast
+from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
-from django.db.models import OuterRef, Q, QuerySet, Subquery, Sum
-from django.db.models.query import ValuesIterable
+from django.db.models import Sum
 from django.utils import timezone
 
 from usage.limits.policy import (
@@ -24,6 +28,7 @@ from usage.limits.policy import (
     period_id,
     split_patterns,
 )
+from usage.models.prices import nanos_to_usd
 from usage.signals import api_keys_changed
 
 KEY_SCHEME = "nx-"
@@ -244,58 +249,6 @@ LIMIT_FIELDS = (
 SETTING_FIELDS = (*LIMIT_FIELDS, "admission_weight", "max_criticality")
 
 
-class ModelPrice(models.Model):
-    """What a model costs per million tokens, in and out (USD).
-
-    ``model`` is a served model's name or a glob pattern (``llama3:*``); an
-    exact name wins over patterns, and the longest matching pattern over
-    shorter ones. A local model may have a price too, to charge teams for GPU
-    time. Costs are counted in nano-USD, so prices have at most 3 decimals.
-    """
-
-    model = models.CharField(
-        max_length=200, unique=True, help_text="Model name or glob pattern."
-    )
-    input_per_million = models.DecimalField(
-        "input (USD per 1M tokens)",
-        max_digits=12,
-        decimal_places=3,
-        default=Decimal(0),
-        validators=[MinValueValidator(Decimal(0))],
-    )
-    output_per_million = models.DecimalField(
-        "output (USD per 1M tokens)",
-        max_digits=12,
-        decimal_places=3,
-        default=Decimal(0),
-        validators=[MinValueValidator(Decimal(0))],
-    )
-    updated_at = models.DateTimeField(auto_now=True)
-
-    class Meta:
-        ordering = ("model",)
-        verbose_name = "model price"
-
-    def __str__(self) -> str:
-        return (
-            f"{self.model}: ${self.input_per_million} in / "
-            f"${self.output_per_million} out per 1M tokens"
-        )
-
-    def clean(self) -> None:
-        if not is_valid_pattern(self.model):
-            raise ValidationError({"model": "Not a model name or glob pattern."})
-
-    @property
-    def input_nanos(self) -> int:
-        """Nano-USD per input token ($X per 1M tokens is X*1000 nano-USD each)."""
-        return int(self.input_per_million * 1000)
-
-    @property
-    def output_nanos(self) -> int:
-        return int(self.output_per_million * 1000)
-
-
 # Stands for "no key" (client auth off) where a key is named in text (the API's
 # and the admin's key filters); real prefixes start with "nx-".
 ANONYMOUS = "-"
@@ -311,309 +264,6 @@ def describe_key(prefix: str, name: str | None) -> str:
     if name is None:
         return f"{prefix}… (deleted)"
     return f"{name} ({prefix}…)"
-
-
-# What usage can be grouped by, and the column each dimension reads.
-USAGE_DIMENSIONS = {"backend": "backend", "model": "model", "key": "api_key_prefix"}
-COUNTER_FIELDS = (
-    "requests",
-    "errors",
-    "prompt_tokens",
-    "completion_tokens",
-    "total_tokens",
-    "estimated_requests",
-    "estimated_tokens",
-    "latency_ms_sum",
-    "cost_nanos",
-)
-
-
-def add_derived_fields(counters: dict[str, Any]) -> dict[str, Any]:
-    """Add the figures every usage report derives from summed counters; return it.
-
-    ``latency_ms_avg`` (None without requests), ``error_rate`` (errors per
-    request) and ``estimated_share`` (the share of tokens Nexus estimated);
-    unrounded, so each surface rounds for its readers.
-    """
-    requests, tokens = counters["requests"], counters["total_tokens"]
-    counters["latency_ms_avg"] = (
-        counters["latency_ms_sum"] / requests if requests else None
-    )
-    counters["error_rate"] = counters["errors"] / requests if requests else 0.0
-    counters["estimated_share"] = (
-        counters["estimated_tokens"] / tokens if tokens else 0.0
-    )
-    counters["cost_usd"] = nanos_to_usd(counters["cost_nanos"])
-    return counters
-
-
-def nanos_to_usd(nanos: int | None) -> Decimal:
-    """Nano-USD as USD (a Decimal with 9 places, exact)."""
-    return Decimal(nanos or 0).scaleb(-9)
-
-
-class _ReportRows(ValuesIterable):
-    """Rows of a values() query with add_derived_fields() applied to each."""
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        for row in super().__iter__():
-            yield add_derived_fields(row)
-
-
-class UsageCountersQuerySet(models.QuerySet[Any]):
-    # The dimensions report() accepts; a subclass may add its own.
-    dimensions: ClassVar[Mapping[str, str]] = USAGE_DIMENSIONS
-
-    def for_series(
-        self,
-        *,
-        backend: str | None = None,
-        model: str | None = None,
-        key: str | None = None,
-    ) -> Self:
-        """Keep the rows of one backend, model and/or client key prefix."""
-        rows = self
-        if backend is not None:
-            rows = rows.filter(backend=backend)
-        if model is not None:
-            rows = rows.filter(model=model)
-        if key is not None:
-            rows = rows.filter(api_key_prefix=key)
-        return rows
-
-    def report(self, by: Sequence[str]) -> QuerySet[Any, dict[str, Any]]:
-        """Sum the counters per value of the ``by`` dimensions: the usage report.
-
-        Each row is a dict with the dimension columns, one sum per counter, the
-        fields add_derived_fields() derives, and, when grouped by key,
-        ``key_name`` (None for no key or a deleted one). Rows come largest total
-        first, then in dimension order; still a query, so it pages in SQL.
-        """
-        columns = [self.dimensions[name] for name in by]
-        sums = {name: Sum(name) for name in COUNTER_FIELDS}
-        rows = self.order_by().values(*columns).annotate(**sums)
-        if "api_key_prefix" in columns:
-            keys = ApiKey.objects.filter(prefix=OuterRef("api_key_prefix"))
-            rows = rows.annotate(key_name=Subquery(keys.values("name")[:1]))
-        rows = rows.order_by("-total_tokens", *columns)
-        # values() sets its row type when called, so the derived fields are
-        # added the way values() builds its dicts: by the query's iterable.
-        rows._iterable_class = _ReportRows
-        return rows
-
-    def totals(self) -> dict[str, Any]:
-        """Sum the counters of all these rows (zeros when there are none).
-
-        Returns one dict shaped like a report() row without dimensions.
-        """
-        sums = {name: Sum(name, default=0) for name in COUNTER_FIELDS}
-        return add_derived_fields(self.order_by().aggregate(**sums))
-
-
-class UsageCounters(models.Model):
-    """Counters shared by the aggregate and per-minute usage tables."""
-
-    backend = models.CharField(max_length=100, help_text="Backend name.")
-    model = models.CharField(max_length=200, help_text="Model actually served.")
-    api_key_prefix = models.CharField(
-        "API key",
-        max_length=PREFIX_LENGTH,
-        blank=True,
-        default="",
-        help_text="Prefix of the client key; blank when auth is off.",
-    )
-    requests = models.PositiveBigIntegerField(default=0)
-    errors = models.PositiveBigIntegerField(default=0)
-    prompt_tokens = models.PositiveBigIntegerField(default=0)
-    completion_tokens = models.PositiveBigIntegerField(default=0)
-    total_tokens = models.PositiveBigIntegerField(default=0)
-    estimated_requests = models.PositiveBigIntegerField(
-        default=0,
-        help_text="Requests whose token counts Nexus estimated (the backend "
-        "reported none).",
-    )
-    estimated_tokens = models.PositiveBigIntegerField(
-        default=0, help_text="The part of total tokens that is estimated."
-    )
-    latency_ms_sum = models.FloatField(
-        "latency sum (ms)",
-        default=0.0,
-        help_text="Sum of request latencies; divide by requests for the mean.",
-    )
-    cost_nanos = models.PositiveBigIntegerField(
-        "cost (nano-USD)", default=0, help_text="At the model prices of the time."
-    )
-
-    class Meta:
-        abstract = True
-
-    @property
-    def cost_usd(self) -> Decimal:
-        return nanos_to_usd(self.cost_nanos)
-
-    @property
-    def latency_ms_avg(self) -> float | None:
-        return self.latency_ms_sum / self.requests if self.requests else None
-
-
-class TokenUsage(UsageCounters):
-    """All-time usage per backend × model × client key."""
-
-    updated_at = models.DateTimeField(auto_now=True)
-
-    objects = UsageCountersQuerySet.as_manager()
-
-    class Meta:
-        ordering = ("backend", "model", "api_key_prefix")
-        verbose_name = "token usage"
-        verbose_name_plural = "token usage"
-        constraints = (
-            models.UniqueConstraint(
-                fields=("backend", "model", "api_key_prefix"),
-                name="tokenusage_unique_series",
-            ),
-        )
-
-    def __str__(self) -> str:
-        return f"{self.backend} / {self.model} / {self.api_key_prefix or 'anonymous'}"
-
-
-class UsageBucketQuerySet(UsageCountersQuerySet):
-    # The history charts report per minute.
-    dimensions: ClassVar[Mapping[str, str]] = {**USAGE_DIMENSIONS, "minute": "minute"}
-
-    def between(
-        self, since: datetime | None = None, until: datetime | None = None
-    ) -> UsageBucketQuerySet:
-        """Keep the minutes that start at or after `since` and before `until`."""
-        rows = self
-        if since is not None:
-            rows = rows.filter(minute__gte=since.replace(second=0, microsecond=0))
-        if until is not None:
-            rows = rows.filter(minute__lt=until)
-        return rows
-
-    def older_than(self, cutoff: datetime) -> UsageBucketQuerySet:
-        return self.filter(minute__lt=cutoff)
-
-    def prune(self, retention_days: int) -> int:
-        """Delete buckets older than the retention period; return how many."""
-        cutoff = timezone.now() - timedelta(days=retention_days)
-        deleted, _ = self.older_than(cutoff).delete()
-        return deleted
-
-
-class UsageBucket(UsageCounters):
-    """Usage per minute per backend × model × client key, for history charts."""
-
-    minute = models.DateTimeField(db_index=True, help_text="Start of the minute (UTC).")
-
-    objects = UsageBucketQuerySet.as_manager()
-
-    class Meta:
-        ordering = ("-minute", "backend", "model")
-        verbose_name = "usage bucket"
-        constraints = (
-            models.UniqueConstraint(
-                fields=("minute", "backend", "model", "api_key_prefix"),
-                name="usagebucket_unique_series",
-            ),
-        )
-
-    def __str__(self) -> str:
-        return f"{self.minute:%Y-%m-%d %H:%M} {self.backend} / {self.model}"
-
-
-def select_usage_rows(
-    since: datetime | None = None, until: datetime | None = None
-) -> UsageCountersQuerySet:
-    """Return the usage rows a report over a time range reads.
-
-    Without a range: the all-time totals (TokenUsage). With one: the per-minute
-    buckets in it, kept for NEXUS_USAGE_RETENTION_DAYS.
-    """
-    if since is None and until is None:
-        return cast(UsageCountersQuerySet, TokenUsage.objects.all())
-    return UsageBucket.objects.between(since, until)
-
-
-class Endpoint(models.TextChoices):
-    CHAT = "chat", "Chat completions"
-    COMPLETIONS = "completions", "Completions"
-    EMBEDDINGS = "embeddings", "Embeddings"
-    MESSAGES = "messages", "Anthropic messages"
-    RESPONSES = "responses", "OpenAI responses"
-    OLLAMA_CHAT = "ollama-chat", "Ollama chat"
-    OLLAMA_GENERATE = "ollama-generate", "Ollama generate"
-    OLLAMA_EMBED = "ollama-embed", "Ollama embeddings"
-
-
-class UsageRecordQuerySet(models.QuerySet["UsageRecord"]):
-    def pending(self) -> UsageRecordQuerySet:
-        """Records not yet added to the aggregates."""
-        return self.filter(rolled_up=False)
-
-    def prune(self, retention_hours: float) -> int:
-        """Delete rolled-up records older than the retention; return how many."""
-        cutoff = timezone.now() - timedelta(hours=retention_hours)
-        deleted, _ = self.filter(rolled_up=True, created_at__lt=cutoff).delete()
-        return deleted
-
-
-class UsageRecord(models.Model):
-    """One gateway request's usage, as the proxy recorded it, before rollup.
-
-    Written only by ``usage.flush``; the rollup adds each row to TokenUsage and
-    UsageBucket and sets ``rolled_up`` in the same transaction. Rolled-up rows
-    are kept for a while (NEXUS_USAGE_RECORD_RETENTION_HOURS): a flush retried
-    after an ambiguous failure then still finds its rows by ``event_id`` and
-    does not write them twice.
-    """
-
-    event_id = models.CharField(
-        max_length=32, unique=True, help_text="Nexus's unique id for the event."
-    )
-    request_id = models.CharField(
-        max_length=128, help_text="The X-Request-Id of the request (may repeat)."
-    )
-    endpoint = models.CharField(max_length=16, choices=Endpoint.choices)
-    api_key_prefix = models.CharField(
-        "API key", max_length=PREFIX_LENGTH, blank=True, default=""
-    )
-    backend = models.CharField(max_length=100, blank=True, default="")
-    requested_model = models.CharField(max_length=200, blank=True, default="")
-    served_model = models.CharField(max_length=200, blank=True, default="")
-    prompt_tokens = models.PositiveBigIntegerField(default=0)
-    completion_tokens = models.PositiveBigIntegerField(default=0)
-    total_tokens = models.PositiveBigIntegerField(default=0)
-    estimated = models.BooleanField(
-        default=False, help_text="Token counts are Nexus's estimate."
-    )
-    latency_ms = models.FloatField("latency (ms)", default=0.0)
-    cost_nanos = models.PositiveBigIntegerField("cost (nano-USD)", default=0)
-    status = models.PositiveSmallIntegerField(help_text="HTTP status sent.")
-    streamed = models.BooleanField(default=False)
-    error = models.CharField(max_length=100, blank=True, default="")
-    is_error = models.BooleanField(
-        "failed", default=False, help_text="Counted in errors (UsageEvent.is_error)."
-    )
-    created_at = models.DateTimeField(db_index=True)
-    rolled_up = models.BooleanField(default=False)
-
-    objects = UsageRecordQuerySet.as_manager()
-
-    class Meta:
-        ordering = ("-created_at",)
-        verbose_name = "usage record"
-        indexes = (
-            # The rollup's work queue: small, because rolled-up rows leave it.
-            models.Index(
-                fields=("id",), condition=Q(rolled_up=False), name="usagerecord_pending"
-            ),
-        )
-
-    def __str__(self) -> str:
-        return f"{self.request_id} {self.backend} / {self.served_model}"
 
 
 class KeySpendQuerySet(models.QuerySet["KeySpend"]):
