@@ -1,7 +1,7 @@
 """The probe endpoints of the servers the mock can imitate (``kind`` knob).
 
 Every kind keeps the OpenAI-compatible ``/v1`` API of
-``nexus_mock.server`` except ``anthropic``, and adds what Nexus's
+``nexus_mock.answers`` except ``anthropic``, and adds what Nexus's
 health checks and model discovery ask that kind of server, in its own wire
 format:
 

@@ -1,82 +1,40 @@
-"""The mock backend's server: routes, failure injection, stats and the control API."""
+"""The mock backend's server: connections, the delivery of replies, live settings.
+
+``MockBackend`` listens (or refuses connections, as a backend that is down),
+records each request in its stats, gets the reply from ``nexus_mock.answers``
+and delivers it the way the knobs say: after ``latency_ms``, streamed with
+``chunk_delay_ms`` between blocks or cut after ``drop_after_chunks``, in one of
+the ``--slots`` (``nexus_mock.slots``), and after loading the model into the
+node's memory when ``memory_gb`` is set. It also holds the live configuration
+that the control API (``nexus_mock.control``) reads and changes.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import itertools
 import logging
-import random
 import time
 from collections import deque
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from typing import Any
 
+from nexus_mock.answers import INFERENCE_PATHS, Answers, Stream
 from nexus_mock.config import ConfigError, MockConfig
+from nexus_mock.control import CONTROL_PREFIX, answer_control
 from nexus_mock.http_parsing import Request
-from nexus_mock.jobs import (
-    ApiError,
-    EmbeddingJob,
-    Generation,
-    parse_chat_request,
-    parse_completion_request,
-    parse_embedding_request,
-    parse_json_object,
-)
-from nexus_mock.kinds import (
-    answer_kind_request,
-    check_anthropic_headers,
-    check_bearer,
-    describe_model,
-    describe_ollama_tag,
-)
+from nexus_mock.jobs import ApiError, parse_json_object
 from nexus_mock.listener import Listener
 from nexus_mock.memory import NodeMemory, parse_keep_alive
-from nexus_mock.messages import (
-    answer_messages,
-    anthropic_error,
-    count_tokens,
-)
-from nexus_mock.ollama_api import (
-    INFERENCE_PATHS as OLLAMA_INFERENCE_PATHS,
-)
-from nexus_mock.ollama_api import (
-    NDJSON_CONTENT_TYPE,
-    ollama_error,
-    parse_ollama_request,
-    render_ollama_reply,
-    render_ollama_stream,
-)
-from nexus_mock.ollama_api import (
-    is_stream as is_ollama_stream,
-)
+from nexus_mock.ollama_api import INFERENCE_PATHS as OLLAMA_INFERENCE_PATHS
 from nexus_mock.protocol import Header, HttpConnection
-from nexus_mock.replies import (
-    encode_json,
-    render_embeddings,
-    render_generation,
-    render_stream,
-)
+from nexus_mock.replies import encode_json
+from nexus_mock.slots import Slots
 from nexus_mock.stats import MockStats, RecordedRequest
-from nexus_mock.tools import openai_tool_call, render_openai_tool_call
 
 logger = logging.getLogger(__name__)
 
-SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
-CONTROL_PREFIX = "/_mock/"
-# The longest a request is held by POST /_mock/hold.
-HOLD_SECONDS = 30.0
-_INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 # Also held to --slots (what a model server runs).
-_SLOTTED_PATHS = (*_INFERENCE_PATHS, "/v1/messages")
-
-
-@dataclass(frozen=True, slots=True)
-class _Stream:
-    blocks: list[bytes]
-    tail: bytes
-    content_type: str = SSE_CONTENT_TYPE
+_SLOTTED_PATHS = (*INFERENCE_PATHS, "/v1/messages")
 
 
 class MockBackend:
@@ -86,17 +44,12 @@ class MockBackend:
         self.initial_config = config
         self.stats = MockStats(recorded=deque(maxlen=config.record_requests))
         self._connections: set[HttpConnection] = set()
-        self._ids = itertools.count(1)
         self._started = int(time.time())
         self._listener: Listener | None = None
         self._relisten: asyncio.TimerHandle | None = None
         self._background: set[asyncio.Task[None]] = set()
-        # Requests waiting for one of the --slots, in arrival order.
-        self._slot_waiters: deque[asyncio.Future[None]] = deque()
-        # POST /_mock/hold: how many more requests in a slot are held, and
-        # the ones held (released together when the last of them arrives).
-        self._hold_left = 0
-        self._held: list[asyncio.Future[None]] = []
+        self._answers = Answers(self.stats, self._started)
+        self.slots = Slots(self.stats)
         self.memory: NodeMemory | None = None
         self._apply_config(config)
 
@@ -198,12 +151,12 @@ class MockBackend:
         request_id = request.headers.get("x-request-id")
         if request_id is not None:
             headers = [*headers, ("X-Mock-Request-Id", request_id)]
-        reply: bytes | _Stream | ApiError
+        reply: bytes | Stream | ApiError
         try:
-            reply = self._answer(request, config)
+            reply = self._answers.answer(request, config, self.memory)
         except ApiError as error:
             reply = error
-        status = 200 if isinstance(reply, _Stream) else _status_of(reply)
+        status = 200 if isinstance(reply, Stream) else _status_of(reply)
         stats.responses[status] += 1
         if record is not None:
             record.status = status
@@ -222,7 +175,7 @@ class MockBackend:
             return self._deliver_in_slot(conn, reply, headers, config)
         # Answer without a task when nothing has to wait: benchmarks live here.
         if config.latency_ms <= 0:
-            if not isinstance(reply, _Stream):
+            if not isinstance(reply, Stream):
                 self._send(conn, reply, headers)
                 return None
             if config.chunk_delay_ms <= 0 and config.drop_after_chunks is None:
@@ -231,138 +184,7 @@ class MockBackend:
                 return None
         return self._deliver(conn, reply, headers, config)
 
-    # Answers
-
-    def _answer(self, request: Request, config: MockConfig) -> bytes | _Stream:
-        if config.kind == "ollama" and request.path in OLLAMA_INFERENCE_PATHS:
-            return self._answer_ollama(request, config)
-        if self.memory is not None and request.path == "/api/ps":
-            return self._answer_ps(request, config, self.memory)
-        if config.kind == "anthropic" and request.path.startswith("/v1/messages"):
-            return self._answer_messages(request, config)
-        if config.kind != "openai":
-            kind_reply = answer_kind_request(request, config, self._started)
-            if kind_reply is not None:
-                return kind_reply
-        if config.api_key is not None:
-            self._check_api_key(request, config.api_key)
-        path = request.path
-        if path == "/v1/models" or path.startswith("/v1/models/"):
-            _require_method(request, "GET")
-            if path == "/v1/models":
-                return self._models_body
-            model_id = path[len("/v1/models/") :]
-            if model_id not in config.models:
-                raise ApiError(
-                    404,
-                    f"The model '{model_id}' does not exist or you do not have "
-                    "access to it.",
-                    param="model",
-                    code="model_not_found",
-                )
-            return encode_json(self._describe_model(model_id))
-        if path not in _INFERENCE_PATHS:
-            raise ApiError(404, f"Invalid URL ({request.method} {path})")
-        _require_method(request, "POST")
-        payload = parse_json_object(request.body)
-        job: Generation | EmbeddingJob
-        if path == "/v1/embeddings":
-            job = parse_embedding_request(payload, config.models, config.embedding_dim)
-        elif path == "/v1/chat/completions":
-            job = parse_chat_request(payload, config.name, config.models)
-        else:
-            job = parse_completion_request(payload, config.name, config.models)
-        self._inject_failure(config)
-        if isinstance(job, EmbeddingJob):
-            return render_embeddings(job)
-        prefix = "chatcmpl" if job.kind == "chat" else "cmpl"
-        completion_id = f"{prefix}-mock-{next(self._ids)}"
-        created = int(time.time())
-        call = None
-        if job.kind == "chat" and "tools" in payload:
-            call = openai_tool_call(payload, config.tool_arguments)
-        if call is not None:
-            reply = render_openai_tool_call(
-                call,
-                job.model,
-                completion_id,
-                created,
-                job.prompt_tokens,
-                job.stream,
-                job.include_usage,
-                config.chunks,
-            )
-            return reply if isinstance(reply, bytes) else _Stream(*reply)
-        if job.stream:
-            return _Stream(*render_stream(job, completion_id, created, config.chunks))
-        return render_generation(job, completion_id, created)
-
-    def _answer_ollama(self, request: Request, config: MockConfig) -> bytes | _Stream:
-        check_bearer(request, config, ollama=True)
-        if request.method != "POST":
-            raise ollama_error(405, "method not allowed")
-        job = parse_ollama_request(
-            request.path,
-            request.body,
-            config.name,
-            config.models,
-            config.tool_arguments,
-            config.embedding_dim,
-        )
-        if isinstance(job, bytes):
-            return job
-        try:
-            self._inject_failure(config)
-        except ApiError as error:
-            raise ollama_error(error.status, error.message) from None
-        if not isinstance(job, EmbeddingJob) and is_ollama_stream(job):
-            blocks, tail = render_ollama_stream(job, config.chunks)
-            return _Stream(blocks, tail, NDJSON_CONTENT_TYPE)
-        return render_ollama_reply(job, request.path)
-
-    def _answer_messages(self, request: Request, config: MockConfig) -> bytes | _Stream:
-        check_anthropic_headers(request, config)
-        _require_method(request, "POST")
-        if request.path == "/v1/messages/count_tokens":
-            return count_tokens(request.body, config.models)
-        if request.path != "/v1/messages":
-            raise anthropic_error(404, "Not found")
-        try:
-            self._inject_failure(config)
-        except ApiError as error:
-            raise anthropic_error(error.status, error.message) from None
-        reply = answer_messages(
-            request.body,
-            config.name,
-            config.models,
-            config.chunks,
-            config.tool_arguments,
-        )
-        return reply if isinstance(reply, bytes) else _Stream(*reply)
-
-    def _check_api_key(self, request: Request, api_key: str) -> None:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise ApiError(
-                401,
-                "You didn't provide an API key. Send it in an Authorization header "
-                "using Bearer auth (Authorization: Bearer YOUR_KEY).",
-                code="invalid_api_key",
-            )
-        if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
-
-    def _inject_failure(self, config: MockConfig) -> None:
-        rate = config.error_rate
-        if rate <= 0 or (rate < 1 and self._rng.random() >= rate):
-            return
-        self.stats.injected_failures += 1
-        raise ApiError(
-            config.fail_status,
-            f"Injected failure: mock backend '{config.name}' answers "
-            f"{config.fail_status} to {rate:.0%} of inference requests.",
-            code="mock_injected_failure",
-        )
+    # Delivery
 
     def _send(
         self, conn: HttpConnection, reply: bytes | ApiError, headers: list[Header]
@@ -375,7 +197,7 @@ class MockBackend:
     async def _deliver(
         self,
         conn: HttpConnection,
-        reply: bytes | ApiError | _Stream,
+        reply: bytes | ApiError | Stream,
         headers: list[Header],
         config: MockConfig,
     ) -> None:
@@ -384,7 +206,7 @@ class MockBackend:
             if not await conn.sleep(config.latency_ms / 1000):
                 self.stats.client_disconnects += 1
                 return
-            if isinstance(reply, _Stream):
+            if isinstance(reply, Stream):
                 await self._stream(conn, reply, headers, config)
             else:
                 self._send(conn, reply, headers)
@@ -396,7 +218,7 @@ class MockBackend:
         memory: NodeMemory,
         wanted: tuple[str, float | None, bool],
         conn: HttpConnection,
-        reply: bytes | ApiError | _Stream,
+        reply: bytes | ApiError | Stream,
         headers: list[Header],
         config: MockConfig,
         slotted: bool,
@@ -415,93 +237,29 @@ class MockBackend:
         finally:
             memory.release(model)
 
-    def _answer_ps(
-        self, request: Request, config: MockConfig, memory: NodeMemory
-    ) -> bytes:
-        check_bearer(request, config, ollama=True)
-        if request.method not in ("GET", "HEAD"):
-            raise ollama_error(405, "method not allowed")
-        return encode_json(
-            {
-                "models": [
-                    {**describe_ollama_tag(config, entry["name"]), **entry}
-                    for entry in memory.ps(config.context_length)
-                    if entry["name"] in config.models
-                ]
-            }
-        )
-
     async def _deliver_in_slot(
         self,
         conn: HttpConnection,
-        reply: bytes | ApiError | _Stream,
+        reply: bytes | ApiError | Stream,
         headers: list[Header],
         config: MockConfig,
     ) -> None:
         """Wait for a free slot (in arrival order), then answer as usual."""
-        stats = self.stats
-        if stats.busy_slots < config.slots and not self._slot_waiters:
-            stats.busy_slots += 1
-        else:
-            turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._slot_waiters.append(turn)
-            stats.waiting_for_slot += 1
-            stats.note_slots()
-            try:
-                got_slot = await conn.wait_for(turn)
-            finally:
-                stats.waiting_for_slot -= 1
-                if not turn.done():
-                    turn.cancel()
-                    self._slot_waiters.remove(turn)
-            if not got_slot:
-                stats.client_disconnects += 1
-                return
-        stats.note_slots()
+        if not await self.slots.acquire(conn, config.slots):
+            self.stats.client_disconnects += 1
+            return
         try:
-            if self._hold_left and not await self._hold(conn):
-                stats.client_disconnects += 1
+            if not await self.slots.hold(conn):
+                self.stats.client_disconnects += 1
                 return
             await self._deliver(conn, reply, headers, config)
         finally:
-            self._free_slot()
-
-    async def _hold(self, conn: HttpConnection) -> bool:
-        """Hold this request (in its slot) until the last of those that
-        POST /_mock/hold asked for arrives, /_mock/release, or HOLD_SECONDS;
-        False if the client left meanwhile."""
-        self._hold_left -= 1
-        if not self._hold_left:
-            self._release_held()
-            return True
-        held: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._held.append(held)
-        timer = asyncio.get_running_loop().call_later(HOLD_SECONDS, _resolve, held)
-        try:
-            return await conn.wait_for(held)
-        finally:
-            timer.cancel()
-
-    def _release_held(self) -> None:
-        self._hold_left = 0
-        held, self._held = self._held, []
-        for future in held:
-            _resolve(future)
-
-    def _free_slot(self) -> None:
-        # The slot passes straight to the oldest waiter, if there is one.
-        waiters = self._slot_waiters
-        while waiters:
-            turn = waiters.popleft()
-            if not turn.done():
-                turn.set_result(None)
-                return
-        self.stats.busy_slots -= 1
+            self.slots.release()
 
     async def _stream(
         self,
         conn: HttpConnection,
-        reply: _Stream,
+        reply: Stream,
         headers: list[Header],
         config: MockConfig,
     ) -> None:
@@ -533,45 +291,8 @@ class MockBackend:
     # Control API
 
     def _handle_control(self, request: Request, conn: HttpConnection) -> None:
-        route = request.path[len(CONTROL_PREFIX) :].rstrip("/")
-        refuse_for: float | None = None
-        refuse_forever = False
         try:
-            if route == "stats":
-                _require_method(request, "GET")
-                body = self.describe_stats()
-            elif route == "config" and request.method == "GET":
-                body = self.describe_config()
-            elif route == "config":
-                _require_method(request, "POST", "GET")
-                changes = parse_json_object(request.body)
-                refuse_for, refuse_forever = _pop_refuse(changes)
-                self._change_config(changes)
-                body = self.describe_config()
-            elif route == "hold":
-                # {"first": N}: hold the next N requests that get a slot until
-                # the Nth arrives, so that a test sees them at the mock at once
-                # however slowly a loaded machine sends them.
-                _require_method(request, "POST")
-                first = parse_json_object(request.body).get("first")
-                if not isinstance(first, int) or isinstance(first, bool) or first < 1:
-                    raise ApiError(400, "first must be a positive integer.")
-                self._release_held()
-                self._hold_left = first
-                body = {"holding": first}
-            elif route == "release":
-                _require_method(request, "POST")
-                body = {"released": len(self._held)}
-                self._release_held()
-            elif route == "reset":
-                _require_method(request, "POST")
-                self._release_held()
-                self.stats.reset()
-                self.memory = None
-                self._apply_config(self.initial_config)
-                body = self.describe_config()
-            else:
-                raise ApiError(404, f"Invalid URL ({request.method} {request.path})")
+            body, refuse_for, refuse_forever = answer_control(self, request)
         except ApiError as error:
             conn.send(error.status, error.render(), [*self._headers, *error.headers])
             return
@@ -583,12 +304,22 @@ class MockBackend:
         if refusing:
             self.refuse(refuse_for)
 
-    def _change_config(self, changes: dict[str, Any]) -> None:
+    # Configuration
+
+    def change_config(self, changes: dict[str, Any]) -> None:
+        """Apply knob changes (raise ApiError for a bad one)."""
         try:
             config = self.config.updated(changes)
         except ConfigError as error:
             raise ApiError(400, str(error), param=error.knob) from None
         self._apply_config(config, reseed="seed" in changes)
+
+    def reset(self) -> None:
+        """Go back to the start-up configuration, with zeroed counters."""
+        self.slots.release_held()
+        self.stats.reset()
+        self.memory = None
+        self._apply_config(self.initial_config)
 
     def _apply_config(self, config: MockConfig, reseed: bool = True) -> None:
         previous = getattr(self, "config", None)
@@ -601,22 +332,12 @@ class MockBackend:
             or _memory_knobs(previous) != _memory_knobs(config)
         ):
             self.memory = _new_memory(config)
-        if reseed:
-            self._rng = random.Random(config.seed)
         if self.stats.recorded.maxlen != config.record_requests:
             self.stats.recorded = deque(
                 self.stats.recorded, maxlen=config.record_requests
             )
         self._headers: list[Header] = [("X-Mock-Backend", config.name)]
-        self._models_body = encode_json(
-            {
-                "object": "list",
-                "data": [self._describe_model(model) for model in config.models],
-            }
-        )
-
-    def _describe_model(self, model: str) -> dict[str, Any]:
-        return describe_model(self.config, model, self._started)
+        self._answers.configure(config, reseed=reseed)
 
     def describe_config(self) -> dict[str, Any]:
         """Return the effective configuration, and whether connections are taken."""
@@ -629,35 +350,6 @@ class MockBackend:
         if self.memory is not None:
             stats.update(self.memory.as_dict())
         return stats
-
-
-def _require_method(request: Request, *allowed: str) -> None:
-    if request.method not in allowed:
-        raise ApiError(
-            405,
-            f"Method {request.method} is not allowed for {request.path}; use "
-            f"{' or '.join(allowed)}.",
-            headers=(("Allow", ", ".join(allowed)),),
-        )
-
-
-def _pop_refuse(changes: dict[str, Any]) -> tuple[float | None, bool]:
-    """Take the refuse actions out of a config change; they are not knobs."""
-    refuse_for = changes.pop("refuse_for_ms", None)
-    refuse = changes.pop("refuse", False)
-    if refuse_for is not None and (
-        isinstance(refuse_for, bool)
-        or not isinstance(refuse_for, int | float)
-        or not 0 < refuse_for <= 3_600_000
-    ):
-        raise ApiError(
-            400,
-            "refuse_for_ms must be a number of milliseconds from 1 to 3600000.",
-            param="refuse_for_ms",
-        )
-    if not isinstance(refuse, bool):
-        raise ApiError(400, "refuse must be a boolean.", param="refuse")
-    return refuse_for, refuse
 
 
 def _memory_knobs(config: MockConfig) -> tuple[Any, ...]:
@@ -686,8 +378,9 @@ def _new_memory(config: MockConfig) -> NodeMemory:
 
 def _model_wanted(request: Request) -> tuple[str, float | None, bool] | None:
     """(model, keep_alive, load only) of an inference request, if it names one."""
-    if request.path not in OLLAMA_INFERENCE_PATHS and request.path not in (
-        _INFERENCE_PATHS
+    if (
+        request.path not in OLLAMA_INFERENCE_PATHS
+        and request.path not in INFERENCE_PATHS
     ):
         return None
     try:
@@ -705,8 +398,3 @@ def _model_wanted(request: Request) -> tuple[str, float | None, bool] | None:
 
 def _status_of(reply: bytes | ApiError) -> int:
     return reply.status if isinstance(reply, ApiError) else 200
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)

@@ -1,0 +1,186 @@
+"""The admission control metrics: the fair queue, the stock and each pool's band.
+
+``AdmissionMetrics`` is part of ``GatewayMetrics``: it adds these metrics to
+the process's registry, with the calls ``gateway.admission`` makes to count
+requests let straight through, refused or decided after waiting, and to set
+the queue, stock and band gauges from the controller, off the request path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from gateway.metrics.buckets import LATENCY_BUCKETS
+
+
+class AdmissionMetrics:
+    """The admission queue's and controller's metrics, in GatewayMetrics."""
+
+    def _add_admission_metrics(self, registry: CollectorRegistry) -> None:
+        self.admission_queue_length = Gauge(
+            "nexus_admission_queue_length",
+            "Requests waiting in the admission queue, by model and flow.",
+            ("model", "flow"),
+            multiprocess_mode="livesum",
+            registry=registry,
+        )
+        self.admission_queue_latency = Histogram(
+            "nexus_admission_queue_latency_seconds",
+            "Time requests spent in the admission queue; success is false for "
+            "those that never reached a backend (TTL, deadline, preempted, gone).",
+            ("model", "success"),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.admission_stock = Gauge(
+            "nexus_admission_stock_level",
+            "Requests let through admission control and not yet finished.",
+            ("model",),
+            multiprocess_mode="livesum",
+            registry=registry,
+        )
+        self.admission_bypassed = Counter(
+            "nexus_admission_bypass",
+            "Requests that went straight through (nothing waiting, stock low).",
+            ("model",),
+            registry=registry,
+        )
+        self.admission_expired = Counter(
+            "nexus_admission_requests_expired",
+            "Requests that waited past the queue TTL (503 queue_ttl_expired) or "
+            "their own deadline (504 deadline_exceeded), by reason.",
+            ("model", "reason"),
+            registry=registry,
+        )
+        self.admission_cancelled = Counter(
+            "nexus_admission_requests_cancelled",
+            "Requests whose client left while they waited (499).",
+            ("model",),
+            registry=registry,
+        )
+        self.admission_push_errors = Counter(
+            "nexus_admission_queue_push_errors",
+            "Requests the queue refused, by error type (queue_full: "
+            "ErrTooManyFlows, flow_queue_full: ErrInsufficientFlowCapacity).",
+            ("model", "error_type"),
+            registry=registry,
+        )
+        self.admission_preemptions = Counter(
+            "nexus_admission_preemptions",
+            "Waiting requests shed for a more critical one, by their criticality.",
+            ("criticality",),
+            registry=registry,
+        )
+        self.admission_lower = Gauge(
+            "nexus_admission_lower_bound",
+            "The band's lower bound of each backend pool (whole gateway).",
+            ("pool",),
+            multiprocess_mode="livemax",
+            registry=registry,
+        )
+        self.admission_upper = Gauge(
+            "nexus_admission_upper_bound",
+            "The band's upper bound of each backend pool (whole gateway).",
+            ("pool",),
+            multiprocess_mode="livemax",
+            registry=registry,
+        )
+        self.admission_watermark = Gauge(
+            "nexus_admission_watermark",
+            "The watermark of each backend pool (whole gateway).",
+            ("pool",),
+            multiprocess_mode="livemax",
+            registry=registry,
+        )
+        self.admission_dequeue_attempts = Counter(
+            "nexus_admission_dequeue_attempts",
+            "Attempts to take a request from the admission queue.",
+            registry=registry,
+        )
+        self.admission_dequeue_successes = Counter(
+            "nexus_admission_dequeue_successes",
+            "Requests taken from the admission queue and sent on.",
+            registry=registry,
+        )
+        self.admission_processes = Gauge(
+            "nexus_admission_serving_processes",
+            "Serving processes sharing each band, as this process counts them.",
+            multiprocess_mode="livemax",
+            registry=registry,
+        )
+        self.admission_active_flows = Gauge(
+            "nexus_admission_active_flows",
+            "Flows with requests waiting.",
+            multiprocess_mode="livesum",
+            registry=registry,
+        )
+        self._bypass_children: dict[str, Any] = {}
+        self._queue_length_seen: set[tuple[str, str]] = set()
+        self._stock_seen: set[str] = set()
+
+    def admission_bypass(self, model: str) -> None:
+        """Count a request that went straight through (the hot path: cached)."""
+        child = self._bypass_children.get(model)
+        if child is None:
+            child = self._bypass_children[model] = self.admission_bypassed.labels(model)
+        child.inc()
+
+    def admission_decided(self, ticket: Any) -> None:
+        """Count a waiting request's outcome (a routing.admission Ticket)."""
+        outcome = ticket.outcome.value if ticket.outcome is not None else ""
+        model = ticket.model
+        waited = (ticket.decided_at or ticket.arrived) - ticket.arrived
+        success = "true" if outcome == "dispatched" else "false"
+        self.admission_queue_latency.labels(model, success).observe(max(0.0, waited))
+        if outcome in ("expired", "deadline"):
+            self.admission_expired.labels(model, outcome).inc()
+        elif outcome == "cancelled":
+            self.admission_cancelled.labels(model).inc()
+        elif outcome == "preempted":
+            self.admission_preemptions.labels(ticket.criticality.label).inc()
+
+    def admission_refused(self, model: str, error_type: str) -> None:
+        self.admission_push_errors.labels(model, error_type).inc()
+
+    def set_admission(
+        self,
+        pools: Iterable[Any],
+        waiting: Iterable[Any],
+        dequeue_attempts: int,
+        dequeue_successes: int,
+        processes: int = 1,
+    ) -> None:
+        """Set the admission gauges from the controller (off the request path)."""
+        self.admission_processes.set(processes)
+        lengths: dict[tuple[str, str], int] = {}
+        for ticket in waiting:
+            key = (ticket.model, ticket.flow or "-")
+            lengths[key] = lengths.get(key, 0) + 1
+        for key in self._queue_length_seen - lengths.keys():
+            self.admission_queue_length.labels(*key).set(0)
+        for key, length in lengths.items():
+            self.admission_queue_length.labels(*key).set(length)
+        self._queue_length_seen = set(lengths)
+        stock: dict[str, int] = {}
+        flows = 0
+        for pool in pools:
+            flows += pool.queue.active_flows
+            for model, count in pool.stock_by_model.items():
+                stock[model] = stock.get(model, 0) + count
+            name = pool.key.replace("\n", ",")
+            self.admission_lower.labels(name).set(pool.band.lower)
+            self.admission_upper.labels(name).set(pool.band.upper)
+            self.admission_watermark.labels(name).set(pool.band.watermark)
+        for model in self._stock_seen - stock.keys():
+            self.admission_stock.labels(model).set(0)
+        for model, count in stock.items():
+            self.admission_stock.labels(model).set(count)
+        self._stock_seen = set(stock)
+        self.admission_active_flows.set(flows)
+        if dequeue_attempts > 0:
+            self.admission_dequeue_attempts.inc(dequeue_attempts)
+        if dequeue_successes > 0:
+            self.admission_dequeue_successes.inc(dequeue_successes)

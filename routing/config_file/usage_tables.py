@@ -1,0 +1,147 @@
+"""Read the ``[[keys]]`` and ``[prices]`` tables, which become usage rows.
+
+A key entry gives an API key's name, limits, the models it may use (names or
+glob patterns), when it expires (a date, or a date-time with its offset) and
+its budget in USD; the fields it leaves out get ``ApiKey``'s defaults. A price
+entry gives a model's input and output price in USD per million tokens.
+"""
+
+from __future__ import annotations
+
+import datetime
+from decimal import Decimal
+from typing import Any
+
+from routing.config_file.literals import format_key
+from routing.config_file.schema import (
+    KEY_BUDGET_USD,
+    KEY_EXPIRES,
+    KEY_KEYS,
+    KEY_MODELS,
+    KEY_SETTINGS,
+    PRICE_KEYS,
+    KeyEntry,
+    PriceEntry,
+    get_field_default,
+)
+from routing.config_file.values import (
+    ValueReader,
+    coerce,
+    describe,
+    format_entry_path,
+    join_path,
+)
+from usage.models import ApiKey
+
+
+def read_keys(reader: ValueReader, value: object) -> tuple[KeyEntry, ...]:
+    """Read ``[[keys]]``; an entry without a usable name is left out."""
+    entries = []
+    seen: dict[str, str] = {}
+    for index, table in enumerate(reader.read_array_of_tables(value, "keys", "keys")):
+        path = format_entry_path(f"keys[{index}]", table.get("name"))
+        reader.reject_unknown_keys(table, path, KEY_KEYS)
+        values, invalid = reader.read_settings(table, path, KEY_SETTINGS)
+        if KEY_MODELS in table:
+            models = table[KEY_MODELS]
+            if isinstance(models, list) and all(isinstance(m, str) for m in models):
+                values["allowed_models"] = ",".join(m.strip() for m in models)
+            else:
+                reader.add(
+                    join_path(path, KEY_MODELS),
+                    "expected an array of model names or glob patterns, got "
+                    + describe(models),
+                )
+                invalid.add("allowed_models")
+        if KEY_EXPIRES in table:
+            expires = _moment(table[KEY_EXPIRES])
+            if expires is None:
+                reader.add(
+                    join_path(path, KEY_EXPIRES),
+                    "expected a date (2027-01-31) or a date-time with its "
+                    "offset (2027-01-31T18:00:00Z), got "
+                    + describe(table[KEY_EXPIRES]),
+                )
+                invalid.add("expires_at")
+            else:
+                values["expires_at"] = expires
+        if KEY_BUDGET_USD in table:
+            usd = coerce(table[KEY_BUDGET_USD], float)
+            if usd is None:
+                reader.add(
+                    join_path(path, KEY_BUDGET_USD),
+                    "expected a number of USD, got " + describe(table[KEY_BUDGET_USD]),
+                )
+                invalid.add("budget_usd")
+            else:
+                values["budget_usd"] = Decimal(str(usd))
+        if "name" not in values:
+            continue
+        name = values.pop("name").strip()
+        if reader.is_first(name, f"{path}.name", seen, "key name"):
+            defaults = {
+                field: get_field_default(ApiKey, field) for field in _KEY_FIELDS
+            }
+            entries.append(KeyEntry(path, name, defaults | values, frozenset(invalid)))
+    return tuple(entries)
+
+
+def read_prices(reader: ValueReader, value: object) -> tuple[PriceEntry, ...]:
+    """Read ``[prices]``, a table of model name = { input, output }."""
+    table = reader.read_table(value, "prices")
+    if table is None:
+        return ()
+    entries = []
+    for model, price in table.items():
+        path = f"prices.{format_key(model)}"
+        if not isinstance(price, dict):
+            reader.add(
+                path,
+                "expected { input = USD, output = USD } per million tokens, "
+                f"got {describe(price)}",
+            )
+            continue
+        reader.reject_unknown_keys(price, path, PRICE_KEYS)
+        values: dict[str, Any] = {}
+        invalid: set[str] = set()
+        for key, field in (
+            ("input", "input_per_million"),
+            ("output", "output_per_million"),
+        ):
+            if key not in price:
+                continue
+            number = coerce(price[key], float)
+            if number is None:
+                reader.add(
+                    f"{path}.{key}",
+                    "expected a number of USD per million tokens, got "
+                    + describe(price[key]),
+                )
+                invalid.add(field)
+            else:
+                values[field] = Decimal(str(number))
+        defaults = {
+            "input_per_million": Decimal(0),
+            "output_per_million": Decimal(0),
+        }
+        entries.append(
+            PriceEntry(path, model.strip(), defaults | values, frozenset(invalid))
+        )
+    return tuple(entries)
+
+
+_KEY_FIELDS = (
+    *(s.field for s in KEY_SETTINGS if s.field != "name"),
+    "allowed_models",
+    "expires_at",
+    "budget_usd",
+)
+
+
+def _moment(value: object) -> datetime.datetime | None:
+    """A TOML date (midnight UTC) or offset date-time; None for anything else."""
+    if isinstance(value, datetime.datetime):
+        return value if value.tzinfo is not None else None
+    if isinstance(value, datetime.date):
+        return datetime.datetime.combine(value, datetime.time(), datetime.UTC)
+    return None

@@ -1,0 +1,67 @@
+"""Client API keys, model prices, usage records and the aggregates rolled up from them.
+
+One module per concern: ``keys`` (API keys and their daily spend), ``prices``
+(model prices and nano-USD), ``records`` (each request's usage before rollup)
+and ``aggregates`` (all-time and per-minute counters, and the usage reports).
+Every model is imported here, so that Django's app registry finds it and
+``from usage.models import X`` keeps working.
+"""
+
+from __future__ import annotations
+
+from usage.models.aggregates import (
+    COUNTER_FIELDS,
+    USAGE_DIMENSIONS,
+    TokenUsage,
+    UsageBucket,
+    UsageBucketQuerySet,
+    UsageCounters,
+    UsageCountersQuerySet,
+    add_derived_fields,
+    select_usage_rows,
+)
+from usage.models.keys import (
+    ANONYMOUS,
+    KEY_SCHEME,
+    LIMIT_FIELDS,
+    PREFIX_LENGTH,
+    SETTING_FIELDS,
+    ApiKey,
+    ApiKeyQuerySet,
+    Criticality,
+    KeySpend,
+    KeySpendQuerySet,
+    describe_key,
+    hash_key,
+)
+from usage.models.prices import ModelPrice, nanos_to_usd
+from usage.models.records import Endpoint, UsageRecord, UsageRecordQuerySet
+
+__all__ = [
+    "ANONYMOUS",
+    "COUNTER_FIELDS",
+    "KEY_SCHEME",
+    "LIMIT_FIELDS",
+    "PREFIX_LENGTH",
+    "SETTING_FIELDS",
+    "USAGE_DIMENSIONS",
+    "ApiKey",
+    "ApiKeyQuerySet",
+    "Criticality",
+    "Endpoint",
+    "KeySpend",
+    "KeySpendQuerySet",
+    "ModelPrice",
+    "TokenUsage",
+    "UsageBucket",
+    "UsageBucketQuerySet",
+    "UsageCounters",
+    "UsageCountersQuerySet",
+    "UsageRecord",
+    "UsageRecordQuerySet",
+    "add_derived_fields",
+    "describe_key",
+    "hash_key",
+    "nanos_to_usd",
+    "select_usage_rows",
+]

@@ -1,0 +1,73 @@
+"""What models cost: per-model prices, and the nano-USD that costs are counted in.
+
+``ModelPrice`` gives a model (or a glob pattern of models) a price per million
+input and output tokens in USD; ``nanos_to_usd`` turns a counted cost back into
+USD for reports.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+from django.core.exceptions import ValidationError
+from django.core.validators import MinValueValidator
+from django.db import models
+
+from usage.limits.policy import is_valid_pattern
+
+
+class ModelPrice(models.Model):
+    """What a model costs per million tokens, in and out (USD).
+
+    ``model`` is a served model's name or a glob pattern (``llama3:*``); an
+    exact name wins over patterns, and the longest matching pattern over
+    shorter ones. A local model may have a price too, to charge teams for GPU
+    time. Costs are counted in nano-USD, so prices have at most 3 decimals.
+    """
+
+    model = models.CharField(
+        max_length=200, unique=True, help_text="Model name or glob pattern."
+    )
+    input_per_million = models.DecimalField(
+        "input (USD per 1M tokens)",
+        max_digits=12,
+        decimal_places=3,
+        default=Decimal(0),
+        validators=[MinValueValidator(Decimal(0))],
+    )
+    output_per_million = models.DecimalField(
+        "output (USD per 1M tokens)",
+        max_digits=12,
+        decimal_places=3,
+        default=Decimal(0),
+        validators=[MinValueValidator(Decimal(0))],
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ("model",)
+        verbose_name = "model price"
+
+    def __str__(self) -> str:
+        return (
+            f"{self.model}: ${self.input_per_million} in / "
+            f"${self.output_per_million} out per 1M tokens"
+        )
+
+    def clean(self) -> None:
+        if not is_valid_pattern(self.model):
+            raise ValidationError({"model": "Not a model name or glob pattern."})
+
+    @property
+    def input_nanos(self) -> int:
+        """Nano-USD per input token ($X per 1M tokens is X*1000 nano-USD each)."""
+        return int(self.input_per_million * 1000)
+
+    @property
+    def output_nanos(self) -> int:
+        return int(self.output_per_million * 1000)
+
+
+def nanos_to_usd(nanos: int | None) -> Decimal:
+    """Nano-USD as USD (a Decimal with 9 places, exact)."""
+    return Decimal(nanos or 0).scaleb(-9)

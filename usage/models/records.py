@@ -1,0 +1,96 @@
+"""Usage records: each gateway request's usage as the proxy recorded it.
+
+``usage.flush`` writes a ``UsageRecord`` per request; the rollup adds the
+pending ones to the aggregates (``usage.models.aggregates``) and to the keys'
+spend, and the rolled-up ones are pruned after
+NEXUS_USAGE_RECORD_RETENTION_HOURS.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+from usage.models.keys import PREFIX_LENGTH
+
+
+class Endpoint(models.TextChoices):
+    CHAT = "chat", "Chat completions"
+    COMPLETIONS = "completions", "Completions"
+    EMBEDDINGS = "embeddings", "Embeddings"
+    MESSAGES = "messages", "Anthropic messages"
+    RESPONSES = "responses", "OpenAI responses"
+    OLLAMA_CHAT = "ollama-chat", "Ollama chat"
+    OLLAMA_GENERATE = "ollama-generate", "Ollama generate"
+    OLLAMA_EMBED = "ollama-embed", "Ollama embeddings"
+
+
+class UsageRecordQuerySet(models.QuerySet["UsageRecord"]):
+    def pending(self) -> UsageRecordQuerySet:
+        """Records not yet added to the aggregates."""
+        return self.filter(rolled_up=False)
+
+    def prune(self, retention_hours: float) -> int:
+        """Delete rolled-up records older than the retention; return how many."""
+        cutoff = timezone.now() - timedelta(hours=retention_hours)
+        deleted, _ = self.filter(rolled_up=True, created_at__lt=cutoff).delete()
+        return deleted
+
+
+class UsageRecord(models.Model):
+    """One gateway request's usage, as the proxy recorded it, before rollup.
+
+    Written only by ``usage.flush``; the rollup adds each row to TokenUsage and
+    UsageBucket and sets ``rolled_up`` in the same transaction. Rolled-up rows
+    are kept for a while (NEXUS_USAGE_RECORD_RETENTION_HOURS): a flush retried
+    after an ambiguous failure then still finds its rows by ``event_id`` and
+    does not write them twice.
+    """
+
+    event_id = models.CharField(
+        max_length=32, unique=True, help_text="Nexus's unique id for the event."
+    )
+    request_id = models.CharField(
+        max_length=128, help_text="The X-Request-Id of the request (may repeat)."
+    )
+    endpoint = models.CharField(max_length=16, choices=Endpoint.choices)
+    api_key_prefix = models.CharField(
+        "API key", max_length=PREFIX_LENGTH, blank=True, default=""
+    )
+    backend = models.CharField(max_length=100, blank=True, default="")
+    requested_model = models.CharField(max_length=200, blank=True, default="")
+    served_model = models.CharField(max_length=200, blank=True, default="")
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+    total_tokens = models.PositiveBigIntegerField(default=0)
+    estimated = models.BooleanField(
+        default=False, help_text="Token counts are Nexus's estimate."
+    )
+    latency_ms = models.FloatField("latency (ms)", default=0.0)
+    cost_nanos = models.PositiveBigIntegerField("cost (nano-USD)", default=0)
+    status = models.PositiveSmallIntegerField(help_text="HTTP status sent.")
+    streamed = models.BooleanField(default=False)
+    error = models.CharField(max_length=100, blank=True, default="")
+    is_error = models.BooleanField(
+        "failed", default=False, help_text="Counted in errors (UsageEvent.is_error)."
+    )
+    created_at = models.DateTimeField(db_index=True)
+    rolled_up = models.BooleanField(default=False)
+
+    objects = UsageRecordQuerySet.as_manager()
+
+    class Meta:
+        ordering = ("-created_at",)
+        verbose_name = "usage record"
+        indexes = (
+            # The rollup's work queue: small, because rolled-up rows leave it.
+            models.Index(
+                fields=("id",), condition=Q(rolled_up=False), name="usagerecord_pending"
+            ),
+        )
+
+    def __str__(self) -> str:
+        return f"{self.request_id} {self.backend} / {self.served_model}"
