@@ -12,7 +12,7 @@ from django.conf import settings
 
 from usage.limits.limiter import BUDGET, CONCURRENCY, REQUESTS, TOKENS, UNAVAILABLE
 from usage.limits.policy import KeyPolicy, period_id
-from usage.limits.shared import (
+from usage.limits.redis_limiter import (
     COALESCE_SECONDS,
     RESERVE_SECONDS,
     RedisLimiter,
@@ -317,8 +317,8 @@ def test_a_key_slot_freed_by_a_settle_is_free_for_the_next_admit_after_a_script_
     assert second.reason == ""
 
 
-# Reserves (usage.limits.shared._Reserve): a busy key's requests admitted here
-# without a round trip, never more than the limits allow gateway-wide.
+# Reserves (usage.limits.redis_limiter._Reserve): a busy key's requests admitted
+# here without a round trip, never more than the limits allow gateway-wide.
 
 ROOMY = {
     "rpm": 1_000_000,

@@ -2,7 +2,7 @@
 
 ``policy`` holds the frozen values the snapshot carries (no Django);
 ``limiter`` the in-process limiter of the embedded default and the shared
-interface; ``shared`` the Redis limiter of production mode (one round trip per
-admission, gateway-wide); ``spend`` reads the budgets' truth from the usage
-tables and reconciles the fast counters with it.
+interface; ``redis_limiter`` the Redis limiter of production mode (one round
+trip per admission, gateway-wide); ``spend`` reads the budgets' truth from the
+usage tables and reconciles the fast counters with it.
 """
