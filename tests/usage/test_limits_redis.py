@@ -317,7 +317,7 @@ def test_a_key_slot_freed_by_a_settle_is_free_for_the_next_admit_after_a_script_
     assert second.reason == ""
 
 
-# Reserves (usage.limits.redis_limiter._Reserve): a busy key's requests admitted
+# Reserves (usage.limits.reserve.Reserve): a busy key's requests admitted
 # here without a round trip, never more than the limits allow gateway-wide.
 
 ROOMY = {

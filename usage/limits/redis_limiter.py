@@ -6,7 +6,7 @@ backend). An admission is one round trip (``EVALSHA`` of a Lua script that
 checks and takes everything atomically, on Redis's own clock; the command is
 encoded once per key and budget period, bar its per-request arguments), or
 none for a busy key far from its limits, admitted from the reserve an
-earlier admission took for it (``_Reserve``). Settles are queued and written
+earlier admission took for it (``Reserve``). Settles are queued and written
 together on the loop's next turn, after the answer that caused them, and
 always ahead of the next command (in its write); those of a key holding a
 reserve are summed for up to COALESCE_SECONDS first.
@@ -55,18 +55,17 @@ from usage.limits.limiter import (
     rate_headers,
 )
 from usage.limits.policy import BudgetPeriod, KeyPolicy, period_end, period_id
+from usage.limits.reserve import (
+    RESERVE_REQUESTS,
+    RESERVE_SECONDS,
+    RESERVE_SHARE,
+    Reserve,
+)
 from usage.limits.resp import RespConnection, Script, encode, encode_parts
 
 logger = logging.getLogger(__name__)
 
 LEASE_SECONDS = 60
-# A busy key's admission also takes a reserve for the requests that follow it
-# in this process (_Reserve): at most RESERVE_REQUESTS requests' worth, and at
-# most RESERVE_SHARE of what each of the key's limits has left; what is left
-# of it RESERVE_SECONDS after it was taken goes back.
-RESERVE_REQUESTS = 64
-RESERVE_SHARE = 0.01
-RESERVE_SECONDS = 0.5
 # The settles of a key holding a reserve (far from its limits, so nobody is
 # refused for a hold kept a moment longer) are summed and written together at
 # most this long after the first of them.
@@ -89,7 +88,7 @@ local function int(x) return string.format('%.0f', x) end
 # to read than an array): "ok reason retry-ms rpm-remaining rpm-reset-ms
 # tpm-remaining tpm-reset-ms charged hold-tokens hold-nanos reserve-requests
 # reserve-slots reserve-tpm reserve-tokens reserve-nanos"; reason "-" when
-# allowed, -1 remaining: no such limit. The reserve (see _Reserve) is taken
+# allowed, -1 remaining: no such limit. The reserve (see Reserve) is taken
 # only when the request is admitted, and is at most RESERVE_SHARE of what each
 # limit has left after it: its slots are leases named "<lease>:<i>", its
 # budget share is held in this process's hold fields. Expired concurrency
@@ -405,68 +404,6 @@ def _none(value: int | None) -> int:
     return -1 if value is None else value
 
 
-class _Reserve:
-    """Limits taken ahead for a busy key's next requests in this process.
-
-    An admission that goes to Redis for a key this process admitted less than
-    RESERVE_SECONDS ago also takes, in the same script, up to RESERVE_REQUESTS
-    more requests' worth of each of the key's limits (RPM, TPM, budget holds
-    and concurrency slots), and never more than RESERVE_SHARE of what any of
-    them has left. The requests that follow are admitted here, with no round
-    trip, while the reserve covers them; the first it cannot cover goes to
-    Redis, which takes the leftovers back in the same write and may grant a
-    new reserve. What is left of a reserve RESERVE_SECONDS after it was taken
-    goes back, as does one whose key's policy or budget period changed, and
-    every reserve at stop.
-
-    Nothing is over-admitted: a reserve is taken from the shared counters
-    before it is used, and a budget's reserve is held in this process's hold
-    fields, which every process counts. What a reserve costs is the other way:
-    while a process holds one, the others see that much less left, at most
-    RESERVE_SHARE of it per process, for at most RESERVE_SECONDS. Near a
-    limit (less than RESERVE_SHARE of a request left to reserve) no reserve
-    is granted and every admission is one round trip, exact as before. A
-    process killed holding one loses its rate tokens (the buckets refill), its
-    budget share is dropped by the beat reconciliation with its other holds,
-    and its slots' leases expire.
-    """
-
-    __slots__ = (
-        "budget_nanos",
-        "budget_tokens",
-        "expires",
-        "requests",
-        "requests_reset",
-        "slot_cap",
-        "slots",
-        "tokens",
-        "tokens_reset",
-    )
-
-    def __init__(
-        self,
-        requests: int,
-        tokens: int,
-        budget_tokens: int,
-        budget_nanos: int,
-        slots: list[str],
-        expires: float,
-        requests_reset: float,
-        tokens_reset: float,
-    ) -> None:
-        self.requests = requests
-        self.tokens = tokens  # TPM tokens
-        self.budget_tokens = budget_tokens
-        self.budget_nanos = budget_nanos
-        self.slots = slots  # idle concurrency leases
-        self.slot_cap = len(slots)
-        self.expires = expires  # monotonic: what is left then goes back
-        # Monotonic instants the key's buckets are full again, as this process
-        # sees them (its own use counted, its leftovers not).
-        self.requests_reset = requests_reset
-        self.tokens_reset = tokens_reset
-
-
 class _Commands:
     """One key's admission and settle commands, encoded once (per policy and
     budget period) but for their per-request arguments, and its reserve."""
@@ -510,7 +447,7 @@ class _Commands:
         # What this process holds against the budget, shared by every
         # _Commands of the same budget counter (see RedisLimiter.renew).
         self.holds = limiter._holds_of(budget, ttl) if period else None
-        self.reserve: _Reserve | None = None
+        self.reserve: Reserve | None = None
         # An admission asking for a reserve is out: the key's requests that
         # overlap it ask for none (one reserve at a time, see _grant).
         self.reserving = False
@@ -784,14 +721,14 @@ class RedisLimiter:
         requests_reset: float,
         tokens_reset: float,
     ) -> None:
-        """Keep the reserve an admission took (see _Reserve)."""
+        """Keep the reserve an admission took (see Reserve)."""
         # One reserve per key: one still here (taken by an admission that
         # overlapped) goes back rather than being dropped with what it holds.
         self._retire(commands)
         leases = [f"{lease}:{index}" for index in range(1, slots + 1)]
         for slot in leases:
             self._leases[slot] = commands.concurrency_key
-        reserve = commands.reserve = _Reserve(
+        reserve = commands.reserve = Reserve(
             int(fields[10]),
             int(fields[12]),
             int(fields[13]),
@@ -872,7 +809,7 @@ class RedisLimiter:
         )
         return Decision(ticket, "", 0.0, requests, token_state, headers)
 
-    def _expire(self, commands: _Commands, reserve: _Reserve) -> None:
+    def _expire(self, commands: _Commands, reserve: Reserve) -> None:
         if commands.reserve is reserve:
             self._retire(commands)
 
