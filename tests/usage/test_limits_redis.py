@@ -12,12 +12,9 @@ from django.conf import settings
 
 from usage.limits.limiter import BUDGET, CONCURRENCY, REQUESTS, TOKENS, UNAVAILABLE
 from usage.limits.policy import KeyPolicy, period_id
-from usage.limits.redis_limiter import (
-    COALESCE_SECONDS,
-    RESERVE_SECONDS,
-    RedisLimiter,
-    budget_key,
-)
+from usage.limits.redis_keys import budget_key
+from usage.limits.redis_limiter import COALESCE_SECONDS, RedisLimiter
+from usage.limits.reserve import RESERVE_SECONDS
 
 pytestmark = pytest.mark.skipif(
     not settings.REDIS_URL, reason="the embedded default has no Redis"

@@ -43,161 +43,34 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from nexus_lib.service import periodic
+from usage.limits.commands import KeyCommands, key_rate_headers
 from usage.limits.limiter import (
     BUDGET,
     UNAVAILABLE,
     WINDOW,
     Decision,
-    RateState,
     Ticket,
     budget_retry_after,
     new_lease,
-    rate_headers,
 )
-from usage.limits.policy import BudgetPeriod, KeyPolicy, period_end, period_id
+from usage.limits.policy import KeyPolicy, period_end, period_id
+from usage.limits.redis_keys import LEASE_SECONDS, backend_key, budget_key, liveness_key
 from usage.limits.reserve import RESERVE_REQUESTS, RESERVE_SECONDS, Reserve
 from usage.limits.resp import RespConnection, Script, encode, encode_parts
-from usage.limits.scripts import ACQUIRE, ADMIT, COVER, HOLDS, RENEW, RETURN, SETTLE
+from usage.limits.scripts import ACQUIRE, ADMIT, COVER, HOLDS, RENEW, RETURN, limit_arg
 
 logger = logging.getLogger(__name__)
 
-LEASE_SECONDS = 60
 # The settles of a key holding a reserve (far from its limits, so nobody is
 # refused for a hold kept a moment longer) are summed and written together at
 # most this long after the first of them.
 COALESCE_SECONDS = 0.05
 RENEW_SECONDS = 10
 OUTAGE_BACKOFF = 1.0
-# Budget counters of a period outlive it a little (reports read the database).
-_BUDGET_TTL = {BudgetPeriod.DAY: 3 * 86_400, BudgetPeriod.MONTH: 40 * 86_400}
 
 # Written before each settle and release (see RedisLimiter._take_pending).
 _NO_REPLY = encode(("CLIENT", "REPLY", "SKIP"))
 _PING = encode(("PING",))
-
-
-def _key(prefix: str, what: str) -> str:
-    # The braces put all of one client key's counters in one cluster slot.
-    return f"nx:{{{prefix}}}:{what}"
-
-
-def budget_key(prefix: str, period: str) -> str:
-    return _key(prefix, f"budget:{period}")
-
-
-def backend_key(backend: str) -> str:
-    return f"nx:backend:{{{backend}}}:concurrency"
-
-
-def liveness_key(process: str) -> str:
-    return f"nx:process:{process}"
-
-
-def budget_ttl(policy_period: str) -> int:
-    return _BUDGET_TTL.get(policy_period, 0)  # type: ignore[call-overload]
-
-
-def _none(value: int | None) -> int:
-    return -1 if value is None else value
-
-
-class _Commands:
-    """One key's admission and settle commands, encoded once (per policy and
-    budget period) but for their per-request arguments, and its reserve."""
-
-    __slots__ = (
-        "admit",
-        "busy_until",
-        "concurrency_key",
-        "ends",
-        "holds",
-        "in_flight",
-        "keys",
-        "period",
-        "rates",
-        "reserve",
-        "reserving",
-        "settle",
-        "unsettled",
-    )
-
-    def __init__(
-        self,
-        limiter: RedisLimiter,
-        policy: KeyPolicy,
-        period: str,
-        ends: float,
-    ) -> None:
-        prefix = policy.prefix
-        budget = budget_key(prefix, period or "none")
-        ttl = budget_ttl(policy.budget_period)
-        self.period = period
-        self.ends = ends  # Unix time the period ends (inf: never)
-        self.concurrency_key = _key(prefix, "concurrency")
-        self.keys = (
-            _key(prefix, "rpm"),
-            _key(prefix, "tpm"),
-            self.concurrency_key,
-            budget,
-        )
-        self.rates = (policy.rpm or 0, policy.tpm or 0)
-        # What this process holds against the budget, shared by every
-        # _Commands of the same budget counter (see RedisLimiter.renew).
-        self.holds = limiter._holds_of(budget, ttl) if period else None
-        self.reserve: Reserve | None = None
-        # An admission asking for a reserve is out: the key's requests that
-        # overlap it ask for none (one reserve at a time, see _grant).
-        self.reserving = False
-        self.busy_until = 0.0  # monotonic: a request before then takes a reserve
-        self.in_flight = 0  # requests of the key holding a slot here
-        # Settles summed, not written yet: TPM delta, held tokens, held nanos,
-        # used tokens, used nanos (see RedisLimiter.settle).
-        self.unsettled: list[int] | None = None
-        scripts = limiter._scripts
-        # 3 + 4 keys + 8 static + 5 per-request arguments.
-        self.admit = b"*20\r\n" + encode_parts(
-            (
-                "EVALSHA",
-                scripts["admit"].sha,
-                4,
-                *self.keys,
-                policy.rpm or 0,
-                policy.tpm or 0,
-                policy.max_concurrency or 0,
-                _none(policy.budget_tokens),
-                _none(policy.budget_nanos),
-                LEASE_SECONDS * 1000,
-                limiter.process,
-                ttl,
-            )
-        )
-        # 3 + 3 keys + 3 static + 6 per-request arguments. EVAL, not EVALSHA:
-        # nobody awaits a settle, and a NOSCRIPT answer (a Redis that lost
-        # its scripts) would be sent again behind the commands written after
-        # it, such as the next admission that needs the slot it frees.
-        self.settle = b"*15\r\n" + encode_parts(
-            (
-                "EVAL",
-                SETTLE,
-                3,
-                *self.keys[1:],
-                policy.tpm or 0,
-                limiter.process,
-                ttl,
-            )
-        )
-
-
-def _rate_headers(
-    policy: KeyPolicy, rr: int, rreset: float, tr: int, treset: float
-) -> tuple[list[tuple[bytes, bytes]], RateState | None, RateState | None]:
-    """The rate-limit headers and figures of an admission (-1: no such limit)."""
-    requests = tokens = None
-    if policy.rpm is not None and rr >= 0:
-        requests = RateState(policy.rpm, rr, rreset)
-    if policy.tpm is not None and tr >= 0:
-        tokens = RateState(policy.tpm, tr, treset)
-    return rate_headers(requests, tokens), requests, tokens
 
 
 class RedisLimiter:
@@ -232,7 +105,7 @@ class RedisLimiter:
             )
         }
         # Per key prefix: the commands of its current policy and period.
-        self._commands: dict[str, tuple[KeyPolicy, _Commands]] = {}
+        self._commands: dict[str, tuple[KeyPolicy, KeyCommands]] = {}
         self._leases: dict[str, str] = {}  # lease -> concurrency set key
         # Per budget counter: [tokens, nanos] this process holds (its requests'
         # holds and its reserve), and the counter's expiry.
@@ -248,7 +121,7 @@ class RedisLimiter:
         # (unless a request took the slot over meanwhile).
         self._pending: list[bytes | tuple[str, str]] = []
         self._flush_scheduled = False
-        self._unsettled: list[_Commands] = []  # keys with summed settles
+        self._unsettled: list[KeyCommands] = []  # keys with summed settles
         self._coalescing: asyncio.TimerHandle | None = None
         # Settles or releases were written that no reply has confirmed yet.
         self._unconfirmed = False
@@ -284,7 +157,7 @@ class RedisLimiter:
 
     # Admission -----------------------------------------------------------------
 
-    def _commands_for(self, policy: KeyPolicy, now: float) -> _Commands:
+    def _commands_for(self, policy: KeyPolicy, now: float) -> KeyCommands:
         cached = self._commands.get(policy.prefix)
         if cached is not None:
             known, commands = cached
@@ -296,7 +169,14 @@ class RedisLimiter:
             ends = period_end(policy.budget_period, now) or math.inf
         else:
             period, ends = "", math.inf
-        commands = _Commands(self, policy, period, ends)
+        commands = KeyCommands(
+            policy,
+            period,
+            ends,
+            self.process,
+            self._scripts["admit"].sha,
+            self._holds_of,
+        )
         if len(self._commands) >= 10_000:  # keys come and go: bounded
             for _, stale in self._commands.values():
                 self._retire(stale)
@@ -317,7 +197,7 @@ class RedisLimiter:
             # Not with the connection lost: Redis may be down, and a limiter
             # that fails closed refuses from the moment it knows.
             if redis is not None and redis.is_open:
-                decision = self._admit_reserved(commands, policy, tokens, nanos, mono)
+                decision = commands.admit_reserved(policy, tokens, nanos, mono)
                 if decision is not None:
                     return decision
             # Its leftovers go back ahead of this admission, in its write.
@@ -359,7 +239,7 @@ class RedisLimiter:
     def _admitted(
         self,
         policy: KeyPolicy,
-        commands: _Commands,
+        commands: KeyCommands,
         lease: str,
         result: Any,
         now: float,
@@ -377,7 +257,7 @@ class RedisLimiter:
             self._failed(RedisError(f"Unexpected limiter reply {result!r:.80}"))
             return self._unavailable(policy)
         rreset_s, treset_s = int(rreset) / 1000, int(treset) / 1000
-        headers, requests, token_state = _rate_headers(
+        headers, requests, token_state = key_rate_headers(
             policy, rr, rreset_s, tr, treset_s
         )
         if ok != b"1":
@@ -410,7 +290,7 @@ class RedisLimiter:
 
     def _grant(
         self,
-        commands: _Commands,
+        commands: KeyCommands,
         fields: list[bytes],
         lease: str,
         slots: int,
@@ -439,78 +319,11 @@ class RedisLimiter:
             RESERVE_SECONDS, self._expire, commands, reserve
         )
 
-    def _admit_reserved(
-        self,
-        commands: _Commands,
-        policy: KeyPolicy,
-        tokens: int,
-        nanos: int,
-        mono: float,
-    ) -> Decision | None:
-        """Admit from the key's reserve, or None if it cannot cover this request."""
-        reserve = commands.reserve
-        assert reserve is not None
-        if mono >= reserve.expires:
-            return None
-        charge = held_t = held_n = 0
-        if policy.rpm is not None and reserve.requests < 1:
-            return None
-        if policy.tpm is not None:
-            charge = min(tokens, policy.tpm)
-            if reserve.tokens < charge:
-                return None
-        if policy.budget_tokens is not None:
-            if reserve.budget_tokens < tokens:
-                return None
-            held_t = tokens
-        if policy.budget_nanos is not None:
-            if reserve.budget_nanos < nanos:
-                return None
-            held_n = nanos
-        lease = ""
-        if policy.max_concurrency is not None:
-            if not reserve.slots:
-                return None
-            lease = reserve.slots.pop()
-            commands.in_flight += 1
-        reserve.requests -= 1
-        reserve.tokens -= charge
-        reserve.budget_tokens -= held_t
-        reserve.budget_nanos -= held_n
-        # The headers: the buckets as this process sees them, its own use
-        # since the reserve counted (GCRA: each request moves the bucket's
-        # full-again instant on by its share of the minute).
-        rr = tr = -1
-        rreset = treset = 0.0
-        if policy.rpm is not None:
-            reserve.requests_reset = (
-                max(reserve.requests_reset, mono) + WINDOW / policy.rpm
-            )
-            rreset = reserve.requests_reset - mono
-            rr = max(int((WINDOW - rreset) * policy.rpm / WINDOW + 1e-9), 0)
-        if policy.tpm is not None:
-            reserve.tokens_reset = (
-                max(reserve.tokens_reset, mono) + charge * WINDOW / policy.tpm
-            )
-            treset = reserve.tokens_reset - mono
-            tr = max(int((WINDOW - treset) * policy.tpm / WINDOW + 1e-9), 0)
-        headers, requests, token_state = _rate_headers(policy, rr, rreset, tr, treset)
-        ticket = Ticket(
-            policy,
-            period=commands.period,
-            lease=lease,
-            charged_tokens=charge,
-            held_tokens=held_t,
-            held_nanos=held_n,
-            handle=commands,
-        )
-        return Decision(ticket, "", 0.0, requests, token_state, headers)
-
-    def _expire(self, commands: _Commands, reserve: Reserve) -> None:
+    def _expire(self, commands: KeyCommands, reserve: Reserve) -> None:
         if commands.reserve is reserve:
             self._retire(commands)
 
-    def _retire(self, commands: _Commands) -> None:
+    def _retire(self, commands: KeyCommands) -> None:
         """Give the key's reserve back: its leftovers, written with the settles."""
         reserve = commands.reserve
         if reserve is None:
@@ -560,8 +373,8 @@ class RedisLimiter:
                 "cover",
                 [budget_key(policy.prefix, ticket.period)],
                 [
-                    _none(policy.budget_tokens),
-                    _none(policy.budget_nanos),
+                    limit_arg(policy.budget_tokens),
+                    limit_arg(policy.budget_nanos),
                     self.process,
                     ticket.held_tokens,
                     ticket.held_nanos,
@@ -570,7 +383,7 @@ class RedisLimiter:
                 ],
             )
             holds = (
-                ticket.handle.holds if isinstance(ticket.handle, _Commands) else None
+                ticket.handle.holds if isinstance(ticket.handle, KeyCommands) else None
             )
             if holds is not None:
                 holds[0] += int(hold_t) - ticket.held_tokens
@@ -588,7 +401,7 @@ class RedisLimiter:
             return
         policy = ticket.policy
         commands = ticket.handle
-        if not isinstance(commands, _Commands):  # admitted by another limiter
+        if not isinstance(commands, KeyCommands):  # admitted by another limiter
             return
         lease = ticket.lease
         if lease:

@@ -27,6 +27,11 @@ def _read(name: str) -> str:
     return "".join(lines[start:])
 
 
+def limit_arg(value: int | None) -> int:
+    """A limit as the scripts take it: -1 for none."""
+    return -1 if value is None else value
+
+
 _NOW = _read("now")
 
 ADMIT = _NOW + _read("admit").replace("RESERVE_SHARE", repr(RESERVE_SHARE))
