@@ -3,13 +3,14 @@
 Every serving process asks the same Redis, so N processes share one RPM, TPM,
 concurrency and budget counter per key (and one concurrency count per
 backend). An admission is one round trip (``EVALSHA`` of a Lua script that
-checks and takes everything atomically, on Redis's own clock; the command is
-encoded once per key and budget period, bar its per-request arguments), or
-none for a busy key far from its limits, admitted from the reserve an
-earlier admission took for it (``Reserve``). Settles are queued and written
-together on the loop's next turn, after the answer that caused them, and
-always ahead of the next command (in its write); those of a key holding a
-reserve are summed for up to COALESCE_SECONDS first.
+checks and takes everything atomically, on Redis's own clock, ``lua/``; the
+command is encoded once per key and budget period, bar its per-request
+arguments, ``commands.KeyCommands``), or none for a busy key far from its
+limits, admitted from the reserve an earlier admission took for it
+(``reserve.Reserve``). Settles are queued and written together on the loop's
+next turn, after the answer that caused them, and always ahead of the next
+command (in its write); those of a key holding a reserve are summed for up to
+COALESCE_SECONDS first (``writes.PendingWrites``).
 Redis answers nothing to a settle or a release (``CLIENT REPLY SKIP``), and
 neither can be refused for a script Redis lost (a settle is an ``EVAL`` of its
 source, a release a plain ``ZREM``): an ``EVALSHA`` answered ``NOSCRIPT`` would
@@ -29,7 +30,6 @@ timeout per request.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
@@ -58,19 +58,12 @@ from usage.limits.redis_keys import LEASE_SECONDS, backend_key, budget_key, live
 from usage.limits.reserve import RESERVE_REQUESTS, RESERVE_SECONDS, Reserve
 from usage.limits.resp import RespConnection, Script, encode, encode_parts
 from usage.limits.scripts import ACQUIRE, ADMIT, COVER, HOLDS, RENEW, RETURN, limit_arg
+from usage.limits.writes import NO_REPLY, PendingWrites
 
 logger = logging.getLogger(__name__)
 
-# The settles of a key holding a reserve (far from its limits, so nobody is
-# refused for a hold kept a moment longer) are summed and written together at
-# most this long after the first of them.
-COALESCE_SECONDS = 0.05
 RENEW_SECONDS = 10
 OUTAGE_BACKOFF = 1.0
-
-# Written before each settle and release (see RedisLimiter._take_pending).
-_NO_REPLY = encode(("CLIENT", "REPLY", "SKIP"))
-_PING = encode(("PING",))
 
 
 class RedisLimiter:
@@ -113,19 +106,8 @@ class RedisLimiter:
         self._holds_ttl: dict[str, int] = {}
         # Admissions and covers sent whose holds are not counted yet.
         self._unaccounted = 0
-        # Backend leases released here whose release is not yet written to
-        # Redis: the next request for that backend takes one over.
-        self._released: dict[str, list[str]] = {}  # backend set key -> leases
-        # Settles and releases not written yet: an encoded settle, or a
-        # backend's (set key, lease) whose release is encoded when written
-        # (unless a request took the slot over meanwhile).
-        self._pending: list[bytes | tuple[str, str]] = []
-        self._flush_scheduled = False
-        self._unsettled: list[KeyCommands] = []  # keys with summed settles
-        self._coalescing: asyncio.TimerHandle | None = None
-        # Settles or releases were written that no reply has confirmed yet.
-        self._unconfirmed = False
-        self._tasks: list[asyncio.Task[Any]] = []  # settles being written
+        # Settles, reserve returns and releases not written yet.
+        self._writes = PendingWrites(self._failed)
         self._renewing = periodic(
             "limiter-renew", RENEW_SECONDS, self._renew_once, immediately=True
         )
@@ -136,24 +118,19 @@ class RedisLimiter:
 
     def start(self) -> None:
         """Connect lazily and start renewing this process's leases."""
-        self._redis = RespConnection(self.url, self.timeout)
+        self._redis = self._writes.redis = RespConnection(self.url, self.timeout)
         self._renewing.start()
 
     async def stop(self) -> None:
         """Stop renewing; write what is pending and close the connection."""
-        tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
+        tasks = self._writes.cancel()
         await asyncio.gather(self._renewing.stop(), *tasks, return_exceptions=True)
-        if self._coalescing is not None:
-            self._coalescing.cancel()
-            self._coalescing = None
         if self._redis is not None:
             for _, commands in self._commands.values():
                 self._retire(commands)
-            await self._flush_settles()
+            await self._writes.flush()
             await self._redis.close()
-            self._redis = None
+            self._redis = self._writes.redis = None
 
     # Admission -----------------------------------------------------------------
 
@@ -340,7 +317,7 @@ class RedisLimiter:
         requests = reserve.requests if rpm else 0
         tokens = reserve.tokens if tpm else 0
         if requests or tokens or reserve.budget_tokens or reserve.budget_nanos or slots:
-            self._queue(
+            self._writes.queue(
                 encode(
                     (
                         "EVAL",
@@ -440,11 +417,7 @@ class RedisLimiter:
                     used_t,
                     used_n,
                 ]
-                self._unsettled.append(commands)
-                if self._coalescing is None:
-                    self._coalescing = asyncio.get_running_loop().call_later(
-                        COALESCE_SECONDS, self._coalesced
-                    )
+                self._writes.coalesce(commands)
             else:
                 unsettled[0] += delta
                 unsettled[1] += ticket.held_tokens
@@ -452,7 +425,7 @@ class RedisLimiter:
                 unsettled[3] += used_t
                 unsettled[4] += used_n
             return
-        self._queue(
+        self._writes.queue(
             commands.settle
             + encode_parts(
                 (
@@ -466,14 +439,9 @@ class RedisLimiter:
             )
         )
 
-    def _coalesced(self) -> None:
-        self._coalescing = None
-        if self._unsettled:
-            self._flush_soon()
-
     async def acquire_backend(self, backend: str, limit: int) -> str | None:
         key = backend_key(backend)
-        released = self._released.get(key)
+        released = self._writes.released.get(key)
         if released:
             # A slot this process just freed and has not yet told Redis about:
             # take it over rather than race its release (the release is
@@ -483,7 +451,7 @@ class RedisLimiter:
             # slot the request before it left.
             lease = released.pop()
             if not released:
-                del self._released[key]
+                del self._writes.released[key]
             self._leases[lease] = key
             return lease
         if time.monotonic() < self._down_until:
@@ -505,116 +473,23 @@ class RedisLimiter:
         if lease == "unchecked" or self._leases.pop(lease, None) is None:
             return
         key = backend_key(backend)
-        self._released.setdefault(key, []).append(lease)
-        self._queue((key, lease))
-
-    # Writing -------------------------------------------------------------------
-
-    def _queue(self, entry: bytes | tuple[str, str]) -> None:
-        """Queue a settle or release; written on the loop's next turn (after
-        the answer that caused it has gone out), or ahead of the next command
-        this process sends, whichever comes first: in one write either way."""
-        self._pending.append(entry)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush_soon)
-
-    def _flush_soon(self) -> None:
-        self._flush_scheduled = False
-        redis = self._redis
-        if not (self._pending or self._unsettled) or redis is None:
-            return
-        if redis.is_open:
-            self._unconfirmed = True
-            if not redis.send_unanswered(self._take_pending()):
-                self._failed(RedisConnectionError("Redis connection lost"))
-        else:  # (re)connect first, off the request path
-            task = asyncio.get_running_loop().create_task(self._flush_settles())
-            self._tasks.append(task)
-            task.add_done_callback(self._forget_task)
-
-    def _forget_task(self, task: asyncio.Task[Any]) -> None:
-        with contextlib.suppress(ValueError):
-            self._tasks.remove(task)
-
-    def _take_pending(self) -> bytes:
-        """Every pending settle and release, encoded to be written in one go.
-
-        Each comes after ``CLIENT REPLY SKIP``: Redis runs it and answers
-        nothing, so nothing has to be read back for it (one wake-up of this
-        process less per request). Its outcome is not reported: a lost settle's
-        holds are reconciled by beat, a lost release's lease expires.
-        """
-        pending, self._pending = self._pending, []
-        commands: list[bytes] = []
-        unsettled, self._unsettled = self._unsettled, []
-        for summed in unsettled:
-            sums, summed.unsettled = summed.unsettled, None
-            assert sums is not None
-            # TPM delta, "" (no lease), held and used tokens and nanos.
-            commands += (
-                _NO_REPLY,
-                summed.settle + encode_parts((sums[0], "", *sums[1:])),
-            )
-        for entry in pending:
-            if isinstance(entry, tuple):
-                key, lease = entry  # a backend lease's release (release_backend)
-                released = self._released.get(key, [])
-                if lease not in released:
-                    continue  # taken over by a request since: nothing to free
-                released.remove(lease)
-                if not released:
-                    del self._released[key]
-                # A plain command: it cannot be refused for a missing script
-                # (and so run after the acquire that needs the slot).
-                entry = encode(("ZREM", key, lease))
-            commands += (_NO_REPLY, entry)
-        return b"".join(commands)
-
-    async def _flush_settles(self) -> None:
-        """Write what is pending and wait until Redis has run it."""
-        redis = self._redis
-        if redis is None or not (self._pending or self._unsettled or self._unconfirmed):
-            return
-        try:
-            await redis.open()
-            self._unconfirmed = False
-            # Answered once everything written before it has run.
-            await redis.request(_PING, self._take_pending())
-        except (RedisError, OSError) as error:
-            # Holds and leases expire or are reconciled; spend is recounted
-            # from the usage tables by the reconciliation.
-            self._failed(error)
-            self._drop_pending()
-
-    def _drop_pending(self) -> None:
-        # Lost: holds are set right by the next renewal, spend is recounted
-        # from the usage tables by the reconciliation.
-        for commands in self._unsettled:
-            commands.unsettled = None
-        self._unsettled = []
-        pending, self._pending = self._pending, []
-        for entry in pending:
-            if isinstance(entry, tuple):
-                key, lease = entry
-                released = self._released.get(key, [])
-                if lease in released:
-                    released.remove(lease)
-                    if not released:
-                        del self._released[key]
+        writes = self._writes
+        writes.released.setdefault(key, []).append(lease)
+        writes.queue((key, lease))
 
     async def _request(self, script: Script, data: bytes) -> Any:
         redis = self._redis
         if redis is None:
             raise RedisConnectionError("The limiter is not started")
         before = b""
-        if self._pending or self._unsettled:
+        writes = self._writes
+        if writes.pending or writes.unsettled:
             # Settles and releases go first, in the same write: a slot freed
             # here is free for this command (on a connection being opened
             # too: after the set-up, ahead of this command).
             if not redis.is_open:
                 await redis.open()
-            before = self._take_pending()
+            before = writes.take()
         return await redis.run_encoded(script, data, before)
 
     async def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
@@ -662,18 +537,18 @@ class RedisLimiter:
         redis = self._redis
         if redis is None or not self._holds or not redis.is_open or self._unaccounted:
             return
-        writes = [self._take_pending()]
+        data = [self._writes.take()]
         process = self.process
         for budget, (tokens, nanos) in self._holds.items():
             ttl = self._holds_ttl.get(budget, 0)
-            writes += (
-                _NO_REPLY,
+            data += (
+                NO_REPLY,
                 encode(("EVAL", HOLDS, 1, budget, process, tokens, nanos, ttl)),
             )
-        if not redis.send_unanswered(b"".join(writes)):
+        if not redis.send_unanswered(b"".join(data)):
             self._failed(RedisConnectionError("Redis connection lost"))
             return
-        self._unconfirmed = True
+        self._writes.unconfirmed = True
         used = {commands.keys[3] for _, commands in self._commands.values()}
         for budget, held in list(self._holds.items()):
             if held == [0, 0] and budget not in used:
