@@ -167,7 +167,7 @@ def _make_sink(config: GatewayConfig, buffer: UsageBuffer) -> UsageSink:
 
 def _make_limiter(config: GatewayConfig, on_error: Callable[[], None]) -> Limiter:
     if config.limits_backend == "redis":
-        from usage.limits.shared import RedisLimiter  # needs Redis only here
+        from usage.limits.redis_limiter import RedisLimiter  # needs Redis only here
 
         return RedisLimiter(
             config.limits_redis_url,

@@ -12,12 +12,10 @@ from django.conf import settings
 
 from usage.limits.limiter import BUDGET, CONCURRENCY, REQUESTS, TOKENS, UNAVAILABLE
 from usage.limits.policy import KeyPolicy, period_id
-from usage.limits.shared import (
-    COALESCE_SECONDS,
-    RESERVE_SECONDS,
-    RedisLimiter,
-    budget_key,
-)
+from usage.limits.redis_keys import budget_key
+from usage.limits.redis_limiter import RedisLimiter
+from usage.limits.reserve import RESERVE_SECONDS
+from usage.limits.writes import COALESCE_SECONDS
 
 pytestmark = pytest.mark.skipif(
     not settings.REDIS_URL, reason="the embedded default has no Redis"
@@ -78,7 +76,7 @@ def test_tpm_settles_to_what_was_used(redis_url: str) -> None:
         first = await limiter.admit(policy, 900, 0)
         second = await limiter.admit(policy, 200, 0)
         limiter.settle(first.ticket, 100, 0)
-        await limiter._flush_settles()
+        await limiter._writes.flush()
         third = await limiter.admit(policy, 200, 0)
         return first, second, third
 
@@ -97,7 +95,7 @@ def test_concurrency_is_shared_and_freed_on_settle(redis_url: str) -> None:
         b = await two.admit(policy, 0, 0)
         c = await one.admit(policy, 0, 0)
         one.settle(a.ticket, 0, 0)
-        await one._flush_settles()
+        await one._writes.flush()
         d = await two.admit(policy, 0, 0)
         return a, b, c, d
 
@@ -118,11 +116,11 @@ def test_budget_holds_spend_and_cover_across_processes(redis_url: str) -> None:
         c = await one.admit(policy, 1, 0)
         grown = await one.cover(a.ticket, (700, 0), (800, 0))  # nothing left
         two.settle(b.ticket, 100, 0)
-        await two._flush_settles()
+        await two._writes.flush()
         regrown = await one.cover(a.ticket, (700, 0), (800, 0))
         holds += (a.ticket.held_tokens,)
         one.settle(a.ticket, 700, 0)
-        await one._flush_settles()
+        await one._writes.flush()
         d = await two.admit(policy, 500, 0)
         return holds, c, grown, regrown, d
 
@@ -173,11 +171,11 @@ def test_a_backend_slot_freed_here_is_taken_over_before_its_release_is_sent(
         # The settle task has not written the release yet; the slot is free.
         taken_over = await one.acquire_backend("gpu", 1)
         await asyncio.sleep(0)
-        await one._flush_settles()
+        await one._writes.flush()
         # Still held (by the new request): nobody else gets it...
         refused = await other.acquire_backend("gpu", 1)
         one.release_backend("gpu", taken_over)
-        await one._flush_settles()
+        await one._writes.flush()
         # ...until it is released for good.
         return first, taken_over, refused, await other.acquire_backend("gpu", 1)
 
@@ -258,7 +256,7 @@ def test_settles_survive_a_redis_that_lost_its_scripts(redis_url: str) -> None:
         decision = await limiter.admit(policy, 100, 0)
         client.script_flush()
         limiter.settle(decision.ticket, 40, 0)
-        await limiter._flush_settles()
+        await limiter._writes.flush()
         return decision
 
     decision = run(main, limiter)
@@ -317,8 +315,8 @@ def test_a_key_slot_freed_by_a_settle_is_free_for_the_next_admit_after_a_script_
     assert second.reason == ""
 
 
-# Reserves (usage.limits.shared._Reserve): a busy key's requests admitted here
-# without a round trip, never more than the limits allow gateway-wide.
+# Reserves (usage.limits.reserve.Reserve): a busy key's requests admitted
+# here without a round trip, never more than the limits allow gateway-wide.
 
 ROOMY = {
     "rpm": 1_000_000,
@@ -499,12 +497,12 @@ def test_an_unused_reserve_goes_back_after_a_moment(redis_url: str) -> None:
         for _ in range(3):
             decision = await one.admit(policy, 100, 0)
             one.settle(decision.ticket, 100, 0)
-        await one._flush_settles()
+        await one._writes.flush()
         # `one` holds a reserve: `two` sees that much less left.
         during = await two.admit(policy, 100_000, 0)
         two.settle(during.ticket, 0, 0)
         await asyncio.sleep(RESERVE_SECONDS + 0.2)
-        await one._flush_settles()
+        await one._writes.flush()
         after = await two.admit(policy, 100_000, 0)
         slots = redis.Redis.from_url(redis_url)
         idle = slots.zcard("nx:{nx-busy5}:concurrency")

@@ -12,8 +12,8 @@ Rates are GCRA buckets (a bucket of N requests or tokens refilled continuously
 at N per minute: a burst of up to N, then N a minute; OpenAI's documented
 semantics). ``LocalLimiter`` keeps them in this process (the embedded default:
 each serving process enforces the limits on its own);
-``usage.limits.shared.RedisLimiter`` keeps them in Redis for the gateway as a
-whole. Both do the arithmetic of this module.
+``usage.limits.redis_limiter.RedisLimiter`` keeps them in Redis for the gateway
+as a whole. Both do the arithmetic of this module.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ import redis
 from django.db.models import Q
 
 from usage.limits.policy import period_id
-from usage.limits.shared import RAISE_SPENT, budget_key, budget_ttl, liveness_key
+from usage.limits.redis_keys import budget_key, budget_ttl, liveness_key
+from usage.limits.scripts import RAISE_SPENT
 from usage.models import ApiKey, KeySpend
 
 logger = logging.getLogger(__name__)
