@@ -34,18 +34,23 @@ class TcpCut:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", self.port))
         listener.listen(128)
-        self._listener = listener
+        with self._lock:
+            self._listener = listener
         threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
 
     def cut(self) -> None:
         """Refuse new connections and break every open one."""
-        listener, self._listener = self._listener, None
+        # Under the lock: a connection accepted just before the cut but not
+        # yet forwarded is closed by its accepting thread, which sees the cut
+        # (on a loaded machine, a test once cut between the two and the
+        # connection went on forwarding).
+        with self._lock:
+            listener, self._listener = self._listener, None
+            connections, self._connections = self._connections, set()
         if listener is not None:
             with contextlib.suppress(OSError):
                 listener.shutdown(socket.SHUT_RDWR)
             listener.close()
-        with self._lock:
-            connections, self._connections = self._connections, set()
         for sock in connections:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -67,7 +72,13 @@ class TcpCut:
                 continue
             upstream.settimeout(None)
             with self._lock:
-                self._connections |= {client, upstream}
+                is_cut = self._listener is not listener
+                if not is_cut:
+                    self._connections |= {client, upstream}
+            if is_cut:
+                client.close()
+                upstream.close()
+                return
             for source, sink in ((client, upstream), (upstream, client)):
                 threading.Thread(
                     target=self._pump, args=(source, sink), daemon=True
