@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from gateway.proxy.errors import ProxyError, unauthorized
 from gateway.proxy.surfaces import COUNT_TOKENS_PATH, ENDPOINTS, OPENAI, Surface
@@ -56,14 +57,21 @@ def missing_key() -> ProxyError:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class RequestHead:
+    """What the server read of a request before its body."""
+
+    method: bytes
+    path: bytes
+    content_length: int | None
+    authorization: bytes | None
+    api_key: bytes | None
+
+
 def refuse_head(
-    *,
-    method: bytes,
-    path: bytes,
-    content_length: int | None,
-    authorization: bytes | None,
-    api_key: bytes | None,
+    head: RequestHead,
     keys: Mapping[str, str] | None,
+    *,
     auth_required: bool,
     max_body: int,
 ) -> tuple[ProxyError, Surface] | None:
@@ -75,12 +83,19 @@ def refuse_head(
     surface takes it) is checked only on the gateway's keyed upload paths; the
     size on every path.
     """
-    surface = KEYED_UPLOAD_PATHS.get(path.partition(b"?")[0].decode("latin-1"))
-    if surface is not None and auth_required and keys is not None and method == b"POST":
-        if api_key is not None and surface.accepts_x_api_key:
-            authorization = b"Bearer " + api_key
+    surface = KEYED_UPLOAD_PATHS.get(head.path.partition(b"?")[0].decode("latin-1"))
+    if (
+        surface is not None
+        and auth_required
+        and keys is not None
+        and head.method == b"POST"
+    ):
+        authorization = head.authorization
+        if head.api_key is not None and surface.accepts_x_api_key:
+            authorization = b"Bearer " + head.api_key
         if find_key_prefix(keys, authorization) is None:
             return missing_key(), surface
-    if content_length is not None and content_length > max_body:
+    length = head.content_length
+    if length is not None and length > max_body:
         return too_large(max_body), surface or OPENAI
     return None

@@ -43,7 +43,7 @@ from django.conf import settings
 from gateway.process import Gateway
 from gateway.proxy import ProxyApp
 from gateway.proxy.errors import ProxyError
-from gateway.proxy.head import refuse_head, too_large
+from gateway.proxy.head import RequestHead, refuse_head, too_large
 from gateway.proxy.surfaces import OPENAI, Surface
 
 logger = logging.getLogger(__name__)
@@ -181,13 +181,16 @@ def install_daphne_limits(
         authorization = headers.getRawHeaders(b"authorization")
         api_key = headers.getRawHeaders(b"x-api-key")
         state = gateway.snapshots.peek()
-        refusal = refuse_head(
+        head = RequestHead(
             method=getattr(channel, "_command", b""),
             path=getattr(channel, "_path", b""),
             content_length=length,
             authorization=authorization[0] if authorization else None,
             api_key=api_key[0] if api_key else None,
-            keys=None if state is None else state.keys,
+        )
+        refusal = refuse_head(
+            head,
+            None if state is None else state.keys,
             auth_required=gateway.config.auth_required,
             max_body=limits.max_body,
         )
