@@ -151,8 +151,6 @@ class GatewayMetrics(AdmissionMetrics, FleetMetrics):
         status: int,
         duration: float,
         ttfb: float | None,
-        prompt_tokens: int,
-        completion_tokens: int,
     ) -> None:
         """Count one finished request (label values must be bounded)."""
         key = (surface, model, backend, status)
@@ -171,6 +169,11 @@ class GatewayMetrics(AdmissionMetrics, FleetMetrics):
         latency[0].observe(duration)
         if ttfb is not None:
             latency[1].observe(ttfb)
+
+    def observe_tokens(
+        self, model: str, backend: str, prompt_tokens: int, completion_tokens: int
+    ) -> None:
+        """Count the tokens a backend spent on one request."""
         if backend and (prompt_tokens or completion_tokens):
             tokens = self._token_children.get((model, backend))
             if tokens is None:

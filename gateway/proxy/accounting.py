@@ -110,16 +110,16 @@ class Accounting:
             UNKNOWN if state is None else _known_model(state, exchange.requested_model)
         )
         first_byte = exchange.first_byte
-        self.metrics.observe_request(
+        metrics = self.metrics
+        metrics.observe_request(
             exchange.endpoint,
             model,
             exchange.backend,
             exchange.status,
             now - exchange.started,
             None if first_byte is None else first_byte - exchange.started,
-            prompt,
-            completion,
         )
+        metrics.observe_tokens(model, exchange.backend, prompt, completion)
 
 
 def _token_counts(exchange: ProxyExchange) -> tuple[int, int, int, bool]:

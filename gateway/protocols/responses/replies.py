@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
@@ -72,11 +73,7 @@ def chat_to_response(
             )
     finish = choice.get("finish_reason") if isinstance(choice, Mapping) else None
     model = reply.get("model")
-    return response_object(
-        request,
-        response_id=response_id,
-        created_at=created_at,
-        model=model if isinstance(model, str) and model else None,
+    outcome = Outcome(
         status="incomplete" if finish in INCOMPLETE_REASONS else "completed",
         output=output,
         usage=usage_of_chat(reply.get("usage")),
@@ -84,6 +81,8 @@ def chat_to_response(
         if isinstance(finish, str)
         else None,
     )
+    model_name = model if isinstance(model, str) and model else None
+    return response_object(request, response_id, created_at, model_name, outcome)
 
 
 def usage_of_chat(usage: Any) -> dict[str, Any] | None:
@@ -121,19 +120,27 @@ def usage_of_chat(usage: Any) -> dict[str, Any] | None:
     }
 
 
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """Where a response stands: its status, output so far, usage, why it ended."""
+
+    status: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+    incomplete_reason: str | None = None
+    error: dict[str, Any] | None = None
+
+
 def response_object(
     request: Mapping[str, Any],
-    *,
     response_id: str,
     created_at: int,
     model: str | None,
-    status: str,
-    output: list[dict[str, Any]],
-    usage: dict[str, Any] | None,
-    incomplete_reason: str | None = None,
-    error: dict[str, Any] | None = None,
+    outcome: Outcome,
 ) -> dict[str, Any]:
     """A ``response`` object echoing ``request``'s settings."""
+    status, output, usage = outcome.status, outcome.output, outcome.usage
+    incomplete_reason, error = outcome.incomplete_reason, outcome.error
     tools = request.get("tools")
     text = request.get("text")
     return {

@@ -16,6 +16,7 @@ from typing import Any
 from gateway.protocols.base import BROKEN, BUDGET, dumps
 from gateway.protocols.responses.replies import (
     INCOMPLETE_REASONS,
+    Outcome,
     function_call_item,
     message_item,
     output_text,
@@ -288,16 +289,15 @@ class ResponsesStreamTranslator:
         incomplete_reason: str | None = None,
         error: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        outcome = Outcome(
+            status,
+            [item for item in self._output if item],
+            self._usage if usage else None,
+            incomplete_reason,
+            error,
+        )
         return response_object(
-            self._request,
-            response_id=self._id,
-            created_at=self._created_at,
-            model=self._model,
-            status=status,
-            output=[item for item in self._output if item],
-            usage=self._usage if usage else None,
-            incomplete_reason=incomplete_reason,
-            error=error,
+            self._request, self._id, self._created_at, self._model, outcome
         )
 
     def _item_event(self, which: str, index: int, item: dict[str, Any]) -> bytes:
