@@ -296,3 +296,45 @@ def test_a_head_of_megabytes_is_refused_not_held(server: Server) -> None:
         sent, data = send_a_head_of_megabytes(sock, PATH)
     # Twisted stops reading past 16 KiB of headers (a 400) and hangs up.
     assert sent < HEAD_OF_MEGABYTES or data.startswith(b"HTTP/1.1 4")
+
+
+@pytest.mark.parametrize(
+    ("path", "shape"),
+    [("/v1/messages", "anthropic"), ("/api/chat", "ollama"), (PATH, "openai")],
+)
+@pytest.mark.parametrize("how", ["length", "chunked"])
+def test_an_oversized_body_is_refused_in_its_surfaces_shape(
+    server: Server, path: str, shape: str, how: str
+) -> None:
+    headers = "x-api-key: " + server.key + "\r\n" if shape == "anthropic" else ""
+    with server.connect() as sock:
+        if how == "length":
+            sock.sendall(
+                _head(str(MAX_BODY + 1), key=server.key).replace(
+                    PATH.encode(), path.encode()
+                )
+            )
+        else:
+            sock.sendall(
+                _head(
+                    None,
+                    key=server.key,
+                    extra=headers + "Transfer-Encoding: chunked\r\n",
+                ).replace(PATH.encode(), path.encode())
+            )
+            chunk = b"x" * 30_000
+            try:
+                for _ in range(2 * MAX_BODY // len(chunk) + 1):
+                    sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+        status, _, body = _read_response(sock)
+    assert status == 413
+    payload = json.loads(body)
+    if shape == "anthropic":
+        assert payload["type"] == "error"
+        assert payload["error"]["type"] == "request_too_large"
+    elif shape == "ollama":
+        assert set(payload) == {"error"} and isinstance(payload["error"], str)
+    else:
+        assert payload["error"]["code"] == "request_too_large"

@@ -25,6 +25,11 @@ KEYED_UPLOAD_PATHS: dict[str, Surface] = {
 }
 
 
+def surface_of(path: bytes) -> Surface:
+    """The surface whose error shape an upload to `path` is answered in."""
+    return KEYED_UPLOAD_PATHS.get(path.partition(b"?")[0].decode("latin-1"), OPENAI)
+
+
 def find_key_prefix(keys: Mapping[str, str], authorization: bytes | None) -> str | None:
     """Return the visible prefix of the client key in `authorization`, or None.
 

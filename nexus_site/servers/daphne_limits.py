@@ -43,7 +43,7 @@ from django.conf import settings
 from gateway.process import Gateway
 from gateway.proxy import ProxyApp
 from gateway.proxy.errors import ProxyError
-from gateway.proxy.head import RequestHead, refuse_head, too_large
+from gateway.proxy.head import RequestHead, refuse_head, surface_of, too_large
 from gateway.proxy.surfaces import OPENAI, Surface
 
 logger = logging.getLogger(__name__)
@@ -211,7 +211,8 @@ def install_daphne_limits(
         received = getattr(self, _RECEIVED, 0) + len(data)
         setattr(self, _RECEIVED, received)
         if received > limits.max_body:  # sent without a length (chunked)
-            refuse(self, too_large(limits.max_body))
+            path = getattr(self.channel, "_path", b"")
+            refuse(self, too_large(limits.max_body), surface_of(path))
             return
         handle_content_chunk(self, data)
 
