@@ -26,6 +26,7 @@ from django.urls import re_path
 
 from gateway.process import Gateway, install_gateway
 from gateway.proxy import OLLAMA_PATHS, ProxyApp
+from gateway.proxy.surfaces import near_miss
 from gateway.relay.consumer import WorkerConsumer
 from nexus_site.servers import serving
 from usage.consumers import UsageStreamConsumer
@@ -63,6 +64,9 @@ class NexusApplication:
             path = scope["path"]
             if path.startswith("/v1/") or path == "/v1" or path in OLLAMA_PATHS:
                 await self.proxy(scope, receive, send)
+                return
+            if near_miss(path) is not None:
+                await self.proxy(scope, receive, send)  # a 404 naming the path
                 return
             self.gateway.ensure_started()
             if path == "/metrics":

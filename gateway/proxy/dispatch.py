@@ -59,6 +59,7 @@ from gateway.proxy.surfaces import (
     OLLAMA_VERSION,
     OPENAI,
     Surface,
+    near_miss,
 )
 from routing.core import RequestRequirements, RoutingError
 from routing.state import GatewayState
@@ -194,7 +195,8 @@ class ProxyApp:
             and path != MODELS_PATH
             and not path.startswith(MODELS_PATH + "/")
         ):
-            raise not_found(path)
+            meant = near_miss(path)
+            raise not_found(path, hint=f" Did you mean {meant}?" if meant else "")
         allowed = "POST" if endpoint else "GET"
         if method != allowed:
             raise method_not_allowed(method, path)
@@ -465,6 +467,9 @@ def _endpoint_of(path: str, anthropic_client: bool) -> tuple[str, Surface]:
     if path == COUNT_TOKENS_PATH:
         return "count_tokens", ANTHROPIC
     endpoint, surface = ENDPOINTS.get(path, _NO_ENDPOINT)
+    if endpoint is None and (meant := near_miss(path)) is not None:
+        # Not served under this spelling; refused in the shape of the path meant.
+        return "", _endpoint_of(meant, anthropic_client)[1]
     if path in OLLAMA_INFO_PATHS or path in OLLAMA_UNSUPPORTED_PATHS:
         surface = _OLLAMA
     elif anthropic_client and endpoint is None:

@@ -52,9 +52,11 @@ def bad_request(message: str, *, param: str | None = None) -> ProxyError:
     return ProxyError(400, message, param=param)
 
 
-def not_found(path: str) -> ProxyError:
+def not_found(path: str, hint: str = "") -> ProxyError:
     return ProxyError(
-        404, f"Unknown request URL: {path}. Please check the URL.", code="unknown_url"
+        404,
+        f"Unknown request URL: {path}. Please check the URL.{hint}",
+        code="unknown_url",
     )
 
 

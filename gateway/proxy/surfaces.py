@@ -326,3 +326,24 @@ OLLAMA_PATHS = frozenset(
 def translation_error(error: TranslationError) -> ProxyError:
     """A translator's refusal as the proxy's error (rendered by the surface)."""
     return ProxyError(error.status, error.message, param=error.param, code=error.code)
+
+
+def near_miss(path: str) -> str | None:
+    """The gateway path `path` was likely meant as, or None.
+
+    A doubled slash or a trailing one (``//v1/chat/completions``,
+    ``/api/chat/``), or an SDK whose base URL lacks ``/v1``
+    (``/chat/completions``), is not a path of the gateway, but its client
+    meant one: it is answered in that path's surface with a 404 that names
+    it, rather than by Django's pages.
+    """
+    canonical = "/" + "/".join(part for part in path.split("/") if part)
+    if canonical != path and (
+        canonical in OLLAMA_PATHS or canonical == "/v1" or canonical.startswith("/v1/")
+    ):
+        return canonical
+    # An SDK given the server's root as its base URL, not .../v1.
+    under_v1 = "/v1" + canonical
+    if under_v1 in ENDPOINTS or under_v1 == "/v1/models":
+        return under_v1
+    return None

@@ -308,3 +308,34 @@ def test_a_body_over_the_limit_is_a_413(setup: Setup, endpoint: str) -> None:
     assert response.status_code == 413
     _check(response)
     _still_serving(setup)
+
+
+@pytest.mark.parametrize(
+    ("path", "meant", "shape"),
+    [
+        ("//v1/chat/completions", "/v1/chat/completions", "openai"),
+        ("/v1/chat/completions/", "/v1/chat/completions", "openai"),
+        ("/chat/completions", "/v1/chat/completions", "openai"),  # base URL w/o /v1
+        ("/embeddings", "/v1/embeddings", "openai"),
+        ("/api/chat/", "/api/chat", "ollama"),
+        ("//api/generate", "/api/generate", "ollama"),
+    ],
+)
+def test_a_near_miss_path_is_a_404_that_names_the_path_meant(
+    setup: Setup, path: str, meant: str, shape: str
+) -> None:
+    body = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    ).encode()
+    response = setup.post(path, content=body)
+
+    assert response.status_code == 404
+    assert response.headers["content-type"] == "application/json"
+    payload = response.json()
+    if shape == "ollama":
+        assert set(payload) == {"error"}
+        message = payload["error"]
+    else:
+        assert payload["error"]["code"] == "unknown_url"
+        message = payload["error"]["message"]
+    assert f"Did you mean {meant}?" in message
