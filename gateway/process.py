@@ -112,6 +112,7 @@ class GatewayConfig:
     drain_seconds: float = 30.0
     metrics_allow: tuple[str | Network, ...] = ("127.0.0.0/8", "::1/128")
     metrics_token: str = ""
+    metrics_per_key: bool = False
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
     # How admission control learns its share of the band: "single" (the only
     # process), "env" (the launcher's NEXUS_SERVING_*), "redis" (live registry).
@@ -141,6 +142,7 @@ class GatewayConfig:
             drain_seconds=settings.NEXUS_DRAIN_SECONDS,
             metrics_allow=tuple(settings.NEXUS_METRICS_ALLOW),
             metrics_token=settings.NEXUS_METRICS_TOKEN,
+            metrics_per_key=settings.NEXUS_METRICS_PER_KEY,
             breaker=BreakerSettings.from_settings(),
             admission_share="redis" if settings.REDIS_URL else "env",
             limits_backend=settings.NEXUS_LIMITS_BACKEND,
@@ -221,7 +223,7 @@ class Gateway:
             max_reply=config.max_reply_bytes,
             state=self.snapshots.peek,
         )
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(per_key=config.metrics_per_key)
         self.admission = AdmissionGate(self.metrics, share=config.admission_share)
         self.live_usage = LiveUsage(
             in_flight=lambda: self.stats.in_flight_by_model,

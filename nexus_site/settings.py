@@ -496,13 +496,12 @@ NEXUS_ROUTING_FLEET: dict[str, float] = {
 }
 # One structured log line per /v1 request, on the "nexus.access" logger.
 NEXUS_ACCESS_LOG = env.bool("NEXUS_ACCESS_LOG", default=True)
-# Who may read /metrics: clients in these networks, or anyone presenting
-# NEXUS_METRICS_TOKEN as a bearer token (when it is set).
-NEXUS_METRICS_ALLOW = _networks(
-    "NEXUS_METRICS_ALLOW",
-    "127.0.0.0/8,::1/128,10.0.0.0/8,172.16.0.0/12,192.168.0.0/16",
-)
+# Who may read /metrics: clients in these networks (loopback unless opened),
+# or anyone presenting NEXUS_METRICS_TOKEN as a bearer token (when it is set).
+NEXUS_METRICS_ALLOW = _networks("NEXUS_METRICS_ALLOW", "127.0.0.0/8,::1/128")
 NEXUS_METRICS_TOKEN = env.str("NEXUS_METRICS_TOKEN", default="")
+# Spend per client key prefix in /metrics (else one series, key="all").
+NEXUS_METRICS_PER_KEY = env.bool("NEXUS_METRICS_PER_KEY", default=False)
 
 # --- Health: probes, discovery and the circuit breaker --------------------------
 

@@ -151,8 +151,10 @@ def test_new_gateway_settings_have_their_defaults(
     allowed = values["NEXUS_METRICS_ALLOW"]
     assert ipaddress.ip_address("127.0.0.1") in allowed[0]
     assert any(ipaddress.ip_address("::1") in net for net in allowed)
-    assert any(ipaddress.ip_address("192.168.1.20") in net for net in allowed)
+    # Loopback only: a private network is opened by the operator, not by default.
+    assert not any(ipaddress.ip_address("192.168.1.20") in net for net in allowed)
     assert not any(ipaddress.ip_address("8.8.8.8") in net for net in allowed)
+    assert values["NEXUS_METRICS_PER_KEY"] is False
 
 
 def test_new_gateway_settings_are_read_from_the_environment(

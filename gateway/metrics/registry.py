@@ -37,7 +37,10 @@ def is_multiprocess() -> bool:
 class GatewayMetrics(AdmissionMetrics, FleetMetrics):
     """The metrics of one serving process (a registry of its own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, per_key: bool = False) -> None:
+        # Key prefixes are labels only when asked (NEXUS_METRICS_PER_KEY):
+        # whoever reads /metrics otherwise learns which keys exist and spend.
+        self.per_key = per_key
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
         self.requests = Counter(
@@ -131,8 +134,8 @@ class GatewayMetrics(AdmissionMetrics, FleetMetrics):
         )
         self.key_spend = Counter(
             "nexus_key_spend_usd",
-            "Spend per client key (USD at the model prices), labelled by key "
-            "prefix: one series per key an operator created, so bounded.",
+            "Spend (USD at the model prices) by client key prefix with "
+            'NEXUS_METRICS_PER_KEY, else in one series (key="all").',
             ("key",),
             registry=registry,
         )
@@ -193,6 +196,8 @@ class GatewayMetrics(AdmissionMetrics, FleetMetrics):
 
     def observe_spend(self, key: str, nanos: int) -> None:
         """Add a request's cost to its key (a key prefix, or "" without one)."""
+        if not self.per_key:
+            key = "all"
         child = self._spend_children.get(key)
         if child is None:
             child = self._spend_children[key] = self.key_spend.labels(

@@ -11,7 +11,7 @@ import pytest
 
 from backends.models import Backend, BackendModel, HealthStatus
 from tests.conftest import MockBackendProcess, NexusServer
-from usage.models import ApiKey
+from usage.models import ApiKey, ModelPrice
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -112,3 +112,31 @@ def test_metrics_are_refused_outside_the_allowed_networks_without_the_token(
     assert wrong.status_code == 403
     assert allowed.status_code == 200
     assert "nexus_requests_total" in allowed.text or "nexus_requests" in allowed.text
+
+
+@pytest.mark.parametrize("per_key", [False, True])
+def test_spend_is_shown_per_key_only_when_asked(
+    mock_backend: MockBackendProcess,
+    nexus_server_factory: Callable[..., NexusServer],
+    per_key: bool,
+) -> None:
+    key = _setup(mock_backend)
+    ModelPrice.objects.create(
+        model="llama3:8b", input_per_million=1, output_per_million=2
+    )
+    env = {"NEXUS_METRICS_PER_KEY": "true"} if per_key else {}
+    server = nexus_server_factory(**env)
+    sdk = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0)
+    sdk.chat.completions.create(
+        model="llama3:8b", messages=[{"role": "user", "content": "spend"}]
+    )
+
+    text = httpx.get(f"{server.base_url}/metrics").text
+
+    prefix = key[:11]
+    if per_key:
+        assert sample(text, "nexus_key_spend_usd_total", key=prefix) > 0
+    else:
+        # Who reads /metrics does not learn which keys exist or what each spends.
+        assert sample(text, "nexus_key_spend_usd_total", key="all") > 0
+        assert prefix not in text
