@@ -185,13 +185,17 @@ class Attempt:
     def missing_capabilities(self) -> tuple[str, ...]:
         """Capabilities no backend of this model can offer the request.
 
-        Empty when some backend has them all (whatever its health). When each
-        capability exists somewhere but no one backend has all of them, every
-        capability some backend lacks is listed.
+        Empty when some backend has them all (whatever its health: it may come
+        back). When each capability exists somewhere but no one backend has all
+        of them, every capability some backend lacks is listed. Rows an operator
+        switched off (backend or model disabled) do not count: they will not
+        serve the request later either, so it is the client's to change (400).
         """
         if self.routes is None:
             return ()
-        lacking = [t.capability_reasons(self.requirements) for t in self.routes.targets]
+        lacking = [
+            t.capability_reasons(self.requirements) for t in self._switched_on_targets
+        ]
         if not lacking or any(not reasons for reasons in lacking):
             return ()
         common = set(lacking[0]).intersection(*lacking[1:])
@@ -200,12 +204,19 @@ class Attempt:
             name for reason, name in CAPABILITY_NAMES.items() if reason in chosen
         )
 
+    @property
+    def _switched_on_targets(self) -> list[Target]:
+        routes = self.routes
+        if routes is None:
+            return []
+        return [t for t in routes.targets if t.backend.enabled and t.model.enabled]
+
     @cached_property
     def largest_context(self) -> int | None:
         """The longest known context among this model's backends."""
         if self.routes is None:
             return None
-        lengths = [t.model.context_length for t in self.routes.targets]
+        lengths = [t.model.context_length for t in self._switched_on_targets]
         known = [n for n in lengths if n is not None]
         return max(known) if known and len(known) == len(lengths) else None
 

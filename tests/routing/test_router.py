@@ -859,3 +859,32 @@ def test_a_disabled_row_beside_an_unhealthy_one_is_still_503() -> None:
         backend("b", "m", status="unhealthy"),
     )
     assert isinstance(fail(snap, "m"), NoHealthyBackend)
+
+
+@pytest.mark.parametrize(
+    "switched_off",
+    [
+        {"enabled": False},  # the backend is disabled
+        {"models_enabled": False},  # its row for the model is
+    ],
+)
+def test_a_disabled_row_elsewhere_does_not_turn_a_too_long_prompt_into_a_503(
+    switched_off: dict[str, bool],
+) -> None:
+    # A row an operator switched off cannot serve the request later either: the
+    # prompt is the client's to shorten (400), not a transient 503 that SDKs
+    # retry.
+    off_model = model(
+        "llama3",
+        context_length=None,
+        enabled=switched_off.get("models_enabled", True),
+    )
+    snap = snapshot(
+        backend("a", model("llama3", context_length=4096)),
+        backend("off", off_model, enabled=switched_off.get("enabled", True)),
+    )
+    error = fail(snap, "llama3", estimated_tokens=9000)
+    assert isinstance(error, CapabilityMismatch)
+    assert error.status == 400
+    assert error.missing == ("context_length",)
+    assert "the longest context is 4096" in error.message
