@@ -393,7 +393,7 @@ REST_FRAMEWORK = {
     # A JSON API: bodies are JSON (415 for anything else; the config import
     # also takes TOML). Forms cannot carry its nested objects and lists, and
     # multipart would buffer uploads nobody sends.
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["nexus_lib.parsers.BoundedJSONParser"],
     "DEFAULT_PAGINATION_CLASS": "backends.api.pagination.BoundedLimitOffsetPagination",
     "PAGE_SIZE": 100,
     "DEFAULT_FILTER_BACKENDS": [

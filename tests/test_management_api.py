@@ -127,3 +127,43 @@ def test_a_crash_under_the_api_is_a_json_500(monkeypatch: pytest.MonkeyPatch) ->
         "detail": "Internal server error; the server's log has the details."
     }
     assert "fire" not in response.content.decode()
+
+
+DEEP_JSON = "[" * 10_000 + "]" * 10_000
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("post", "/api/v1/backends"),
+        ("post", "/api/v1/aliases"),
+        ("post", "/api/v1/fallback-chains"),
+        ("patch", "/api/v1/policy"),
+        ("post", "/api/v1/keys"),
+        ("post", "/api/v1/workers"),
+        ("post", "/api/v1/prices"),
+        ("post", "/api/v1/route/explain"),
+        ("post", "/api/v1/config/import"),
+    ],
+)
+def test_json_nested_ten_thousand_deep_is_a_400_not_a_500(
+    token_client: APIClient, method: str, path: str
+) -> None:
+    response = getattr(token_client, method)(
+        path, DEEP_JSON, content_type="application/json"
+    )
+
+    assert response.status_code == 400, response.content
+    assert "nested too deeply" in response.json()["detail"]
+
+
+def test_toml_nested_ten_thousand_deep_is_a_400_not_a_500(
+    token_client: APIClient,
+) -> None:
+    toml = "[routing]\nstrategy = " + "[" * 10_000 + "]" * 10_000 + "\n"
+    response = token_client.post(
+        "/api/v1/config/import?dry_run=1", toml, content_type="application/toml"
+    )
+
+    assert response.status_code == 400, response.content
+    assert "nested too deeply" in str(response.json())

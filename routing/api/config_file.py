@@ -17,12 +17,13 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import serializers
 from rest_framework.exceptions import ParseError
-from rest_framework.parsers import BaseParser, JSONParser
+from rest_framework.parsers import BaseParser
 from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from nexus_lib.parsers import BoundedJSONParser
 from routing.config_file import ConfigError, export_config, import_config, read_config
 
 TOML_MEDIA_TYPE = "application/toml"
@@ -96,7 +97,7 @@ class ConfigImportView(APIView):
     """
 
     permission_classes = (IsAdminUser,)
-    parser_classes = (JSONParser, TomlParser)
+    parser_classes = (BoundedJSONParser, TomlParser)
 
     @extend_schema(
         request={

@@ -51,6 +51,9 @@ def read_config(text: str, source: str, environ: Mapping[str, str]) -> ConfigFil
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(source, [_describe_syntax_error(error)]) from None
+    except RecursionError:
+        # No Nexus setting nests more than a few levels deep.
+        raise ConfigError(source, ["arrays or tables nested too deeply"]) from None
     return _read_document(ValueReader(environ), data)
 
 
