@@ -396,10 +396,13 @@ class ProxyApp:
         """Ollama's own endpoints besides inference: its banner, version and
         model catalogue (of the whole fleet), answered without a backend."""
         path, headers = exchange.path, exchange.response_headers
-        allowed = OLLAMA_INFO_PATHS.get(path, ("POST",))
-        if method not in allowed and not (method == "HEAD" and "GET" in allowed):
+        allowed = OLLAMA_INFO_PATHS.get(path, ())
+        if path not in OLLAMA_UNSUPPORTED_PATHS and (
+            method not in allowed and not (method == "HEAD" and "GET" in allowed)
+        ):
             raise method_not_allowed(method, path)
         if path in OLLAMA_UNSUPPORTED_PATHS:
+            # Whatever the method (the client deletes with DELETE): not served.
             raise ProxyError(
                 501,
                 f"Nexus is a gateway and does not manage models: {path} is not "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,6 +180,23 @@ def test_show_reports_capabilities_and_context(gateway: Gateway) -> None:
     with pytest.raises(ollama.ResponseError) as caught:
         gateway.client().show("gpt-9")
     assert caught.value.status_code == 404
+
+
+@pytest.mark.parametrize(
+    "manage",
+    [
+        lambda client: client.delete(NATIVE),  # DELETE /api/delete
+        lambda client: client.copy(NATIVE, "copied"),  # POST /api/copy
+        lambda client: client.pull(NATIVE),  # POST /api/pull
+    ],
+)
+def test_model_management_is_a_501_whatever_the_method(
+    gateway: Gateway, manage: Callable[[ollama.Client], object]
+) -> None:
+    with pytest.raises(ollama.ResponseError) as caught:
+        manage(gateway.client())
+    assert caught.value.status_code == 501
+    assert "does not manage models" in caught.value.error
 
 
 def test_management_api_keeps_its_paths(gateway: Gateway) -> None:
