@@ -3,12 +3,20 @@
 Children get their own sessions so that the terminal's Ctrl-C reaches only the
 launcher, which then shuts them down in order (SIGTERM, then SIGKILL after a
 grace period) instead of every process racing to handle SIGINT at once.
+
+A child the launcher started that dies (a crash, the OOM killer, ``kill -9``)
+is started again, with the same command, after a back-off (1 s, doubling up to
+30 s while it keeps dying within a minute of its start): one dead serving
+process is not a dead gateway. Each restart is said in the output and counted
+in a small JSON file (``restarts_file``) that the serving processes' /metrics
+reads (``nexus_process_restarts_total``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import os
 import signal
 import socket
@@ -18,11 +26,17 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 # How long children get between SIGTERM and SIGKILL, beyond the serving
 # processes' own drain period.
 STOP_GRACE_SECONDS = 10.0
+# Restart back-off: the first restart after this long, doubling up to the
+# maximum while a child keeps dying within STABLE_SECONDS of its start.
+RESTART_DELAY_MIN = 1.0
+RESTART_DELAY_MAX = 30.0
+STABLE_SECONDS = 60.0
 
 
 class Writer(Protocol):
@@ -31,10 +45,26 @@ class Writer(Protocol):
 
 
 @dataclass
+class Launch:
+    """How to start a child again: its command, inherited fds and environment."""
+
+    argv: list[str]
+    pass_fds: tuple[int, ...] = ()
+    env: dict[str, str] | None = None
+
+
+@dataclass
 class Child:
     label: str
     process: subprocess.Popen[str]
     pump: threading.Thread | None = field(default=None, repr=False)
+    # None for a process started elsewhere (adopted): not restarted.
+    launch: Launch | None = field(default=None, repr=False)
+    started_at: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+    # Restarts in a row that died within STABLE_SECONDS (sets the back-off).
+    quick_deaths: int = 0
+    restart_at: float | None = None
 
     @property
     def pid(self) -> int:
@@ -45,9 +75,13 @@ class Supervisor:
     """Start child processes, prefix their output, and stop them together."""
 
     def __init__(
-        self, out: Writer = sys.stdout, grace: float = STOP_GRACE_SECONDS
+        self,
+        out: Writer = sys.stdout,
+        grace: float = STOP_GRACE_SECONDS,
+        restarts_file: Path | None = None,
     ) -> None:
         self.grace = grace
+        self.restarts_file = restarts_file
         self.children: list[Child] = []
         self._out = out
         self._out_lock = threading.Lock()
@@ -66,32 +100,33 @@ class Supervisor:
         pass_fds: Sequence[int] = (),
         env: dict[str, str] | None = None,
     ) -> Child:
-        process = subprocess.Popen(
-            list(argv),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-            start_new_session=True,
-            pass_fds=tuple(pass_fds),
-            env=env,
-        )
-        return self.adopt(label, process)
+        """Start a child, restarted with the same command whenever it dies."""
+        launch = Launch(list(argv), tuple(pass_fds), env)
+        child = self.adopt(label, _spawn(launch))
+        child.launch = launch
+        return child
 
     def adopt(self, label: str, process: subprocess.Popen[str]) -> Child:
         """Supervise a process started elsewhere (its stdout must be a pipe)."""
         child = Child(label, process)
-        child.pump = threading.Thread(
-            target=self._pump, args=(child,), name=f"pump-{label}", daemon=True
-        )
-        child.pump.start()
+        self._pump_output(child)
         self.children.append(child)
         return child
 
-    def _pump(self, child: Child) -> None:
-        assert child.process.stdout is not None
-        for line in child.process.stdout:
-            self.say(f"[{child.label}] {line.rstrip()}")
+    def _pump_output(self, child: Child) -> None:
+        process = child.process
+        child.pump = threading.Thread(
+            target=self._pump,
+            args=(child.label, process),
+            name=f"pump-{child.label}",
+            daemon=True,
+        )
+        child.pump.start()
+
+    def _pump(self, label: str, process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            self.say(f"[{label}] {line.rstrip()}")
 
     def install_signal_handlers(self) -> None:
         def request_stop(signum: int, frame: object) -> None:
@@ -106,17 +141,62 @@ class Supervisor:
         return self._stop
 
     def wait(self) -> int:
-        """Block until asked to stop or a child dies; return the exit status."""
+        """Block until asked to stop, restarting children that die; return 0."""
         while not self._stop.wait(0.2):
-            for child in self.children:
+            now = time.monotonic()
+            for child in list(self.children):
+                if child.restart_at is not None:
+                    if now >= child.restart_at:
+                        self._restart(child)
+                    continue
                 code = child.process.poll()
                 if code is not None:
-                    self.say(
-                        f"{child.label} (pid {child.pid}) exited with {code}; "
-                        "stopping Nexus."
-                    )
-                    return code or 1
+                    self._died(child, code, now)
         return 0
+
+    def _died(self, child: Child, code: int, now: float) -> None:
+        if child.launch is None:
+            self.say(f"{child.label} (pid {child.pid}) exited with {code}.")
+            self.children.remove(child)
+            return
+        if now - child.started_at >= STABLE_SECONDS:
+            child.quick_deaths = 0
+        delay = min(RESTART_DELAY_MIN * 2**child.quick_deaths, RESTART_DELAY_MAX)
+        child.quick_deaths += 1
+        child.restart_at = now + delay
+        self.say(
+            f"{child.label} (pid {child.pid}) exited with {code}; restarting it "
+            f"in {delay:g} s."
+        )
+
+    def _restart(self, child: Child) -> None:
+        assert child.launch is not None
+        # Grandchildren (Celery pool processes) share the dead child's group.
+        _signal_group(child.process, signal.SIGKILL)
+        try:
+            child.process = _spawn(child.launch)
+        except OSError as error:
+            child.restart_at = time.monotonic() + RESTART_DELAY_MAX
+            self.say(f"Could not restart {child.label} ({error}); trying again.")
+            return
+        child.started_at = time.monotonic()
+        child.restart_at = None
+        child.restarts += 1
+        self._pump_output(child)
+        self._write_restarts()
+        self.say(f"{child.label} restarted (pid {child.pid}).")
+
+    def _write_restarts(self) -> None:
+        """Publish the restart counts for /metrics (replaced whole, atomically)."""
+        path = self.restarts_file
+        if path is None:
+            return
+        counts = {child.label: child.restarts for child in self.children}
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_suffix(".tmp")
+            temporary.write_text(json.dumps(counts))
+            temporary.replace(path)
 
     def stop(self) -> None:
         """Stop children, newest first, politely then by force."""
@@ -136,6 +216,19 @@ class Supervisor:
         for child in self.children:
             if child.pump is not None:
                 child.pump.join(timeout=2)
+
+
+def _spawn(launch: Launch) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        launch.argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        start_new_session=True,
+        pass_fds=launch.pass_fds,
+        env=launch.env,
+    )
 
 
 def _signal_group(process: subprocess.Popen[str], signum: int) -> None:

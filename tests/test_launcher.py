@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from nexus_site.launcher import Child, open_listener, wait_until_serving
+from nexus_site.launcher import (
+    Child,
+    Supervisor,
+    open_listener,
+    wait_until_serving,
+)
 
 
 @pytest.fixture
@@ -88,3 +95,69 @@ def test_a_serving_process_that_dies_first_is_reported(child: Child) -> None:
     finally:
         listener.close()
     assert served is False
+
+
+class _Lines:
+    """The supervisor's output, line by line, waited on."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.changed = threading.Condition()
+
+    def write(self, text: str) -> None:
+        with self.changed:
+            self.lines.extend(text.splitlines())
+            self.changed.notify_all()
+
+    def flush(self) -> None:
+        pass
+
+    def wait_for(self, count: int, text: str, timeout: float = 30.0) -> list[str]:
+        with self.changed:
+            found = self.changed.wait_for(
+                lambda: sum(text in line for line in self.lines) >= count, timeout
+            )
+            assert found, f"{count} x {text!r} not in {self.lines}"
+            return [line for line in self.lines if text in line]
+
+
+@pytest.mark.mode_independent
+def test_a_child_that_keeps_dying_is_restarted_with_a_growing_delay(
+    tmp_path: Path,
+) -> None:
+    out = _Lines()
+    restarts = tmp_path / "restarts.json"
+    supervisor = Supervisor(out, grace=5, restarts_file=restarts)
+    supervisor.start("worker", [sys.executable, "-c", "raise SystemExit(3)"])
+    waiting = threading.Thread(target=supervisor.wait, daemon=True)
+    waiting.start()
+    try:
+        said = out.wait_for(3, "exited with 3; restarting it in")
+        out.wait_for(2, "worker restarted (pid")
+    finally:
+        supervisor.stopping.set()
+        waiting.join(timeout=10)
+        supervisor.stop()
+
+    delays = [line.rsplit(" in ", 1)[1] for line in said[:3]]
+    assert delays == ["1 s.", "2 s.", "4 s."]
+    assert json.loads(restarts.read_text())["worker"] >= 2
+
+
+@pytest.mark.mode_independent
+def test_a_child_started_elsewhere_that_dies_is_let_go(tmp_path: Path) -> None:
+    out = _Lines()
+    supervisor = Supervisor(out, grace=5)
+    process = subprocess.Popen(
+        [sys.executable, "-c", "raise SystemExit(0)"], stdout=subprocess.PIPE, text=True
+    )
+    supervisor.adopt("demo-alpha", process)
+    waiting = threading.Thread(target=supervisor.wait, daemon=True)
+    waiting.start()
+    try:
+        out.wait_for(1, "demo-alpha (pid")
+    finally:
+        supervisor.stopping.set()
+        waiting.join(timeout=10)
+        supervisor.stop()
+    assert supervisor.children == []

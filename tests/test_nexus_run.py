@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from tests import zygote
-from tests.conftest import spare_redis_url
+from tests.conftest import spare_redis_url, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT = 90.0
@@ -435,3 +435,36 @@ def test_busy_port_is_a_clear_error(run_env: dict[str, str]) -> None:
         )
     assert result.returncode != 0
     assert f"127.0.0.1:{port} is already in use" in result.stderr
+
+
+def test_a_killed_serving_process_is_restarted_while_the_other_serves(
+    run_env: dict[str, str],
+) -> None:
+    run_env["NEXUS_DEMO"] = "0"
+    run_env["NEXUS_ADMIN_PASSWORD"] = "a-chosen-admin-password"
+    nexus = _start(run_env, "--workers", "2")
+    try:
+        pids = nexus.expect(r"on one port \(pids (\d+), (\d+)\)")
+        victim = int(pids.group(1))
+        base = f"http://127.0.0.1:{nexus.port}"
+        os.kill(victim, signal.SIGKILL)
+        # The gateway keeps answering on the other process meanwhile.
+        answered = [
+            httpx.get(f"{base}/health/live", timeout=30).status_code for _ in range(20)
+        ]
+        assert answered == [200] * 20
+        restarted = nexus.expect(r"web-1 restarted \(pid (\d+)\)", timeout=15)
+        new_pid = int(restarted.group(1))
+        assert new_pid != victim and _is_alive(new_pid)
+        said = nexus.output()
+        assert f"web-1 (pid {victim}) exited with -9; restarting it in 1 s." in said
+
+        def counted() -> bool:
+            metrics = httpx.get(f"{base}/metrics", timeout=30).text
+            return 'nexus_process_restarts_total{process="web-1"} 1.0' in metrics
+
+        wait_until(counted, 30, "the restart counted in /metrics")
+        assert nexus.interrupt() == 0
+    finally:
+        if nexus.process.poll() is None:
+            os.killpg(nexus.process.pid, signal.SIGKILL)

@@ -25,6 +25,7 @@ from prometheus_client import multiprocess as prometheus_multiprocess
 from gateway.metrics.admission import AdmissionMetrics
 from gateway.metrics.buckets import LATENCY_BUCKETS, TTFB_BUCKETS
 from gateway.metrics.fleet import FleetMetrics
+from gateway.metrics.restarts import restarts_collector
 
 UNKNOWN = "unknown"
 
@@ -114,6 +115,10 @@ class GatewayMetrics(AdmissionMetrics, FleetMetrics):
         )
         self._add_admission_metrics(registry)
         self._add_fleet_metrics(registry)
+        # The launcher's restart counts (read from its file at each scrape).
+        self._restarts = restarts_collector()
+        if self._restarts is not None and not is_multiprocess():
+            registry.register(self._restarts)
         self.limited = Counter(
             "nexus_requests_limited",
             "Requests refused by a key's limits, by reason: requests, tokens, "
@@ -226,4 +231,6 @@ class GatewayMetrics(AdmissionMetrics, FleetMetrics):
             return generate_latest(self.registry)
         merged = CollectorRegistry()
         prometheus_multiprocess.MultiProcessCollector(merged, path=directory)
+        if self._restarts is not None:
+            merged.register(self._restarts)
         return generate_latest(merged)

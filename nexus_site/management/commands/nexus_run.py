@@ -17,6 +17,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from gateway.admission import INDEX_ENV, PROCESSES_ENV
+from gateway.metrics.restarts import RESTARTS_FILE_ENV
 from nexus_site import demo
 from nexus_site.launcher import Child, Supervisor, open_listener, wait_until_serving
 from nexus_site.servers.serving import SERVERS, server_commands
@@ -110,8 +111,16 @@ class Command(BaseCommand):
         )
         admin_line = "" if web_only else self._ensure_admin_user()
 
-        # Serving processes drain for NEXUS_DRAIN_SECONDS before exiting.
-        supervisor = Supervisor(self.stdout, grace=settings.NEXUS_DRAIN_SECONDS + 10.0)
+        # Serving processes drain for NEXUS_DRAIN_SECONDS before exiting. A
+        # child that dies is restarted; its serving siblings' /metrics count it.
+        run_dir = Path(settings.NEXUS_STATE_DIR) / f"run-{os.getpid()}"
+        restarts_file = run_dir / "restarts.json"
+        os.environ[RESTARTS_FILE_ENV] = str(restarts_file)
+        supervisor = Supervisor(
+            self.stdout,
+            grace=settings.NEXUS_DRAIN_SECONDS + 10.0,
+            restarts_file=restarts_file,
+        )
         supervisor.install_signal_handlers()
         status = 1
         try:
@@ -152,6 +161,7 @@ class Command(BaseCommand):
                 Path(settings.NEXUS_STATE_DIR) / f"metrics-{os.getpid()}",
                 ignore_errors=True,
             )
+            shutil.rmtree(run_dir, ignore_errors=True)
         if status:
             sys.exit(status)
 
