@@ -50,6 +50,10 @@ MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_CHUNK_CHARS = 160 * 1024
 # Daphne's default --websocket-max-message-size.
 DAPHNE_DEFAULT_MESSAGE_BYTES = 1024 * 1024
+# The longest model name a worker may announce: the gateway's column for it
+# (backends.models.BackendModel.name) holds no more, and one longer name
+# would cost the whole models_update.
+MAX_MODEL_NAME = 200
 # Messages nest two deep (a list of models, an object of headers). A frame
 # nested deeper than this is refused before ``json.loads`` sees it: the parser
 # recurses once per level and gives up only at the interpreter's limit, with a
@@ -113,7 +117,6 @@ class FrameTooDeep(ProtocolError):
 
 # Bounds on everything that comes from the other side.
 _MAX_NAME = 200
-_MAX_MODEL = 256
 _MAX_MODELS = 2000
 _MAX_ID = 256
 _MAX_SHORT = 64
@@ -440,7 +443,7 @@ def _models(value: Any) -> list[str]:
         raise ProtocolError("not a list")
     if len(value) > _MAX_MODELS:
         raise ProtocolError(f"more than {_MAX_MODELS} models")
-    check = _text(_MAX_MODEL, min_len=1)
+    check = _text(MAX_MODEL_NAME, min_len=1)
     return [check(item) for item in value]
 
 
@@ -492,7 +495,7 @@ _CHECKS: dict[type, dict[str, Any]] = {
     },
     Request: {
         "request_id": _ID,
-        "model": _text(_MAX_MODEL, min_len=1),
+        "model": _text(MAX_MODEL_NAME, min_len=1),
         "endpoint": _text(_MAX_HEADER_NAME, min_len=1),
         "method": _text(16, min_len=1),
         "body": _BODY,
