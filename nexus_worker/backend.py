@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 
-from nexus_worker.protocol import Request
+from nexus_worker.protocol import MAX_MODEL_NAME, Request
 
 logger = logging.getLogger("nexus.worker")
 
@@ -87,7 +87,15 @@ class LocalBackend:
             logger.warning(
                 "the backend lists %d models; keeping %d", len(names), MAX_MODELS
             )
-        return [name for name in names if 0 < len(name) <= 256][:MAX_MODELS]
+        long = [name for name in names if len(name) > MAX_MODEL_NAME]
+        if long:
+            logger.warning(
+                "%d model names are longer than %d characters; not announced: %s",
+                len(long),
+                MAX_MODEL_NAME,
+                ", ".join(repr(name[:60] + "...") for name in long[:5]),
+            )
+        return [name for name in names if 0 < len(name) <= MAX_MODEL_NAME][:MAX_MODELS]
 
     async def _get_json(self, path: str) -> dict[str, Any]:
         try:

@@ -27,6 +27,7 @@ the whole worker is draining (SIGTERM or graceful_shutdown): send it no more.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import MISSING, dataclass, field, fields
 from enum import IntEnum
 from typing import Any, ClassVar
@@ -49,6 +50,15 @@ MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_CHUNK_CHARS = 160 * 1024
 # Daphne's default --websocket-max-message-size.
 DAPHNE_DEFAULT_MESSAGE_BYTES = 1024 * 1024
+# The longest model name a worker may announce: the gateway's column for it
+# (backends.models.BackendModel.name) holds no more, and one longer name
+# would cost the whole models_update.
+MAX_MODEL_NAME = 200
+# Messages nest two deep (a list of models, an object of headers). A frame
+# nested deeper than this is refused before ``json.loads`` sees it: the parser
+# recurses once per level and gives up only at the interpreter's limit, with a
+# RecursionError that no caller expects.
+MAX_NESTING = 32
 
 # The only endpoints a worker forwards to its local backend (POST).
 RELAY_ENDPOINTS = frozenset(
@@ -83,6 +93,7 @@ class CloseCode(IntEnum):
     TOO_BIG = 1009
     AUTH_FAILED = 4001
     UNSUPPORTED_VERSION = 4002
+    BAD_FRAME = 4003
 
 
 class ProtocolError(ValueError):
@@ -99,9 +110,13 @@ class UnsupportedVersion(ProtocolError):
     """register or register_ack with a protocol_version this side does not speak."""
 
 
+class FrameTooDeep(ProtocolError):
+    """A frame nested deeper than MAX_NESTING: no peer of this protocol sends
+    one, so the receiver closes the socket (CloseCode.BAD_FRAME)."""
+
+
 # Bounds on everything that comes from the other side.
 _MAX_NAME = 200
-_MAX_MODEL = 256
 _MAX_MODELS = 2000
 _MAX_ID = 256
 _MAX_SHORT = 64
@@ -274,8 +289,12 @@ def decode(text: str | bytes) -> Message | Unknown:
     """Parse and check one frame; raise ProtocolError if it is not a valid message."""
     if len(text) > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {len(text)} bytes is over {MAX_FRAME_BYTES}")
+    if _nests_deeper(text if isinstance(text, str) else text.decode("latin-1")):
+        raise FrameTooDeep(f"frame nested more than {MAX_NESTING} deep")
     try:
         data = json.loads(text)
+    except RecursionError:
+        raise FrameTooDeep(f"frame nested more than {MAX_NESTING} deep") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"frame is not JSON: {exc}") from None
     if not isinstance(data, dict):
@@ -300,6 +319,36 @@ def decode(text: str | bytes) -> Message | Unknown:
             f"{type_name}: protocol_version {version} is not {PROTOCOL_VERSION}"
         )
     return message
+
+
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+# Brackets of either kind become [ and ] (the depth is the same); all else goes.
+_AS_BRACKETS = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+
+
+def _nests_deeper(text: str) -> bool:
+    """Whether the JSON in `text` nests more than MAX_NESTING deep.
+
+    Linear, in C rather than a Python loop over the characters: strings are
+    cut out, the brackets kept (UTF-8 has no other byte of their values),
+    then each pass removes the innermost pairs: one level. An unbalanced
+    frame is too deep when it opens more than MAX_NESTING (``json.loads``
+    would recurse into each before failing).
+    """
+    if text.count("[") + text.count("{") <= MAX_NESTING:
+        return False
+    outside = _STRING.sub("", text).encode("utf-8", "surrogatepass")
+    brackets = outside.translate(_AS_BRACKETS, _NOT_BRACKETS)
+    for _ in range(MAX_NESTING):
+        shorter = brackets.replace(b"[]", b"")
+        if len(shorter) == len(brackets):
+            break
+        brackets = shorter
+    else:
+        if b"[]" in brackets:
+            return True  # a pair still inside MAX_NESTING others
+    return brackets.count(b"[") > MAX_NESTING
 
 
 def _checked_fields(
@@ -394,7 +443,7 @@ def _models(value: Any) -> list[str]:
         raise ProtocolError("not a list")
     if len(value) > _MAX_MODELS:
         raise ProtocolError(f"more than {_MAX_MODELS} models")
-    check = _text(_MAX_MODEL, min_len=1)
+    check = _text(MAX_MODEL_NAME, min_len=1)
     return [check(item) for item in value]
 
 
@@ -446,7 +495,7 @@ _CHECKS: dict[type, dict[str, Any]] = {
     },
     Request: {
         "request_id": _ID,
-        "model": _text(_MAX_MODEL, min_len=1),
+        "model": _text(MAX_MODEL_NAME, min_len=1),
         "endpoint": _text(_MAX_HEADER_NAME, min_len=1),
         "method": _text(16, min_len=1),
         "body": _BODY,

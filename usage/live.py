@@ -147,9 +147,15 @@ class LiveUsage:
         """Note that something a snapshot shows changed (a request began)."""
         self.changes += 1
 
-    def record(self, event: UsageEvent) -> None:
-        """Count one finished request."""
-        model = event.served_model or event.requested_model
+    def record(self, event: UsageEvent, model: str | None = None) -> None:
+        """Count one finished request, under `model` when given.
+
+        The gateway gives the model its metrics name (one the configuration
+        knows, or "unknown"), so that the series stay as few as the models
+        configured, whatever names clients send.
+        """
+        if model is None:
+            model = event.served_model or event.requested_model
         series = self._get(event.backend, model)
         series.requests += 1
         series.errors += event.is_error

@@ -79,8 +79,11 @@ class Accounting:
             cost_nanos=cost,
         )
         self.buffer.append(event)
-        self.live_usage.record(event)
-        self._observe(exchange, now, prompt, completion)
+        model = _model_label(exchange)
+        # A refusal that named no model stays "" in the live series.
+        named = exchange.served_model or exchange.requested_model
+        self.live_usage.record(event, model=model if named else "")
+        self._observe(exchange, model, now, prompt, completion)
         if self.access_log and access_logger.isEnabledFor(logging.INFO):
             _log_access(exchange, event.latency_ms, prompt, completion)
 
@@ -103,12 +106,13 @@ class Accounting:
         self.record(refused)
 
     def _observe(
-        self, exchange: ProxyExchange, now: float, prompt: int, completion: int
+        self,
+        exchange: ProxyExchange,
+        model: str,
+        now: float,
+        prompt: int,
+        completion: int,
     ) -> None:
-        state = exchange.state
-        model = exchange.served_model or (
-            UNKNOWN if state is None else _known_model(state, exchange.requested_model)
-        )
         first_byte = exchange.first_byte
         metrics = self.metrics
         metrics.observe_request(
@@ -153,8 +157,23 @@ def _token_count(value: Any) -> int | None:
     return min(max(value, 0), MAX_REPORTED_TOKENS)
 
 
+def _model_label(exchange: ProxyExchange) -> str:
+    """The model a metric label and a live series name for the request.
+
+    The model served, or the one asked for if the configuration knows it,
+    else "unknown": what a client makes up (any number of names, lone
+    surrogates that msgpack cannot encode) never becomes a label or a series.
+    """
+    if exchange.served_model:
+        return exchange.served_model
+    state = exchange.state
+    if state is None:
+        return UNKNOWN
+    return _known_model(state, exchange.requested_model)
+
+
 def _known_model(state: GatewayState, model: str) -> str:
-    """The model's name if the configuration knows it, else "unknown" (metrics)."""
+    """The model's name if the configuration knows it, else "unknown"."""
     routes = state.routes
     if model in routes.routes or model in routes.aliases:
         return model

@@ -16,8 +16,9 @@ details), takes its ``register``, makes it a ``relay`` backend
   drain (graceful_shutdown), refresh (models_refresh).
 
 Frames are bounded (16 MiB, bigger closes with 1009), malformed ones are
-logged and dropped, unknown types logged and ignored: nothing a worker sends
-can crash the consumer.
+logged and dropped, unknown types logged and ignored; a frame nested too
+deep (or one the decoder cannot cope with) closes the socket with 4003 and
+the worker is Gone at once: nothing a worker sends can crash the consumer.
 """
 
 from __future__ import annotations
@@ -189,6 +190,13 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         await self._close(protocol.CloseCode.NORMAL)
         await self.disconnect(protocol.CloseCode.NORMAL)
 
+    async def _drop(self, code: int) -> None:
+        """Close the socket and make the worker Gone now, everywhere: its
+        backend unhealthy, its requests failed over (rather than when Daphne
+        reports the socket closed)."""
+        await self._close(code)
+        await self.disconnect(code)
+
     async def _close(self, code: int) -> None:
         self._closing = True
         # Daphne's websocket library sends 1000 and 3000-4999 only, as plain
@@ -222,8 +230,19 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             logger.warning("Relay worker %s: %s", self.backend_name, error)
             await self._close(protocol.CloseCode.UNSUPPORTED_VERSION)
             return
+        except protocol.FrameTooDeep as error:
+            logger.warning("Relay worker %s: %s: closed", self.backend_name, error)
+            await self._drop(protocol.CloseCode.BAD_FRAME)
+            return
         except protocol.ProtocolError as error:
             logger.warning("Relay worker %s: bad frame: %s", self.backend_name, error)
+            return
+        except Exception:
+            # The decoder itself broke (it should not): a consumer that let
+            # this escape would die without its disconnect, leaving a ghost
+            # worker that takes requests for half a minute.
+            logger.exception("Relay worker %s: undecodable frame", self.backend_name)
+            await self._drop(protocol.CloseCode.BAD_FRAME)
             return
         try:
             await self._handle(message)

@@ -19,8 +19,9 @@ from django.utils import timezone
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
-from backends.models import Backend, HealthStatus, Worker
+from backends.models import Backend, BackendModel, HealthStatus, Worker
 from backends.workers import register_worker, see_worker, sweep_silent_workers
+from nexus_worker import protocol
 from tests.factories import BackendFactory, StaffUserFactory
 
 pytestmark = pytest.mark.django_db
@@ -172,3 +173,18 @@ def test_a_sweep_makes_silent_workers_gone_and_a_heartbeat_claims_one_back() -> 
     # A connection that took its place elsewhere is not taken back.
     register_worker(dead.pk, "chan-new", "10.0.0.6", ["m"], 1)
     assert not see_worker(dead.pk, "chan-dead")
+
+
+def test_protocol_and_database_agree_on_model_name_lengths() -> None:
+    """Red team (issue 27): names of 201-256 characters passed the protocol
+    but not the 200-character column, and the whole update was dropped."""
+    longest = "m" * BackendModel._meta.get_field("name").max_length
+    update = protocol.encode(protocol.ModelsUpdate(models=[longest, "n"]))
+    worker, _ = Worker.objects.create_worker("gpu-1")
+    models = protocol.decode(update).models  # type: ignore[union-attr]
+    register_worker(worker.pk, "chan-1", "10.0.0.5", models, 1)
+    served = BackendModel.objects.filter(backend__name="gpu-1")
+    assert set(served.values_list("name", flat=True)) == {longest, "n"}
+    longer = protocol.encode(protocol.ModelsUpdate(models=[longest + "m"]))
+    with pytest.raises(protocol.ProtocolError, match="longer than 200"):
+        protocol.decode(longer)

@@ -13,6 +13,7 @@ that arrive at another.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import signal
 import threading
@@ -281,6 +282,69 @@ def test_unknown_and_malformed_frames_leave_the_worker_serving(
             return str(ack["type"])
 
     assert asyncio.run(session()) == "register_ack"
+
+
+async def _answer_pings(ws: aiohttp.ClientWebSocketResponse) -> None:
+    async for frame in ws:
+        if '"ping"' in frame.data:
+            await ws.send_str('{"type":"pong","load":0}')
+
+
+def test_a_frame_nested_100000_deep_leaves_no_ghost_worker(
+    relay: Relay, nexus_server_factory: Callable[..., NexusServer]
+) -> None:
+    """Red team (issue 27, item 3): the decoder's RecursionError killed the
+    consumer; its disconnect never ran, the worker stayed "healthy" for 30 s
+    and requests for its model hung or failed after 15-300 s. Now its socket
+    alone is closed, the worker is Gone at once, its model served elsewhere."""
+    relay.start("gpu-b")
+    servers = [relay.server]
+    if settings.REDIS_URL:  # the worker's process and another one
+        servers.append(nexus_server_factory(NEXUS_RELAY_HEARTBEAT_SECONDS=HEARTBEAT))
+    _, secret = Worker.objects.create_worker("gpu-a")
+    deep = '{"type":"pong","load":0,"x":' + "[" * 100_000 + "]" * 100_000 + "}"
+
+    async def hostile() -> int:
+        url = relay.server.base_url.replace("http", "ws") + protocol.WEBSOCKET_PATH
+        async with (
+            aiohttp.ClientSession() as http,
+            http.ws_connect(url, headers={protocol.SECRET_HEADER: secret}) as ws,
+        ):
+            register = protocol.Register(
+                name="gpu-a", models=[MODEL], max_concurrency=4
+            )
+            await ws.send_str(protocol.encode(register))
+            answering = asyncio.create_task(_answer_pings(ws))
+            await asyncio.to_thread(wait_registered, "gpu-a")
+            for server in servers:
+                await asyncio.to_thread(wait_until_live, server)
+                await asyncio.to_thread(wait_routable, server, "gpu-a")
+            answering.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await answering
+            await ws.send_str(deep)
+            async with asyncio.timeout(10):
+                async for _ in ws:
+                    pass
+            return int(ws.close_code or 0)
+
+    assert asyncio.run(hostile()) == protocol.CloseCode.BAD_FRAME
+    # Gone at once (its heartbeats would have taken 3 s, the sweep 30 s).
+    wait_for(lambda: Worker.objects.get(name="gpu-a").channel_name == "", timeout=5)
+    assert Backend.objects.get(name="gpu-a").status == HealthStatus.UNHEALTHY
+    for server in servers:
+        for n in range(4):
+            started = time.monotonic()
+            raw = openai.OpenAI(
+                base_url=f"{server.base_url}/v1",
+                api_key=relay.key,
+                max_retries=0,
+                timeout=10,
+            ).chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": f"after {n}"}]
+            )
+            assert raw.headers["x-nexus-backend"] == "gpu-b"
+            assert time.monotonic() - started < 5
 
 
 def test_revoking_a_worker_disconnects_it(relay: Relay) -> None:

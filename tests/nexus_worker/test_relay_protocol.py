@@ -201,6 +201,46 @@ def test_a_frame_over_the_limit_is_refused_before_parsing() -> None:
         decode(huge)
 
 
+def _pong_with(value: str) -> str:
+    return '{"type":"pong","load":0,"x":' + value + "}"
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        # The red team's frame: json.loads raised RecursionError (issue 27).
+        _pong_with("[" * 100_000 + "]" * 100_000),
+        "[" * 100_000,  # never closed: the parser would still recurse
+        _pong_with("[" * 32 + "]" * 32),  # 33 deep with the frame's object
+        _pong_with('[{"a":' * 16 + "1" + "}]" * 16),
+        _pong_with("[1," * 40_000 + "]" * 40_000).encode(),
+    ],
+)
+def test_a_frame_nested_too_deep_is_refused_before_parsing(frame: str) -> None:
+    with pytest.raises(protocol.FrameTooDeep, match="nested more than 32 deep"):
+        decode(frame)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "[" * 31 + "]" * 31,  # 32 deep
+        "[" + "[[]]," * 5000 + "[]]",  # wide, not deep
+        '"' + "[" * 1000 + '"',  # brackets in a string are text
+        r'"\\\"' + "{" * 1000 + r'\\"',  # escapes do not end the string
+        '["\udfff",' + "{}," * 100 + "[]]",
+    ],
+)
+def test_frames_nested_up_to_the_bound_decode(value: str) -> None:
+    assert decode(_pong_with(value)) == Pong(load=0)
+
+
+def test_a_broken_frame_that_opens_a_few_levels_is_only_not_json() -> None:
+    frame = _pong_with("[[[" + "[1]," * 100)
+    with pytest.raises(ProtocolError, match="not JSON"):
+        decode(frame)
+
+
 def test_another_protocol_version_is_unsupported() -> None:
     frame = {
         "type": "register",
@@ -223,6 +263,7 @@ def test_a_chunk_of_the_largest_size_fits_in_a_frame_even_fully_escaped() -> Non
 def test_close_codes_and_names() -> None:
     assert protocol.CloseCode.AUTH_FAILED == 4001
     assert protocol.CloseCode.UNSUPPORTED_VERSION == 4002
+    assert protocol.CloseCode.BAD_FRAME == 4003
     assert protocol.CloseCode.TOO_BIG == 1009
     assert protocol.SECRET_HEADER == "x-worker-secret"
     assert protocol.PROTOCOL_VERSION == 1

@@ -216,3 +216,59 @@ def test_stream_shows_requests_served_by_another_process(
         assert row is not None
         assert row["total_tokens"] == tokens
         assert sum(slot["requests"] for slot in event["recent"]) == 1
+
+
+def _ask_for(setup: Setup, model: str) -> int:
+    """POST a chat request for `model` (JSON escapes what UTF-8 cannot carry)."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]})
+    answer = httpx.post(
+        f"{setup.server.base_url}/v1/chat/completions",
+        content=body.encode(),
+        headers={
+            "Authorization": f"Bearer {setup.key}",
+            "Content-Type": "application/json",
+        },
+        timeout=10,
+    )
+    return answer.status_code
+
+
+def test_unknown_model_names_are_one_live_series(setup: Setup) -> None:
+    """Red team (issue 27): every unknown name a client sent became a series
+    of its own, kept for the life of the process (20,000 names: +12 MB)."""
+    with open_stream(setup) as stream:
+        assert stream.next()[0] == "snapshot"
+        for n in range(30):
+            assert _ask_for(setup, f"no-such-model-{n}") == 404
+        setup.chat()
+
+        event = stream.until(lambda e: _requests(e) == 1)
+        models = {row["model"] for row in event["series"]}
+        assert models <= {MODEL, "unknown"}
+        unknown = [row for row in event["series"] if row["model"] == "unknown"]
+        assert sum(row["requests"] for row in unknown) == 30
+
+
+def test_a_lone_surrogate_model_name_leaves_publishing_working(
+    request: pytest.FixtureRequest,
+    nexus_server_factory: Callable[..., NexusServer],
+    settings: Any,
+) -> None:
+    """Red team (issue 27): msgpack cannot encode "\\udfff" (valid JSON, no
+    UTF-8): once it was a live series, the process never published again."""
+    if "Redis" not in settings.CHANNEL_LAYERS["default"]["BACKEND"]:
+        pytest.skip("the in-memory channel layer does not encode snapshots")
+    setup: Setup = request.getfixturevalue("setup")
+    other = Setup(nexus_server_factory(), setup.key, setup.token)
+    assert _ask_for(other, "\udfff") == 404
+    assert _ask_for(other, "a\ud800b") == 404
+    with open_stream(setup) as stream:
+        assert stream.next()[0] == "snapshot"
+        tokens = other.chat("served elsewhere")
+
+        event = stream.until(lambda e: _requests(e) == 1)
+        assert len(event["processes"]) == 2
+        row = _series(event)
+        assert row is not None
+        assert row["total_tokens"] == tokens
+    assert not any("Could not publish" in line for line in other.server.log)
