@@ -58,7 +58,9 @@ test-production: $(VENV)/.installed-dev test-tools
 # and granian, in one and N processes, against issue 11's goals, with
 # production-style settings in a scratch database (results in bench-results/).
 BENCH_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/nexus_bench
-BENCH_REDIS_URL ?= redis://127.0.0.1:6379/3
+# Redis databases 14 and 15: the tests' workers use 1 to 8 (tests/worker_isolation.py)
+# and a benchmark's leftovers (usage events in the stream) must never reach them.
+BENCH_REDIS_URL ?= redis://127.0.0.1:6379/14
 BENCH := env DATABASE_URL=$(BENCH_DATABASE_URL) REDIS_URL=$(BENCH_REDIS_URL) \
 	SECRET_KEY=bench-only-not-secret ALLOWED_HOSTS=127.0.0.1,localhost
 bench: $(VENV)/.installed-dev test-tools
@@ -68,7 +70,7 @@ bench: $(VENV)/.installed-dev test-tools
 # client aborts, Redis and PostgreSQL outages and the hostile backend's faults,
 # then SOAK_AFTER requests; prints RSS after each (results in bench-results/).
 SOAK_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/nexus_soak
-SOAK_REDIS_URL ?= redis://127.0.0.1:6379/4
+SOAK_REDIS_URL ?= redis://127.0.0.1:6379/15
 SOAK_AFTER ?= 20000
 soak: $(VENV)/.installed-dev
 	@$(BIN)/python -c "import psycopg; c = psycopg.connect('$(dir $(SOAK_DATABASE_URL))postgres', autocommit=True); n = '$(notdir $(SOAK_DATABASE_URL))'; c.execute('select 1 from pg_database where datname = %s', (n,)).fetchone() or c.execute('create database ' + n)"

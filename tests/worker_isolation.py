@@ -14,6 +14,8 @@ Worker ``gwN`` of a run on ``REDIS_URL=redis://host:port/B`` uses database
 ``B + 2N`` as its own and ``B + 2N + 1`` as its spare (for a server that must
 hear no broadcast from the tests, or a Nexus of its own): three workers on the
 default ``/1`` use databases 1 to 6, four 1 to 8. A run without xdist uses B and B + 1.
+Both are emptied when the worker starts: point TEST_REDIS_URL at databases
+that hold nothing of yours.
 
 This has to happen before Django reads its settings, which pytest-django does
 while loading the initial conftests: hence a plugin, not a conftest fixture.
@@ -67,6 +69,24 @@ def isolate_redis() -> None:
     own, spare = redis_urls_for_worker(base_url, worker_index())
     os.environ["REDIS_URL"] = own
     os.environ[SPARE_REDIS_URL] = spare
+    _empty(own, spare)
+
+
+def _empty(*urls: str) -> None:
+    """Start from empty databases: they are this worker's alone, and whatever
+    an earlier run (or anything else) left in them, such as usage events in
+    the stream, would be read by the tests as theirs (a benchmark's 30,000
+    events once made a test drain past its timeout)."""
+    import redis
+
+    for url in urls:
+        client = redis.Redis.from_url(url, socket_timeout=10)
+        try:
+            client.flushdb()
+        except redis.ConnectionError:
+            pass  # Redis is down: the tests that need it say so themselves
+        finally:
+            client.close()
 
 
 @pytest.hookimpl(wrapper=True)
