@@ -25,7 +25,7 @@ class ReplyLimits:
 
     max_reply: int = 32 * 1024 * 1024  # non-stream body
     max_event: int = 1024 * 1024  # one SSE event
-    max_unsent: int = 8 * 1024 * 1024  # stream bytes the client has not read
+    max_unsent: int = 1024 * 1024  # stream bytes the client has not read
 
 
 class UpstreamClient:

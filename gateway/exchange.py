@@ -68,6 +68,9 @@ class Exchange(Generic[CallT, MeterT]):
     # Bytes sent that the client has not read yet, where the server tells
     # (Daphne, through nexus_site.servers.daphne_limits); None elsewhere.
     unsent_bytes: Callable[[], int] | None = None
+    # Closes the client's connection at once, dropping what it has not read
+    # (Daphne); None elsewhere.
+    abort: Callable[[], None] | None = None
     # What the key's limits took for this request (settled with its usage).
     limit_ticket: Ticket | None = None
     # Set for a budgeted stream: counts it as it goes and may cut it short.

@@ -104,7 +104,7 @@ class GatewayConfig:
     max_connections: int = 1000
     max_reply_bytes: int = 32 * 1024 * 1024
     max_event_bytes: int = 1024 * 1024
-    max_unsent_bytes: int = 8 * 1024 * 1024
+    max_unsent_bytes: int = 1024 * 1024
     config_poll_interval: float = 1.0
     usage_buffer_max: int = 100_000
     usage_transport: str = "database"  # or "redis"

@@ -468,7 +468,7 @@ NEXUS_UPSTREAM_MAX_EVENT_BYTES = _bounded_int(
 # A stream whose client has not read this many bytes of it is cut (the backend's
 # connection closed, usage recorded); measured where the server tells (Daphne).
 NEXUS_STREAM_MAX_UNSENT_BYTES = _bounded_int(
-    "NEXUS_STREAM_MAX_UNSENT_BYTES", 8 * 1024 * 1024, 64 * 1024, 1024**3
+    "NEXUS_STREAM_MAX_UNSENT_BYTES", 1024 * 1024, 64 * 1024, 1024**3
 )
 # Seconds between each serving process's check of the routing config version
 # (repairs lost change broadcasts; the only path between processes when the

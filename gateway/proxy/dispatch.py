@@ -20,7 +20,6 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from gateway.exchange import Exchange, Headers
@@ -140,7 +139,8 @@ class ProxyApp:
             path=path,
             request_headers=scope["headers"],
             response_headers=[(b"x-request-id", rid.encode())],
-            unsent_bytes=_unsent_bytes_probe(scope),
+            unsent_bytes=_transport_hook(scope, "unsent_bytes"),
+            abort=_transport_hook(scope, "abort"),
         )
         try:
             if path in OLLAMA_INFO_PATHS or path in OLLAMA_UNSUPPORTED_PATHS:
@@ -500,9 +500,10 @@ def _requirements_of(canonical: dict[str, Any]) -> RequestRequirements:
         raise routing_error(error) from error
 
 
-def _unsent_bytes_probe(scope: dict[str, Any]) -> Callable[[], int] | None:
+def _transport_hook(scope: dict[str, Any], name: str) -> Any:
+    """A hook of the server's connection (nexus_site.servers.daphne_limits)."""
     transport = scope.get("extensions", {}).get("nexus.transport")
-    return transport.get("unsent_bytes") if isinstance(transport, dict) else None
+    return transport.get(name) if isinstance(transport, dict) else None
 
 
 def _request_id(value: bytes | None) -> str:

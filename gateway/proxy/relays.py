@@ -180,7 +180,7 @@ class Relay:
         if meter is not None and not goes_on:
             cut = meter.cut_error()
             tail = sse.error_event(cut.message, BUDGET, cut.error_type)
-        await send({"type": "http.response.body", "body": tail, "more_body": False})
+        await self._end(tail)
 
     async def leg_stream(
         self,
@@ -257,7 +257,19 @@ class Relay:
                     exchange.completion_chars = stream.chars
         if meter is not None and not goes_on:
             tail += stream.fail(meter.cut_error().message, BUDGET)
-        await send({"type": "http.response.body", "body": tail, "more_body": False})
+        await self._end(tail)
+
+    async def _end(self, tail: bytes) -> None:
+        """Send the stream's last bytes; or, to a client that stopped reading,
+        close its connection, dropping what it left unread (the server would
+        otherwise hold it, up to max_unsent a connection, until it goes)."""
+        exchange = self.exchange
+        if exchange.error == "client_stalled" and exchange.abort is not None:
+            exchange.abort()
+            return
+        await self.send(
+            {"type": "http.response.body", "body": tail, "more_body": False}
+        )
 
 
 def _cut_for_budget(exchange: ProxyExchange) -> None:

@@ -25,7 +25,8 @@ byte resets. So under Daphne:
 * **Unsent bytes**: the scope of every request carries the extension
   ``nexus.transport`` with ``unsent_bytes()``, what the connection holds that
   the client has not read yet, so the proxy can cut a stream whose reader
-  stalled (Daphne's ``send()`` never waits for the client).
+  stalled (Daphne's ``send()`` never waits for the client), and ``abort()``,
+  which then closes the connection, dropping what it holds.
 
 ``install_daphne_limits()`` patches Daphne's request and factory classes once
 per process; ``nexus_site.servers.serving.prepare_daphne()`` calls it.
@@ -234,7 +235,8 @@ def install_daphne_limits(
     def create_application_with_probe(self: Any, protocol: Any, scope: Any) -> Any:
         extensions = scope.setdefault("extensions", {})
         extensions["nexus.transport"] = {
-            "unsent_bytes": functools.partial(unsent_bytes, protocol)
+            "unsent_bytes": functools.partial(unsent_bytes, protocol),
+            "abort": functools.partial(abort_connection, protocol),
         }
         return create_application(self, protocol, scope)
 
@@ -255,6 +257,15 @@ def unsent_bytes(request: Any) -> int:
         return len(transport.dataBuffer) - transport.offset + transport._tempDataLen
     except AttributeError:
         return 0
+
+
+def abort_connection(request: Any) -> None:
+    """Close the request's connection now, dropping what it has not sent yet."""
+    channel = getattr(request, "channel", None)
+    transport = getattr(channel, "transport", None)
+    abort = getattr(transport, "abortConnection", None)
+    if abort is not None:
+        abort()
 
 
 _REASONS = {401: b"Unauthorized", 408: b"Request Timeout", 413: b"Content Too Large"}
