@@ -50,9 +50,20 @@ class HealthDict(TypedDict, total=False):
     status: str  # "ok", "degraded" or "unavailable"
     database: str  # "ok" or "unreachable"
     summary: HealthSummaryDict
+    hint: str  # what to do, when nothing serves
     backends: list[BackendHealthRowDict]  # staff only
 
 
+NO_BACKEND = (
+    "No backend is configured: add one in the admin (/admin/backends/backend/add/), "
+    "through the API (POST /api/v1/backends) or a configuration file "
+    "(manage.py nexus_import_config), or start with the demo backends "
+    "(NEXUS_DEMO=1)."
+)
+NONE_SERVING = (
+    "No enabled backend is healthy: the admin's backend list shows each one's "
+    "last error; manage.py nexus_check_health checks them now."
+)
 DATABASE_DOWN = (
     "the configuration database is unreachable; the gateway keeps serving from "
     "its last configuration"
@@ -127,9 +138,16 @@ def health(request: HttpRequest) -> JsonResponse:
     else:
         status = "ok"
     body: HealthDict = {"status": status, "database": "ok", "summary": summary}
+    if not serving:
+        body["hint"] = NO_BACKEND if not backends else NONE_SERVING
     if _is_staff(request):
         body["backends"] = rows
-    return JsonResponse(body, status=200 if serving else 503)
+    response = JsonResponse(body, status=200 if serving else 503)
+    if not serving:
+        # A state, answered to every probe, not a server error: Django would
+        # log each as "Service Unavailable: /health" at ERROR.
+        response._has_been_logged = True  # type: ignore[attr-defined]
+    return response
 
 
 @never_cache

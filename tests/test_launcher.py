@@ -82,7 +82,7 @@ def test_any_http_answer_means_serving(child: Child) -> None:
         server.join(timeout=5)
         listener.close()
     assert served is True
-    assert seen[0].startswith(b"GET /health HTTP/1.1\r\n")
+    assert seen[0].startswith(b"GET /health/live HTTP/1.1\r\n")
     assert b"\r\nHost: gateway.example.com\r\n" in seen[0]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -79,10 +80,25 @@ def test_health_is_503_when_no_backend_is_healthy(client: Client) -> None:
     assert response.json()["status"] == "unavailable"
 
 
-def test_health_is_503_without_any_backend(client: Client) -> None:
-    response = client.get("/health")
+def test_health_is_503_without_any_backend(
+    client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="django.request"):
+        response = client.get("/health")
     assert response.status_code == 503
-    assert response.json()["summary"]["total"] == 0
+    body = response.json()
+    assert body["summary"]["total"] == 0
+    # What to do next, and no ERROR line for every probe of this state.
+    assert "No backend is configured" in body["hint"]
+    assert "nexus_import_config" in body["hint"]
+    assert caplog.records == []
+
+
+def test_a_503_with_backends_says_where_to_look(client: Client) -> None:
+    BackendFactory(unhealthy=True)
+    assert "nexus_check_health" in client.get("/health").json()["hint"]
+    BackendFactory()
+    assert "hint" not in client.get("/health").json()
 
 
 def test_a_backend_with_an_open_circuit_does_not_count_as_serving(
