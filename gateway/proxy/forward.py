@@ -34,7 +34,7 @@ from gateway.proxy.replies import (
     is_leg_stream,
     leg_answer,
 )
-from gateway.relay.dispatch import RELAY_KIND, RelayHub, relay_backend
+from gateway.relay.dispatch import RELAY_KIND, RelayHub, RelayRefused, relay_backend
 from routing.core import LiveStats, Route, Target
 from usage.limits.limiter import Limiter
 from usage.live import LiveUsage
@@ -246,9 +246,14 @@ class _Tries:
         exchange, backend = self.exchange, target.backend
         if backend.kind == RELAY_KIND:
             path = exchange.path if leg is None else leg.path
-            response = await self.upstream.relay.open(
-                target, exchange.request_id, path, data, headers, exchange.stream
-            )
+            try:
+                response = await self.upstream.relay.open(
+                    target, exchange.request_id, path, data, headers, exchange.stream
+                )
+            except RelayRefused as refused:
+                # The client's body, not any worker: its error, no breaker's.
+                code = "request_too_large" if refused.status == 413 else None
+                raise ProxyError(refused.status, str(refused), code=code) from None
             # Duck-typed: status, headers, content.readany()/iter_any(), close().
             return cast(aiohttp.ClientResponse, response)
         return await self.session.request(
