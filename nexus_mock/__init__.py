@@ -25,8 +25,10 @@ Knobs (CLI ``--latency-ms``, runtime ``latency_ms``; see ``MockConfig``):
 ``name``, ``models``, ``latency_ms`` (before the response head of every /v1
 request), ``chunks``, ``chunk_delay_ms`` (between stream chunks), ``embedding_dim``,
 ``api_key``, ``fail_status`` + ``error_rate`` (that fraction of valid inference
-requests fails, drawn from a ``seed``-ed RNG), ``drop_after_chunks`` (send K
-chunks of a stream then close the connection without ending the chunked body),
+requests fails, drawn from a ``seed``-ed RNG), ``fail_on_text`` (every inference
+request whose body holds that text fails with ``fail_status``),
+``drop_after_chunks`` (send K chunks of a stream then close the connection
+without ending the chunked body),
 ``record_requests`` (how many recent requests the stats keep).
 
 ``kind`` (CLI ``--kind openai|ollama|vllm|llamacpp|anthropic``) imitates that

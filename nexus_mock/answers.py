@@ -141,7 +141,7 @@ class Answers:
             job = parse_chat_request(payload, config.name, config.models)
         else:
             job = parse_completion_request(payload, config.name, config.models)
-        self._inject_failure(config)
+        self._inject_failure(config, request.body)
         if isinstance(job, EmbeddingJob):
             return render_embeddings(job)
         prefix = "chatcmpl" if job.kind == "chat" else "cmpl"
@@ -181,7 +181,7 @@ class Answers:
         if isinstance(job, bytes):
             return job
         try:
-            self._inject_failure(config)
+            self._inject_failure(config, request.body)
         except ApiError as error:
             raise ollama_error(error.status, error.message) from None
         if not isinstance(job, EmbeddingJob) and is_ollama_stream(job):
@@ -197,7 +197,7 @@ class Answers:
         if request.path != "/v1/messages":
             raise anthropic_error(404, "Not found")
         try:
-            self._inject_failure(config)
+            self._inject_failure(config, request.body)
         except ApiError as error:
             raise anthropic_error(error.status, error.message) from None
         reply = answer_messages(
@@ -209,15 +209,21 @@ class Answers:
         )
         return reply if isinstance(reply, bytes) else Stream(*reply)
 
-    def _inject_failure(self, config: MockConfig) -> None:
-        rate = config.error_rate
-        if rate <= 0 or (rate < 1 and self._rng.random() >= rate):
-            return
+    def _inject_failure(self, config: MockConfig, body: bytes) -> None:
+        text = config.fail_on_text
+        if text is not None and text.encode() in body:
+            message = f"answers {config.fail_status} to requests holding {text!r}"
+        else:
+            rate = config.error_rate
+            if rate <= 0 or (rate < 1 and self._rng.random() >= rate):
+                return
+            message = (
+                f"answers {config.fail_status} to {rate:.0%} of inference requests"
+            )
         self._stats.injected_failures += 1
         raise ApiError(
             config.fail_status,
-            f"Injected failure: mock backend '{config.name}' answers "
-            f"{config.fail_status} to {rate:.0%} of inference requests.",
+            f"Injected failure: mock backend '{config.name}' {message}.",
             code="mock_injected_failure",
         )
 

@@ -27,6 +27,7 @@ _KNOB_OPTIONS = (
     "api_key",
     "fail_status",
     "error_rate",
+    "fail_on_text",
     "drop_after_chunks",
     "seed",
     "record_requests",
@@ -97,6 +98,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--error-rate",
         type=float,
         help="Fraction (0..1) of inference requests that fail.",
+    )
+    parser.add_argument(
+        "--fail-on-text",
+        help="Fail (with --fail-status) every inference request whose body "
+        "holds this text.",
     )
     parser.add_argument(
         "--drop-after-chunks",
@@ -171,7 +177,11 @@ def serve_from_options(
         names = [item.rpartition(":")[0] or item for item in sized]
         listed = [m for m in (options["models"] or "").split(",") if m.strip()]
         knobs["models"] = ",".join(dict.fromkeys([*listed, *names]))
-    if options["fail_status"] is not None and options["error_rate"] is None:
+    if (
+        options["fail_status"] is not None
+        and options["error_rate"] is None
+        and options["fail_on_text"] is None
+    ):
         knobs["error_rate"] = 1.0
     if options["loading"]:
         knobs["loading"] = True

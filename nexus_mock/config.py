@@ -38,6 +38,9 @@ class MockConfig:
     queue (0: no limit). ``model_sizes`` (GB per model), ``memory_gb``,
     ``load_seconds`` and ``keep_alive_seconds`` make an Ollama mock load and
     evict models like a node of a fleet (``nexus_mock.memory``).
+    ``fail_on_text`` makes every inference request whose body holds that text
+    (its UTF-8 bytes) fail with ``fail_status``: one input that crashes a model
+    server while others are served.
     """
 
     models: tuple[str, ...] = ()
@@ -50,6 +53,7 @@ class MockConfig:
     api_key: str | None = None
     fail_status: int = 500
     error_rate: float = 0.0
+    fail_on_text: str | None = None
     drop_after_chunks: int | None = None
     seed: int = 0
     record_requests: int = 20
@@ -157,6 +161,12 @@ def _validate_header_text(key: str, value: Any) -> str:
     return value.strip()
 
 
+def _validate_text(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value or len(value) > 1000:
+        raise ConfigError(key, f"{key} must be a string of 1 to 1000 characters.")
+    return value
+
+
 def _validate_kind(key: str, value: Any) -> str:
     if value not in MOCK_KINDS:
         raise ConfigError(
@@ -244,6 +254,7 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "api_key": _optional(_validate_header_text),
     "fail_status": _int_knob(400, 599),
     "error_rate": _float_knob(0, 1),
+    "fail_on_text": _optional(_validate_text),
     "drop_after_chunks": _optional(_int_knob(0, MAX_CHUNKS)),
     "seed": _int_knob(-(2**63), 2**63 - 1),
     "record_requests": _int_knob(0, MAX_RECORDED_REQUESTS),

@@ -34,7 +34,7 @@ from gateway.proxy.replies import (
     is_leg_stream,
     leg_answer,
 )
-from gateway.relay.dispatch import RELAY_KIND, RelayHub, relay_backend
+from gateway.relay.dispatch import RELAY_KIND, RelayHub, RelayRefused, relay_backend
 from routing.core import LiveStats, Route, Target
 from usage.limits.limiter import Limiter
 from usage.live import LiveUsage
@@ -70,8 +70,9 @@ async def forward(
     the response head, 5xx answers and invalid replies (a success that is not
     the JSON the endpoint answers, a body over the size limit, a stream whose
     first event is not JSON), up to the policy's max_retries. A 4xx is the
-    client's to see. Once the first byte went to the client, a failure ends
-    the stream with an error event.
+    client's to see, and so is a 5xx the next backend repeats: that input's
+    answer, suspect to both backends' breakers. Once the first byte
+    went to the client, a failure ends the stream with an error event.
 
     ``exchange.call`` is None for an OpenAI client's request: relayed as it is
     to OpenAI-speaking backends. Any other pairing of the client's surface and
@@ -107,6 +108,7 @@ async def forward(
             return
     if handed is not None:
         _drop_lease(upstream, route.target, handed)
+    tries.count_held()  # no other candidate was tried after it
     tries.give_up()
 
 
@@ -118,6 +120,7 @@ class _Tries:
         "exchange",
         "failures",
         "fault",
+        "held",
         "send",
         "session",
         "timed_out",
@@ -138,6 +141,9 @@ class _Tries:
         self.failures: list[str] = []
         self.timed_out = False  # the last failure was a timeout
         self.fault = ""  # the last failure was this invalid reply
+        # The backend whose 5xx is not counted yet: the next candidate tells
+        # whether it was the backend's (counted then) or the input's.
+        self.held = ""
 
     def leg_for(self, target: Target) -> Leg | None:
         """Return the Leg to this backend, None for OpenAI to OpenAI as it is.
@@ -196,12 +202,21 @@ class _Tries:
             )
             status = response.status
             if status >= 500:
-                upstream.breaker.record_failure(backend.name)
-                if not is_last:
+                if self.held:
+                    # Two backends fail on this request: its input's fault as
+                    # much as theirs. The client has the second's answer.
+                    key = exchange.key_prefix
+                    upstream.breaker.record_failure(self.held, key, suspect=True)
+                    upstream.breaker.record_failure(backend.name, key, suspect=True)
+                    self.held = ""
+                elif not is_last:
                     # Closed below (or its pooled connection leaks).
+                    self.held = backend.name
                     self.failures.append(f"{backend.name}: HTTP {status}")
                     upstream.metrics.retries.labels(backend.name).inc()
                     return False
+                else:
+                    upstream.breaker.record_failure(backend.name, exchange.key_prefix)
             if leg is None:
                 return await self._answer(target, response)
             return await self._answer_leg(target, response, leg)
@@ -246,9 +261,14 @@ class _Tries:
         exchange, backend = self.exchange, target.backend
         if backend.kind == RELAY_KIND:
             path = exchange.path if leg is None else leg.path
-            response = await self.upstream.relay.open(
-                target, exchange.request_id, path, data, headers, exchange.stream
-            )
+            try:
+                response = await self.upstream.relay.open(
+                    target, exchange.request_id, path, data, headers, exchange.stream
+                )
+            except RelayRefused as refused:
+                # The client's body, not any worker: its error, no breaker's.
+                code = "request_too_large" if refused.status == 413 else None
+                raise ProxyError(refused.status, str(refused), code=code) from None
             # Duck-typed: status, headers, content.readany()/iter_any(), close().
             return cast(aiohttp.ClientResponse, response)
         return await self.session.request(
@@ -336,7 +356,8 @@ class _Tries:
         backend, model = target.backend, target.model.name
         status = response.status
         if status < 500:
-            upstream.breaker.record_success(backend.name)
+            self.count_held()
+            upstream.breaker.record_success(backend.name, exchange.key_prefix)
         if status < 400:  # it answered for the model: loaded now (fleet)
             upstream.stats.mark_hot(backend.name, model)
         # A relay request may have been requeued to another worker.
@@ -364,11 +385,18 @@ class _Tries:
         fault: str = "",
     ) -> None:
         """Count a try that failed before any byte reached the client."""
-        self.upstream.breaker.record_failure(backend_name)
+        self.count_held()
+        self.upstream.breaker.record_failure(backend_name, self.exchange.key_prefix)
         self.upstream.metrics.retries.labels(backend_name).inc()
         self.failures.append(f"{backend_name}: {detail}")
         self.timed_out = isinstance(error, TimeoutError)
         self.fault = fault
+
+    def count_held(self) -> None:
+        """Count the held 5xx: the next candidate did not repeat it."""
+        if self.held:
+            held, self.held = self.held, ""
+            self.upstream.breaker.record_failure(held, self.exchange.key_prefix)
 
     def give_up(self) -> None:
         """Raise the client's error once no candidate gave an answer."""

@@ -68,6 +68,18 @@ class RelayUnavailable(aiohttp.ClientConnectionError):
     """No worker took the request before its first byte (forward retries)."""
 
 
+class RelayRefused(Exception):
+    """No worker could carry this request as it is: the client's to fix.
+
+    ``status`` is the client's answer (400, 413); no worker was asked, and no
+    breaker hears of it.
+    """
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class WorkerLink(Protocol):
     """A consumer holding a worker's socket in this process."""
 
@@ -336,7 +348,8 @@ class RelayHub:
 
         A stream returns at its first chunk, a whole reply when complete.
         Raises RelayUnavailable when no worker (of at most MAX_ATTEMPTS)
-        answered; aiohttp.ClientPayloadError when a reply is over ``max_reply``.
+        answered; aiohttp.ClientPayloadError when a reply is over ``max_reply``;
+        RelayRefused when the body cannot go in a frame (not UTF-8, too large).
         """
         state = self.state()
         channels = state.relay_channels if state is not None else {}
@@ -348,7 +361,9 @@ class RelayHub:
         try:
             text = body.decode()
         except UnicodeDecodeError:
-            raise RelayUnavailable("the request body is not UTF-8") from None
+            raise RelayRefused(
+                400, "The request body is not UTF-8; send JSON as UTF-8."
+            ) from None
         tried = [target.backend.name]
         backend_name = target.backend.name
         on_close: Callable[[], None] | None = None
@@ -368,6 +383,15 @@ class RelayHub:
                         is_streaming=stream,
                     )
                 )
+                if _frame_size(frame) > protocol.MAX_FRAME_BYTES:
+                    # A worker would drop the connection for a frame over it.
+                    if on_close is not None:
+                        on_close()
+                    raise RelayRefused(
+                        413,
+                        "The request body is larger than a relay worker accepts "
+                        f"({protocol.MAX_FRAME_BYTES} bytes with its framing).",
+                    )
                 try:
                     response = await self._attempt(call, frame, stream, max_reply)
                 except BaseException:
@@ -503,6 +527,13 @@ class RelayHub:
 
 _STREAM_HEAD = {"content-type": "text/event-stream"}
 _JSON_HEAD = {"content-type": "application/json"}
+
+
+def _frame_size(frame: str) -> int:
+    """The frame's size in bytes on the socket (counted only when it may matter)."""
+    if len(frame) * 4 <= protocol.MAX_FRAME_BYTES:
+        return len(frame)
+    return len(frame.encode())
 
 
 def _process_of(channel: str) -> str:

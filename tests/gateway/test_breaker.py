@@ -100,6 +100,62 @@ def test_the_circuit_closes_after_the_cool_down_then_one_failure_reopens_it() ->
     assert not breaker.is_open("gpu-1")
 
 
+def test_one_keys_failures_do_not_open_a_circuit_that_serves_other_keys() -> None:
+    clock = Clock()
+    breaker, _ = make_breaker(clock)
+    breaker.record_success("gpu-1", "victim")
+    clock.now += 9
+    for _ in range(10):
+        breaker.record_failure("gpu-1", "attacker")
+    assert not breaker.is_open("gpu-1")
+    clock.now += 1.1  # the victim's success is out of the window now
+    breaker.record_failure("gpu-1", "attacker")
+    assert breaker.is_open("gpu-1")  # as far as this process knows, one tenant
+
+
+def test_failures_of_two_keys_open_it_whoever_was_served() -> None:
+    breaker, _ = make_breaker()
+    breaker.record_success("gpu-1", "c")
+    breaker.record_failure("gpu-1", "a")
+    breaker.record_failure("gpu-1", "a")
+    breaker.record_failure("gpu-1", "b")
+    assert breaker.is_open("gpu-1")
+
+
+def test_a_5xx_the_next_backend_repeats_opens_it_only_with_another_keys() -> None:
+    breaker, _ = make_breaker()
+    for _ in range(10):
+        breaker.record_failure("gpu-1", "a", suspect=True)
+    assert not breaker.is_open("gpu-1")
+    breaker.record_failure("gpu-1", "b")
+    assert breaker.is_open("gpu-1")
+
+
+def test_a_one_key_opening_is_not_persisted_and_declined_where_others_are_served(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    queued: list[tuple[str, ...]] = []
+    monkeypatch.setattr(persist_breaker_opening, "delay", lambda *a: queued.append(a))
+    events: list[Any] = []
+    rules = BreakerSettings(failures=2, persist=True)
+    here, _ = make_breaker(rules=rules)
+    here._announce = events.append  # type: ignore[method-assign]
+    here.record_failure("gpu-1", "attacker")
+    here.record_failure("gpu-1", "attacker")
+    assert here.is_open("gpu-1")
+    assert events[0]["key"] == "attacker"
+    asyncio.run(here._publish(events[0]))
+    assert queued == []  # the database's mark would pause it for every key
+
+    elsewhere, _ = make_breaker(rules=rules)
+    elsewhere.record_success("gpu-1", "victim")
+    elsewhere.on_message(events[0])
+    assert not elsewhere.is_open("gpu-1")
+    quiet, _ = make_breaker(rules=rules)
+    quiet.on_message(events[0])
+    assert quiet.is_open("gpu-1")
+
+
 def snapshot() -> RouterSnapshot:
     model = ModelSpec(name="llama3:8b")
     return RouterSnapshot.build(
@@ -211,8 +267,8 @@ async def test_an_opening_queues_the_persisting_task_off_the_event_loop(
 
     monkeypatch.setattr(persist_breaker_opening, "delay", delay)
     breaker, _ = make_breaker(rules=BreakerSettings(failures=2, persist=True))
-    breaker.record_failure("gpu-1")
-    breaker.record_failure("gpu-1")
+    breaker.record_failure("gpu-1", "key-a")
+    breaker.record_failure("gpu-1", "key-b")
     assert breaker.is_open("gpu-1")
     await breaker.drain()
     # Queueing talks to the broker: it happens in a worker thread, never on the

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import aiohttp
 import pytest
 
-from gateway.relay.dispatch import RelayHub, RelayUnavailable
+from gateway.relay.dispatch import RelayHub, RelayRefused, RelayUnavailable
 from routing.core import BackendSpec, ModelSpec, RouterSnapshot, Target
 from routing.state import GatewayState
 
@@ -171,6 +171,31 @@ def test_three_workers_at_most_then_unavailable() -> None:
         assert str(failed.value).count("x") == 3
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        ('{"model": "llama3:8b"}'.encode("utf-16"), 400),
+        # Within the body limit, over a frame once every quote is escaped.
+        (b'{"model": "llama3:8b", "x": "' + b'\\"' * (5 * 1024**2) + b'"}', 413),
+    ],
+)
+def test_a_body_no_worker_can_carry_is_refused_before_any_worker(
+    body: bytes, status: int
+) -> None:
+    async def run() -> FakeLink:
+        hub = RelayHub()
+        link = FakeLink(hub, lambda hub, rid: _deliver(hub, rid, ("gone", "x")))
+        hub.attach("chan-a", link)
+        backends = _serve_workers(hub, {"a": "chan-a"})
+        target = Target(backends["a"], backends["a"].models[0])
+        with pytest.raises(RelayRefused) as refused:
+            await hub.open(target, "req", "/v1/chat/completions", body, {}, False)
+        assert refused.value.status == status
+        return link
+
+    assert asyncio.run(run()).requests == []
 
 
 def test_closing_a_stream_early_cancels_it_at_the_worker() -> None:

@@ -360,6 +360,18 @@ def test_injected_failures_always_fail_at_rate_one(mock: Mock) -> None:
     assert mock.stats()["injected_failures"] == 1
 
 
+def test_fail_on_text_fails_only_the_requests_holding_it(mock: Mock) -> None:
+    mock.configure(fail_on_text="POISON", fail_status=500)
+
+    def status(content: str, model: str = "llama3:8b") -> int:
+        body = {"model": model, "messages": [{"role": "user", "content": content}]}
+        return mock.http.post("/v1/chat/completions", json=body).status_code
+
+    assert status("a POISON pill") == 500
+    assert status("fine") == 200
+    assert mock.stats()["injected_failures"] == 1
+
+
 def test_error_rate_is_reproducible_with_the_seed(mock: Mock) -> None:
     body = {"model": "llama3:8b", "messages": [{"role": "user", "content": "hi"}]}
 
