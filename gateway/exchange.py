@@ -62,6 +62,8 @@ class Exchange(Generic[CallT, MeterT]):
     status: int = 0
     usage: dict[str, Any] | None = None
     completion_chars: int = 0
+    # Completion tokens a budget meter counted (a stream it cut): billed as is.
+    counted_completion: int | None = None
     error: str = ""
     client_gone: bool = False
     retries: int = 0

@@ -143,7 +143,9 @@ def _token_counts(exchange: ProxyExchange) -> tuple[int, int, int, bool]:
     elif prompt is None or completion is None:
         requirements = exchange.requirements
         prompt = 0 if requirements is None else requirements.estimated_tokens
-        completion = -(-exchange.completion_chars // 4)  # ceil(chars / 4)
+        completion = exchange.counted_completion
+        if completion is None:
+            completion = -(-exchange.completion_chars // 4)  # ceil(chars / 4)
     total = _token_count(usage.get("total_tokens")) if reported else None
     if not isinstance(total, int):
         total = prompt + completion

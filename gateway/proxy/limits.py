@@ -186,9 +186,11 @@ def _describe_budget(policy: KeyPolicy) -> str:
 class BudgetMeter:
     """Counts a budgeted stream's tokens as its events are relayed.
 
-    Tokens are estimated the way a stream without a usage block is billed:
-    the prompt estimate plus a quarter of the characters relayed, rounded up,
-    at the price of the model that answers (``use_model``). While that stays
+    Completion tokens are counted as at least one per event that carries text
+    (model servers stream about a token an event) and at least a quarter of
+    the characters relayed, rounded up, whichever is more; with the prompt
+    estimate, at the price of the model that answers (``use_model``). A stream
+    cut for its budget is billed as the meter counted it. While that stays
     within the ticket's hold nothing is asked; past it the limiter is asked
     to grow the hold, and when the budget cannot cover what was already
     relayed the stream is cut after that event. Events come as
@@ -196,7 +198,7 @@ class BudgetMeter:
     protocol (``sse.counted_events``, ``LegStream.feed_counted``).
     """
 
-    __slots__ = ("chars", "limiter", "price", "prices", "prompt", "ticket")
+    __slots__ = ("chars", "events", "limiter", "price", "prices", "prompt", "ticket")
 
     def __init__(
         self,
@@ -212,6 +214,7 @@ class BudgetMeter:
         self.price = prices.get(model, FREE)
         self.prompt = prompt
         self.chars = 0
+        self.events = 0  # events that carried text
 
     def use_model(self, model: str) -> None:
         """Count at the price of the model that answers (a fallback's, maybe)."""
@@ -220,27 +223,38 @@ class BudgetMeter:
     async def take(self, pieces: list[tuple[bytes, int]]) -> tuple[bytes, bool]:
         """Count relayed events; return what of them to send and whether the
         stream may go on (False: cut after the returned events)."""
-        added = 0
+        added = events = 0
         for _, chars in pieces:
-            added += chars
-        if not self._is_over(self.chars + added):
+            if chars:
+                added += chars
+                events += 1
+        if not self._is_over(self.chars + added, self.events + events):
             self.chars += added
+            self.events += events
             return b"".join([piece for piece, _ in pieces]), True
         # Find the event that crossed.
         out: list[bytes] = []
         for piece, chars in pieces:
             out.append(piece)
+            if not chars:
+                continue
             self.chars += chars
-            if chars and self._is_over(self.chars) and not await self._cover():
+            self.events += 1
+            if self._is_over(self.chars, self.events) and not await self._cover():
                 return b"".join(out), False
         return b"".join(out), True
 
-    def _usage(self, chars: int) -> tuple[int, int]:
-        completion = -(-chars // 4)
+    @property
+    def completion(self) -> int:
+        """Completion tokens counted so far (what a cut stream is billed)."""
+        return max(-(-self.chars // 4), self.events)
+
+    def _usage(self, chars: int, events: int) -> tuple[int, int]:
+        completion = max(-(-chars // 4), events)
         return self.prompt + completion, self.price.cost(self.prompt, completion)
 
-    def _is_over(self, chars: int) -> bool:
-        tokens, nanos = self._usage(chars)
+    def _is_over(self, chars: int, events: int) -> bool:
+        tokens, nanos = self._usage(chars, events)
         ticket = self.ticket
         policy = ticket.policy
         return (policy.budget_tokens is not None and tokens > ticket.held_tokens) or (
@@ -248,7 +262,7 @@ class BudgetMeter:
         )
 
     async def _cover(self) -> bool:
-        tokens, nanos = self._usage(self.chars)
+        tokens, nanos = self._usage(self.chars, self.events)
         want = (
             tokens + COVER_BLOCK_TOKENS,
             nanos + self.price.output_nanos * COVER_BLOCK_TOKENS,

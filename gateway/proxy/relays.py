@@ -278,6 +278,7 @@ def _cut_for_budget(exchange: ProxyExchange) -> None:
     exchange.error = "budget_exceeded"
     exchange.usage = None
     exchange.completion_chars = exchange.meter.chars if exchange.meter else 0
+    exchange.counted_completion = exchange.meter.completion if exchange.meter else 0
 
 
 def _mid_stream(exchange: ProxyExchange, what: str) -> str:

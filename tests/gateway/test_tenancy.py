@@ -38,6 +38,7 @@ from usage.stream import clear_usage_stream, drain_usage_stream
 SHIPS_TO_REDIS = settings.NEXUS_USAGE_TRANSPORT == "redis"
 CHUNKS = 10
 BUDGET_TOKENS = 80
+WORDS_BUDGET = 1600
 
 
 @dataclass
@@ -114,6 +115,7 @@ def setup(django_db_setup: None, django_db_blocker) -> Iterator[Setup]:
             "rpm": {"rpm_limit": 3},
             "tpm": {"tpm_limit": 2000},
             "budget": {"budget_tokens": BUDGET_TOKENS, **day},
+            "words": {"budget_tokens": WORDS_BUDGET, **day},
             "money": {"budget_usd": Decimal("0.0001"), **day},
             "cancel": {},
         }
@@ -248,6 +250,38 @@ def test_a_stream_that_crosses_the_budget_is_cut_there_and_billed_exactly(
     assert cut.prompt_tokens == prompt
     assert cut.completion_tokens == -(-total // 4)
     assert cut.status == 200 and cut.estimated
+
+
+def test_a_stream_of_short_tokens_is_cut_within_one_event_of_its_budget(
+    setup: Setup,
+) -> None:
+    # The red team's case: a token an event, each of fewer than 4 characters.
+    # Counted as characters / 4 the stream looked half as long as the backend
+    # billed it, and ran 90 % over its key's budget; counted as at least a token
+    # an event, it is cut where the budget runs out, and billed that.
+    words = 1000
+    body = {"model": "llama3:8b", "messages": chat("ab " * words), "stream": True}
+    prompt = RequestRequirements.from_request(body).estimated_tokens
+    assert prompt + -(-3 * words // 4) < WORDS_BUDGET < prompt + words
+    reply = httpx.post(
+        f"{setup.mock.base_url}/_mock/config", json={"chunks": 10_000}, timeout=5
+    )
+    assert reply.status_code == 200
+    try:
+        answer = setup.post("words", body)
+    finally:
+        httpx.post(
+            f"{setup.mock.base_url}/_mock/config", json={"chunks": CHUNKS}, timeout=5
+        )
+
+    events = [e[6:] for e in answer.text.split("\n\n") if e.startswith("data: {")]
+    last = json.loads(events[-1])
+    assert last.get("error", {}).get("code") == "budget_exceeded", events[-3:]
+    (cut,) = [
+        r for r in _records(setup.keys["words"][:11], 1) if r.error == "budget_exceeded"
+    ]
+    assert cut.prompt_tokens == prompt
+    assert WORDS_BUDGET < cut.total_tokens <= WORDS_BUDGET + 1  # the event crossing
 
 
 def test_costs_are_recorded_at_the_model_price(setup: Setup) -> None:
