@@ -24,6 +24,11 @@ from gateway.proxy.replies import TRANSPORT_ERRORS, describe, text_length
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
+# A stream's client that keeps more than max_unsent bytes unread this long is
+# stalled (checked every STALL_POLL_SECONDS while it is over).
+STALL_SECONDS = 10.0
+STALL_POLL_SECONDS = 0.02
+
 _STREAM_HEADERS = (
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -149,7 +154,11 @@ class Relay:
                                 "more_body": True,
                             }
                         )
-                        if unsent is not None and unsent() > max_unsent:
+                        if (
+                            unsent is not None
+                            and unsent() > max_unsent
+                            and await self._stays_unread(unsent, deadline)
+                        ):
                             exchange.error = "client_stalled"
                             break
         except sse.EventTooLarge as error:
@@ -238,7 +247,11 @@ class Relay:
                                 "more_body": True,
                             }
                         )
-                        if unsent is not None and unsent() > max_unsent:
+                        if (
+                            unsent is not None
+                            and unsent() > max_unsent
+                            and await self._stays_unread(unsent, deadline)
+                        ):
                             exchange.error = "client_stalled"
                             break
         except TRANSPORT_ERRORS as error:
@@ -258,6 +271,26 @@ class Relay:
         if meter is not None and not goes_on:
             tail += stream.fail(meter.cut_error().message, BUDGET)
         await self._end(tail)
+
+    async def _stays_unread(
+        self, unsent: Callable[[], int], deadline: asyncio.Timeout
+    ) -> bool:
+        """Whether what the client left unread stays over the bound.
+
+        A burst of events fills the server's buffer faster than its loop
+        writes it out, for a client reading all the while: it is given
+        STALL_SECONDS to bring the buffer down to half the bound, and the
+        backend is not read meanwhile (back-pressure). Only a client that
+        stays behind for that long is stalled.
+        """
+        loop = asyncio.get_running_loop()
+        until = loop.time() + STALL_SECONDS
+        deadline.reschedule(until + self.idle_timeout)
+        while unsent() > self.max_unsent // 2:
+            if loop.time() >= until:
+                return True
+            await asyncio.sleep(STALL_POLL_SECONDS)
+        return False
 
     async def _end(self, tail: bytes) -> None:
         """Send the stream's last bytes; or, to a client that stopped reading,

@@ -284,6 +284,28 @@ def test_a_stream_of_short_tokens_is_cut_within_one_event_of_its_budget(
     assert WORDS_BUDGET < cut.total_tokens <= WORDS_BUDGET + 1  # the event crossing
 
 
+def test_a_burst_of_small_events_reaches_a_reading_client_whole(
+    setup: Setup,
+) -> None:
+    # Thousands of events from a fast backend fill the server's buffer past the
+    # unsent-bytes bound before its loop writes them out: a client that reads
+    # is not a stalled one, and gets the whole stream.
+    body = {"model": "llama3:8b", "messages": chat("ab " * 1000), "stream": True}
+    httpx.post(
+        f"{setup.mock.base_url}/_mock/config", json={"chunks": 10_000}, timeout=5
+    )
+    try:
+        answer = setup.post("open", body)
+    finally:
+        httpx.post(
+            f"{setup.mock.base_url}/_mock/config", json={"chunks": CHUNKS}, timeout=5
+        )
+    assert answer.status_code == 200
+    assert answer.text.rstrip().endswith("data: [DONE]")
+    assert len(answer.content) > 1024 * 1024  # over the default bound
+    assert '"code": "client_stalled"' not in answer.text
+
+
 def test_costs_are_recorded_at_the_model_price(setup: Setup) -> None:
     raw = setup.sdk("open").chat.completions.with_raw_response.create(
         model="llama3:8b", messages=chat("what does it cost")
