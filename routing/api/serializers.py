@@ -261,7 +261,14 @@ class EffectiveConfigSerializer(serializers.Serializer[Any]):
     version = serializers.IntegerField()
     policy = EffectivePolicySerializer()
     backends = BackendSpecSerializer(many=True)
-    aliases = serializers.DictField(child=serializers.CharField())
+    aliases = serializers.DictField(
+        child=serializers.CharField(), help_text="Exact aliases: name -> target."
+    )
+    alias_patterns = serializers.DictField(
+        child=serializers.CharField(),
+        help_text="Pattern aliases (claude-*), in the order they are matched "
+        "(longest first): pattern -> target.",
+    )
     fallbacks = serializers.DictField(
         child=serializers.ListField(child=serializers.CharField())
     )
