@@ -163,6 +163,13 @@ class ChainStep(models.Model):
             raise ValidationError(
                 {"model": f"'{self.model}' cannot be a fallback for itself."}
             )
+        if is_alias_pattern(self.model):
+            raise ValidationError(
+                {
+                    "model": f"'{self.model}' is a pattern; a fallback is one model "
+                    "name (or alias)."
+                }
+            )
         # An alias step is resolved one level, like a requested model: one that
         # leads back to the chain's own model would be a cycle.
         target = (

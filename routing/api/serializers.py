@@ -14,11 +14,27 @@ from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
 
 
 class AliasSerializer(ModelCleanSerializer[Alias]):
-    """A public model name that routes to another model (single level)."""
+    """A public model name that routes to another model (single level).
+
+    A name with ``*`` or ``?`` is a pattern (``claude-*``): it covers every
+    name that no enabled backend serves and no exact alias names, the longest
+    pattern first.
+    """
+
+    is_pattern = serializers.BooleanField(
+        read_only=True,
+        help_text="Whether the name is a pattern (has * or ?), not one model name.",
+    )
 
     class Meta:
         model = Alias
-        fields = ("id", "name", "target", "created_at", "updated_at")
+        fields = ("id", "name", "is_pattern", "target", "created_at", "updated_at")
+        extra_kwargs = {
+            "name": {
+                "help_text": "The name clients ask for (gpt-4), or a pattern "
+                "with * (any characters) and ? (one character): claude-*."
+            }
+        }
 
 
 class FallbackChainSerializer(ModelCleanSerializer[FallbackChain]):

@@ -18,6 +18,7 @@ import tomllib
 from collections.abc import Mapping
 from typing import Any
 
+from routing.core.aliases import check_alias_pattern, is_alias_pattern
 from routing.config_file.backend_tables import read_backends
 from routing.config_file.literals import format_key, format_string
 from routing.config_file.problems import ConfigError
@@ -186,6 +187,16 @@ def _read_aliases(reader: ValueReader, value: object) -> tuple[AliasEntry, ...]:
             continue
         if not isinstance(target, str):
             reader.add(path, f"expected a model name, got {describe(target)}")
+            continue
+        if is_alias_pattern(name) and (why := check_alias_pattern(name)):
+            reader.add(path, why)
+            continue
+        if is_alias_pattern(target):
+            reader.add(
+                path,
+                f"the target {format_string(target)} is a pattern; it must be "
+                "the one model name to serve instead",
+            )
             continue
         entries.append(AliasEntry(path=path, name=name, target=target))
     return tuple(entries)

@@ -39,8 +39,6 @@ def check_alias_pattern(name: str) -> str | None:
             "A pattern may use only '*' (any characters) and '?' (one character); "
             "'[', ']', '{' and '}' are not patterns here."
         )
-    if any(char.isspace() for char in name):
-        return "A pattern cannot contain spaces."
     return None
 
 

@@ -61,7 +61,6 @@ def test_matching_stays_fast_on_a_hostile_name() -> None:
     [
         ("claude-[0-9]*", "only '*'"),
         ("claude-{a,b}", "only '*'"),
-        ("claude *", "spaces"),
         ("c" * 201 + "*", "at most 200"),
     ],
 )
