@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers
@@ -29,7 +29,7 @@ class AliasSerializer(ModelCleanSerializer[Alias]):
     class Meta:
         model = Alias
         fields = ("id", "name", "is_pattern", "target", "created_at", "updated_at")
-        extra_kwargs = {
+        extra_kwargs: ClassVar[dict[str, dict[str, str]]] = {
             "name": {
                 "help_text": "The name clients ask for (gpt-4), or a pattern "
                 "with * (any characters) and ? (one character): claude-*."

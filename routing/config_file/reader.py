@@ -18,7 +18,6 @@ import tomllib
 from collections.abc import Mapping
 from typing import Any
 
-from routing.core.aliases import check_alias_pattern, is_alias_pattern
 from routing.config_file.backend_tables import read_backends
 from routing.config_file.literals import format_key, format_string
 from routing.config_file.problems import ConfigError
@@ -37,6 +36,7 @@ from routing.config_file.schema import (
 )
 from routing.config_file.usage_tables import read_keys, read_prices
 from routing.config_file.values import ValueReader, coerce, describe
+from routing.core.aliases import check_alias_pattern, is_alias_pattern
 
 SYNTAX_POSITION = " (at line "
 END_OF_DOCUMENT = " (at end of document)"
