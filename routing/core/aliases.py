@@ -8,7 +8,8 @@ characters, none included) and ``?`` (one character) are special; everything
 else matches itself, case included.
 
 Matching runs on the request path: the patterns are sorted once per
-snapshot, and each name's answer is kept in a bounded dict, so a name asked
+snapshot, a pattern's literal prefix and suffix rule most names out at once,
+and each name's answer is kept in a bounded dict, so a name asked
 again costs one dict lookup.
 """
 
@@ -71,10 +72,25 @@ def matches_alias_pattern(pattern: str, name: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class AliasPattern:
-    """One pattern alias, compiled."""
+    """One pattern alias, with the literal ends that rule most names out."""
 
     pattern: str
     target: str
+    # The text before the first wildcard: a name without it cannot match.
+    prefix: str = ""
+    # The text after the last wildcard: a name without it cannot match.
+    suffix: str = ""
+    # ``prefix*`` and nothing else: the prefix test is the whole match.
+    is_prefix: bool = False
+
+    @classmethod
+    def of(cls, pattern: str, target: str) -> AliasPattern:
+        """The pattern, with its literal prefix and suffix worked out once."""
+        cut = min(i for i in (pattern.find("*"), pattern.find("?")) if i >= 0)
+        prefix = pattern[:cut]
+        last = max(pattern.rfind("*"), pattern.rfind("?"))
+        suffix = pattern[last + 1 :]
+        return cls(pattern, target, prefix, suffix, pattern == prefix + "*")
 
 
 class AliasPatterns:
@@ -85,7 +101,7 @@ class AliasPatterns:
     def __init__(self, patterns: Mapping[str, str] | None = None) -> None:
         ordered = sorted((patterns or {}).items(), key=lambda i: (-len(i[0]), i[0]))
         self.patterns: tuple[AliasPattern, ...] = tuple(
-            AliasPattern(pattern, target) for pattern, target in ordered
+            AliasPattern.of(pattern, target) for pattern, target in ordered
         )
         # Pattern -> target, longest pattern first.
         self.targets: dict[str, str] = {p.pattern: p.target for p in self.patterns}
@@ -107,7 +123,9 @@ class AliasPatterns:
         if found is None:
             found = _NO_MATCH
             for alias in self.patterns:
-                if matches_alias_pattern(alias.pattern, name):
+                if not (name.startswith(alias.prefix) and name.endswith(alias.suffix)):
+                    continue
+                if alias.is_prefix or matches_alias_pattern(alias.pattern, name):
                     found = (alias.pattern, alias.target)
                     break
             if len(self._cache) < CACHE_SIZE:

@@ -35,6 +35,9 @@ HAIKU = "claude-haiku-4-5-20251001"
         ("*", "anything at all", True),
         ("a*b*c", "a-x-b-y-c", True),
         ("a*b*c", "a-x-c-y-b", False),
+        ("ab*ba", "aba", False),  # the prefix and the suffix overlap
+        ("ab*ba", "abba", True),
+        ("*-mini", "gpt-4o-mini", True),
         ("llama3.1:*", "llama3.1:8b", True),
         ("llama3.1:*", "llama3x1:8b", False),  # '.' is a dot, not "any"
         ("Claude-*", CLAUDE, False),  # case counts, as for exact names
