@@ -8,7 +8,8 @@ sends them (``?beta=true``, ``anthropic-beta`` flags, ``thinking``,
 ``anthropic`` client's beta API (which Claude Code is built on), against one
 Nexus (Daphne) with two mock backends that do not speak Anthropic's API:
 ``mock-o`` (kind openai, llama3:8b) behind ``claude-*`` and ``mock-l`` (kind
-ollama, qwen2.5:0.5b) behind the longer ``claude-haiku-*``.
+ollama, qwen2.5:0.5b) behind the longer ``claude-haiku-*``; ``mock-c`` (kind
+anthropic, claude-x) behind ``claude-opus-*`` gets the body passed through.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class Gateway:
     server: NexusServer
     o: MockBackendProcess  # kind openai: llama3:8b, behind claude-*
     ollama: MockBackendProcess  # kind ollama: qwen2.5:0.5b, behind claude-haiku-*
+    c: MockBackendProcess  # kind anthropic: claude-x, behind claude-opus-*
     key: str
     llama_only: str  # a key allowed llama3:*
     claude_names: str  # a key allowed claude-*
@@ -105,6 +107,10 @@ def gateway(django_db_setup: None, django_db_blocker) -> Iterator[Gateway]:
             "--kind", "ollama", "--models", "qwen2.5:0.5b", "--name", "mock-l"
         )
         cleanup.callback(ollama.stop)
+        c = start_mock_backend(
+            "--kind", "anthropic", "--models", "claude-x", "--name", "mock-c"
+        )
+        cleanup.callback(c.stop)
 
         def flush() -> None:
             with django_db_blocker.unblock():
@@ -127,7 +133,17 @@ def gateway(django_db_setup: None, django_db_blocker) -> Iterator[Gateway]:
             BackendModel.objects.create(
                 backend=backend_l, name="qwen2.5:0.5b", discovered=True
             )
+            backend_c = Backend.objects.create(
+                name="mock-c",
+                base_url=c.base_url,
+                kind="anthropic",
+                status=HealthStatus.HEALTHY,
+            )
+            BackendModel.objects.create(
+                backend=backend_c, name="claude-x", supports_tools=True
+            )
             Alias.objects.create(name="claude-*", target="llama3:8b")
+            Alias.objects.create(name="claude-opus-*", target="claude-x")
             Alias.objects.create(name="claude-haiku-*", target="qwen2.5:0.5b")
             # gpt-4 serves only through its fallback chain.
             Alias.objects.create(name="gpt-4", target="llama3:70b")
@@ -144,7 +160,7 @@ def gateway(django_db_setup: None, django_db_blocker) -> Iterator[Gateway]:
             )
         server = start_nexus_server(NEXUS_BREAKER_FAILURES="1000000")
         cleanup.callback(server.stop)
-        yield Gateway(server, o, ollama, key, llama_only, claude_names)
+        yield Gateway(server, o, ollama, c, key, llama_only, claude_names)
 
 
 def _backend_for(gateway: Gateway, model: str) -> MockBackendProcess:
@@ -283,11 +299,12 @@ def test_patterns_are_not_models_but_an_alias_served_by_its_chain_is(
     owners = {model.id: model.owned_by for model in listed}
     assert owners == {
         "gpt-4": "alias:llama3:70b",
+        "claude-x": "mock-c",
         "llama3:8b": "mock-o",
         "qwen2.5:0.5b": "mock-l",
     }
     anthropic_ids = [m.id for m in gateway.client().models.list()]
-    assert anthropic_ids == ["gpt-4", "llama3:8b", "qwen2.5:0.5b"]
+    assert anthropic_ids == ["claude-x", "gpt-4", "llama3:8b", "qwen2.5:0.5b"]
 
 
 def test_a_name_no_pattern_covers_is_still_an_anthropic_404(gateway: Gateway) -> None:
@@ -296,3 +313,29 @@ def test_a_name_no_pattern_covers_is_still_an_anthropic_404(gateway: Gateway) ->
             model="gpt-5", max_tokens=5, messages=[{"role": "user", "content": "x"}]
         )
     assert missing.value.body["error"]["type"] == "not_found_error"
+
+
+def test_an_anthropic_backend_behind_a_pattern_gets_claude_codes_body_whole(
+    gateway: Gateway,
+) -> None:
+    recorded = _load(FIXTURES / "01_main_turn_stream.json")
+    body = recorded["body"] | {"model": "claude-opus-4-1-20250805"}
+    headers = recorded["headers"] | {"x-api-key": gateway.key}
+    with httpx.stream(
+        "POST",
+        gateway.server.base_url + recorded["path"],
+        json=body,
+        headers=headers,
+        timeout=30,
+    ) as response:
+        events = _events(response)
+    assert response.status_code == 200
+    assert response.headers["x-nexus-backend"] == "mock-c"
+    assert events[0]["type"] == "message_start" and events[-1]["type"] == (
+        "message_stop"
+    )
+    sent = _last_request(gateway.c)
+    passed = json.loads(sent["body"])
+    # Passed through, with the model the pattern names; nothing dropped.
+    assert passed == body | {"model": "claude-x"}
+    assert sent["headers"]["anthropic-beta"] == recorded["headers"]["anthropic-beta"]
