@@ -48,7 +48,7 @@ from routing.admission.errors import (
 )
 from routing.admission.queue import Ticket
 from routing.admission.vocabulary import Criticality, FlowKey, Outcome
-from routing.core import RequestRequirements
+from routing.core import RequestRequirements, RouterSnapshot
 from routing.core.types import UNLIMITED, PreparedTarget
 from usage.live import AdmissionLiveDict, AdmissionPoolDict
 
@@ -181,7 +181,7 @@ class AdmissionGate:
                 requirements.estimated_tokens,
                 _max_tokens(payload),
                 model,
-                state.routes.aliases.get(model, model),
+                state.routes.alias_for(model) or model,
             ),
             weight=weight,
             model=model,
@@ -331,16 +331,15 @@ class AdmissionGate:
             and target is None
             and model not in routes.fallbacks
         ):
-            return None  # unknown: the router answers 404, nothing is cached
-        tried = (model,) if target is None else (model, target)
-        pool = None
-        for name in (*tried, *routes.fallbacks_for(*tried)):
-            model_routes = routes.routes.get(name)
-            if model_routes is not None and model_routes.routable:
-                pool = _pool_from(
-                    model_routes.routable, routes.policy.waits_at_backends
-                )
-                break
+            pattern = routes.alias_pattern_for(model)
+            if pattern is None:
+                return None  # unknown: the router answers 404, nothing is cached
+            # Clients choose the names a pattern covers: cache the pattern's
+            # pool once, not one entry per name.
+            if pattern not in self._pools:
+                self._pools[pattern] = _first_pool(routes, routes.models_for(pattern))
+            return self._pools[pattern]
+        pool = _first_pool(routes, routes.models_for(model))
         self._pools[model] = pool
         return pool
 
@@ -452,6 +451,16 @@ class Pool(NamedTuple):
     key: str  # the backends' names, one a line
     ready: int
     capacities: tuple[int, ...]  # max_concurrency of those that declare one
+
+
+def _first_pool(routes: RouterSnapshot, names: tuple[str, ...]) -> Pool | None:
+    """The pool of the first of `names` with a ready backend (the router's
+    order: the name, its alias target, then the fallback chains')."""
+    for name in names:
+        model_routes = routes.routes.get(name)
+        if model_routes is not None and model_routes.routable:
+            return _pool_from(model_routes.routable, routes.policy.waits_at_backends)
+    return None
 
 
 def _pool_from(routable: Sequence[PreparedTarget], waits: int = 0) -> Pool:

@@ -7,15 +7,16 @@ from typing import TYPE_CHECKING, Any
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
-from django.db.models import Exists, OuterRef, QuerySet
+from django.db.models import QuerySet
 from django.forms import BaseModelFormSet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import reverse
 
-from backends.models import BackendModel
-from routing.core import FLEET_SETTING_NAMES
+from routing.core import FLEET_SETTING_NAMES, RouterSnapshot
 from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
+from routing.snapshot import build_snapshot
 
 if TYPE_CHECKING:
     # django-stubs makes the admin classes generic; Django's are not subscriptable.
@@ -30,39 +31,87 @@ else:
     ChainStepInlineBase = admin.TabularInline
 
 
+class AliasChangeList(ChangeList):
+    """The alias list, each row judged against the routing configuration."""
+
+    def get_results(self, request: HttpRequest) -> None:
+        super().get_results(request)
+        snapshot = build_snapshot()
+        for alias in self.result_list:
+            alias.serves = describe_alias_route(snapshot, alias.name)
+
+
+def describe_alias_route(snapshot: RouterSnapshot, name: str) -> str:
+    """The model a request for alias `name` is served by, as the router tries
+    them (target, then fallback chains) and with how it gets there; "" when no
+    enabled backend serves any of them (the alias answers 404)."""
+    if name in snapshot.aliases:
+        models = snapshot.models_for(name)[1:]  # after the name itself
+    elif name in snapshot.alias_patterns.targets:
+        models = snapshot.models_for(name)
+    else:
+        return ""  # left out of routing (alias_problems says why)
+    for position, model in enumerate(models):
+        routes = snapshot.routes.get(model)
+        if routes is not None and routes.is_served:
+            return model if position == 0 else f"{model} (fallback)"
+    return ""
+
+
 @admin.register(Alias)
 class AliasAdmin(AliasAdminBase):
-    list_display = ("name", "target", "target_served", "updated_at")
+    list_display = ("name", "kind", "target", "routes", "serves", "updated_at")
     search_fields = ("name", "target")
     readonly_fields = ("created_at", "updated_at")
     fields = ("name", "target", "created_at", "updated_at")
 
-    def get_queryset(self, request: HttpRequest) -> QuerySet[Alias]:
-        served = BackendModel.objects.filter(
-            name=OuterRef("target"), enabled=True, backend__enabled=True
-        )
-        return super().get_queryset(request).annotate(is_served=Exists(served))
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return AliasChangeList
 
-    @admin.display(description="target served", boolean=True)
-    def target_served(self, obj: Alias) -> bool:
-        """Whether an enabled backend lists the target: if not, the alias 404s."""
-        return bool(getattr(obj, "is_served", False))
+    def get_form(
+        self,
+        request: HttpRequest,
+        obj: Alias | None = None,
+        change: bool = False,
+        **kwargs: Any,
+    ) -> type[forms.ModelForm[Alias]]:
+        kwargs["help_texts"] = {
+            "name": "The name clients ask for, e.g. gpt-4; or a pattern with * "
+            "(any characters) and ? (one character), e.g. claude-*, covering "
+            "every name no backend serves and no exact alias names (the "
+            "longest pattern first).",
+        }
+        return super().get_form(request, obj, change, **kwargs)
+
+    @admin.display(description="kind")
+    def kind(self, obj: Alias) -> str:
+        return "pattern" if obj.is_pattern else "exact"
+
+    @admin.display(description="routes", boolean=True)
+    def routes(self, obj: Alias) -> bool:
+        """Whether an enabled backend serves the target or a model of its
+        fallback chain: if none does, the alias answers 404."""
+        return bool(getattr(obj, "serves", ""))
+
+    @admin.display(description="served by")
+    def serves(self, obj: Alias) -> str:
+        return getattr(obj, "serves", "") or "-"
 
     def save_model(
         self, request: HttpRequest, obj: Alias, form: Any, change: bool
     ) -> None:
         super().save_model(request, obj, form, change)
-        served = BackendModel.objects.filter(
-            name=obj.target, enabled=True, backend__enabled=True
-        ).exists()
-        if not served:
-            self.message_user(
-                request,
-                f"No enabled backend serves '{obj.target}' yet: requests for "
-                f"'{obj.name}' get 404 model_not_found and /v1/models does not "
-                "list it until one does.",
-                messages.WARNING,
-            )
+        if describe_alias_route(build_snapshot(), obj.name):
+            return
+        asked = f"names matching '{obj.name}'" if obj.is_pattern else f"'{obj.name}'"
+        listed = "" if obj.is_pattern else " and /v1/models does not list it"
+        self.message_user(
+            request,
+            f"No enabled backend serves '{obj.target}' (nor a model of its "
+            f"fallback chain) yet: requests for {asked} get 404 "
+            f"model_not_found{listed} until one does.",
+            messages.WARNING,
+        )
 
 
 class ChainStepForm(ChainStepFormBase):

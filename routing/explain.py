@@ -40,6 +40,9 @@ def render_decision(
         if via and via != "direct":
             route += f" serving {chosen['model']} (via {via})"
         lines.append(route)
+    pattern = decision.get("alias_pattern")
+    if pattern is not None:
+        lines.append(f"(the alias pattern '{pattern}' covers this name)")
     elif error is not None:
         lines.append(
             f"error {error['status']} {error['code'] or error['type']}: "
@@ -67,6 +70,9 @@ def render_decision(
         + (", " + ", ".join(needs) if needs else ""),
     ]
     for attempt in decision["attempts"]:
+        role = attempt["role"]
+        if role == "alias" and pattern is not None:
+            attempt = {**attempt, "role": f"alias pattern '{pattern}'"}
         lines += _render_attempt(attempt, attempt["outcome"].replace("_", " "), weights)
     for attempt in decision["onward"]:
         lines += _render_attempt(attempt, "next if every backend above fails", weights)

@@ -13,11 +13,17 @@ from django.db.models.lookups import Exact
 
 from routing.admission import AdmissionSettings, FlowKey, Sizing
 from routing.core import FLEET_SETTINGS, FleetPolicy, Strategy
+from routing.core.aliases import check_alias_pattern, is_alias_pattern
 from routing.core.fleet_policy import SETTINGS_BY_NAME
 
 
 class Alias(models.Model):
-    """A public model name that routes to another model (single level)."""
+    """A public model name that routes to another model (single level).
+
+    A name with ``*`` or ``?`` is a pattern (``claude-*``): it covers every
+    name that no enabled backend serves and no exact alias names, the longest
+    pattern first (routing.core.aliases).
+    """
 
     name = models.CharField(
         max_length=200, unique=True, help_text="The name clients ask for, e.g. gpt-4."
@@ -40,6 +46,11 @@ class Alias(models.Model):
     def __str__(self) -> str:
         return f"{self.name} → {self.target}"
 
+    @property
+    def is_pattern(self) -> bool:
+        """Whether the name is a pattern (has ``*`` or ``?``)."""
+        return is_alias_pattern(self.name)
+
     def clean(self) -> None:
         super().clean()
         self.name = self.name.strip()
@@ -49,6 +60,15 @@ class Alias(models.Model):
         if self.name == self.target:
             raise ValidationError(
                 {"target": f"Alias '{self.name}' cannot target itself."}
+            )
+        if self.is_pattern and (why := check_alias_pattern(self.name)) is not None:
+            raise ValidationError({"name": why})
+        if is_alias_pattern(self.target):
+            raise ValidationError(
+                {
+                    "target": f"'{self.target}' is a pattern; the target must be "
+                    "the one model name to serve instead."
+                }
             )
         others = Alias.objects.exclude(pk=self.pk)
         if others.filter(name=self.target).exists():
@@ -142,6 +162,13 @@ class ChainStep(models.Model):
         if self.model == chain.model:
             raise ValidationError(
                 {"model": f"'{self.model}' cannot be a fallback for itself."}
+            )
+        if is_alias_pattern(self.model):
+            raise ValidationError(
+                {
+                    "model": f"'{self.model}' is a pattern; a fallback is one model "
+                    "name (or alias)."
+                }
             )
         # An alias step is resolved one level, like a requested model: one that
         # leads back to the chain's own model would be a cycle.

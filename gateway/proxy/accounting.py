@@ -175,11 +175,14 @@ def _model_label(exchange: ProxyExchange) -> str:
 
 
 def _known_model(state: GatewayState, model: str) -> str:
-    """The model's name if the configuration knows it, else "unknown"."""
+    """The model's name if the configuration knows it (the pattern alias
+    covering it, for a name only a pattern knows), else "unknown"."""
     routes = state.routes
     if model in routes.routes or model in routes.aliases:
         return model
-    return UNKNOWN
+    # A name a pattern alias covers is counted under the pattern: clients
+    # choose those names, the operator chooses the patterns.
+    return routes.alias_pattern_for(model) or UNKNOWN
 
 
 def _log_access(

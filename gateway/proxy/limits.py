@@ -54,10 +54,11 @@ def check_expiry(policy: KeyPolicy, now: float, metrics: GatewayMetrics) -> None
 
 
 def is_model_allowed(policy: KeyPolicy, routes: RouterSnapshot, model: str) -> bool:
-    """Whether the key may ask for `model` (by name, or by its alias's target)."""
+    """Whether the key may ask for `model`: by the name asked for, or by the
+    model its alias (exact or pattern) sends it to."""
     if not policy.allowed_models:
         return True
-    target = routes.aliases.get(model)
+    target = routes.alias_for(model)
     return policy.allows(model) if target is None else policy.allows(model, target)
 
 
@@ -83,7 +84,7 @@ def price_estimate(
     the model's (or its alias target's); free when neither has one."""
     price = prices.get(model)
     if price is None:
-        target = routes.aliases.get(model)
+        target = routes.alias_for(model)
         price = prices.get(target) if target is not None else None
     return FREE if price is None else price
 

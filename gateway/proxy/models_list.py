@@ -133,10 +133,14 @@ class ModelsList:
                     "created": created,
                     "owned_by": ",".join(routes.backend_names),
                 }
-        # Aliases whose target is listed (one nobody serves would only 404 or
-        # 503); owned_by says what it is.
+        # Aliases that route: their target is listed, or a model of their
+        # fallback chain is (one that leads nowhere would only 404 or 503);
+        # owned_by says what it is. Pattern aliases (claude-*) are no model
+        # and not listed: the names they cover answer when asked for.
         for alias, target in sorted(snapshot.aliases.items()):
-            if alias not in entries and target in entries:
+            if alias not in entries and any(
+                name in entries for name in snapshot.models_for(alias)[1:]
+            ):
                 entries[alias] = {
                     "id": alias,
                     "object": "model",
@@ -152,7 +156,7 @@ class ModelsList:
 
 
 def _is_allowed(policy: KeyPolicy, snapshot: RouterSnapshot, name: str) -> bool:
-    target = snapshot.aliases.get(name)
+    target = snapshot.alias_for(name)
     return policy.allows(name) if target is None else policy.allows(name, target)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers
@@ -14,11 +14,27 @@ from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
 
 
 class AliasSerializer(ModelCleanSerializer[Alias]):
-    """A public model name that routes to another model (single level)."""
+    """A public model name that routes to another model (single level).
+
+    A name with ``*`` or ``?`` is a pattern (``claude-*``): it covers every
+    name that no enabled backend serves and no exact alias names, the longest
+    pattern first.
+    """
+
+    is_pattern = serializers.BooleanField(
+        read_only=True,
+        help_text="Whether the name is a pattern (has * or ?), not one model name.",
+    )
 
     class Meta:
         model = Alias
-        fields = ("id", "name", "target", "created_at", "updated_at")
+        fields = ("id", "name", "is_pattern", "target", "created_at", "updated_at")
+        extra_kwargs: ClassVar[dict[str, dict[str, str]]] = {
+            "name": {
+                "help_text": "The name clients ask for (gpt-4), or a pattern "
+                "with * (any characters) and ? (one character): claude-*."
+            }
+        }
 
 
 class FallbackChainSerializer(ModelCleanSerializer[FallbackChain]):
@@ -261,7 +277,14 @@ class EffectiveConfigSerializer(serializers.Serializer[Any]):
     version = serializers.IntegerField()
     policy = EffectivePolicySerializer()
     backends = BackendSpecSerializer(many=True)
-    aliases = serializers.DictField(child=serializers.CharField())
+    aliases = serializers.DictField(
+        child=serializers.CharField(), help_text="Exact aliases: name -> target."
+    )
+    alias_patterns = serializers.DictField(
+        child=serializers.CharField(),
+        help_text="Pattern aliases (claude-*), in the order they are matched "
+        "(longest first): pattern -> target.",
+    )
     fallbacks = serializers.DictField(
         child=serializers.ListField(child=serializers.CharField())
     )

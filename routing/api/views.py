@@ -84,6 +84,7 @@ class EffectiveConfigView(APIView):
             },
             "backends": snapshot.backends,
             "aliases": dict(snapshot.aliases),
+            "alias_patterns": snapshot.alias_patterns.as_dict(),
             "fallbacks": {
                 model: list(steps) for model, steps in snapshot.fallbacks.items()
             },

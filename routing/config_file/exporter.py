@@ -79,7 +79,19 @@ def export_config() -> str:
         "[routing.aliases]",
         "# Name a client asks for = the model served instead.",
     ]
-    for alias in sorted(Alias.objects.all(), key=lambda a: a.name):
+    aliases = list(Alias.objects.all())
+    for alias in sorted(aliases, key=lambda a: a.name):
+        if not alias.is_pattern:
+            lines.append(f"{format_string(alias.name)} = {format_string(alias.target)}")
+    patterns = sorted(
+        (a for a in aliases if a.is_pattern), key=lambda a: (-len(a.name), a.name)
+    )
+    if patterns:
+        lines += [
+            "# Patterns (* any characters, ? one): for names no backend serves and",
+            "# no alias above names, the longest pattern first.",
+        ]
+    for alias in patterns:
         lines.append(f"{format_string(alias.name)} = {format_string(alias.target)}")
 
     lines += [

@@ -36,6 +36,7 @@ from routing.config_file.schema import (
 )
 from routing.config_file.usage_tables import read_keys, read_prices
 from routing.config_file.values import ValueReader, coerce, describe
+from routing.core.aliases import check_alias_pattern, is_alias_pattern
 
 SYNTAX_POSITION = " (at line "
 END_OF_DOCUMENT = " (at end of document)"
@@ -186,6 +187,16 @@ def _read_aliases(reader: ValueReader, value: object) -> tuple[AliasEntry, ...]:
             continue
         if not isinstance(target, str):
             reader.add(path, f"expected a model name, got {describe(target)}")
+            continue
+        if is_alias_pattern(name) and (why := check_alias_pattern(name)):
+            reader.add(path, why)
+            continue
+        if is_alias_pattern(target):
+            reader.add(
+                path,
+                f"the target {format_string(target)} is a pattern; it must be "
+                "the one model name to serve instead",
+            )
             continue
         entries.append(AliasEntry(path=path, name=name, target=target))
     return tuple(entries)

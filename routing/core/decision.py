@@ -341,6 +341,8 @@ class Decision:
     via: Via | None = None
     error: RoutingError | None = None
     onward: tuple[Attempt, ...] = ()
+    # The pattern alias (``claude-*``) the requested name resolved through.
+    alias_pattern: str | None = None
 
     @property
     def requested_model(self) -> str:
@@ -423,6 +425,7 @@ class Decision:
             "requested_model": self.requested_model,
             "resolved_model": self.resolved_model,
             "via": str(self.via) if self.via is not None else None,
+            "alias_pattern": self.alias_pattern,
             "strategy": str(self.strategy),
             "snapshot_version": self.snapshot_version,
             "requirements": {

@@ -91,11 +91,22 @@ class ModelNotFound(RoutingError):
     error_type = INVALID_REQUEST
     code = "model_not_found"
 
-    def __init__(self, model: str, *, alias_target: str | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        *,
+        alias_target: str | None = None,
+        pattern: str | None = None,
+    ) -> None:
         self.model = model
         self.alias_target = alias_target
         if alias_target is None:
             message = f"Model '{model}' not found"
+        elif pattern is not None:
+            message = (
+                f"Model '{model}' not found: the alias pattern '{pattern}' sends "
+                f"it to '{alias_target}', and no backend serves '{alias_target}'"
+            )
         else:
             message = (
                 f"Model '{model}' not found: it is an alias for '{alias_target}', "

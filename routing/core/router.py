@@ -14,7 +14,10 @@ The pipeline is the spec's:
    or unknown: only "no" excludes; when some candidates confirm every needed
    capability, those whose support is unknown are tried after them;
 4. if no candidate is left: the model's alias target, through the same
-   filters (one level: an alias of an alias is never followed);
+   filters (one level: an alias of an alias is never followed). An exact
+   alias first; else, for a name no enabled backend serves, the longest
+   pattern alias covering it (``claude-*``), whose own fallback chain is
+   tried after the name's;
 5. then the fallback chain, each fallback through the same filters, one level
    (a fallback's own alias or chain is not consulted). The chain of the
    requested name is tried first, then the chain of its alias target;
@@ -148,8 +151,18 @@ class Router:
             requested, Role.REQUESTED, requirements, snapshot, stats
         )
         attempts.append(attempt)
-        alias_target = snapshot.aliases.get(requested)
-        tried = (requested,) if alias_target is None else (requested, alias_target)
+        alias_target = snapshot.alias_for(requested)
+        pattern = None
+        if alias_target is None:
+            tried: tuple[str, ...] = (requested,)
+        elif requested in snapshot.aliases:
+            tried = (requested, alias_target)
+        else:
+            # A pattern's own chain (keyed by the pattern) comes after the name's.
+            pattern = snapshot.alias_pattern_for(requested)
+            tried = (requested, alias_target)
+            if pattern is not None and pattern in snapshot.fallbacks:
+                tried = (requested, pattern, alias_target)
         chain = snapshot.fallbacks_for(*tried)
         if attempt.survivors:
             return self._choose(
@@ -162,9 +175,11 @@ class Router:
             )
             attempts.append(attempt)
             if attempt.survivors:
-                return self._choose(
+                decision = self._choose(
                     attempts, Via.ALIAS, requirements, snapshot, stats, chain, take_turn
                 )
+                decision.alias_pattern = pattern
+                return decision
 
         for position, fallback in enumerate(chain):
             attempt = self._try_model(
@@ -172,7 +187,7 @@ class Router:
             )
             attempts.append(attempt)
             if attempt.survivors:
-                return self._choose(
+                decision = self._choose(
                     attempts,
                     Via.FALLBACK,
                     requirements,
@@ -181,8 +196,10 @@ class Router:
                     chain[position + 1 :],
                     take_turn,
                 )
+                decision.alias_pattern = pattern
+                return decision
 
-        error = _explain_failure(attempts, alias_target, snapshot)
+        error = _explain_failure(attempts, alias_target, pattern, snapshot)
         decision = Decision(
             requirements=requirements,
             strategy=snapshot.policy.strategy,
@@ -190,6 +207,7 @@ class Router:
             max_retries=snapshot.policy.max_retries,
             attempts=tuple(attempts),
             error=error,
+            alias_pattern=pattern,
         )
         error.decision = decision
         return decision
@@ -414,7 +432,10 @@ class Router:
 
 
 def _explain_failure(
-    attempts: list[Attempt], alias_target: str | None, snapshot: RouterSnapshot
+    attempts: list[Attempt],
+    alias_target: str | None,
+    pattern: str | None,
+    snapshot: RouterSnapshot,
 ) -> RoutingError:
     requested = attempts[0].model
     transient = [a for a in attempts if a.outcome is Outcome.NO_HEALTHY_BACKEND]
@@ -448,7 +469,7 @@ def _explain_failure(
             return CircularAlias(
                 requested, alias_target=alias_target, next_target=next_target
             )
-        return ModelNotFound(requested, alias_target=alias_target)
+        return ModelNotFound(requested, alias_target=alias_target, pattern=pattern)
     return ModelNotFound(requested)
 
 

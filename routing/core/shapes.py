@@ -115,6 +115,8 @@ class DecisionDict(TypedDict):
     requested_model: str
     resolved_model: str | None
     via: str | None
+    # The pattern alias the requested name matched, when it matched one.
+    alias_pattern: str | None
     strategy: str
     snapshot_version: int
     requirements: RequirementsDict

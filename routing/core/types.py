@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NamedTuple
 
+from routing.core.aliases import AliasPatterns, check_alias_pattern, is_alias_pattern
 from routing.core.policy import Policy
 from routing.core.requirements import RequestRequirements
 from routing.core.scoring import score_priority
@@ -265,6 +266,9 @@ class RouterSnapshot:
     routes: Mapping[str, ModelRoutes] = field(repr=False)
     backends_by_name: Mapping[str, BackendSpec] = field(repr=False)
     alias_problems: tuple[str, ...] = ()
+    # Aliases whose name is a glob (``claude-*``), tried after exact names and
+    # exact aliases; ``aliases`` holds only the exact ones.
+    alias_patterns: AliasPatterns = field(default_factory=AliasPatterns, repr=False)
     # Wall-clock time (epoch seconds) when some backend's health result goes
     # stale and the snapshot must be rebuilt to stop routing there; None: never.
     expires_at: float | None = None
@@ -289,8 +293,12 @@ class RouterSnapshot:
         level). Empty fallback chains are dropped, as are duplicate steps and
         steps naming the chain's own model. A step naming an alias is resolved
         as a requested model would be, one level: to the alias's target (after
-        the alias name itself, when some backend also serves that name). Raises ValueError on duplicate
-        backend names or a model listed twice on one backend.
+        the alias name itself, when some backend also serves that name), or
+        by a pattern alias when no backend serves it. An alias whose name has
+        ``*`` or ``?`` is a pattern (``alias_patterns``); an invalid one, or one
+        targeting a pattern, is left out and reported in ``alias_problems``.
+        Raises ValueError on duplicate backend names or a model listed twice
+        on one backend.
         """
         policy = policy or Policy()
         ordered = tuple(sorted(backends, key=lambda b: (b.priority, b.name)))
@@ -318,35 +326,97 @@ class RouterSnapshot:
             name: _index_model(name, tuple(targets), weight)
             for name, targets in targets_by_model.items()
         }
-        clean_aliases = {
-            alias: target.strip()
-            for alias, target in (aliases or {}).items()
-            if target.strip() and target.strip() != alias
-        }
-        problems = tuple(
+        clean_aliases: dict[str, str] = {}
+        patterns: dict[str, str] = {}
+        problems: list[str] = []
+        for alias, raw_target in (aliases or {}).items():
+            target = raw_target.strip()
+            if not target or target == alias:
+                continue
+            if not is_alias_pattern(alias):
+                clean_aliases[alias] = target
+            elif (why := check_alias_pattern(alias)) is not None:
+                problems.append(f"Alias pattern {alias!r} is ignored: {why}")
+            elif is_alias_pattern(target):
+                problems.append(
+                    f"Alias pattern {alias!r} is ignored: its target {target!r} "
+                    "must be a model name, not a pattern."
+                )
+            else:
+                patterns[alias] = target
+        problems += (
             f"Alias {alias!r} points to {target!r}, which is itself an alias "
             f"for {clean_aliases[target]!r}; aliases are single-level, so "
             f"{alias!r} only reaches backends serving {target!r} directly"
-            for alias, target in sorted(clean_aliases.items())
+            for alias, target in sorted({**clean_aliases, **patterns}.items())
             if target in clean_aliases
         )
+        alias_patterns = AliasPatterns(patterns)
         return cls(
             version=version,
             backends=ordered,
             aliases=MappingProxyType(clean_aliases),
             fallbacks=MappingProxyType(
-                _resolve_steps(_clean_fallbacks(fallbacks or {}), clean_aliases, routes)
+                _resolve_steps(
+                    _clean_fallbacks(fallbacks or {}),
+                    clean_aliases,
+                    alias_patterns,
+                    routes,
+                )
             ),
             policy=policy,
             routes=MappingProxyType(routes),
             backends_by_name=MappingProxyType(by_name),
-            alias_problems=problems,
+            alias_problems=tuple(problems),
+            alias_patterns=alias_patterns,
             expires_at=expires_at,
         )
 
     def backend(self, name: str) -> BackendSpec | None:
         """Return the backend called `name`, if any."""
         return self.backends_by_name.get(name)
+
+    def alias_for(self, name: str) -> str | None:
+        """The model `name` is an alias for, exact or by pattern; None if neither.
+
+        An exact alias wins; a pattern covers only names that no enabled
+        backend serves, longest pattern first.
+        """
+        target = self.aliases.get(name)
+        if target is not None or not self.alias_patterns:
+            return target
+        found = self._pattern_match(name)
+        return None if found is None else found[1]
+
+    def alias_pattern_for(self, name: str) -> str | None:
+        """The pattern alias that `name` resolves through, if it does."""
+        if name in self.aliases or not self.alias_patterns:
+            return None
+        found = self._pattern_match(name)
+        return None if found is None else found[0]
+
+    def models_for(self, name: str) -> tuple[str, ...]:
+        """The models a request for `name` may be served by, in the router's
+        order: the name, its alias target, then the fallback chains'.
+
+        `name` may be a pattern alias itself (``claude-*``): then its target
+        and its chains, as for any name it covers.
+        """
+        target = self.alias_patterns.targets.get(name)
+        if target is not None:
+            return (target, *self.fallbacks_for(name, target))
+        target = self.alias_for(name)
+        if target is None:
+            return (name, *self.fallbacks_for(name))
+        pattern = None if name in self.aliases else self.alias_pattern_for(name)
+        keys = (name, target) if pattern is None else (name, pattern, target)
+        return (name, target, *self.fallbacks_for(*keys))
+
+    def _pattern_match(self, name: str) -> tuple[str, str] | None:
+        routes = self.routes.get(name)
+        if routes is not None and routes.is_served:
+            return None
+        return self.alias_patterns.match(name)
 
     def targets_for(self, model: str) -> tuple[Target, ...]:
         """Every backend listing `model` (routable or not), in stable order."""
@@ -423,15 +493,21 @@ def _index_model(
 def _resolve_steps(
     fallbacks: Mapping[str, tuple[str, ...]],
     aliases: Mapping[str, str],
+    patterns: AliasPatterns,
     routes: Mapping[str, ModelRoutes],
 ) -> dict[str, tuple[str, ...]]:
     resolved: dict[str, tuple[str, ...]] = {}
     for model, steps in fallbacks.items():
         chain: list[str] = []
         for step in steps:
-            names = [step] if step not in aliases or step in routes else []
-            if step in aliases:
-                names.append(aliases[step])
+            target = aliases.get(step)
+            served = step in routes and routes[step].is_served
+            if target is None and patterns and not served:
+                found = patterns.match(step)
+                target = None if found is None else found[1]
+            names = [step] if target is None or step in routes else []
+            if target is not None:
+                names.append(target)
             chain.extend(n for n in names if n != model and n not in chain)
         if chain:
             resolved[model] = tuple(chain)

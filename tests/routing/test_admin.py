@@ -125,13 +125,13 @@ def test_an_alias_whose_target_nobody_serves_is_flagged(admin_client: Client) ->
     saved = admin_client.post(
         ALIAS_ADD, {"name": "gpt-4", "target": "retired"}, follow=True
     )
-    assert "No enabled backend serves &#x27;retired&#x27; yet" in (
+    assert "No enabled backend serves &#x27;retired&#x27; (nor a model" in (
         saved.content.decode()
     )
     admin_client.post(ALIAS_ADD, {"name": "fast", "target": "llama3:8b"})
     listed = admin_client.get(reverse("admin:routing_alias_changelist"))
     served = {
-        alias.name: AliasAdmin.target_served(None, alias)  # type: ignore[arg-type]
+        alias.name: AliasAdmin.routes(None, alias)  # type: ignore[arg-type]
         for alias in listed.context["cl"].result_list
     }
     assert served == {"fast": True, "gpt-4": False}
@@ -316,7 +316,8 @@ def test_alias_changelist_query_count_does_not_grow_with_rows(
 ) -> None:
     AliasFactory.create_batch(40)
 
-    with django_assert_max_num_queries(8):
+    # The rows are judged against one routing snapshot (a fixed number of reads).
+    with django_assert_max_num_queries(12):
         response = admin_client.get(reverse("admin:routing_alias_changelist"))
 
     assert len(response.context["cl"].result_list) == 40

@@ -859,10 +859,11 @@ def _wipe() -> None:
 # Round trip over generated configurations
 
 # Any text a name can hold, including quotes, backslashes and control
-# characters the TOML writer must escape (NUL is refused by the models).
+# characters the TOML writer must escape (NUL is refused by the models; '*'
+# and '?' make an alias a pattern, which a target or a fallback cannot be).
 NAMES = (
     st.text(
-        alphabet=st.characters(exclude_categories=("Cs",), exclude_characters="\x00"),
+        alphabet=st.characters(exclude_categories=("Cs",), exclude_characters="\x00*?"),
         min_size=1,
         max_size=12,
     )

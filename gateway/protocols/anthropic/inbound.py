@@ -243,6 +243,10 @@ class _Reader:
                     f"{where}.input_schema: a JSON schema object is required.",
                     f"{where}.input_schema",
                 )
+            if "$schema" in schema:
+                # JSON Schema's dialect tag (Claude Code sends one per tool):
+                # not a parameter, and some OpenAI-style servers refuse it.
+                schema = {k: v for k, v in schema.items() if k != "$schema"}
             function: dict[str, Any] = {"name": name, "parameters": schema}
             if isinstance(tool.get("description"), str):
                 function["description"] = tool["description"]
