@@ -25,12 +25,15 @@ from dataclasses import dataclass, field
 
 NOT_ALLOWED = "not in the worker's allow-list"
 SERVED_DIRECTLY = "served by a direct backend"
+UNSTORABLE = "control characters or lone surrogates"
 # What a worker's refused list keeps (names beyond it are counted, not kept).
 MAX_REFUSED_KEPT = 100
 
 # A model name or a glob pattern over one: no spaces, commas or control bytes
 # (the same syntax as client keys' allow-lists, usage/limits/policy.py).
 _PATTERN = re.compile(r"[^\s,\x00-\x1f]{1,200}")
+# What no model name holds: it could not be stored, logged or shown as it is.
+_UNSTORABLE = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")
 
 
 def split_patterns(text: str) -> tuple[str, ...]:
@@ -87,6 +90,8 @@ class ModelRules:
 
         `direct` holds the names direct (non-relay) backends serve.
         """
+        if _UNSTORABLE.search(name):
+            return UNSTORABLE
         if not self.allows(name):
             return NOT_ALLOWED
         if not self.may_shadow_direct_backends and name in direct:
@@ -102,7 +107,9 @@ class ModelRules:
         refused: list[Refusal] = []
         for name in dict.fromkeys(names):
             reason = self.refusal(name, direct)
-            if reason:
+            if reason == UNSTORABLE:
+                refused.append(Refusal(ascii(name)[1:-1], reason))
+            elif reason:
                 refused.append(Refusal(name, reason))
             else:
                 served.append(name)

@@ -88,6 +88,19 @@ def test_a_direct_backends_name_is_refused_unless_the_worker_may_shadow() -> Non
     assert _routed("gpu-2") == {"gpt-4o", "llama3:8b"}
 
 
+def test_a_name_no_column_can_hold_costs_that_name_only() -> None:
+    """A lone surrogate (issue 27's red team broke publishing with one) or a
+    newline: refused and kept escaped, the worker's other models served."""
+    worker, _ = Worker.objects.create_worker("gpu-1")
+    accepted, _ = register_worker(worker.pk, "c1", "", ["ok", "\udfff", "a\nb"], 1)
+    assert accepted.models == ("ok",)
+    assert _stored("gpu-1") == {"ok"}
+    assert [r["name"] for r in Worker.objects.get(pk=worker.pk).refused_models] == [
+        "\\udfff",
+        "a\\nb",
+    ]
+
+
 def test_a_models_update_is_sorted_the_same_way() -> None:
     worker, _ = Worker.objects.create_worker("gpu-1", "m*")
     register_worker(worker.pk, "chan-1", "", ["m1"], 1)

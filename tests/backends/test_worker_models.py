@@ -5,6 +5,7 @@ from __future__ import annotations
 from backends.worker_models import (
     NOT_ALLOWED,
     SERVED_DIRECTLY,
+    UNSTORABLE,
     ModelRules,
     Refusal,
     describe_refusals,
@@ -54,6 +55,17 @@ def test_sort_keeps_order_drops_duplicates_and_says_why() -> None:
     )
     assert served == ("m1", "m2")
     assert refused == (Refusal("gpt-4o", NOT_ALLOWED), Refusal("x", NOT_ALLOWED))
+
+
+def test_a_name_that_cannot_be_stored_or_logged_is_refused_escaped() -> None:
+    names = ["ok", "\udfff", "two\nlines", "bell\x07", "caf\u00e9"]
+    served, refused = ModelRules().sort(names, DIRECT)
+    assert served == ("ok", "caf\u00e9")
+    assert refused == (
+        Refusal("\\udfff", UNSTORABLE),
+        Refusal("two\\nlines", UNSTORABLE),
+        Refusal("bell\\x07", UNSTORABLE),
+    )
 
 
 def test_the_refusal_line_is_bounded() -> None:
