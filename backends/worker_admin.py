@@ -8,11 +8,11 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.forms import ModelForm
 from django.http import HttpRequest
-from django.utils.html import format_html
-from django.utils.safestring import SafeString
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import SafeString, mark_safe
 from django.utils.timesince import timesince
 
-from backends.workers import DEFAULT_DRAIN_SECONDS, Worker
+from backends.workers import DEFAULT_DRAIN_SECONDS, MODEL_RULE_FIELDS, Worker
 
 if TYPE_CHECKING:
     WorkerAdminBase = admin.ModelAdmin[Worker]
@@ -45,15 +45,18 @@ class WorkerAdmin(WorkerAdminBase):
         "backend_status",
         "last_seen",
         "last_address",
+        "allowed",
         "created_at",
     )
-    list_filter = ("is_active",)
+    list_filter = ("is_active", "may_shadow_direct_backends")
     search_fields = ("name", "prefix")
     list_select_related = ("backend",)
     fields = (
         "name",
         "prefix",
         "is_active",
+        *MODEL_RULE_FIELDS,
+        "refused",
         "backend",
         "last_seen_at",
         "last_address",
@@ -67,6 +70,7 @@ class WorkerAdmin(WorkerAdminBase):
         readonly = (
             "prefix",
             "is_active",
+            "refused",
             "backend",
             "last_seen_at",
             "last_address",
@@ -78,13 +82,18 @@ class WorkerAdmin(WorkerAdminBase):
     def get_fields(
         self, request: HttpRequest, obj: Worker | None = None
     ) -> tuple[str, ...]:
-        return ("name",) if obj is None else self.fields
+        return ("name", *MODEL_RULE_FIELDS) if obj is None else self.fields
 
     def save_model(
         self, request: HttpRequest, obj: Worker, form: ModelForm[Worker], change: bool
     ) -> None:
         if change:
-            super().save_model(request, obj, form, change)
+            # Only what the form changed: the worker's consumer writes its
+            # connection fields meanwhile, which a whole-row save would put back.
+            changed = [f for f in MODEL_RULE_FIELDS if f in form.changed_data]
+            if changed:
+                obj.save(update_fields=changed)
+                obj.refresh_models_on_commit()
             return
         raw = obj.set_new_secret()
         super().save_model(request, obj, form, change)
@@ -104,6 +113,26 @@ class WorkerAdmin(WorkerAdminBase):
     @admin.display(description="backend status")
     def backend_status(self, obj: Worker) -> str:
         return str(obj.backend.status) if obj.backend is not None else "—"
+
+    @admin.display(description="allowed models")
+    def allowed(self, obj: Worker) -> str:
+        rules = obj.allowed_models.replace(",", ", ") or "any"
+        return rules + (
+            " (may shadow direct backends)" if obj.may_shadow_direct_backends else ""
+        )
+
+    @admin.display(description="refused models")
+    def refused(self, obj: Worker) -> SafeString | str:
+        if not obj.refused_models:
+            return "none"
+        return format_html_join(
+            mark_safe("<br>"),
+            "{} ({})",
+            (
+                (row.get("name", ""), row.get("reason", ""))
+                for row in obj.refused_models
+            ),
+        )
 
     @admin.display(description="last seen", ordering="last_seen_at")
     def last_seen(self, obj: Worker) -> str:

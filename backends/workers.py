@@ -25,7 +25,15 @@ from django.db import models, transaction
 from django.utils import timezone
 
 from backends.kinds import ModelInfo
-from backends.models import Backend, BackendKind, HealthStatus
+from backends.models import Backend, BackendKind, BackendModel, HealthStatus
+from backends.worker_models import (
+    MAX_REFUSED_KEPT,
+    ModelRules,
+    Refusal,
+    describe_refusals,
+    is_valid_pattern,
+    split_patterns,
+)
 from nexus_lib.layer import run_on_layer
 
 logger = logging.getLogger(__name__)
@@ -39,6 +47,8 @@ CLOSE_EVENT = "relay.close"  # {"code": int}
 DRAIN_EVENT = "relay.drain"  # {"reason": str, "timeout": float}
 REFRESH_EVENT = "relay.refresh"
 AUTH_FAILED_CLOSE_CODE = 4001
+# The fields saying which models a worker may serve (admin and API edit them).
+MODEL_RULE_FIELDS = ("allowed_models", "may_shadow_direct_backends")
 DEFAULT_DRAIN_SECONDS = 60.0
 
 
@@ -56,9 +66,22 @@ class WorkerQuerySet(models.QuerySet["Worker"]):
     def active(self) -> WorkerQuerySet:
         return self.filter(is_active=True)
 
-    def create_worker(self, name: str) -> tuple[Worker, str]:
-        """Create a worker; return it with the raw secret, which is not stored."""
-        worker = self.model(name=name.strip())
+    def create_worker(
+        self,
+        name: str,
+        allowed_models: str = "",
+        may_shadow_direct_backends: bool = False,
+    ) -> tuple[Worker, str]:
+        """Create a worker; return it with the raw secret, which is not stored.
+
+        `allowed_models`: comma-separated names and globs it may serve ("" : any
+        name no direct backend serves).
+        """
+        worker = self.model(
+            name=name.strip(),
+            allowed_models=allowed_models,
+            may_shadow_direct_backends=may_shadow_direct_backends,
+        )
         raw = worker.set_new_secret()
         worker.full_clean()
         worker.save()
@@ -157,6 +180,22 @@ class Worker(models.Model):
     last_seen_at = models.DateTimeField(null=True, blank=True, editable=False)
     last_address = models.CharField(max_length=100, blank=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
+    allowed_models = models.CharField(
+        max_length=2000,
+        blank=True,
+        default="",
+        help_text="Comma-separated model names or glob patterns (llama3:*) this "
+        "worker may serve; empty: any name no direct backend serves.",
+    )
+    may_shadow_direct_backends = models.BooleanField(
+        default=False,
+        help_text="Let it serve names a direct (non-relay) backend serves too. "
+        "Off, such names are refused: a worker cannot take the traffic of a "
+        "backend you trust.",
+    )
+    # The names it announced and does not serve, with why ({"name", "reason"}),
+    # as of its last registration or models_update; at most MAX_REFUSED_KEPT.
+    refused_models = models.JSONField(default=list, blank=True, editable=False)
 
     objects = WorkerQuerySet.as_manager()
 
@@ -174,6 +213,16 @@ class Worker(models.Model):
             raise ValidationError(
                 {"name": "A backend that is not a relay worker has this name."}
             )
+        patterns = split_patterns(self.allowed_models)
+        bad = [p for p in patterns if not is_valid_pattern(p)]
+        if bad:
+            raise ValidationError(
+                {
+                    "allowed_models": "Not a model name or glob pattern: "
+                    + ", ".join(repr(p[:60]) for p in bad)
+                }
+            )
+        self.allowed_models = ",".join(patterns)
 
     def set_new_secret(self) -> str:
         """Give the worker a new secret (not saved); return the raw secret."""
@@ -202,6 +251,16 @@ class Worker(models.Model):
                 )
             )
 
+    def refresh_models_on_commit(self) -> None:
+        """Ask the connected worker to list its models again once the
+        transaction commits: its rules changed, what it is refused is sorted
+        again (the router applies new rules at once either way)."""
+        channel = self.channel_name
+        if channel:
+            transaction.on_commit(
+                lambda: notify_worker(channel, {"type": REFRESH_EVENT})
+            )
+
     def matches(self, raw_secret: str) -> bool:
         return hmac.compare_digest(self.hashed_secret, hash_secret(raw_secret))
 
@@ -209,14 +268,23 @@ class Worker(models.Model):
     def is_connected(self) -> bool:
         return bool(self.channel_name)
 
+    @property
+    def model_rules(self) -> ModelRules:
+        """Which names it may serve (backends/worker_models.py)."""
+        return ModelRules(
+            split_patterns(self.allowed_models), self.may_shadow_direct_backends
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Registration:
-    """What the gateway accepted of a worker's register message."""
+    """What the gateway accepted of a worker's register or models_update."""
 
     worker_id: int
     backend_name: str
     models: tuple[str, ...]
+    # What it announced and does not serve (its allow-list, direct backends).
+    refused: tuple[Refusal, ...] = ()
 
 
 def register_worker(
@@ -259,8 +327,7 @@ def register_worker(
         worker.save(
             update_fields=("backend", "channel_name", "last_seen_at", "last_address")
         )
-        accepted = record_worker_models(backend, models)
-    return Registration(worker.pk, backend.name, accepted), previous
+        return _apply_models(worker, backend, models), previous
 
 
 def record_worker_models(backend: Backend, models: Sequence[str]) -> tuple[str, ...]:
@@ -272,12 +339,45 @@ def record_worker_models(backend: Backend, models: Sequence[str]) -> tuple[str, 
     return names
 
 
-def update_worker_models(worker_id: int, models: Sequence[str]) -> tuple[str, ...]:
+def update_worker_models(worker_id: int, models: Sequence[str]) -> Registration:
     """Apply a models_update from a connected worker."""
     worker = Worker.objects.select_related("backend").get(pk=worker_id)
     if worker.backend is None:
-        return ()
-    return record_worker_models(worker.backend, models)
+        return Registration(worker.pk, worker.name, ())
+    return _apply_models(worker, worker.backend, models)
+
+
+def direct_model_names() -> set[str]:
+    """The model names direct (non-relay) backends list, enabled or not.
+
+    Demo backends (nexus_run's mock servers) do not count: nothing real is
+    sent to them, and a worker joining a demo should not be refused.
+    """
+    rows = BackendModel.objects.exclude(backend__kind=BackendKind.RELAY).exclude(
+        backend__is_demo=True
+    )
+    return set(rows.values_list("name", flat=True).distinct())
+
+
+def _apply_models(
+    worker: Worker, backend: Backend, models: Sequence[str]
+) -> Registration:
+    """Serve what the worker may of `models`; note (and log) what it may not."""
+    served, refused = worker.model_rules.sort(models, direct_model_names())
+    record_worker_models(backend, served)
+    kept = [{"name": r.name, "reason": r.reason} for r in refused[:MAX_REFUSED_KEPT]]
+    if kept != worker.refused_models:
+        # Logged when what it is refused changes, not at every reconnect.
+        if refused:
+            logger.warning(
+                "Relay worker %s: %d of its models refused (%s)",
+                worker.name,
+                len(refused),
+                describe_refusals(refused),
+            )
+        worker.refused_models = kept
+        worker.save(update_fields=("refused_models",))
+    return Registration(worker.pk, backend.name, served, refused)
 
 
 def see_worker(worker_id: int, channel_name: str) -> bool:

@@ -34,8 +34,9 @@ GATEWAY_MODELS: tuple[type[Model], ...] = (
     ModelPrice,
     Worker,  # where a relay worker's socket is (GatewayState.relay_channels)
 )
-# Saving only these fields changes nothing a serving process reads.
-_BOOKKEEPING_FIELDS = frozenset({"last_used_at", "last_seen_at"})
+# Saving only these fields changes nothing a serving process reads (a
+# worker's refused models are for the operator to see).
+_BOOKKEEPING_FIELDS = frozenset({"last_used_at", "last_seen_at", "refused_models"})
 
 
 def gateway_row_changed(sender: type[Model], using: str, **kwargs: Any) -> None:

@@ -16,6 +16,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from backends.models import Backend, BackendKind, BackendModel, HealthStatus, Worker
+from backends.worker_models import ModelRules
 from routing.admission import AdmissionSettings, Criticality
 from routing.core import (
     FLEET_SETTINGS,
@@ -48,8 +49,9 @@ def build_snapshot() -> RouterSnapshot:
     now = timezone.now()
     with transaction.atomic():
         version = read_config_version()
-        rows = list(Backend.objects.prefetch_related("models"))
-        backends = [_backend_spec(backend, now) for backend in rows]
+        rows = list(Backend.objects.select_related("worker").prefetch_related("models"))
+        direct = _direct_model_names(rows)
+        backends = [_backend_spec(backend, now, direct) for backend in rows]
         aliases = dict(Alias.objects.values_list("name", "target"))
         fallbacks = {
             chain.model: [step.model for step in chain.steps.all()]
@@ -99,7 +101,31 @@ def read_policy_overrides() -> dict[str, str]:
     return overrides
 
 
-def _backend_spec(backend: Backend, now: datetime) -> BackendSpec:
+def _direct_model_names(backends: list[Backend]) -> frozenset[str]:
+    """What direct backends list (demo ones aside): backends.workers's rule."""
+    return frozenset(
+        model.name
+        for backend in backends
+        if backend.kind != BackendKind.RELAY and not backend.is_demo
+        for model in backend.models.all()
+    )
+
+
+def _served_models(backend: Backend, direct: frozenset[str]) -> list[BackendModel]:
+    """The backend's models the router may send it: for a relay worker, those
+    its credential allows and no direct backend lists (unless it may shadow
+    them), whatever it announced when it registered (backends/worker_models.py)."""
+    models = list(backend.models.all())
+    if backend.kind != BackendKind.RELAY:
+        return models
+    worker = getattr(backend, "worker", None)
+    rules = worker.model_rules if worker is not None else ModelRules()
+    return [model for model in models if not rules.refusal(model.name, direct)]
+
+
+def _backend_spec(
+    backend: Backend, now: datetime, direct: frozenset[str]
+) -> BackendSpec:
     return BackendSpec(
         id=backend.pk,
         name=backend.name,
@@ -115,7 +141,9 @@ def _backend_spec(backend: Backend, now: datetime) -> BackendSpec:
         health_stale=backend.is_health_stale(now),
         memory_ceiling_gb=backend.memory_ceiling_gb,
         tier=backend.tier,
-        models=tuple(_model_spec(backend, model) for model in backend.models.all()),
+        models=tuple(
+            _model_spec(backend, model) for model in _served_models(backend, direct)
+        ),
     )
 
 

@@ -16,7 +16,8 @@ from backends.models import (
     BackendModel,
     Worker,
 )
-from nexus_lib.serializers import ModelCleanSerializer
+from backends.workers import MODEL_RULE_FIELDS
+from nexus_lib.serializers import ModelCleanSerializer, saving
 
 
 class BackendSerializer(ModelCleanSerializer[Backend]):
@@ -101,13 +102,35 @@ class BackendModelSerializer(ModelCleanSerializer[BackendModel]):
         return super().update(instance, validated_data)
 
 
+class RefusedModelSerializer(serializers.Serializer[Any]):
+    name = serializers.CharField()
+    reason = serializers.CharField()
+
+
 class WorkerSerializer(ModelCleanSerializer[Worker]):
-    """A relay worker. Its secret is shown once: on create and on rotate."""
+    """A relay worker. Its secret is shown once: on create and on rotate.
+
+    ``allowed_models`` and ``may_shadow_direct_backends`` say which of the
+    models it announces it is sent; ``refused_models`` lists the others, as
+    of its last registration or models_update.
+    """
 
     connected = serializers.BooleanField(source="is_connected", read_only=True)
     backend: serializers.SlugRelatedField[Backend] = serializers.SlugRelatedField(
         slug_field="name", read_only=True
     )
+    refused_models = RefusedModelSerializer(
+        many=True,
+        read_only=True,
+        help_text="Models it announced and is not sent, with why (at most 100).",
+    )
+
+    read_only_hints: ClassVar[Mapping[str, str]] = {
+        "name": "A worker's name is its backend's name in routing: create "
+        "another worker for another name.",
+        "is_active": "Revoke with POST /api/v1/workers/{id}/revoke; rotate the "
+        "secret to let it back.",
+    }
 
     class Meta:
         model = Worker
@@ -118,6 +141,8 @@ class WorkerSerializer(ModelCleanSerializer[Worker]):
             "is_active",
             "connected",
             "backend",
+            *MODEL_RULE_FIELDS,
+            "refused_models",
             "last_seen_at",
             "last_address",
             "created_at",
@@ -129,6 +154,23 @@ class WorkerSerializer(ModelCleanSerializer[Worker]):
             "last_address",
             "created_at",
         )
+
+    def get_fields(self) -> dict[str, serializers.Field[Any, Any, Any, Any]]:
+        fields = super().get_fields()
+        if self.instance is not None:
+            fields["name"].read_only = True
+        return fields
+
+    def update(self, instance: Worker, validated_data: dict[str, Any]) -> Worker:
+        # Only what was sent: the worker's consumer writes its connection
+        # fields meanwhile, which a whole-row save would put back.
+        with saving():
+            for name, value in validated_data.items():
+                setattr(instance, name, value)
+            instance.save(update_fields=tuple(validated_data))
+            if set(MODEL_RULE_FIELDS) & set(validated_data):
+                instance.refresh_models_on_commit()
+        return instance
 
 
 class NewWorkerSerializer(WorkerSerializer):

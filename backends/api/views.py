@@ -87,10 +87,15 @@ class WorkerViewSet(
     mixins.CreateModelMixin,
     mixins.ListModelMixin,
     mixins.RetrieveModelMixin,
+    mixins.UpdateModelMixin,
     viewsets.GenericViewSet[Worker],
 ):
     """Relay workers (GPU boxes behind NAT running nexus-worker): create, list,
-    rotate, revoke, drain.
+    change which models they may serve, rotate, revoke, drain.
+
+    A worker is sent only the models its ``allowed_models`` admit (names and
+    globs; empty: any) and, unless ``may_shadow_direct_backends``, none that a
+    direct backend lists; ``refused_models`` shows the others it announced.
 
     Only a hash of each secret is stored: the secret is in the answer to the
     create (and rotate) request and nowhere else. A revoked worker is
@@ -108,7 +113,11 @@ class WorkerViewSet(
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         serializer = self.get_serializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        worker, raw = Worker.objects.create_worker(serializer.validated_data["name"])
+        worker, raw = Worker.objects.create_worker(
+            serializer.validated_data["name"],
+            serializer.validated_data.get("allowed_models", ""),
+            serializer.validated_data.get("may_shadow_direct_backends", False),
+        )
         data = {**WorkerSerializer(worker).data, "secret": raw}
         return Response(data, status=status.HTTP_201_CREATED)
 

@@ -35,10 +35,12 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
+from backends.worker_models import describe_refusals
 from backends.workers import (
     CLOSE_EVENT,
     DRAIN_EVENT,
     REFRESH_EVENT,
+    Registration,
     Worker,
     drain_worker,
     forget_worker,
@@ -66,6 +68,9 @@ _SLACK = 16
 # an "accepted" event back (that process gives up on a silent consumer after
 # 3 heartbeats, at least 5 s: gateway/relay/dispatch.py).
 ACCEPT_NOTICE_SECONDS = 1.0
+
+# The error code telling a worker which of its models are refused.
+MODELS_REFUSED = "models_refused"
 
 # Events waiting for the channel layer, per request, before it is failed.
 _MAX_BACKLOG = 4096
@@ -288,9 +293,10 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         elif isinstance(message, protocol.ModelsUpdate):
             self.hub.report_load(self.backend_name, message.load)
             assert self.worker_id is not None
-            await database_sync_to_async(update_worker_models)(
+            update = await database_sync_to_async(update_worker_models)(
                 self.worker_id, message.models
             )
+            await self._tell_refused(update)
         else:
             logger.info(
                 "Relay worker %s: unexpected %s ignored",
@@ -328,6 +334,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
                 heartbeat_interval=self.interval,
             )
         )
+        await self._tell_refused(registration)
         logger.info(
             "Relay worker %s registered: %d models, max concurrency %d",
             self.backend_name,
@@ -335,6 +342,18 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             message.max_concurrency,
         )
         self._tasks.append(asyncio.get_running_loop().create_task(self._heartbeat()))
+
+    async def _tell_refused(self, accepted: Registration) -> None:
+        """Tell the worker which of its models it is not sent (its log shows
+        it): not in its credential's allow-list, or a direct backend's."""
+        if accepted.refused:
+            text = describe_refusals(accepted.refused)
+            await self._send(
+                protocol.Error(
+                    message=f"models not routed here: {text}"[:2000],
+                    code=MODELS_REFUSED,
+                )
+            )
 
     def _forward(self, request_id: str, event: Event, last: bool) -> None:
         route = (
