@@ -10,7 +10,6 @@ logged "Configuration version N is live" with nothing changed.
 from __future__ import annotations
 
 from datetime import timedelta
-
 from typing import Any
 
 import pytest
