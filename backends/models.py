@@ -359,9 +359,13 @@ class BackendModelQuerySet(models.QuerySet["BackendModel"]):
         window and keep_alive expiry. A model loading or unloading gets
         ``last_loaded_at`` now (the fleet strategy's "warm"). Returns whether
         anything routing reads changed (the caller announces the change). An
-        expiry that only moved forward by less than EXPIRY_SLACK is not even
-        stored, so a busy model's refreshed keep_alive costs no write and no
-        snapshot rebuild each round; the stored one is at most that much early.
+        expiry that only moved forward (the model stays loaded, a request
+        refreshed its keep_alive) is no change to announce: it is stored once
+        it moved by EXPIRY_SLACK or more, and each serving process reads it at
+        the latest when the stored one passes (the snapshot expires then), so
+        a busy model costs no version bump, no rebuild everywhere and no
+        "Configuration version N is live" line a minute. A smaller move is not
+        even stored; the stored expiry is at most that much early.
         """
         names = set(loaded)
         details = details or {}
@@ -383,13 +387,15 @@ class BackendModelQuerySet(models.QuerySet["BackendModel"]):
                 row.loaded = False
                 row.last_loaded_at = now
                 row.vram_bytes = row.loaded_context_length = row.expires_at = None
-            moved = row.expires_at != expires and not (
-                row.expires_at is not None
-                and expires is not None
-                and timedelta(0) <= row.expires_at - expires < EXPIRY_SLACK
-            )
-            if was != (row.loaded, row.vram_bytes, row.loaded_context_length) or moved:
-                changed = True
+            step = None  # how far the expiry moved forward, if it did
+            new = row.expires_at
+            if new is not None and expires is not None and new >= expires:
+                step = new - expires
+            moved = row.expires_at != expires and (step is None or step >= EXPIRY_SLACK)
+            same = was == (row.loaded, row.vram_bytes, row.loaded_context_length)
+            if not same or moved:
+                # Only a keep_alive refreshed: stored, not announced.
+                changed |= not same or step is None
                 # update(), not save(): no per-row signals; the caller announces.
                 self.filter(pk=row.pk).update(
                     loaded=row.loaded,

@@ -51,6 +51,12 @@ with the ``tool_arguments`` knob as arguments or ones made from the tool's
 schema; a request ending with a tool result echoes ``tool result: <text>``
 (``nexus_mock.tools``).
 
+Structured output: a chat or completion with ``response_format`` JSON mode
+(``json_object``) answers ``{"answer": "<the echo>"}``, one with a
+``json_schema`` answers JSON generated to fit the schema, and Ollama's
+``format`` (``"json"`` or a schema) does the same on ``/api/chat`` and
+``/api/generate`` (``nexus_mock.structured``).
+
 Control API, on the same port, never authenticated nor counted in the stats:
 
 - ``GET /_mock/stats``: requests per path, responses per status, in-flight

@@ -11,6 +11,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from nexus_mock.structured import FormatError, read_response_format, render_structured
+
 MAX_CHOICES = 128
 MAX_EMBEDDING_DIM = 8192
 
@@ -140,6 +142,7 @@ def parse_chat_request(
         elif message["role"] == "tool":
             last_user_text = f"tool result: {text}"
     reply = f"[{backend}/{model}] echo: {last_user_text}"
+    reply = _apply_format(payload, reply, last_user_text)
     return _build_generation("chat", payload, model, [reply], prompt_words)
 
 
@@ -161,7 +164,10 @@ def parse_completion_request(
             "strings (token arrays are not supported by the mock).",
             param="prompt",
         )
-    replies = [f"[{backend}/{model}] echo: {text}" for text in prompts]
+    replies = [
+        _apply_format(payload, f"[{backend}/{model}] echo: {text}", text)
+        for text in prompts
+    ]
     prompt_words = sum(len(text.split()) for text in prompts)
     return _build_generation("text", payload, model, replies, prompt_words)
 
@@ -210,6 +216,15 @@ def parse_embedding_request(
             param="dimensions",
         )
     return EmbeddingJob(model, tuple(inputs), dimensions, encoding)
+
+
+def _apply_format(payload: dict[str, Any], echo: str, user_text: str) -> str:
+    """The reply: the echo, or JSON when ``response_format`` asks for it."""
+    try:
+        fmt = read_response_format(payload.get("response_format"))
+    except FormatError as error:
+        raise ApiError(400, str(error), param=error.param) from None
+    return echo if fmt is None else render_structured(fmt, echo, user_text)
 
 
 def _require_model(payload: dict[str, Any], models: Collection[str]) -> str:

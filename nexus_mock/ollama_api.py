@@ -7,7 +7,9 @@
 scripted tool call (whole, in one line, with object arguments, as Ollama sends
 it), the same token counts, reported as ``prompt_eval_count`` and
 ``eval_count``.
-``options.num_predict`` limits the reply as ``max_tokens`` does. Durations are
+``options.num_predict`` limits the reply as ``max_tokens`` does; ``format``
+(``"json"`` or a JSON schema) makes it JSON, as ``response_format`` does
+(``nexus_mock.structured``). Durations are
 made up but consistent: a millisecond per prompt token, two per reply token.
 A stream has ``chunks`` content lines (``"done": false``) and a last line with
 ``"done": true``, ``done_reason`` and the counts. An empty ``messages`` or
@@ -33,6 +35,7 @@ from nexus_mock.jobs import (
     parse_json_object,
 )
 from nexus_mock.replies import encode_json, render_embeddings, split_text
+from nexus_mock.structured import FormatError, read_ollama_format
 from nexus_mock.tools import ToolCall, openai_tool_call
 
 # A chat answered with a tool call: the call, and the words it counts.
@@ -81,6 +84,15 @@ def parse_ollama_request(
     openai_like: dict[str, Any] = {"model": model, "stream": stream}
     if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
         openai_like["max_tokens"] = limit
+    try:
+        fmt = read_ollama_format(payload.get("format"))
+    except FormatError as error:
+        raise ollama_error(400, str(error)) from None
+    if fmt is not None and fmt.schema is None:
+        openai_like["response_format"] = {"type": "json_object"}
+    elif fmt is not None:
+        schema = {"schema": fmt.schema}
+        openai_like["response_format"] = {"type": "json_schema", "json_schema": schema}
     try:
         if path == "/api/chat":
             messages = payload.get("messages") or []

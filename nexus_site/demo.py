@@ -14,6 +14,8 @@ from routing.models import Alias, ChainStep
 from usage.models import ApiKey
 
 DEMO_KEY_NAME = "demo"
+# nomic-embed-text's size, so that code written against the demo fits the model.
+DEMO_EMBEDDING_DIM = 768
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ DEMO_BACKENDS = (
         priority=1,
         models=(
             DemoModel("llama3:8b", 8192, tools=True, json_mode=True),
-            DemoModel("mistral:7b", 32768, json_mode=True),
+            DemoModel("mistral:7b", 32768, tools=True, json_mode=True),
         ),
     ),
     DemoBackend(
@@ -49,7 +51,9 @@ DEMO_BACKENDS = (
         priority=2,
         models=(
             DemoModel("llama3:8b", 8192, tools=True, json_mode=True),
-            DemoModel("llava:7b", 4096, vision=True),
+            DemoModel("llava:7b", 4096, vision=True, json_mode=True),
+            # An embedding model, as Ollama serves it (768 numbers a vector).
+            DemoModel("nomic-embed-text", 8192),
         ),
         kind=BackendKind.OLLAMA,
     ),
@@ -60,7 +64,9 @@ def spawn_demo_mock(spec: DemoBackend) -> MockBackendProcess:
     """Start the mock backend that plays ``spec``, slow enough to look real.
 
     A request that offers tools gets a scripted tool call (the mock's rule,
-    ``nexus_mock.tools``), so tool calling can be tried at once.
+    ``nexus_mock.tools``), and one that asks for JSON (JSON mode, a schema,
+    Ollama's ``format``) gets JSON that fits (``nexus_mock.structured``), so
+    tool calling and structured output can be tried at once.
     Its stdout stays an open pipe for the launcher to relay.
     """
     capabilities: list[str] = []
@@ -78,6 +84,8 @@ def spawn_demo_mock(spec: DemoBackend) -> MockBackendProcess:
         "--models",
         ",".join(model.name for model in spec.models),
         *capabilities,
+        "--embedding-dim",
+        str(DEMO_EMBEDDING_DIM),
         "--latency-ms",
         "20",
         "--chunk-delay-ms",

@@ -70,7 +70,9 @@ def build_snapshot() -> RouterSnapshot:
 
 
 def _first_expiry(backends: list[Backend], now: datetime) -> float | None:
-    """When the first routable backend's health result goes stale."""
+    """When the first routable backend's health result goes stale, or the first
+    loaded model's keep_alive ends (a refreshed one is stored unannounced:
+    BackendModel.objects.set_loaded), whichever comes first."""
     expiries = [
         expires.timestamp()
         for backend in backends
@@ -78,6 +80,13 @@ def _first_expiry(backends: list[Backend], now: datetime) -> float | None:
         and backend.status == HealthStatus.HEALTHY
         and (expires := backend.health_expires_at()) is not None
         and expires > now
+    ]
+    expiries += [
+        model.expires_at.timestamp()
+        for backend in backends
+        if backend.enabled
+        for model in backend.models.all()
+        if model.loaded and model.expires_at is not None and model.expires_at > now
     ]
     return min(expiries, default=None)
 

@@ -372,7 +372,10 @@ def test_demo_tool_calls_and_demo_backends_kept_until_the_operator_removes_them(
 
         page = _remove_demo_backends_in_admin(base, password)
         assert "Removed demo backends demo-alpha, demo-beta." in page
-        assert "No enabled backend serves llama3:8b, llava:7b, mistral:7b now" in page
+        assert (
+            "No enabled backend serves llama3:8b, llava:7b, mistral:7b, "
+            "nomic-embed-text now" in page
+        )
         assert "Left alone (not demo backends): gpu-1." in page
         # Every serving process hears of it: the alias finds nothing now.
         deadline = time.monotonic() + 30

@@ -79,6 +79,10 @@ class TableChangesSerializer(serializers.Serializer[Any]):
 
 class ImportSummarySerializer(serializers.Serializer[Any]):
     dry_run = serializers.BooleanField()
+    warnings = serializers.ListField(
+        child=serializers.CharField(),
+        help_text="Imported anyway: e.g. a disabled backend's key variable unset.",
+    )
     tables = serializers.DictField(child=TableChangesSerializer())
 
 

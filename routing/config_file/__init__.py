@@ -33,7 +33,9 @@ The format::
 Rows are matched by name (backends by name, models by backend and name,
 aliases by name, chains by model). A key a backend or model entry leaves out
 means the field's default, so the file is the truth for every row it mentions;
-a backend entry without api_key or api_key_env keeps its stored key. A
+a backend entry without api_key or api_key_env keeps its stored key, and so
+does a disabled one whose api_key_env variable is not set (a warning; for an
+enabled backend it is a problem). A
 capability left out or given as "auto" is unknown (the backend decides). Routing
 policy keys the file leaves out are kept, or reset to defaults with --replace.
 """

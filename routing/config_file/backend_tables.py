@@ -3,7 +3,12 @@
 Each backend entry gets every field the file leaves out at its default, so
 that the import sets the row to exactly what the file says; its API key comes
 from ``api_key`` or from the environment variable ``api_key_env`` names, and is
-never shown in a message. Workers (``kind = "relay"``) are refused here: they
+never shown in a message. A variable that is not set (or empty) is a problem for
+an enabled backend: requests would go out without the key and fail upstream.
+For a backend the file disables it is only a warning, and the entry keeps the
+key it has: a disabled backend serves nothing, so a file that lists a cloud
+backend for later (``nexus.example.toml``'s ``openai``) imports, and checks
+with ``--dry-run``, on a machine without that key. Workers (``kind = "relay"``) are refused here: they
 dial in and are created with ``nexus_create_worker``.
 """
 
@@ -34,7 +39,8 @@ def read_backends(reader: ValueReader, value: object) -> tuple[BackendEntry, ...
         path = format_entry_path(f"backends[{index}]", table.get("name"))
         reader.reject_unknown_keys(table, path, BACKEND_KEYS)
         values, invalid = reader.read_settings(table, path, BACKEND_SETTINGS)
-        api_key = _read_api_key(reader, table, path, invalid)
+        enabled = values.get("enabled", True) is not False
+        api_key = _read_api_key(reader, table, path, invalid, enabled=enabled)
         models = _read_models(reader, table.get("models"), path)
         if "name" not in values:
             continue
@@ -88,7 +94,12 @@ def _read_models(
 
 
 def _read_api_key(
-    reader: ValueReader, table: dict[str, Any], path: str, invalid: set[str]
+    reader: ValueReader,
+    table: dict[str, Any],
+    path: str,
+    invalid: set[str],
+    *,
+    enabled: bool,
 ) -> str | None:
     """Return the key the entry gives, or None when it gives none."""
     if "api_key" in table and "api_key_env" in table:
@@ -103,7 +114,9 @@ def _read_api_key(
             f"expected a string, got {describe(raw, secret=True)}",
         )
     elif "api_key_env" in table:
-        return _read_api_key_env(reader, table["api_key_env"], path, invalid)
+        return _read_api_key_env(
+            reader, table["api_key_env"], path, invalid, enabled=enabled
+        )
     else:
         return None
     invalid.add("api_key")
@@ -111,7 +124,12 @@ def _read_api_key(
 
 
 def _read_api_key_env(
-    reader: ValueReader, variable: object, path: str, invalid: set[str]
+    reader: ValueReader,
+    variable: object,
+    path: str,
+    invalid: set[str],
+    *,
+    enabled: bool,
 ) -> str | None:
     key_path = f"{path}.api_key_env"
     if not isinstance(variable, str) or not variable.strip():
@@ -119,13 +137,27 @@ def _read_api_key_env(
             key_path,
             f"expected the name of an environment variable, got {describe(variable)}",
         )
-    elif variable.strip() not in reader.environ:
-        reader.add(key_path, f"environment variable {variable.strip()} is not set")
-    elif not (value := reader.environ[variable.strip()].strip()):
-        reader.add(key_path, f"environment variable {variable.strip()} is empty")
-    else:
+        invalid.add("api_key")
+        return None
+    name = variable.strip()
+    value = reader.environ.get(name, "").strip()
+    if value:
         return value
-    invalid.add("api_key")
+    state = "is not set" if name not in reader.environ else "is empty"
+    if enabled:
+        reader.add(
+            key_path,
+            f"environment variable {name} {state} (set it, or give the backend "
+            "enabled = false to import it without a key)",
+        )
+        invalid.add("api_key")
+    else:
+        reader.warn(
+            key_path,
+            f"environment variable {name} {state}: the backend is disabled, so it "
+            "is imported without a key (keeping any key it has); set the variable "
+            "and import again before enabling it",
+        )
     return None
 
 

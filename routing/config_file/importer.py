@@ -58,6 +58,8 @@ class ImportSummary:
     client_keys: TableChanges = field(default_factory=TableChanges)
     model_prices: TableChanges = field(default_factory=TableChanges)
     dry_run: bool = False
+    # What the operator should know although the file imported.
+    warnings: tuple[str, ...] = ()
 
     def tables(self) -> list[tuple[str, TableChanges]]:
         return [
@@ -80,6 +82,7 @@ class ImportSummary:
     def as_dict(self) -> dict[str, Any]:
         return {
             "dry_run": self.dry_run,
+            "warnings": list(self.warnings),
             "tables": {name: asdict(changes) for name, changes in self.tables()},
         }
 
@@ -112,6 +115,7 @@ def import_config(
             source, [f"the database refused the change, try again: {error}"]
         ) from error
     importer.summary.dry_run = dry_run
+    importer.summary.warnings = config.warnings
     return importer.summary
 
 

@@ -109,6 +109,7 @@ def _read_document(reader: ValueReader, data: dict[str, Any]) -> ConfigFile:
         prices=read_prices(reader, data.get("prices")),
         policy_invalid=frozenset(policy_invalid),
         problems=tuple(reader.problems),
+        warnings=tuple(reader.warnings),
     )
 
 

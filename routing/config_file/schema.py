@@ -262,6 +262,7 @@ class ConfigFile:
     prices: tuple[PriceEntry, ...] = ()
     policy_invalid: frozenset[str] = frozenset()
     problems: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
 
 
 def get_field_default(model: type[models.Model], name: str) -> Any:

@@ -29,10 +29,16 @@ class ValueReader:
         # The variables that api_key_env keys name.
         self.environ = environ
         self.problems: list[str] = []
+        # Not problems: the file imports, but the operator should know.
+        self.warnings: list[str] = []
 
     def add(self, path: str, message: str) -> None:
         """Note a problem with the value at ``path``."""
         self.problems.append(f"{path}: {message}")
+
+    def warn(self, path: str, message: str) -> None:
+        """Note something about the value at ``path`` that does not stop the import."""
+        self.warnings.append(f"{path}: {message}")
 
     def reject_nul_characters(self, value: object, path: str) -> None:
         """Report every key or string holding NUL (TOML's \\u0000).

@@ -69,6 +69,8 @@ class Command(BaseCommand):
             self.stdout.write(json.dumps({"ok": True, **summary.as_dict()}, indent=2))
         else:
             self._print_summary(path, summary)
+            for warning in summary.warnings:
+                self.stderr.write(f"Warning: {warning}")
 
     def _print_summary(self, path: str, summary: ImportSummary) -> None:
         source = "standard input" if path == "-" else path
