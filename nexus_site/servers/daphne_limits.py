@@ -26,7 +26,10 @@ byte resets. So under Daphne:
   ``nexus.transport`` with ``unsent_bytes()``, what the connection holds that
   the client has not read yet, so the proxy can cut a stream whose reader
   stalled (Daphne's ``send()`` never waits for the client), and ``abort()``,
-  which then closes the connection, dropping what it holds.
+  which then closes the connection, dropping what it holds. However a
+  connection ends, what its transport still held is freed at once (not when
+  the garbage collector gets to it), and a large buffer's memory is given
+  back to the system (``nexus_site.servers.memory``).
 
 ``install_daphne_limits()`` patches Daphne's request and factory classes once
 per process; ``nexus_site.servers.serving.prepare_daphne()`` calls it.
@@ -34,6 +37,7 @@ per process; ``nexus_site.servers.serving.prepare_daphne()`` calls it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass
@@ -46,6 +50,7 @@ from gateway.proxy import ProxyApp
 from gateway.proxy.errors import ProxyError
 from gateway.proxy.head import RequestHead, refuse_head, surface_of, too_large
 from gateway.proxy.surfaces import OPENAI, Surface
+from nexus_site.servers.memory import MemoryRelease
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +103,7 @@ def install_daphne_limits(
     from twisted.internet import reactor as twisted_reactor
 
     reactor: Any = twisted_reactor
+    release = MemoryRelease(reactor.callLater)
 
     def arm(channel: Any, seconds: float, what: str) -> None:
         disarm(channel)
@@ -145,7 +151,12 @@ def install_daphne_limits(
 
         def connection_lost_and_disarm(reason: Any) -> None:
             disarm(channel)
+            drop_unsent(channel.transport, release)
             connection_lost(reason)
+            # These closures refer to the channel: a cycle that would keep it
+            # (and what it refers to) until the garbage collector runs.
+            channel.__dict__.pop("requestDone", None)
+            channel.__dict__.pop("connectionLost", None)
 
         channel.connectionLost = connection_lost_and_disarm
         return protocol
@@ -236,7 +247,7 @@ def install_daphne_limits(
         extensions = scope.setdefault("extensions", {})
         extensions["nexus.transport"] = {
             "unsent_bytes": functools.partial(unsent_bytes, protocol),
-            "abort": functools.partial(abort_connection, protocol),
+            "abort": functools.partial(abort_connection, protocol, release),
         }
         return create_application(self, protocol, scope)
 
@@ -247,7 +258,10 @@ def unsent_bytes(request: Any) -> int:
     """Bytes written to the request's connection that the client has not read.
 
     Twisted's TCP transport keeps them in ``dataBuffer`` (from ``offset``) and
-    ``_tempDataBuffer``; a transport without those (TLS) reports 0.
+    ``_tempDataBuffer``; a transport without those (TLS) reports 0. Daphne
+    writes each body to the transport as it is sent (it buffers none of its
+    own), so this is all the process holds for the client; the kernel's
+    socket buffers are not the process's memory.
     """
     channel = getattr(request, "channel", None)
     transport = getattr(channel, "transport", None)
@@ -259,14 +273,36 @@ def unsent_bytes(request: Any) -> int:
         return 0
 
 
-def abort_connection(request: Any) -> None:
-    """Close the request's connection now, dropping what it has not sent yet."""
+def abort_connection(request: Any, release: MemoryRelease) -> None:
+    """Close the request's connection now, dropping what it has not sent yet;
+    the memory that held it is given back to the system shortly after."""
     channel = getattr(request, "channel", None)
     transport = getattr(channel, "transport", None)
     abort = getattr(transport, "abortConnection", None)
     if abort is not None:
         abort()
+        drop_unsent(transport, release)
 
+
+def drop_unsent(transport: Any, release: MemoryRelease) -> None:
+    """Free what a closed connection's transport still holds for its client.
+
+    Twisted keeps it on the transport, which lives on as long as anything
+    refers to the connection: past the request's end, until the garbage
+    collector breaks a cycle (minutes, with the thresholds of a serving
+    process). A large buffer's memory is then given back to the system.
+    """
+    held = 0
+    with contextlib.suppress(AttributeError):
+        held = len(transport.dataBuffer) - transport.offset + transport._tempDataLen
+        transport.dataBuffer, transport.offset = b"", 0
+        transport._tempDataBuffer, transport._tempDataLen = [], 0
+    if held >= _LARGE_BUFFER:
+        release.soon()
+
+
+# A buffer this large is freed to the system (see nexus_site.servers.memory).
+_LARGE_BUFFER = 64 * 1024
 
 _REASONS = {401: b"Unauthorized", 408: b"Request Timeout", 413: b"Content Too Large"}
 
