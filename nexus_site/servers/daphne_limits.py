@@ -22,6 +22,9 @@ byte resets. So under Daphne:
   ``NEXUS_CLIENT_BODY_TIMEOUT`` seconds after the head; a client dripping
   bytes gets a 408 and is disconnected. An idle kept-alive connection is closed
   quietly after the header timeout.
+* **Malformed requests** (a bare CR in a header, a bad request line,
+  headers over Twisted's 16 KiB): a 400 (431 for the size) with a JSON error
+  in the path's surface shape, where Twisted sends a bare status line.
 * **Unsent bytes**: the scope of every request carries the extension
   ``nexus.transport`` with ``unsent_bytes()``, what the connection holds that
   the client has not read yet, so the proxy can cut a stream whose reader
@@ -101,6 +104,7 @@ def install_daphne_limits(
     from daphne.http_protocol import HTTPFactory, WebRequest
     from daphne.server import Server
     from twisted.internet import reactor as twisted_reactor
+    from twisted.web.http import HTTPChannel
 
     reactor: Any = twisted_reactor
     release = MemoryRelease(reactor.callLater)
@@ -253,6 +257,45 @@ def install_daphne_limits(
 
     Server.create_application = create_application_with_probe
 
+    def respond_to_bad_request(self: Any, too_large: bool = False) -> None:
+        # Twisted's own answer is "400 Bad Request" with no body at all (or,
+        # for a line over 16 KiB, none: it hangs up).
+        disarm(self)
+        error = malformed_request(self, too_large)
+        path = getattr(self, "_path", b"")
+        self.transport.write(_raw_response(error, surface_of(path)))
+        self.loseConnection()
+
+    channel_class: Any = HTTPChannel
+    channel_class._respondToBadRequestAndDisconnect = respond_to_bad_request
+    channel_class.lineLengthExceeded = lambda self, line: respond_to_bad_request(
+        self, too_large=True
+    )
+
+
+def malformed_request(channel: Any, too_large: bool = False) -> ProxyError:
+    """The error for a request Twisted's HTTP parser refused (`too_large`: a
+    line of it was over Twisted's limit)."""
+    if (
+        too_large
+        or channel._receivedHeaderSize > channel.totalHeadersSize
+        or channel._receivedHeaderCount > channel.maxHeaders
+    ):
+        return ProxyError(
+            431,
+            f"The request's headers are too large (at most "
+            f"{channel.totalHeadersSize // 1024} KiB and {channel.maxHeaders} "
+            "headers).",
+            code="request_headers_too_large",
+        )
+    return ProxyError(
+        400,
+        "The request is not valid HTTP/1.1: its request line, a header or its "
+        "chunked body is malformed (for example a bare CR or LF, or a NUL, in a "
+        "header; a header name with spaces or without a colon; two lengths).",
+        code="malformed_request",
+    )
+
 
 def unsent_bytes(request: Any) -> int:
     """Bytes written to the request's connection that the client has not read.
@@ -304,7 +347,13 @@ def drop_unsent(transport: Any, release: MemoryRelease) -> None:
 # A buffer this large is freed to the system (see nexus_site.servers.memory).
 _LARGE_BUFFER = 64 * 1024
 
-_REASONS = {401: b"Unauthorized", 408: b"Request Timeout", 413: b"Content Too Large"}
+_REASONS = {
+    400: b"Bad Request",
+    401: b"Unauthorized",
+    408: b"Request Timeout",
+    413: b"Content Too Large",
+    431: b"Request Header Fields Too Large",
+}
 
 
 def _raw_response(
