@@ -29,10 +29,13 @@ byte resets. So under Daphne:
   ``nexus.transport`` with ``unsent_bytes()``, what the connection holds that
   the client has not read yet, so the proxy can cut a stream whose reader
   stalled (Daphne's ``send()`` never waits for the client), and ``abort()``,
-  which then closes the connection, dropping what it holds. However a
-  connection ends, what its transport still held is freed at once (not when
+  which then closes the connection, dropping what it holds. A response
+  handed over whole (or a stream's tail) must be read too: one still unread
+  after ``NEXUS_CLIENT_HEADER_TIMEOUT`` is watched, and a client that then
+  does not read half of ``NEXUS_STREAM_MAX_UNSENT_BYTES``, or all that is
+  left, every ``NEXUS_STREAM_STALL_SECONDS`` is disconnected the same way. However a connection ends, what its transport still held is freed at once (not when
   the garbage collector gets to it), and a large buffer's memory is given
-  back to the system (``nexus_site.servers.memory``).
+  back to the system (``nexus_site.servers.unsent``).
 
 ``install_daphne_limits()`` patches Daphne's request and factory classes once
 per process; ``nexus_site.servers.serving.prepare_daphne()`` calls it.
@@ -40,7 +43,6 @@ per process; ``nexus_site.servers.serving.prepare_daphne()`` calls it.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 from dataclasses import dataclass
@@ -53,13 +55,20 @@ from gateway.proxy import ProxyApp
 from gateway.proxy.errors import ProxyError
 from gateway.proxy.head import RequestHead, refuse_head, surface_of, too_large
 from gateway.proxy.surfaces import OPENAI, Surface
-from nexus_site.servers.memory import MemoryRelease
+from nexus_site.servers.unsent import (
+    MemoryRelease,
+    abort_connection,
+    drop_unsent,
+    unsent_bytes,
+    unsent_of,
+)
 
 logger = logging.getLogger(__name__)
 
 _DEADLINE = "_nexus_deadline"
 _REFUSED = "_nexus_refused"
 _RECEIVED = "_nexus_received"
+_UNREAD = "_nexus_unread"
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +78,9 @@ class ClientLimits:
     max_body: int
     header_timeout: float
     body_timeout: float
+    # And how slowly it may read a response (see watch_unread below).
+    max_unsent: int = 1024 * 1024
+    stall_seconds: float = 10.0
 
     @classmethod
     def from_settings(cls) -> ClientLimits:
@@ -76,6 +88,8 @@ class ClientLimits:
             max_body=settings.NEXUS_MAX_BODY_BYTES,
             header_timeout=settings.NEXUS_CLIENT_HEADER_TIMEOUT,
             body_timeout=settings.NEXUS_CLIENT_BODY_TIMEOUT,
+            max_unsent=settings.NEXUS_STREAM_MAX_UNSENT_BYTES,
+            stall_seconds=settings.NEXUS_STREAM_STALL_SECONDS,
         )
 
 
@@ -123,7 +137,12 @@ def install_daphne_limits(
     def expire(channel: Any, what: str) -> None:
         setattr(channel, _DEADLINE, None)
         transport = channel.transport
-        if transport is None or transport.disconnecting:
+        if transport is None:
+            return
+        if not channel.requests and unsent_of(transport):
+            watch_unread(channel)  # the last response is still being read
+            return
+        if transport.disconnecting:
             return
         if channel.requests:
             # Part of a request arrived: say why before hanging up.
@@ -136,6 +155,36 @@ def install_daphne_limits(
             transport.write(_raw_response(error))
         transport.loseConnection()
 
+    def watch_unread(channel: Any) -> None:
+        """A response not read within the header timeout: from then on, every
+        `stall_seconds` the client must have read half the unsent-bytes
+        bound, or all that was left, or it is disconnected and the rest
+        dropped. (A stream is held to the bound while it runs,
+        gateway/proxy/relays.py; this covers a whole reply, handed over at
+        once, and a stream's tail.)
+        """
+        disarm(channel)
+        unread = unsent_of(channel.transport)
+        setattr(channel, _UNREAD, unread)
+        call = reactor.callLater(limits.stall_seconds, check_unread, channel)
+        setattr(channel, _DEADLINE, call)
+
+    def check_unread(channel: Any) -> None:
+        setattr(channel, _DEADLINE, None)
+        transport = channel.transport
+        if transport is None:
+            return
+        unread = unsent_of(transport)
+        if unread == 0:
+            if not transport.disconnecting:
+                arm(channel, limits.header_timeout, "head")
+        elif getattr(channel, _UNREAD) - unread >= limits.max_unsent // 2:
+            watch_unread(channel)
+        else:
+            logger.info("Client stopped reading its response; disconnected")
+            transport.abortConnection()
+            drop_unsent(transport, release)
+
     build_protocol = HTTPFactory.buildProtocol
 
     def build_protocol_with_deadline(self: Any, addr: Any) -> Any:
@@ -147,7 +196,11 @@ def install_daphne_limits(
 
         def request_done_and_rearm(request: Any) -> None:
             request_done(request)
-            if channel.transport is not None and not channel.transport.disconnecting:
+            transport = channel.transport
+            # Also when Twisted closes it after: it first sends what is left.
+            if transport is not None and (
+                not transport.disconnecting or unsent_of(transport)
+            ):
                 arm(channel, limits.header_timeout, "head")
 
         channel.requestDone = request_done_and_rearm
@@ -296,56 +349,6 @@ def malformed_request(channel: Any, too_large: bool = False) -> ProxyError:
         code="malformed_request",
     )
 
-
-def unsent_bytes(request: Any) -> int:
-    """Bytes written to the request's connection that the client has not read.
-
-    Twisted's TCP transport keeps them in ``dataBuffer`` (from ``offset``) and
-    ``_tempDataBuffer``; a transport without those (TLS) reports 0. Daphne
-    writes each body to the transport as it is sent (it buffers none of its
-    own), so this is all the process holds for the client; the kernel's
-    socket buffers are not the process's memory.
-    """
-    channel = getattr(request, "channel", None)
-    transport = getattr(channel, "transport", None)
-    if transport is None:
-        return 0
-    try:
-        return len(transport.dataBuffer) - transport.offset + transport._tempDataLen
-    except AttributeError:
-        return 0
-
-
-def abort_connection(request: Any, release: MemoryRelease) -> None:
-    """Close the request's connection now, dropping what it has not sent yet;
-    the memory that held it is given back to the system shortly after."""
-    channel = getattr(request, "channel", None)
-    transport = getattr(channel, "transport", None)
-    abort = getattr(transport, "abortConnection", None)
-    if abort is not None:
-        abort()
-        drop_unsent(transport, release)
-
-
-def drop_unsent(transport: Any, release: MemoryRelease) -> None:
-    """Free what a closed connection's transport still holds for its client.
-
-    Twisted keeps it on the transport, which lives on as long as anything
-    refers to the connection: past the request's end, until the garbage
-    collector breaks a cycle (minutes, with the thresholds of a serving
-    process). A large buffer's memory is then given back to the system.
-    """
-    held = 0
-    with contextlib.suppress(AttributeError):
-        held = len(transport.dataBuffer) - transport.offset + transport._tempDataLen
-        transport.dataBuffer, transport.offset = b"", 0
-        transport._tempDataBuffer, transport._tempDataLen = [], 0
-    if held >= _LARGE_BUFFER:
-        release.soon()
-
-
-# A buffer this large is freed to the system (see nexus_site.servers.memory).
-_LARGE_BUFFER = 64 * 1024
 
 _REASONS = {
     400: b"Bad Request",

@@ -30,6 +30,7 @@ from usage.models import ApiKey
 
 READERS = 60
 STALL_SECONDS = 2
+WHOLE_REPLY = 8 * 1024 * 1024  # a valid reply of the hostile backend's
 MIB = 1024 * 1024
 STREAM = {
     "model": "hostile-ok",
@@ -56,7 +57,9 @@ class Setup:
 
 @pytest.fixture(scope="module")
 def setup(django_db_setup: None, django_db_blocker) -> Iterator[Setup]:
-    hostile = spawn_mock_backend(module="tests.hostile_backend")
+    hostile = spawn_mock_backend(
+        "--size", str(WHOLE_REPLY), module="tests.hostile_backend"
+    )
     try:
         with django_db_blocker.unblock():
             backend = Backend.objects.create(
@@ -75,6 +78,7 @@ def setup(django_db_setup: None, django_db_blocker) -> Iterator[Setup]:
                 status=HealthStatus.HEALTHY,
             )
             BackendModel.objects.create(backend=spare, name="hostile-ok")
+            BackendModel.objects.create(backend=spare, name="hostile-huge-body")
             policy = RoutingPolicy.load()
             policy.max_retries = 0
             policy.save()
@@ -84,6 +88,9 @@ def setup(django_db_setup: None, django_db_blocker) -> Iterator[Setup]:
             }
         nexus = start_nexus_server(
             NEXUS_STREAM_STALL_SECONDS=str(STALL_SECONDS),
+            # After which a response not read yet is watched (and a request's
+            # head must have arrived: these send theirs at once).
+            NEXUS_CLIENT_HEADER_TIMEOUT="2",
             NEXUS_BREAKER_FAILURES="1000000",
         )
     except BaseException:
@@ -105,17 +112,18 @@ def _status_bytes(pid: int, field: str) -> int:
     raise AssertionError(f"no {field} for {pid}")
 
 
-def _request(key: str, model: str) -> bytes:
+def _request(key: str, model: str, stream: bool = True, extra: str = "") -> bytes:
     body = json.dumps(
         {
             "model": f"hostile-{model}",
             "messages": [{"role": "user", "content": "x"}],
-            "stream": True,
+            "stream": stream,
         }
     ).encode()
     return (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-        b"Content-Type: application/json\r\n"
+        + extra.encode()
+        + b"Content-Type: application/json\r\n"
         + f"Authorization: Bearer {key}\r\n"
         f"X-Request-ID: slow-{uuid.uuid4().hex[:12]}\r\n"
         f"Content-Length: {len(body)}\r\n\r\n".encode()
@@ -206,6 +214,50 @@ def test_slow_readers_are_disconnected_and_their_memory_returns(
         what=f"RSS back within 50 MiB of {baseline / MIB:.0f} MiB "
         f"(peak {peak / MIB:.0f} MiB)",
     )
+
+
+@pytest.mark.parametrize("close", [False, True], ids=["keep-alive", "close"])
+def test_a_client_that_does_not_read_a_whole_reply_is_disconnected(
+    setup: Setup, close: bool
+) -> None:
+    # An 8 MiB reply is handed to the server at once: a client that reads none
+    # of it was holding it there for as long as it kept the connection open
+    # (with "Connection: close" too: the server waits to send it all).
+    baseline = setup.rss()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(setup.address)
+        extra = "Connection: close\r\n" if close else ""
+        sock.sendall(_request(setup.keys["readers"], "huge-body", False, extra))
+        wait_until(
+            lambda: not _is_established(sock),
+            timeout=30,
+            what="the server to disconnect a client that reads nothing",
+        )
+    wait_until(lambda: setup.rss() - baseline < 4 * MIB, what="the reply's memory")
+
+
+def test_a_slow_but_steady_reader_gets_a_whole_reply(setup: Setup) -> None:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        sock.connect(setup.address)
+        sock.sendall(_request(setup.keys["readers"], "huge-body", False))
+        data = b""
+        # About 2 MiB a second: over the floor of half the 1 MiB bound per
+        # stall time (2 s here), though the reply takes several of those.
+        started = time.monotonic()
+        while chunk := sock.recv(65536):
+            data += chunk
+            if b"\r\n\r\n" in data:
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split()[0])
+                if len(body) >= length:
+                    break
+            ahead = len(data) / (2 * MIB) - (time.monotonic() - started)
+            if ahead > 0:
+                time.sleep(ahead)
+    assert data.startswith(b"HTTP/1.1 200")
+    assert json.loads(body)["choices"][0]["message"]["content"]
 
 
 def test_a_key_has_at_most_64_streams_open_by_default(setup: Setup) -> None:

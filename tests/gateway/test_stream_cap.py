@@ -7,7 +7,7 @@ import pytest
 from gateway.metrics import GatewayMetrics
 from gateway.proxy.errors import ProxyError
 from gateway.proxy.limits import StreamCap
-from nexus_site.servers.memory import MemoryRelease, release_free_memory
+from nexus_site.servers.unsent import MemoryRelease, release_free_memory
 
 
 def test_a_key_over_its_streams_is_refused_and_others_are_not() -> None:
