@@ -468,7 +468,9 @@ NEXUS_UPSTREAM_MAX_EVENT_BYTES = _bounded_int(
 # A stream whose client keeps more than this many bytes of it unread for
 # NEXUS_STREAM_STALL_SECONDS is cut (the backend's connection closed, usage
 # recorded) and the client disconnected; measured where the server tells
-# (Daphne: its transport's buffer). Until then the backend is not read.
+# (Daphne: its transport's buffer). Until then the backend is not read. A
+# response still unread after NEXUS_CLIENT_HEADER_TIMEOUT must be read at half
+# this many bytes (or what is left) per NEXUS_STREAM_STALL_SECONDS (Daphne).
 NEXUS_STREAM_MAX_UNSENT_BYTES = _bounded_int(
     "NEXUS_STREAM_MAX_UNSENT_BYTES", 1024 * 1024, 64 * 1024, 1024**3
 )
