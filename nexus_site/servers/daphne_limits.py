@@ -33,9 +33,10 @@ byte resets. So under Daphne:
   handed over whole (or a stream's tail) must be read too: one still unread
   after ``NEXUS_CLIENT_HEADER_TIMEOUT`` is watched, and a client that then
   does not read half of ``NEXUS_STREAM_MAX_UNSENT_BYTES``, or all that is
-  left, every ``NEXUS_STREAM_STALL_SECONDS`` is disconnected the same way. However a connection ends, what its transport still held is freed at once (not when
-  the garbage collector gets to it), and a large buffer's memory is given
-  back to the system (``nexus_site.servers.unsent``).
+  left, every ``NEXUS_STREAM_STALL_SECONDS`` is disconnected the same way.
+  However a connection ends, what its transport still held is freed at once
+  (not when the garbage collector gets to it), and a large buffer's memory is
+  given back to the system (``nexus_site.servers.unsent``).
 
 ``install_daphne_limits()`` patches Daphne's request and factory classes once
 per process; ``nexus_site.servers.serving.prepare_daphne()`` calls it.
