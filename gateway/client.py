@@ -26,6 +26,7 @@ class ReplyLimits:
     max_reply: int = 32 * 1024 * 1024  # non-stream body
     max_event: int = 1024 * 1024  # one SSE event
     max_unsent: int = 1024 * 1024  # stream bytes the client has not read
+    stall_seconds: float = 10.0  # how long a client may stay over max_unsent
 
 
 class UpstreamClient:

@@ -105,6 +105,8 @@ class GatewayConfig:
     max_reply_bytes: int = 32 * 1024 * 1024
     max_event_bytes: int = 1024 * 1024
     max_unsent_bytes: int = 1024 * 1024
+    stall_seconds: float = 10.0
+    max_streams_per_key: int = 64  # in this process; 0: no cap
     config_poll_interval: float = 1.0
     usage_buffer_max: int = 100_000
     usage_transport: str = "database"  # or "redis"
@@ -135,6 +137,8 @@ class GatewayConfig:
             max_reply_bytes=settings.NEXUS_UPSTREAM_MAX_REPLY_BYTES,
             max_event_bytes=settings.NEXUS_UPSTREAM_MAX_EVENT_BYTES,
             max_unsent_bytes=settings.NEXUS_STREAM_MAX_UNSENT_BYTES,
+            stall_seconds=settings.NEXUS_STREAM_STALL_SECONDS,
+            max_streams_per_key=settings.NEXUS_KEY_MAX_STREAMS,
             config_poll_interval=settings.NEXUS_CONFIG_POLL_INTERVAL,
             usage_buffer_max=settings.NEXUS_USAGE_BUFFER_MAX,
             usage_transport=settings.NEXUS_USAGE_TRANSPORT,
@@ -209,6 +213,7 @@ class Gateway:
                 max_reply=config.max_reply_bytes,
                 max_event=config.max_event_bytes,
                 max_unsent=config.max_unsent_bytes,
+                stall_seconds=config.stall_seconds,
             ),
         )
         # A consumer in another process gets as long to take a request as a

@@ -465,11 +465,22 @@ NEXUS_UPSTREAM_MAX_REPLY_BYTES = _bounded_int(
 NEXUS_UPSTREAM_MAX_EVENT_BYTES = _bounded_int(
     "NEXUS_UPSTREAM_MAX_EVENT_BYTES", 1024 * 1024, 1024, 64 * 1024 * 1024
 )
-# A stream whose client has not read this many bytes of it is cut (the backend's
-# connection closed, usage recorded); measured where the server tells (Daphne).
+# A stream whose client keeps more than this many bytes of it unread for
+# NEXUS_STREAM_STALL_SECONDS is cut (the backend's connection closed, usage
+# recorded) and the client disconnected; measured where the server tells
+# (Daphne: its transport's buffer). Until then the backend is not read. A
+# response still unread after NEXUS_CLIENT_HEADER_TIMEOUT must be read at half
+# this many bytes (or what is left) per NEXUS_STREAM_STALL_SECONDS (Daphne).
 NEXUS_STREAM_MAX_UNSENT_BYTES = _bounded_int(
     "NEXUS_STREAM_MAX_UNSENT_BYTES", 1024 * 1024, 64 * 1024, 1024**3
 )
+NEXUS_STREAM_STALL_SECONDS = _bounded_float(
+    "NEXUS_STREAM_STALL_SECONDS", 10.0, 0.1, 3600
+)
+# Streams one client key may have open at once in one serving process (each
+# may pin up to NEXUS_STREAM_MAX_UNSENT_BYTES of its memory); 0: no cap. Over
+# it: 429 stream_limit_exceeded.
+NEXUS_KEY_MAX_STREAMS = _bounded_int("NEXUS_KEY_MAX_STREAMS", 64, 0, 1_000_000)
 # Seconds between each serving process's check of the routing config version
 # (repairs lost change broadcasts; the only path between processes when the
 # channel layer is in-memory).

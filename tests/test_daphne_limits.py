@@ -302,6 +302,56 @@ def test_a_head_of_megabytes_is_refused_not_held(server: Server) -> None:
     ("path", "shape"),
     [("/v1/messages", "anthropic"), ("/api/chat", "ollama"), (PATH, "openai")],
 )
+def test_a_bare_cr_in_a_header_is_a_400_in_its_surfaces_shape(
+    server: Server, path: str, shape: str
+) -> None:
+    # Twisted refuses the header (RFC 9110) with a bare status line and no
+    # body; an SDK would show an empty error.
+    with server.connect() as sock:
+        sock.sendall(
+            _head("2", key=server.key, extra="X-Odd: a\rb\r\n").replace(
+                PATH.encode(), path.encode()
+            )
+            + b"{}"
+        )
+        status, headers, body = _read_response(sock)
+    assert status == 400
+    assert headers["content-type"] == "application/json"
+    assert headers["connection"] == "close"
+    payload = json.loads(body)
+    if shape == "anthropic":
+        assert payload["type"] == "error"
+        message = payload["error"]["message"]
+    elif shape == "ollama":
+        message = payload["error"]
+    else:
+        assert payload["error"]["code"] == "malformed_request"
+        message = payload["error"]["message"]
+    assert "not valid HTTP/1.1" in message
+    assert "bare CR" in message
+
+
+@pytest.mark.parametrize("how", ["one-line", "many-lines"])
+def test_headers_over_twisteds_limit_are_a_431_that_says_so(
+    server: Server, how: str
+) -> None:
+    if how == "one-line":
+        extra = "X-Big: " + "y" * 20_000 + "\r\n"
+    else:
+        extra = "".join(f"X-Big-{n}: {'y' * 1000}\r\n" for n in range(20))
+    with server.connect() as sock:
+        sock.sendall(_head("2", extra=extra) + b"{}")
+        status, _, body = _read_response(sock)
+    assert status == 431
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_headers_too_large"
+    assert "16 KiB" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "shape"),
+    [("/v1/messages", "anthropic"), ("/api/chat", "ollama"), (PATH, "openai")],
+)
 @pytest.mark.parametrize("how", ["length", "chunked"])
 def test_an_oversized_body_is_refused_in_its_surfaces_shape(
     server: Server, path: str, shape: str, how: str

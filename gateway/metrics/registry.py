@@ -123,7 +123,8 @@ class GatewayMetrics(AdmissionMetrics, FleetMetrics):
             "nexus_requests_limited",
             "Requests refused by a key's limits, by reason: requests, tokens, "
             "concurrency, budget, unavailable (limiter down, fail closed), "
-            "model_not_allowed, expired.",
+            "model_not_allowed, expired, streams (a key's open streams in one "
+            "serving process).",
             ("reason",),
             registry=registry,
         )

@@ -371,10 +371,7 @@ class _Tries:
             (b"x-nexus-model", model.encode()),
         )
         return Relay(
-            exchange,
-            self.send,
-            backend.request_timeout,
-            upstream.client.limits.max_unsent,
+            exchange, self.send, backend.request_timeout, upstream.client.limits
         )
 
     def _failed(

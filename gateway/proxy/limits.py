@@ -9,6 +9,10 @@ learns nothing beyond its allow-list), 429 with ``Retry-After`` for rates,
 concurrency and budgets, 503 when the limiter is down and set to fail closed.
 The proxy calls these in one place (``Pipeline._check_key``),
 before admission control, for every surface.
+
+``StreamCap`` is the one limit kept in each serving process alone: the
+streams a key has open there (each may pin up to the unsent-bytes bound of
+that process's memory while its client reads slowly).
 """
 
 from __future__ import annotations
@@ -37,6 +41,45 @@ if TYPE_CHECKING:
     from gateway.metrics import GatewayMetrics
 
 Headers = list[tuple[bytes, bytes]]
+
+# The metrics' label of a stream refused by StreamCap.
+STREAMS = "streams"
+
+
+class StreamCap:
+    """Counts the streams each key has open in this process, up to ``cap``.
+
+    Per process on purpose: what it bounds is this process's memory, and
+    counting gateway-wide would cost a Redis round trip for every stream of
+    keys that have no limits (a key's ``max_concurrency`` is the gateway-wide
+    limit, through the limiter). ``cap`` 0: no cap.
+    """
+
+    __slots__ = ("cap", "open")
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.open: dict[str, int] = {}
+
+    def take(self, prefix: str, metrics: GatewayMetrics) -> None:
+        """Count one more stream of the key, or refuse it with a 429."""
+        count = self.open.get(prefix, 0)
+        if self.cap and count >= self.cap:
+            metrics.count_limited(STREAMS)
+            raise ProxyError(
+                429,
+                f"This key already has {count} streams open on this server, the "
+                f"limit per key (NEXUS_KEY_MAX_STREAMS={self.cap}). Read or close "
+                "one before opening another.",
+                error_type="requests",
+                code="stream_limit_exceeded",
+            )
+        self.open[prefix] = count + 1
+
+    def give_back(self, prefix: str) -> None:
+        count = self.open.pop(prefix, 0) - 1
+        if count > 0:
+            self.open[prefix] = count
 
 
 def check_expiry(policy: KeyPolicy, now: float, metrics: GatewayMetrics) -> None:

@@ -48,6 +48,7 @@ class Pipeline:
         self.upstream = upstream
         self.accounting = accounting
         self.default_completion = gateway.config.default_completion_tokens
+        self.streams = limits.StreamCap(gateway.config.max_streams_per_key)
 
     async def serve(
         self,
@@ -58,10 +59,19 @@ class Pipeline:
         send: Send,
     ) -> None:
         """Serve the request and record it (an error too: it is raised on)."""
+        # A key's streams in this process are capped (limits.StreamCap); no
+        # key, no cap.
+        counted = exchange.key_prefix if exchange.stream else ""
         try:
-            await self._forward_watching_client(
-                exchange, state, requirements, receive, send
-            )
+            if counted:
+                self.streams.take(counted, self.gateway.metrics)
+            try:
+                await self._forward_watching_client(
+                    exchange, state, requirements, receive, send
+                )
+            finally:
+                if counted:
+                    self.streams.give_back(counted)
         except ProxyError as error:
             exchange.status = error.status
             exchange.error = error.code or error.error_type

@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 
+from gateway.client import ReplyLimits
 from gateway.protocols.base import BUDGET, StreamFailed
 from gateway.proxy import checks, sse
 from gateway.proxy.legs import Leg, LegStream, ProxyExchange
@@ -24,9 +25,7 @@ from gateway.proxy.replies import TRANSPORT_ERRORS, describe, text_length
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
-# A stream's client that keeps more than max_unsent bytes unread this long is
-# stalled (checked every STALL_POLL_SECONDS while it is over).
-STALL_SECONDS = 10.0
+# How often a stream's client over the unsent-bytes bound is looked at again.
 STALL_POLL_SECONDS = 0.02
 
 _STREAM_HEADERS = (
@@ -40,20 +39,26 @@ class Relay:
     """One answer on its way to the client (built once the answer is judged).
 
     ``idle_timeout``: how long the backend may go without completing an event
-    (its request timeout); ``max_unsent``: how many sent bytes the client may
-    leave unread (where the server tells: ``exchange.unsent_bytes``) before
-    the stream is given up.
+    (its request timeout); ``limits.max_unsent``: how many sent bytes the
+    client may leave unread (where the server tells:
+    ``exchange.unsent_bytes``) for ``limits.stall_seconds`` before the stream
+    is given up and the client disconnected.
     """
 
-    __slots__ = ("exchange", "idle_timeout", "max_unsent", "send")
+    __slots__ = ("exchange", "idle_timeout", "max_unsent", "send", "stall_seconds")
 
     def __init__(
-        self, exchange: ProxyExchange, send: Send, idle_timeout: float, max_unsent: int
+        self,
+        exchange: ProxyExchange,
+        send: Send,
+        idle_timeout: float,
+        limits: ReplyLimits,
     ) -> None:
         self.exchange = exchange
         self.send = send
         self.idle_timeout = idle_timeout
-        self.max_unsent = max_unsent
+        self.max_unsent = limits.max_unsent
+        self.stall_seconds = limits.stall_seconds
 
     async def body(
         self,
@@ -279,12 +284,12 @@ class Relay:
 
         A burst of events fills the server's buffer faster than its loop
         writes it out, for a client reading all the while: it is given
-        STALL_SECONDS to bring the buffer down to half the bound, and the
+        ``stall_seconds`` to bring the buffer down to half the bound, and the
         backend is not read meanwhile (back-pressure). Only a client that
         stays behind for that long is stalled.
         """
         loop = asyncio.get_running_loop()
-        until = loop.time() + STALL_SECONDS
+        until = loop.time() + self.stall_seconds
         deadline.reschedule(until + self.idle_timeout)
         while unsent() > self.max_unsent // 2:
             if loop.time() >= until:

@@ -22,11 +22,21 @@ byte resets. So under Daphne:
   ``NEXUS_CLIENT_BODY_TIMEOUT`` seconds after the head; a client dripping
   bytes gets a 408 and is disconnected. An idle kept-alive connection is closed
   quietly after the header timeout.
+* **Malformed requests** (a bare CR in a header, a bad request line,
+  headers over Twisted's 16 KiB): a 400 (431 for the size) with a JSON error
+  in the path's surface shape, where Twisted sends a bare status line.
 * **Unsent bytes**: the scope of every request carries the extension
   ``nexus.transport`` with ``unsent_bytes()``, what the connection holds that
   the client has not read yet, so the proxy can cut a stream whose reader
   stalled (Daphne's ``send()`` never waits for the client), and ``abort()``,
-  which then closes the connection, dropping what it holds.
+  which then closes the connection, dropping what it holds. A response
+  handed over whole (or a stream's tail) must be read too: one still unread
+  after ``NEXUS_CLIENT_HEADER_TIMEOUT`` is watched, and a client that then
+  does not read half of ``NEXUS_STREAM_MAX_UNSENT_BYTES``, or all that is
+  left, every ``NEXUS_STREAM_STALL_SECONDS`` is disconnected the same way.
+  However a connection ends, what its transport still held is freed at once
+  (not when the garbage collector gets to it), and a large buffer's memory is
+  given back to the system (``nexus_site.servers.unsent``).
 
 ``install_daphne_limits()`` patches Daphne's request and factory classes once
 per process; ``nexus_site.servers.serving.prepare_daphne()`` calls it.
@@ -46,12 +56,20 @@ from gateway.proxy import ProxyApp
 from gateway.proxy.errors import ProxyError
 from gateway.proxy.head import RequestHead, refuse_head, surface_of, too_large
 from gateway.proxy.surfaces import OPENAI, Surface
+from nexus_site.servers.unsent import (
+    MemoryRelease,
+    abort_connection,
+    drop_unsent,
+    unsent_bytes,
+    unsent_of,
+)
 
 logger = logging.getLogger(__name__)
 
 _DEADLINE = "_nexus_deadline"
 _REFUSED = "_nexus_refused"
 _RECEIVED = "_nexus_received"
+_UNREAD = "_nexus_unread"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +79,9 @@ class ClientLimits:
     max_body: int
     header_timeout: float
     body_timeout: float
+    # And how slowly it may read a response (see watch_unread below).
+    max_unsent: int = 1024 * 1024
+    stall_seconds: float = 10.0
 
     @classmethod
     def from_settings(cls) -> ClientLimits:
@@ -68,6 +89,8 @@ class ClientLimits:
             max_body=settings.NEXUS_MAX_BODY_BYTES,
             header_timeout=settings.NEXUS_CLIENT_HEADER_TIMEOUT,
             body_timeout=settings.NEXUS_CLIENT_BODY_TIMEOUT,
+            max_unsent=settings.NEXUS_STREAM_MAX_UNSENT_BYTES,
+            stall_seconds=settings.NEXUS_STREAM_STALL_SECONDS,
         )
 
 
@@ -96,8 +119,10 @@ def install_daphne_limits(
     from daphne.http_protocol import HTTPFactory, WebRequest
     from daphne.server import Server
     from twisted.internet import reactor as twisted_reactor
+    from twisted.web.http import HTTPChannel
 
     reactor: Any = twisted_reactor
+    release = MemoryRelease(reactor.callLater)
 
     def arm(channel: Any, seconds: float, what: str) -> None:
         disarm(channel)
@@ -113,7 +138,12 @@ def install_daphne_limits(
     def expire(channel: Any, what: str) -> None:
         setattr(channel, _DEADLINE, None)
         transport = channel.transport
-        if transport is None or transport.disconnecting:
+        if transport is None:
+            return
+        if not channel.requests and unsent_of(transport):
+            watch_unread(channel)  # the last response is still being read
+            return
+        if transport.disconnecting:
             return
         if channel.requests:
             # Part of a request arrived: say why before hanging up.
@@ -126,6 +156,36 @@ def install_daphne_limits(
             transport.write(_raw_response(error))
         transport.loseConnection()
 
+    def watch_unread(channel: Any) -> None:
+        """A response not read within the header timeout: from then on, every
+        `stall_seconds` the client must have read half the unsent-bytes
+        bound, or all that was left, or it is disconnected and the rest
+        dropped. (A stream is held to the bound while it runs,
+        gateway/proxy/relays.py; this covers a whole reply, handed over at
+        once, and a stream's tail.)
+        """
+        disarm(channel)
+        unread = unsent_of(channel.transport)
+        setattr(channel, _UNREAD, unread)
+        call = reactor.callLater(limits.stall_seconds, check_unread, channel)
+        setattr(channel, _DEADLINE, call)
+
+    def check_unread(channel: Any) -> None:
+        setattr(channel, _DEADLINE, None)
+        transport = channel.transport
+        if transport is None:
+            return
+        unread = unsent_of(transport)
+        if unread == 0:
+            if not transport.disconnecting:
+                arm(channel, limits.header_timeout, "head")
+        elif getattr(channel, _UNREAD) - unread >= limits.max_unsent // 2:
+            watch_unread(channel)
+        else:
+            logger.info("Client stopped reading its response; disconnected")
+            transport.abortConnection()
+            drop_unsent(transport, release)
+
     build_protocol = HTTPFactory.buildProtocol
 
     def build_protocol_with_deadline(self: Any, addr: Any) -> Any:
@@ -137,7 +197,11 @@ def install_daphne_limits(
 
         def request_done_and_rearm(request: Any) -> None:
             request_done(request)
-            if channel.transport is not None and not channel.transport.disconnecting:
+            transport = channel.transport
+            # Also when Twisted closes it after: it first sends what is left.
+            if transport is not None and (
+                not transport.disconnecting or unsent_of(transport)
+            ):
                 arm(channel, limits.header_timeout, "head")
 
         channel.requestDone = request_done_and_rearm
@@ -145,7 +209,12 @@ def install_daphne_limits(
 
         def connection_lost_and_disarm(reason: Any) -> None:
             disarm(channel)
+            drop_unsent(channel.transport, release)
             connection_lost(reason)
+            # These closures refer to the channel: a cycle that would keep it
+            # (and what it refers to) until the garbage collector runs.
+            channel.__dict__.pop("requestDone", None)
+            channel.__dict__.pop("connectionLost", None)
 
         channel.connectionLost = connection_lost_and_disarm
         return protocol
@@ -236,39 +305,59 @@ def install_daphne_limits(
         extensions = scope.setdefault("extensions", {})
         extensions["nexus.transport"] = {
             "unsent_bytes": functools.partial(unsent_bytes, protocol),
-            "abort": functools.partial(abort_connection, protocol),
+            "abort": functools.partial(abort_connection, protocol, release),
         }
         return create_application(self, protocol, scope)
 
     Server.create_application = create_application_with_probe
 
+    def respond_to_bad_request(self: Any, too_large: bool = False) -> None:
+        # Twisted's own answer is "400 Bad Request" with no body at all (or,
+        # for a line over 16 KiB, none: it hangs up).
+        disarm(self)
+        error = malformed_request(self, too_large)
+        path = getattr(self, "_path", b"")
+        self.transport.write(_raw_response(error, surface_of(path)))
+        self.loseConnection()
 
-def unsent_bytes(request: Any) -> int:
-    """Bytes written to the request's connection that the client has not read.
-
-    Twisted's TCP transport keeps them in ``dataBuffer`` (from ``offset``) and
-    ``_tempDataBuffer``; a transport without those (TLS) reports 0.
-    """
-    channel = getattr(request, "channel", None)
-    transport = getattr(channel, "transport", None)
-    if transport is None:
-        return 0
-    try:
-        return len(transport.dataBuffer) - transport.offset + transport._tempDataLen
-    except AttributeError:
-        return 0
-
-
-def abort_connection(request: Any) -> None:
-    """Close the request's connection now, dropping what it has not sent yet."""
-    channel = getattr(request, "channel", None)
-    transport = getattr(channel, "transport", None)
-    abort = getattr(transport, "abortConnection", None)
-    if abort is not None:
-        abort()
+    channel_class: Any = HTTPChannel
+    channel_class._respondToBadRequestAndDisconnect = respond_to_bad_request
+    channel_class.lineLengthExceeded = lambda self, line: respond_to_bad_request(
+        self, too_large=True
+    )
 
 
-_REASONS = {401: b"Unauthorized", 408: b"Request Timeout", 413: b"Content Too Large"}
+def malformed_request(channel: Any, too_large: bool = False) -> ProxyError:
+    """The error for a request Twisted's HTTP parser refused (`too_large`: a
+    line of it was over Twisted's limit)."""
+    if (
+        too_large
+        or channel._receivedHeaderSize > channel.totalHeadersSize
+        or channel._receivedHeaderCount > channel.maxHeaders
+    ):
+        return ProxyError(
+            431,
+            f"The request's headers are too large (at most "
+            f"{channel.totalHeadersSize // 1024} KiB and {channel.maxHeaders} "
+            "headers).",
+            code="request_headers_too_large",
+        )
+    return ProxyError(
+        400,
+        "The request is not valid HTTP/1.1: its request line, a header or its "
+        "chunked body is malformed (for example a bare CR or LF, or a NUL, in a "
+        "header; a header name with spaces or without a colon; two lengths).",
+        code="malformed_request",
+    )
+
+
+_REASONS = {
+    400: b"Bad Request",
+    401: b"Unauthorized",
+    408: b"Request Timeout",
+    413: b"Content Too Large",
+    431: b"Request Header Fields Too Large",
+}
 
 
 def _raw_response(

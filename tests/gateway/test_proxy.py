@@ -169,8 +169,11 @@ def gateway(django_db_setup: None, django_db_blocker) -> Iterator[Gateway]:
         token = Token.objects.create(user=staff).key
     # The breaker would rightly shun a mock that a test made fail; tests here
     # share the mocks, so it is off (tests/gateway/test_breaker_e2e.py covers it).
+    # 200 concurrent streams of one key, too: over the default cap of 64.
     server = start_nexus_server(
-        NEXUS_MAX_BODY_BYTES=str(MAX_BODY), NEXUS_BREAKER_FAILURES="1000000"
+        NEXUS_MAX_BODY_BYTES=str(MAX_BODY),
+        NEXUS_BREAKER_FAILURES="1000000",
+        NEXUS_KEY_MAX_STREAMS="1000",
     )
     try:
         yield Gateway(server, a, b, key, token)
