@@ -27,7 +27,7 @@ PYTEST := $(BIN)/python -m pytest -p tests.worker_isolation -p tests.file_order 
 	--dist loadfile --no-loadscope-reorder
 
 .PHONY: run test lint lint-then-embedded test-embedded test-production test-tools setup-tools \
-	smoke-pythons bench bench-peers soak
+	smoke-pythons test-clients-oldest bench bench-peers soak
 
 run: $(VENV)/.installed
 	$(BIN)/python manage.py nexus_run
@@ -129,6 +129,25 @@ $(SMOKE_DIR)/py%/.installed-dev: pyproject.toml
 	@test -n "$(call python_for,$*)" || { echo "No working python$* found." >&2; exit 1; }
 	$(call python_for,$*) -m venv --clear $(SMOKE_DIR)/py$*
 	$(SMOKE_DIR)/py$*/bin/pip install --quiet -e '.[dev]'
+	touch $@
+
+# Not part of `make test`: the surface tests with the oldest official clients
+# pyproject.toml admits (its lower bounds), in a scratch venv outside the repo.
+CLIENTS_OLDEST ?= $(shell sed -n 's/^ *"\(openai\|anthropic\|ollama\)>=\([0-9.]*\),.*/\1==\2/p' pyproject.toml)
+CLIENTS_DIR ?= /tmp/nexus-clients-oldest
+CLIENT_TESTS ?= tests/gateway/test_messages.py tests/gateway/test_claude_code.py \
+	tests/gateway/test_surface_ollama.py tests/gateway/test_surface_responses.py \
+	tests/gateway/test_surfaces_to_anthropic.py tests/gateway/test_tenancy_surfaces.py \
+	tests/gateway/test_translate_anthropic.py tests/gateway/test_proxy.py tests/nexus_mock
+test-clients-oldest: $(CLIENTS_DIR)/.installed test-tools
+	$(CLIENTS_DIR)/bin/python -c 'import openai, anthropic, importlib.metadata as m; \
+		print("clients:", *(f"{p} {m.version(p)}" for p in ("openai", "anthropic", "ollama")))'
+	$(EMBEDDED) $(CLIENTS_DIR)/bin/python -m pytest -p tests.worker_isolation \
+		-p tests.file_order --dist loadfile -n $(EMBEDDED_WORKERS) -q $(CLIENT_TESTS) $(PYTEST_ARGS)
+$(CLIENTS_DIR)/.installed: pyproject.toml | $(BIN)/python
+	$(PYTHON) -m venv --clear $(CLIENTS_DIR)
+	$(CLIENTS_DIR)/bin/pip install --quiet uv
+	VIRTUAL_ENV=$(CLIENTS_DIR) $(CLIENTS_DIR)/bin/uv pip install --quiet -e '.[dev]' $(CLIENTS_OLDEST)
 	touch $@
 
 # The virtualenv gets uv from PyPI first and installs with it (5 s instead of

@@ -269,9 +269,16 @@ def _ollama_error(status: int, message: str) -> ApiError:
 
 
 def check_anthropic_headers(request: Request, config: MockConfig) -> None:
-    """Require ``x-api-key`` (when the mock has a key) and ``anthropic-version``."""
+    """Require the key (when the mock has one) and ``anthropic-version``.
+
+    The key comes as ``x-api-key`` (anthropic < 2) or as a bearer token
+    (anthropic 2.x sends ``Authorization: Bearer``; Anthropic takes both).
+    """
     if config.api_key is not None:
-        given = request.headers.get("x-api-key", "")
+        bearer = request.headers.get("authorization", "")
+        given = request.headers.get("x-api-key", "") or (
+            bearer[7:] if bearer[:7].lower() == "bearer " else ""
+        )
         if not hmac.compare_digest(given.encode(), config.api_key.encode()):
             raise _anthropic_error(401, "authentication_error", "invalid x-api-key")
     if "anthropic-version" not in request.headers:

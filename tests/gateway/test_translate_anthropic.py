@@ -6,6 +6,7 @@ SDK's own accumulator (``accumulate_event``), the code a client runs.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 from typing import Any
@@ -47,10 +48,13 @@ def _sse_events(chunks: list[bytes]) -> list[dict[str, Any]]:
 
 def _accumulate(events: list[dict[str, Any]]) -> dict[str, Any]:
     snapshot = None
+    # anthropic 2.x's accumulator keeps partial tool JSON in a caller's dict.
+    wants = "json_bufs" in inspect.signature(accumulate_event).parameters
+    extra: dict[str, Any] = {"json_bufs": {}} if wants else {}
     for event in events:
         if event["type"] in ("ping", "error"):
             continue
-        snapshot = accumulate_event(event=event, current_snapshot=snapshot)
+        snapshot = accumulate_event(event=event, current_snapshot=snapshot, **extra)
     assert snapshot is not None
     return snapshot.to_dict(exclude_none=True)
 

@@ -397,10 +397,13 @@ def test_drop_after_chunks_breaks_the_sdk_stream(mock: Mock) -> None:
     )
     texts = []
 
-    # The SDK lets httpx's error through: the chunked body never ended.
-    with pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"):
+    # The chunked body never ended: openai 1.x and 2.x let httpx's error
+    # through, 3.x wraps it (from httpx2) in an APIConnectionError.
+    with pytest.raises((httpx.RemoteProtocolError, openai.APIConnectionError)) as e:
         for chunk in stream:
             texts.append(chunk.choices[0].delta.content)
+    error = e.value
+    assert "incomplete chunked read" in f"{error} {error.__cause__}"
 
     whole = "[mock-a/llama3:8b] echo: tell me more"
     assert texts == [whole[:9], whole[9:18]]
@@ -759,9 +762,17 @@ def test_anthropic_kind_checks_its_own_headers(
         listed = http.get("/v1/models", headers=headers).json()
         assert [m["id"] for m in listed["data"]] == ["claude-sonnet-4"]
         assert listed["data"][0]["type"] == "model"
-        bearer = http.get("/v1/models", headers={"authorization": "Bearer k-1"})
-        assert bearer.status_code == 401
-        assert bearer.json()["error"]["type"] == "authentication_error"
+        # anthropic 2.x sends the key as a bearer token, which Anthropic takes.
+        version = {"anthropic-version": "2023-06-01"}
+        bearer = http.get(
+            "/v1/models", headers={"authorization": "Bearer k-1", **version}
+        )
+        assert bearer.status_code == 200
+        wrong = http.get(
+            "/v1/models", headers={"authorization": "Bearer k-2", **version}
+        )
+        assert wrong.status_code == 401
+        assert wrong.json()["error"]["type"] == "authentication_error"
         unversioned = http.get("/v1/models", headers={"x-api-key": "k-1"})
         assert unversioned.status_code == 400
         chat = http.post("/v1/chat/completions", headers=headers, json={})
