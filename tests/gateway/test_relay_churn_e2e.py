@@ -292,7 +292,8 @@ def test_models_update_churn_is_coalesced_and_the_last_update_stands(
                 rows = BackendModel.objects.filter(backend__name="churn", enabled=True)
                 return sorted(rows.values_list("name", flat=True)) == last
 
-            await asyncio.to_thread(wait_until, served, 15.0)
+            # (On the old code too, slowly: one version per update.)
+            await asyncio.to_thread(wait_until, served, 60.0)
             await ws.close()
 
     wait_until_live(relay.server)

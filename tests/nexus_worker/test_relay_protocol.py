@@ -325,6 +325,7 @@ def test_request_ids_leave_room_for_a_client_id_and_an_attempt_suffix() -> None:
         "{" + ",".join(f'"{n}":0' for n in range(5000)) + "}",
         "[" + '"",' * 20_000 + '""]',  # strings are values too
     ],
+    ids=["numbers", "members", "strings"],
 )
 def test_a_frame_of_too_many_values_is_refused_before_parsing(value: str) -> None:
     with pytest.raises(protocol.FrameTooWide, match="more than 8192 values"):
@@ -339,6 +340,8 @@ def test_big_frames_of_few_values_decode() -> None:
     )
     # A reply body of JSON with a million commas, quotes and brackets is
     # one string: one value.
-    body = json.dumps({"data": [{"embedding": [0.5] * 1000, "i": n} for n in range(500)]})
+    body = json.dumps(
+        {"data": [{"embedding": [0.5] * 1000, "i": n} for n in range(500)]}
+    )
     frame = encode(ResponseComplete(request_id="r", status=200, body=body))
     assert decode(frame) == ResponseComplete(request_id="r", status=200, body=body)
