@@ -363,7 +363,9 @@ def _check_shape(text: str) -> None:
         outside = _outside_strings(text)
         if _nests_deeper(outside):
             raise FrameTooDeep(f"frame nested more than {MAX_NESTING} deep")
-    if outside is None or outside.count(",") + outside.count(":") > MAX_ELEMENTS:
+    if outside is not text and outside is not None:
+        separators = outside.count(",") + outside.count(":")
+    if outside is None or separators > MAX_ELEMENTS:
         raise FrameTooWide(f"frame of more than {MAX_ELEMENTS} values")
 
 
