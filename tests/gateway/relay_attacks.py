@@ -10,8 +10,9 @@
   socket; connect again (at most ``--rate`` a second) until ``--seconds``
   passed.
 
-Prints one JSON line at the end: how many attempts got which outcome (close
-codes, "registered") and the frames sent. A process of its own, so that its
+Prints one JSON line at the end: how many attempts got which outcome
+("refused CODE" before registering, "registered", then "cut CODE" or "still
+open" at the end) and the frames sent. A process of its own, so that its
 CPU is not the test's (the test times another worker's requests meanwhile).
 Standard library, aiohttp and the wire protocol only.
 """
@@ -51,7 +52,7 @@ async def _attempt(
         await ws.send_str(_register("hostile"))
         first = await ws.receive(timeout=30)
         if first.type != aiohttp.WSMsgType.TEXT:
-            seen[str(ws.close_code)] += 1
+            seen[f"refused {ws.close_code}"] += 1
             return
         seen["registered"] += 1
         if not frame:
@@ -72,7 +73,7 @@ async def _attempt(
             seen["still open"] += 1
             reader.cancel()
             return
-        seen[str(ws.close_code)] += 1
+        seen[f"cut {ws.close_code}"] += 1
 
 
 async def attack(kind: str, url: str, count: int, seconds: float, rate: float) -> None:
