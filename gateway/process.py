@@ -39,6 +39,7 @@ from gateway.fleet.scheduler import FleetScheduler
 from gateway.holder import SnapshotHolder
 from gateway.metrics import GatewayMetrics, MetricsEndpoint, Network, parse_networks
 from gateway.relay.dispatch import LOAD_GROUP, RelayHub
+from gateway.relay.limits import RelayGuard
 from nexus_lib.groups import listen_to_group
 from nexus_lib.service import (
     Service,
@@ -228,6 +229,8 @@ class Gateway:
             max_reply=config.max_reply_bytes,
             state=self.snapshots.peek,
         )
+        # What each worker may cost this process (its consumers share it).
+        self.relay_guard = RelayGuard()
         self.metrics = GatewayMetrics(per_key=config.metrics_per_key)
         self.admission = AdmissionGate(self.metrics, share=config.admission_share)
         self.live_usage = LiveUsage(

@@ -216,7 +216,12 @@ http_routes = URLRouter(
 )
 # Relay workers behind NAT dial in here (see gateway/relay/consumer.py).
 websocket_routes = URLRouter(
-    [re_path(r"^ws/workers/?$", WorkerConsumer.as_asgi(hub=gateway.relay))]
+    [
+        re_path(
+            r"^ws/workers/?$",
+            WorkerConsumer.as_asgi(hub=gateway.relay, guard=gateway.relay_guard),
+        )
+    ]
 )
 proxy = ProxyApp(gateway)
 application = NexusApplication(

@@ -523,6 +523,37 @@ NEXUS_HEALTH_INTERVAL = _bounded_float("NEXUS_HEALTH_INTERVAL", 10.0, 0.1, 86_40
 NEXUS_RELAY_HEARTBEAT_SECONDS = _bounded_float(
     "NEXUS_RELAY_HEARTBEAT_SECONDS", 5.0, 0.05, 300
 )
+# What one relay worker may cost a serving process (gateway/relay/limits.py).
+# Frames and bytes per second per connection: over them its socket is not read
+# until they allow (bursts of twice the rate, and at least one 16 MiB frame);
+# over them for NEXUS_RELAY_THROTTLE_SECONDS on end with no request to answer,
+# it is disconnected (4029).
+NEXUS_RELAY_FRAMES_PER_SECOND = _bounded_float(
+    "NEXUS_RELAY_FRAMES_PER_SECOND", 5000.0, 1, 1_000_000
+)
+NEXUS_RELAY_BYTES_PER_SECOND = _bounded_float(
+    "NEXUS_RELAY_BYTES_PER_SECOND", 8 * 1024 * 1024, 1024, 1024**3
+)
+NEXUS_RELAY_THROTTLE_SECONDS = _bounded_float(
+    "NEXUS_RELAY_THROTTLE_SECONDS", 10.0, 0.1, 3600
+)
+# Per worker credential and serving process: connects (a burst of 5; over the
+# rate refused with 4029 before any database work) and models_update messages
+# applied (a burst of 3; over the rate the latest waits its turn), per minute.
+NEXUS_RELAY_RECONNECTS_PER_MINUTE = _bounded_float(
+    "NEXUS_RELAY_RECONNECTS_PER_MINUTE", 6.0, 0.01, 100_000
+)
+NEXUS_RELAY_MODEL_UPDATES_PER_MINUTE = _bounded_float(
+    "NEXUS_RELAY_MODEL_UPDATES_PER_MINUTE", 6.0, 0.01, 100_000
+)
+# Failed worker authentications from one address in a minute before it is
+# refused without a check (4030), for 10 s, doubling while it keeps failing.
+NEXUS_RELAY_AUTH_FAILURES = _bounded_int("NEXUS_RELAY_AUTH_FAILURES", 5, 1, 100_000)
+# Configuration versions that workers' connections cause: at most one per this
+# many seconds per serving process (the first at once, the rest coalesced).
+NEXUS_RELAY_CONFIG_COALESCE_SECONDS = _bounded_float(
+    "NEXUS_RELAY_CONFIG_COALESCE_SECONDS", 1.0, 0, 60
+)
 NEXUS_HEALTH_PROBE_TIMEOUT = _bounded_float("NEXUS_HEALTH_PROBE_TIMEOUT", 5.0, 0.1, 600)
 # Consecutive failed probes that make a backend unhealthy, and consecutive good
 # ones that bring an unhealthy backend back (an unknown one needs one).

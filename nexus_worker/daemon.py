@@ -299,6 +299,16 @@ class Worker:
                     raise SecretRejected
                 if code == CloseCode.UNSUPPORTED_VERSION:
                     raise ConnectionLost("the gateway speaks another protocol version")
+                if code == CloseCode.RATE_LIMITED:
+                    raise ConnectionLost(
+                        "the gateway asks this worker to slow down (4029: it "
+                        "reconnected or sent too fast)"
+                    )
+                if code == CloseCode.AUTH_THROTTLED:
+                    raise ConnectionLost(
+                        "too many failed authentications from this address: "
+                        "the gateway refuses it for a while (4030)"
+                    )
                 raise ConnectionLost(f"the gateway closed the connection ({code})")
             if frame.type == aiohttp.WSMsgType.ERROR:
                 raise ConnectionLost(f"WebSocket error: {ws.exception()!r}")

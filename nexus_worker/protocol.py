@@ -59,6 +59,12 @@ MAX_MODEL_NAME = 200
 # recurses once per level and gives up only at the interpreter's limit, with a
 # RecursionError that no caller expects.
 MAX_NESTING = 32
+# Values (list items and object members) one frame may hold: a register's 2,000
+# models and a reply's 64 headers fit many times over. ``json.loads`` spends
+# about a third of a microsecond on each, so a 16 MiB frame of tiny elements
+# (``[0,0,0,...]``, 8 million of them) held the gateway's event loop for
+# seconds; such a frame is refused after a count of its separators.
+MAX_ELEMENTS = 8192
 
 # The only endpoints a worker forwards to its local backend (POST).
 RELAY_ENDPOINTS = frozenset(
@@ -94,6 +100,10 @@ class CloseCode(IntEnum):
     AUTH_FAILED = 4001
     UNSUPPORTED_VERSION = 4002
     BAD_FRAME = 4003
+    # Over its rates for too long (frames, bytes) or reconnecting too often.
+    RATE_LIMITED = 4029
+    # Too many failed authentications from this address: refused unchecked.
+    AUTH_THROTTLED = 4030
 
 
 class ProtocolError(ValueError):
@@ -110,9 +120,17 @@ class UnsupportedVersion(ProtocolError):
     """register or register_ack with a protocol_version this side does not speak."""
 
 
-class FrameTooDeep(ProtocolError):
-    """A frame nested deeper than MAX_NESTING: no peer of this protocol sends
-    one, so the receiver closes the socket (CloseCode.BAD_FRAME)."""
+class UnreadableFrame(ProtocolError):
+    """A frame no peer of this protocol sends, refused before ``json.loads``
+    sees it: the receiver closes the socket (CloseCode.BAD_FRAME)."""
+
+
+class FrameTooDeep(UnreadableFrame):
+    """A frame nested deeper than MAX_NESTING."""
+
+
+class FrameTooWide(UnreadableFrame):
+    """A frame of more than MAX_ELEMENTS values."""
 
 
 # Bounds on everything that comes from the other side.
@@ -289,8 +307,7 @@ def decode(text: str | bytes) -> Message | Unknown:
     """Parse and check one frame; raise ProtocolError if it is not a valid message."""
     if len(text) > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {len(text)} bytes is over {MAX_FRAME_BYTES}")
-    if _nests_deeper(text if isinstance(text, str) else text.decode("latin-1")):
-        raise FrameTooDeep(f"frame nested more than {MAX_NESTING} deep")
+    _check_shape(text if isinstance(text, str) else text.decode("latin-1"))
     try:
         data = json.loads(text)
     except RecursionError:
@@ -321,25 +338,66 @@ def decode(text: str | bytes) -> Message | Unknown:
     return message
 
 
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+# A string once its escaped quotes and backslashes are gone (see _outside_strings).
+_QUOTED = re.compile(r'"[^"]*"')
 # Brackets of either kind become [ and ] (the depth is the same); all else goes.
 _AS_BRACKETS = bytes.maketrans(b"{}", b"[]")
 _NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
 
 
-def _nests_deeper(text: str) -> bool:
-    """Whether the JSON in `text` nests more than MAX_NESTING deep.
+def _check_shape(text: str) -> None:
+    """Raise FrameTooDeep or FrameTooWide for JSON that nests more than
+    MAX_NESTING deep or holds more than MAX_ELEMENTS values.
 
-    Linear, in C rather than a Python loop over the characters: strings are
-    cut out, the brackets kept (UTF-8 has no other byte of their values),
-    then each pass removes the innermost pairs: one level. An unbalanced
-    frame is too deep when it opens more than MAX_NESTING (``json.loads``
-    would recurse into each before failing).
+    Linear, in C rather than a Python loop over the characters. Most frames
+    are settled by counting brackets and separators in the whole text; only
+    when those counts are high (a body of JSON inside a string, or a hostile
+    frame) are the strings cut out and the structure outside them counted.
     """
+    separators = text.count(",") + text.count(":")
     if text.count("[") + text.count("{") <= MAX_NESTING:
-        return False
-    outside = _STRING.sub("", text).encode("utf-8", "surrogatepass")
-    brackets = outside.translate(_AS_BRACKETS, _NOT_BRACKETS)
+        if separators <= MAX_ELEMENTS:
+            return
+        outside = _outside_strings(text)
+    else:
+        outside = _outside_strings(text)
+        if _nests_deeper(outside):
+            raise FrameTooDeep(f"frame nested more than {MAX_NESTING} deep")
+    if outside is not text and outside is not None:
+        separators = outside.count(",") + outside.count(":")
+    if outside is None or separators > MAX_ELEMENTS:
+        raise FrameTooWide(f"frame of more than {MAX_ELEMENTS} values")
+
+
+def _outside_strings(text: str) -> str | None:
+    """The JSON in `text` without its strings (None: more strings than a frame
+    of MAX_ELEMENTS values holds, so too wide anyway).
+
+    Escaped backslashes go first, then escaped quotes (left to right, as a
+    parser pairs them), so that every quote left opens or closes a string.
+    Faster than one regular expression that steps over each escape: a reply
+    body of JSON inside a string has one at every quote of it.
+    """
+    plain = text.replace("\\\\", "").replace('\\"', "") if "\\" in text else text
+    quotes = plain.count('"')
+    if quotes > 4 * MAX_ELEMENTS + 4:
+        return None
+    return _QUOTED.sub("", plain) if quotes else plain
+
+
+def _nests_deeper(outside: str | None) -> bool:
+    """Whether the brackets of `outside` (JSON without its strings) nest more
+    than MAX_NESTING deep.
+
+    The brackets are kept (UTF-8 has no other byte of their values), then each
+    pass removes the innermost pairs: one level. An unbalanced frame is too
+    deep when it opens more than MAX_NESTING (``json.loads`` would recurse
+    into each before failing).
+    """
+    if outside is None:
+        return False  # too wide: refused after
+    brackets = outside.encode("utf-8", "surrogatepass")
+    brackets = brackets.translate(_AS_BRACKETS, _NOT_BRACKETS)
     for _ in range(MAX_NESTING):
         shorter = brackets.replace(b"[]", b"")
         if len(shorter) == len(brackets):

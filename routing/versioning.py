@@ -8,11 +8,20 @@ persisted version goes up by one and the new number is sent to the
 ``CONFIG_GROUP`` group on the Channels layer, where every serving process
 listens. A lost message only delays a process until its next periodic version
 check.
+
+Changes a relay worker's connection causes (register, models_update, its
+socket closing) can come as fast as a hostile worker cares to reconnect; the
+consumer makes them inside ``config_changes_deferred()``, which records that
+something changed instead of bumping, and bumps itself at most once per
+interval (gateway/relay/churn.py).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TypedDict
 
 from channels.layers import get_channel_layer
@@ -34,11 +43,42 @@ class ConfigChangedEvent(TypedDict):
     version: int
 
 
+class DeferredChanges:
+    """What ``config_changes_deferred()`` saw: whether a change committed."""
+
+    def __init__(self) -> None:
+        self.changed = False
+
+    def note(self) -> None:
+        self.changed = True
+
+
+_deferring = threading.local()
+
+
+@contextmanager
+def config_changes_deferred() -> Iterator[DeferredChanges]:
+    """Inside this block (this thread), a committed change does not bump the
+    version: it sets ``changed`` on what the block yields, and the caller
+    bumps (``bump_and_broadcast()``) when it sees fit."""
+    deferred = DeferredChanges()
+    outer = getattr(_deferring, "changes", None)
+    _deferring.changes = deferred
+    try:
+        yield deferred
+    finally:
+        _deferring.changes = outer
+
+
 def mark_config_changed(using: str = DEFAULT_DB_ALIAS) -> None:
     """Bump and broadcast the version when the current transaction commits.
 
     Several changes in one transaction cause one bump.
     """
+    deferred: DeferredChanges | None = getattr(_deferring, "changes", None)
+    if deferred is not None:
+        transaction.on_commit(deferred.note, using=using)
+        return
     connection = connections[using]
     # Savepoint rollbacks discard their on-commit callbacks, so looking at the
     # pending list (rather than keeping a flag of our own) stays correct.
@@ -49,8 +89,15 @@ def mark_config_changed(using: str = DEFAULT_DB_ALIAS) -> None:
     transaction.on_commit(_bump_and_broadcast, using=using)
 
 
+def bump_and_broadcast() -> int:
+    """Bump the version now and tell every serving process; return it."""
+    version = bump_config_version()
+    broadcast_config_version(version)
+    return version
+
+
 def _bump_and_broadcast() -> None:
-    broadcast_config_version(bump_config_version())
+    bump_and_broadcast()
 
 
 def bump_config_version() -> int:

@@ -16,9 +16,20 @@ details), takes its ``register``, makes it a ``relay`` backend
   drain (graceful_shutdown), refresh (models_refresh).
 
 Frames are bounded (16 MiB, bigger closes with 1009), malformed ones are
-logged and dropped, unknown types logged and ignored; a frame nested too
-deep (or one the decoder cannot cope with) closes the socket with 4003 and
+logged and dropped, unknown types logged and ignored (the log at most 10
+lines a minute per worker); a frame nested too deep or holding too many
+values (or one the decoder cannot cope with) closes the socket with 4003 and
 the worker is Gone at once: nothing a worker sends can crash the consumer.
+
+What a worker may cost the process is bounded (gateway/relay/limits.py):
+frames and bytes per second (over the rate its socket is not read; over for
+too long with no request to answer, it is closed with 4029), connects and
+models_updates per
+credential (a connect over the rate is closed with 4029 before any database
+work; a models_update over it waits and the latest is applied), failed
+authentications per address (then closed with 4030 without a check); and the
+configuration versions its comings and goings make are coalesced
+(gateway/relay/churn.py).
 """
 
 from __future__ import annotations
@@ -55,6 +66,7 @@ from gateway.relay.dispatch import (
     Event,
     RelayHub,
 )
+from gateway.relay.limits import FrameMeter, LogBudget, RelayGuard
 from nexus_worker import protocol
 
 logger = logging.getLogger(__name__)
@@ -110,13 +122,32 @@ def _address(scope: dict[str, Any]) -> str:
     return str(client[0]) if client else ""
 
 
+def _reading(scope: dict[str, Any]) -> dict[str, Any]:
+    """The server's hooks to stop and resume reading the socket (Daphne's,
+    nexus_site/servers/daphne_relay.py); other servers stop reading by
+    themselves while the consumer waits (a bounded queue)."""
+    hooks = scope.get("extensions", {}).get("nexus.reading")
+    return hooks if isinstance(hooks, dict) else {}
+
+
+def _nothing() -> None:
+    pass
+
+
 class WorkerConsumer(AsyncWebsocketConsumer):
     """One worker's socket (see the module docstring)."""
 
-    def __init__(self, *args: Any, hub: RelayHub, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, hub: RelayHub, guard: RelayGuard | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
-        # This process's relay hub: ``WorkerConsumer.as_asgi(hub=gateway.relay)``.
+        # This process's relay hub and limits:
+        # ``WorkerConsumer.as_asgi(hub=gateway.relay, guard=gateway.relay_guard)``.
         self.hub = hub
+        self.guard = guard if guard is not None else RelayGuard()
+        self.complaints = LogBudget()
+        self.meter: FrameMeter | None = None  # once authenticated
+        self._models_due: protocol.ModelsUpdate | None = None
         self.worker_id: int | None = None
         self.backend_name = ""
         self.registered = False
@@ -150,17 +181,19 @@ class WorkerConsumer(AsyncWebsocketConsumer):
 
     async def connect(self) -> None:
         secret = _header(self.scope, protocol.SECRET_HEADER.encode())
+        address = _address(self.scope)
+        if not await self._may_try(address, secret):
+            return
         worker = await database_sync_to_async(Worker.objects.for_secret)(secret)
         await self.accept()
         if worker is None:
-            logger.warning(
-                "Relay worker refused (bad or revoked secret) from %s",
-                _address(self.scope),
-            )
+            # Logged by the throttle: a line per address per minute at most.
+            self.guard.auth.failed(address)
             await self._close(protocol.CloseCode.AUTH_FAILED)
             return
         self.worker_id = worker.pk
         self.backend_name = worker.name
+        self.meter = self.guard.frame_meter(worker.pk)
         name = parse_qs(self.scope.get("query_string", b"").decode()).get("name")
         logger.info(
             "Relay worker %s connected from %s%s",
@@ -171,6 +204,17 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self._tasks.append(
             asyncio.get_running_loop().create_task(self._await_register())
         )
+
+    async def _may_try(self, address: str, secret: str) -> bool:
+        """Refuse, before any database work, an address that keeps failing to
+        authenticate (4030) and a credential that reconnects too often
+        (4029); return whether the connection may go on."""
+        code = self.guard.refusal(address, secret)
+        if not code:
+            return True
+        await self.accept()
+        await self._close(code, "slow down: retry later")
+        return False
 
     async def disconnect(self, code: int) -> None:
         if self._gone:
@@ -186,8 +230,11 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             self._pass_on(request_id, route, ("gone", "worker gone"))
         if self.registered and self.worker_id is not None:
             logger.info("Relay worker %s gone (close %s)", self.backend_name, code)
-            await database_sync_to_async(forget_worker)(
-                self.worker_id, self.channel_name, f"worker disconnected ({code})"
+            await self.guard.churn.run(
+                forget_worker,
+                self.worker_id,
+                self.channel_name,
+                f"worker disconnected ({code})",
             )
 
     async def leave(self) -> None:
@@ -202,13 +249,23 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         await self._close(code)
         await self.disconnect(code)
 
-    async def _close(self, code: int) -> None:
+    async def _cut(self, code: int) -> None:
+        """Drop a hostile worker: not a byte more is read from its socket
+        (the server closes it a second later if the worker sends no close)."""
+        _reading(self.scope).get("pause", _nothing)()
+        await self._drop(code)
+
+    async def _close(self, code: int, reason: str = "") -> None:
         self._closing = True
         # Daphne's websocket library sends 1000 and 3000-4999 only, as plain
-        # ints; an oversized frame gets its 1009 from Daphne's own limit
-        # (--websocket-max-message-size, the protocol's 16 MiB under nexus_run).
+        # ints (and no reason); an oversized frame gets its 1009 from Daphne's
+        # own limit (--websocket-max-message-size, the protocol's 16 MiB under
+        # nexus_run).
         code = int(code)
-        await self.close(code=code if code == 1000 or 3000 <= code <= 4999 else 1000)
+        await self.close(
+            code=code if code == 1000 or 3000 <= code <= 4999 else 1000,
+            reason=reason or None,
+        )
 
     async def _await_register(self) -> None:
         await asyncio.sleep(REGISTER_TIMEOUT)
@@ -223,8 +280,11 @@ class WorkerConsumer(AsyncWebsocketConsumer):
     ) -> None:
         if self.worker_id is None or self._closing:
             return
+        size = len(text_data) if text_data is not None else len(bytes_data or b"")
+        if not await self._within_rate(size):
+            return
         if text_data is None:
-            logger.warning("Relay worker %s sent a binary frame", self.backend_name)
+            self._complain("sent a binary frame")
             return
         if len(text_data) > protocol.MAX_FRAME_BYTES:
             await self._close(protocol.CloseCode.TOO_BIG)
@@ -235,12 +295,12 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             logger.warning("Relay worker %s: %s", self.backend_name, error)
             await self._close(protocol.CloseCode.UNSUPPORTED_VERSION)
             return
-        except protocol.FrameTooDeep as error:
+        except protocol.UnreadableFrame as error:
             logger.warning("Relay worker %s: %s: closed", self.backend_name, error)
-            await self._drop(protocol.CloseCode.BAD_FRAME)
+            await self._cut(protocol.CloseCode.BAD_FRAME)
             return
         except protocol.ProtocolError as error:
-            logger.warning("Relay worker %s: bad frame: %s", self.backend_name, error)
+            self._complain("bad frame: %s", error)
             return
         except Exception:
             # The decoder itself broke (it should not): a consumer that let
@@ -255,20 +315,55 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             # One bad message costs that message, never the worker's socket.
             logger.exception("Relay worker %s: handling failed", self.backend_name)
 
+    async def _within_rate(self, size: int) -> bool:
+        """Count a frame against the worker's rates; while it is over them,
+        stop reading its socket until they allow the frame. A worker over
+        them for too long with no request to answer is closed (4029): what it
+        sends is of no use to anyone. Return whether to handle the frame."""
+        assert self.meter is not None
+        now = time.monotonic()
+        wait = self.meter.charge(size, now)
+        if wait == 0:
+            return True
+        if not self.routes and self.meter.is_over_too_long(now, wait):
+            logger.warning(
+                "Relay worker %s over %g frames/s or %g bytes/s for %g s "
+                "with no request to answer: closed",
+                self.backend_name,
+                self.guard.limits.frames_per_second,
+                self.guard.limits.bytes_per_second,
+                self.guard.limits.throttle_seconds,
+            )
+            await self._cut(protocol.CloseCode.RATE_LIMITED)
+            return False
+        reading = _reading(self.scope)
+        reading.get("pause", _nothing)()
+        try:
+            await asyncio.sleep(wait)
+        finally:
+            reading.get("resume", _nothing)()
+        return not self._closing
+
+    def _complain(self, text: str, *args: Any) -> None:
+        """Log what a worker did wrong, at most 10 lines a minute per worker."""
+        held = self.complaints.allow(time.monotonic())
+        if held is not None:
+            logger.warning(
+                "Relay worker %s: "
+                + text
+                + (f" ({held} more not logged)" if held else ""),
+                self.backend_name,
+                *args,
+            )
+
     async def _handle(self, message: protocol.Message | protocol.Unknown) -> None:
         if isinstance(message, protocol.Unknown):
-            logger.info(
-                "Relay worker %s: unknown message type %r ignored",
-                self.backend_name,
-                message.type_name,
-            )
+            self._complain("unknown message type %r ignored", message.type_name)
         elif not self.registered:
             if isinstance(message, protocol.Register):
                 await self._register(message)
             else:
-                logger.warning(
-                    "Relay worker %s: message before register", self.backend_name
-                )
+                self._complain("message before register")
         elif isinstance(message, protocol.ResponseChunk):
             self._forward(message.request_id, ("chunk", message.chunk), False)
         elif isinstance(message, protocol.ResponseComplete):
@@ -282,32 +377,61 @@ class WorkerConsumer(AsyncWebsocketConsumer):
                 logger.info("Relay worker %s: draining", self.backend_name)
                 self.draining = True
                 assert self.worker_id is not None
-                await database_sync_to_async(drain_worker)(self.worker_id)
+                await self.guard.churn.run(drain_worker, self.worker_id)
             else:
-                logger.warning(
-                    "Relay worker %s: %s", self.backend_name, message.message
-                )
+                self._complain("%s", message.message)
         elif isinstance(message, protocol.Pong):
-            self.unanswered = 0
-            self.hub.report_load(self.backend_name, message.load)
+            # Only a pong that answers a ping is published to every process:
+            # unasked ones would each cost a message to all of them.
+            if self.unanswered:
+                self.unanswered = 0
+                self.hub.report_load(self.backend_name, message.load)
         elif isinstance(message, protocol.ModelsUpdate):
-            self.hub.report_load(self.backend_name, message.load)
-            assert self.worker_id is not None
-            update = await database_sync_to_async(update_worker_models)(
-                self.worker_id, message.models
-            )
-            await self._tell_refused(update)
+            await self._update_models(message)
         else:
-            logger.info(
-                "Relay worker %s: unexpected %s ignored",
-                self.backend_name,
-                message.type,
-            )
+            self._complain("unexpected %s ignored", message.type)
+
+    async def _update_models(self, message: protocol.ModelsUpdate) -> None:
+        """Apply a models_update, or, over the credential's rate, hold it and
+        apply the latest one held when the rate allows."""
+        assert self.worker_id is not None
+        wait = self.guard.model_updates.admit(str(self.worker_id), time.monotonic())
+        if wait > 0:
+            if self._models_due is None:
+                self._tasks.append(
+                    asyncio.get_running_loop().create_task(self._update_later(wait))
+                )
+            self._models_due = message
+            return
+        await self._apply_models(message)
+
+    async def _apply_models(self, message: protocol.ModelsUpdate) -> None:
+        assert self.worker_id is not None
+        self.hub.report_load(self.backend_name, message.load)
+        update = await self.guard.churn.run(
+            update_worker_models, self.worker_id, message.models
+        )
+        await self._tell_refused(update)
+
+    async def _update_later(self, wait: float) -> None:
+        while self._models_due is not None:
+            await asyncio.sleep(wait)
+            assert self.worker_id is not None
+            wait = self.guard.model_updates.admit(str(self.worker_id), time.monotonic())
+            if wait <= 0:
+                message, self._models_due = self._models_due, None
+                try:
+                    await self._apply_models(message)
+                except Exception:
+                    logger.exception(
+                        "Relay worker %s: models_update failed", self.backend_name
+                    )
 
     async def _register(self, message: protocol.Register) -> None:
         assert self.worker_id is not None
         try:
-            registration, previous = await database_sync_to_async(register_worker)(
+            registration, previous = await self.guard.churn.run(
+                register_worker,
                 self.worker_id,
                 self.channel_name,
                 _address(self.scope),

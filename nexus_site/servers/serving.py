@@ -9,6 +9,8 @@ is loaded, as under ``nexus_run`` and in the Docker image):
 * Clients are refused and timed out before the application runs where
   Daphne would otherwise read their whole body first
   (``nexus_site.servers.daphne_limits``).
+* A relay worker's consumer can stop Daphne reading the worker's socket
+  while the worker is over its rates (``nexus_site.servers.daphne_relay``).
 * Daphne's access log writes a line per request to stdout; gateway paths log
   their own structured line instead (logger ``nexus.access``), so Daphne's is
   kept for Django's pages only.
@@ -31,6 +33,7 @@ from typing import Any
 from gateway.process import Gateway, tune_garbage_collector
 from gateway.proxy import ProxyApp
 from nexus_site.servers.daphne_limits import ClientLimits, install_daphne_limits
+from nexus_site.servers.daphne_relay import install_websocket_reading_hooks
 from nexus_worker.protocol import MAX_FRAME_BYTES as RELAY_MAX_FRAME_BYTES
 
 logger = logging.getLogger(__name__)
@@ -71,6 +74,7 @@ def prepare_daphne(gateway: Gateway, proxy: ProxyApp) -> None:
 
     WebRequest.__init__ = init_without_form_parsing
     install_daphne_limits(gateway, proxy, ClientLimits.from_settings())
+    install_websocket_reading_hooks()
 
     log_action = Server.log_action
 

@@ -314,3 +314,34 @@ def test_request_ids_leave_room_for_a_client_id_and_an_attempt_suffix() -> None:
     request_id = "c" * 128 + ".12345"
     message = Cancel(request_id=request_id)
     assert decode(encode(message)) == message
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        # The red team's frames (issue 27): tiny elements, millions of them;
+        # json.loads took seconds of the gateway's event loop for one.
+        "[" + "0," * 100_000 + "0]",
+        "{" + ",".join(f'"{n}":0' for n in range(5000)) + "}",
+        "[" + '"",' * 20_000 + '""]',  # strings are values too
+    ],
+    ids=["numbers", "members", "strings"],
+)
+def test_a_frame_of_too_many_values_is_refused_before_parsing(value: str) -> None:
+    with pytest.raises(protocol.FrameTooWide, match="more than 8192 values"):
+        decode(_pong_with(value))
+
+
+def test_big_frames_of_few_values_decode() -> None:
+    models = [f"model-{n}" for n in range(2000)]
+    register = {"type": "register", "name": "a", "models": models, "max_concurrency": 1}
+    assert decode(json.dumps(register)) == Register(
+        name="a", models=models, max_concurrency=1
+    )
+    # A reply body of JSON with a million commas, quotes and brackets is
+    # one string: one value.
+    body = json.dumps(
+        {"data": [{"embedding": [0.5] * 1000, "i": n} for n in range(500)]}
+    )
+    frame = encode(ResponseComplete(request_id="r", status=200, body=body))
+    assert decode(frame) == ResponseComplete(request_id="r", status=200, body=body)

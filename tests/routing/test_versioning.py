@@ -10,7 +10,12 @@ from django.utils import timezone
 
 from backends.models import Backend, BackendModel, HealthStatus
 from routing.models import Alias, RoutingPolicy
-from routing.versioning import CONFIG_GROUP, read_config_version
+from routing.versioning import (
+    CONFIG_GROUP,
+    bump_and_broadcast,
+    config_changes_deferred,
+    read_config_version,
+)
 from tests.factories import (
     AliasFactory,
     ApiKeyFactory,
@@ -47,6 +52,30 @@ def test_a_delete_bumps_the_version() -> None:
     before = read_config_version()
     alias.delete()
     assert read_config_version() == before + 1
+
+
+def test_deferred_changes_are_noted_not_bumped_until_the_caller_bumps() -> None:
+    """How a relay worker's churn is coalesced (gateway/relay/churn.py)."""
+    before = read_config_version()
+    with config_changes_deferred() as changes:
+        BackendFactory()
+        AliasFactory()
+    assert changes.changed
+    assert read_config_version() == before
+    assert bump_and_broadcast() == before + 1
+    BackendFactory()  # outside the block: bumped on commit as ever
+    assert read_config_version() == before + 2
+
+
+def test_a_deferred_change_rolled_back_is_not_noted() -> None:
+    with (
+        config_changes_deferred() as changes,
+        pytest.raises(RuntimeError),
+        transaction.atomic(),
+    ):
+        BackendFactory()
+        raise RuntimeError
+    assert not changes.changed
 
 
 def test_many_changes_in_one_transaction_bump_once() -> None:

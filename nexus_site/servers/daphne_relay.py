@@ -1,0 +1,41 @@
+"""Let a relay worker's consumer stop Daphne reading the worker's socket.
+
+Daphne reads every WebSocket message as it arrives and queues it for the
+application without bound: a consumer that waits (a worker over its rates,
+gateway/relay/limits.py) would only move the flood into that queue. Each
+WebSocket's scope gets the extension ``nexus.reading`` with ``pause()`` and
+``resume()``, which stop and restart reading the socket (Twisted's producer
+interface): the worker's sends then wait on TCP, and the process holds
+nothing more of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def install_websocket_reading_hooks() -> None:
+    """Patch Daphne's application factory in this process (see the docstring)."""
+    from daphne.server import Server
+
+    create_application = Server.create_application
+
+    def create_application_with_reading(self: Any, protocol: Any, scope: Any) -> Any:
+        if scope.get("type") == "websocket":
+            extensions = scope.setdefault("extensions", {})
+            extensions["nexus.reading"] = {
+                "pause": lambda: _transport_call(protocol, "pauseProducing"),
+                "resume": lambda: _transport_call(protocol, "resumeProducing"),
+            }
+        return create_application(self, protocol, scope)
+
+    Server.create_application = create_application_with_reading
+
+
+def _transport_call(protocol: Any, name: str) -> None:
+    transport = getattr(protocol, "transport", None)
+    if transport is None or getattr(transport, "disconnecting", False):
+        return
+    call = getattr(transport, name, None)
+    if call is not None:
+        call()
