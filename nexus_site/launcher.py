@@ -65,6 +65,9 @@ class Child:
     # Restarts in a row that died within STABLE_SECONDS (sets the back-off).
     quick_deaths: int = 0
     restart_at: float | None = None
+    # Stopped after every other child has exited (the private Redis, which
+    # the others write to as they drain).
+    stop_last: bool = False
 
     @property
     def pid(self) -> int:
@@ -99,11 +102,13 @@ class Supervisor:
         *,
         pass_fds: Sequence[int] = (),
         env: dict[str, str] | None = None,
+        stop_last: bool = False,
     ) -> Child:
         """Start a child, restarted with the same command whenever it dies."""
         launch = Launch(list(argv), tuple(pass_fds), env)
         child = self.adopt(label, _spawn(launch))
         child.launch = launch
+        child.stop_last = stop_last
         return child
 
     def adopt(self, label: str, process: subprocess.Popen[str]) -> Child:
@@ -112,6 +117,12 @@ class Supervisor:
         self._pump_output(child)
         self.children.append(child)
         return child
+
+    def forget(self, child: Child) -> None:
+        """Kill a child and stop supervising it (one that failed to start)."""
+        _signal_group(child.process, signal.SIGKILL)
+        child.process.wait()
+        self.children.remove(child)
 
     def _pump_output(self, child: Child) -> None:
         process = child.process
@@ -198,12 +209,26 @@ class Supervisor:
             temporary.write_text(json.dumps(counts))
             temporary.replace(path)
 
-    def stop(self) -> None:
-        """Stop children, newest first, politely then by force."""
-        for child in reversed(self.children):
+    def stop(self, before_last: Callable[[], None] | None = None) -> None:
+        """Stop children, newest first, politely then by force.
+
+        Children started with ``stop_last`` are stopped once the others have
+        exited, after ``before_last`` has run.
+        """
+        self._stop_children([c for c in self.children if not c.stop_last])
+        last = [child for child in self.children if child.stop_last]
+        if last and before_last is not None:
+            before_last()
+        self._stop_children(last)
+        for child in self.children:
+            if child.pump is not None:
+                child.pump.join(timeout=2)
+
+    def _stop_children(self, children: list[Child]) -> None:
+        for child in reversed(children):
             _signal_group(child.process, signal.SIGTERM)
         deadline = time.monotonic() + self.grace
-        for child in reversed(self.children):
+        for child in reversed(children):
             remaining = max(0.0, deadline - time.monotonic())
             try:
                 child.process.wait(timeout=remaining)
@@ -213,9 +238,6 @@ class Supervisor:
                 child.process.wait()
             # Grandchildren (Celery pool processes) share the child's group.
             _signal_group(child.process, signal.SIGKILL)
-        for child in self.children:
-            if child.pump is not None:
-                child.pump.join(timeout=2)
 
 
 def _spawn(launch: Launch) -> subprocess.Popen[str]:
