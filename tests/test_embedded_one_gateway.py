@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import sqlite3
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -63,6 +64,11 @@ def _running(env: dict[str, str], *args: str) -> Iterator[RunningNexus]:
     try:
         yield nexus
     finally:
+        # A failed test still stops every child (its Redis included): the
+        # launcher's Ctrl-C does; a SIGKILL would leave them running.
+        if nexus.process.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                nexus.interrupt()
         if nexus.process.poll() is None:
             os.killpg(nexus.process.pid, signal.SIGKILL)
 
@@ -141,7 +147,7 @@ def test_two_serving_processes_share_one_limit_dashboard_and_usage(
     with _running(embedded_env, "--workers", "2") as nexus:
         password = nexus.expect(r"user 'admin' password (\S+) \(printed once")[1]
         nexus.expect(r"Serving with daphne: 2 processes on one port")
-        nexus.expect(r"Shared state:\s+a private Redis")
+        nexus.expect(r"Shared state:\s+private Redis")
         nexus.expect(r"Press Ctrl-C to stop")
         base = f"http://127.0.0.1:{nexus.port}"
 
@@ -172,8 +178,23 @@ def test_two_serving_processes_share_one_limit_dashboard_and_usage(
         )
         assert _records(state_dir, prefix) == [200] * RPM + [429] * (REQUESTS - RPM)
 
+        # A command run beside it joins its Redis: the flush drains the usage
+        # stream the serving processes ship to.
+        flush = _manage(embedded_env, "nexus_flush_usage")
+        assert "usage events from Redis" in flush.stdout, flush.stdout
+        # A second launcher on the same state directory is refused.
+        second = _manage(embedded_env, "nexus_run", "--port", str(nexus.port + 1))
+        assert second.returncode == 1
+        assert "Another nexus_run serves from" in second.stderr
+
         assert nexus.interrupt() == 0
         assert "Stopped." in nexus.output()
+
+
+def _manage(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return zygote.run(
+        [sys.executable, "manage.py", *args], cwd=REPO_ROOT, env=env, timeout=120
+    )
 
 
 def _live_requests(event: dict) -> int:

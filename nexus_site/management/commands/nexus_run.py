@@ -96,6 +96,12 @@ class Command(BaseCommand):
         web_only: bool,
         **options: Any,
     ) -> None:
+        if settings.NEXUS_PRIVATE_REDIS_JOINED:
+            raise CommandError(
+                f"Another nexus_run serves from {settings.NEXUS_STATE_DIR} (its "
+                f"Redis answers on {settings.REDIS_URL}). Stop it, or give this "
+                "one another NEXUS_STATE_DIR."
+            )
         if not 1 <= workers <= 256:
             raise CommandError(f"--workers must be within 1..256, not {workers}.")
         if server != "daphne" and importlib.util.find_spec(server) is None:
@@ -180,12 +186,12 @@ class Command(BaseCommand):
                 if not supervisor.stopping.is_set():
                     supervisor.say("The web server did not start; see [web] above.")
             else:
-                serving = [
+                serving_line = (
                     f"Serving with {server}: {workers} process"
                     f"{'es' * (workers != 1)} on one port "
-                    f"(pids {', '.join(str(w.pid) for w in webs)})",
-                    f"Shared state:  {shared_line}",
-                ]
+                    f"(pids {', '.join(str(w.pid) for w in webs)})"
+                )
+                serving = [serving_line, f"Shared state:  {shared_line}"]
                 self._banner(
                     host,
                     port,
@@ -206,9 +212,9 @@ class Command(BaseCommand):
                 )
             )
             if private_socket is not None:
-                private_socket.unlink(missing_ok=True)
-                if private_socket.parent != Path(settings.NEXUS_STATE_DIR):
-                    shutil.rmtree(private_socket.parent, ignore_errors=True)
+                private_redis.remove_socket(
+                    Path(settings.NEXUS_STATE_DIR), private_socket
+                )
             supervisor.say("Stopped.")
             listener.close()
             shutil.rmtree(
@@ -249,9 +255,8 @@ class Command(BaseCommand):
         except (DatabaseError, RedisError) as error:
             supervisor.say(f"Could not load the keys' budget spend yet: {error}")
         return url, (
-            f"a private Redis ({Path(binary.path).name}, pid {child.pid}) on "
-            f"{socket_path}: limits, budgets, admission and live usage count "
-            "for every serving process together"
+            f"private Redis ({Path(binary.path).name}, pid {child.pid}) on "
+            f"{socket_path}: one gateway's limits, budgets, queues and usage"
         )
 
     def _start_celery(
@@ -416,7 +421,7 @@ class Command(BaseCommand):
 def _private_socket() -> Path:
     """Where the private Redis listens; a stale socket is removed first."""
     state_dir = Path(settings.NEXUS_STATE_DIR)
-    path, _ = private_redis.socket_path(state_dir)
+    path = private_redis.socket_path(state_dir)
     try:
         private_redis.clear_stale_socket(path)
     except private_redis.SocketInUseError:
