@@ -74,6 +74,34 @@ class Child:
         return self.process.pid
 
 
+class StopFlag:
+    """Set by a signal handler, read by the launcher's loops: no lock.
+
+    (``threading.Event.set()`` in a handler deadlocks when the signal lands
+    while the main thread holds the event's own lock, inside ``wait()``: a
+    Ctrl-C that then never stops anything.)
+    """
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep until set or `timeout` seconds pass; return whether set."""
+        deadline = time.monotonic() + timeout
+        while not self._set:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(remaining, 0.05))
+        return True
+
+
 class Supervisor:
     """Start child processes, prefix their output, and stop them together."""
 
@@ -88,7 +116,7 @@ class Supervisor:
         self.children: list[Child] = []
         self._out = out
         self._out_lock = threading.Lock()
-        self._stop = threading.Event()
+        self._stop = StopFlag()
 
     def say(self, text: str) -> None:
         with self._out_lock:
@@ -147,7 +175,7 @@ class Supervisor:
         signal.signal(signal.SIGTERM, request_stop)
 
     @property
-    def stopping(self) -> threading.Event:
+    def stopping(self) -> StopFlag:
         """Set once SIGINT or SIGTERM asked the launcher to stop."""
         return self._stop
 
@@ -290,7 +318,7 @@ def wait_until_serving(
     host: str,
     port: int,
     child: Child,
-    stopping: threading.Event,
+    stopping: StopFlag | threading.Event,
     say: Callable[[str], None],
     host_header: str = "localhost",
     patience: float = 30.0,
