@@ -51,7 +51,8 @@ class Command(BaseCommand):
             type=int,
             default=settings.NEXUS_WORKERS,
             help="Serving processes sharing the port (default: NEXUS_WORKERS, "
-            "else the number of CPUs).",
+            "else the number of CPUs); one when there is neither REDIS_URL nor "
+            "a Redis server to start.",
         )
         parser.add_argument(
             "--server",
