@@ -28,6 +28,9 @@ from tests.conftest import wait_until
 from tests.test_nexus_run import REPO_ROOT, RunningNexus, _login, _start
 from usage.models.keys import PREFIX_LENGTH
 
+# Each test runs the embedded default whatever the suite's mode: once is enough.
+pytestmark = pytest.mark.mode_independent
+
 REQUESTS = 12
 RPM = 5
 
