@@ -65,10 +65,41 @@ class Child:
     # Restarts in a row that died within STABLE_SECONDS (sets the back-off).
     quick_deaths: int = 0
     restart_at: float | None = None
+    # Stopped after every other child has exited (the private Redis, which
+    # the others write to as they drain).
+    stop_last: bool = False
 
     @property
     def pid(self) -> int:
         return self.process.pid
+
+
+class StopFlag:
+    """Set by a signal handler, read by the launcher's loops: no lock.
+
+    (``threading.Event.set()`` in a handler deadlocks when the signal lands
+    while the main thread holds the event's own lock, inside ``wait()``: a
+    Ctrl-C that then never stops anything.)
+    """
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep until set or `timeout` seconds pass; return whether set."""
+        deadline = time.monotonic() + timeout
+        while not self._set:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(remaining, 0.05))
+        return True
 
 
 class Supervisor:
@@ -85,7 +116,7 @@ class Supervisor:
         self.children: list[Child] = []
         self._out = out
         self._out_lock = threading.Lock()
-        self._stop = threading.Event()
+        self._stop = StopFlag()
 
     def say(self, text: str) -> None:
         with self._out_lock:
@@ -99,11 +130,13 @@ class Supervisor:
         *,
         pass_fds: Sequence[int] = (),
         env: dict[str, str] | None = None,
+        stop_last: bool = False,
     ) -> Child:
         """Start a child, restarted with the same command whenever it dies."""
         launch = Launch(list(argv), tuple(pass_fds), env)
         child = self.adopt(label, _spawn(launch))
         child.launch = launch
+        child.stop_last = stop_last
         return child
 
     def adopt(self, label: str, process: subprocess.Popen[str]) -> Child:
@@ -112,6 +145,12 @@ class Supervisor:
         self._pump_output(child)
         self.children.append(child)
         return child
+
+    def forget(self, child: Child) -> None:
+        """Kill a child and stop supervising it (one that failed to start)."""
+        _signal_group(child.process, signal.SIGKILL)
+        child.process.wait()
+        self.children.remove(child)
 
     def _pump_output(self, child: Child) -> None:
         process = child.process
@@ -136,7 +175,7 @@ class Supervisor:
         signal.signal(signal.SIGTERM, request_stop)
 
     @property
-    def stopping(self) -> threading.Event:
+    def stopping(self) -> StopFlag:
         """Set once SIGINT or SIGTERM asked the launcher to stop."""
         return self._stop
 
@@ -198,12 +237,26 @@ class Supervisor:
             temporary.write_text(json.dumps(counts))
             temporary.replace(path)
 
-    def stop(self) -> None:
-        """Stop children, newest first, politely then by force."""
-        for child in reversed(self.children):
+    def stop(self, before_last: Callable[[], None] | None = None) -> None:
+        """Stop children, newest first, politely then by force.
+
+        Children started with ``stop_last`` are stopped once the others have
+        exited, after ``before_last`` has run.
+        """
+        self._stop_children([c for c in self.children if not c.stop_last])
+        last = [child for child in self.children if child.stop_last]
+        if last and before_last is not None:
+            before_last()
+        self._stop_children(last)
+        for child in self.children:
+            if child.pump is not None:
+                child.pump.join(timeout=2)
+
+    def _stop_children(self, children: list[Child]) -> None:
+        for child in reversed(children):
             _signal_group(child.process, signal.SIGTERM)
         deadline = time.monotonic() + self.grace
-        for child in reversed(self.children):
+        for child in reversed(children):
             remaining = max(0.0, deadline - time.monotonic())
             try:
                 child.process.wait(timeout=remaining)
@@ -213,9 +266,6 @@ class Supervisor:
                 child.process.wait()
             # Grandchildren (Celery pool processes) share the child's group.
             _signal_group(child.process, signal.SIGKILL)
-        for child in self.children:
-            if child.pump is not None:
-                child.pump.join(timeout=2)
 
 
 def _spawn(launch: Launch) -> subprocess.Popen[str]:
@@ -268,7 +318,7 @@ def wait_until_serving(
     host: str,
     port: int,
     child: Child,
-    stopping: threading.Event,
+    stopping: StopFlag | threading.Event,
     say: Callable[[str], None],
     host_header: str = "localhost",
     patience: float = 30.0,

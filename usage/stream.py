@@ -195,16 +195,19 @@ class RedisShipper:
             self._failures = 0
 
 
-def drain_usage_stream(*, batch_size: int = DRAIN_BATCH) -> int:
+def drain_usage_stream(
+    *, batch_size: int = DRAIN_BATCH, redis_url: str | None = None
+) -> int:
     """Write every event the stream holds to the database; return how many.
 
-    Reads `batch_size` entries (shipments) at a time.
+    Reads `batch_size` entries (shipments) at a time, from the Redis at
+    `redis_url` (default: REDIS_URL; nexus_run names its private one).
 
     Entries are deleted only after their rows are committed; on a database
     error they stay in the stream for the next run and the error is raised.
     """
     client = redis.Redis.from_url(
-        settings.REDIS_URL, socket_timeout=10, socket_connect_timeout=5
+        redis_url or settings.REDIS_URL, socket_timeout=10, socket_connect_timeout=5
     )
     moved = 0
     try:

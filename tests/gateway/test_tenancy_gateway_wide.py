@@ -1,8 +1,9 @@
 """Limits that hold for the gateway as a whole: three serving processes, one Redis.
 
-Production mode only (the embedded default limits each process on its own,
-tests/gateway/test_tenancy.py). Three Daphne processes share the database and
-Redis; load comes from the openai SDK, one client per process.
+Three Daphne processes share the database and Redis; load comes from the
+openai SDK, one client per process. In production mode the Redis is
+REDIS_URL's; in the embedded default it is a private one on a Unix socket,
+started as nexus_run starts it (nexus_site/private_redis.py), with SQLite.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
-from django.conf import settings
 from django.core.management import call_command
 
 from backends.models import Backend, BackendModel, HealthStatus
@@ -29,9 +29,6 @@ from tests.conftest import (
 )
 from usage.models import ApiKey
 
-pytestmark = pytest.mark.skipif(
-    not settings.REDIS_URL, reason="gateway-wide limits need Redis (production mode)"
-)
 # Low enough that 15 requests a second empty the bucket within LOAD_SECONDS.
 RPM = 300
 LOAD_SECONDS = 30.0
@@ -42,6 +39,7 @@ class Cluster:
     servers: list[NexusServer]
     mock: MockBackendProcess
     keys: dict[str, str]
+    env: dict[str, str]  # what its serving processes share Redis with
 
     def sdk(self, index: int, key: str) -> openai.OpenAI:
         return openai.OpenAI(
@@ -53,7 +51,9 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(django_db_setup: None, django_db_blocker) -> Iterator[Cluster]:
+def cluster(
+    django_db_setup: None, django_db_blocker, shared_redis_env: dict[str, str]
+) -> Iterator[Cluster]:
     mock = start_mock_backend("--models", "llama3:8b,slow:1b", "--name", "mock-w")
     with django_db_blocker.unblock():
         fast = Backend.objects.create(
@@ -80,8 +80,10 @@ def cluster(django_db_setup: None, django_db_blocker) -> Iterator[Cluster]:
     servers = []
     try:
         for _ in range(3):
-            servers.append(start_nexus_server(NEXUS_BREAKER_FAILURES="1000000"))
-        cluster = Cluster(servers, mock, keys)
+            servers.append(
+                start_nexus_server(NEXUS_BREAKER_FAILURES="1000000", **shared_redis_env)
+            )
+        cluster = Cluster(servers, mock, keys, shared_redis_env)
         for index in range(3):
             # The first request of a process loads its configuration, and the
             # SDK imports its request types on first use: neither may eat into
@@ -204,6 +206,7 @@ def test_an_unreachable_limiter_redis_gets_the_configured_answer(
     cluster: Cluster, mode: str, status: int
 ) -> None:
     server = start_nexus_server(
+        **cluster.env,
         NEXUS_LIMITS_REDIS_URL="redis://127.0.0.1:9/0",
         NEXUS_LIMITS_ON_REDIS_ERROR=mode,
         NEXUS_LIMITS_REDIS_TIMEOUT="0.2",

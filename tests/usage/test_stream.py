@@ -198,14 +198,14 @@ def test_stream_refuses_anonymous_and_non_staff_clients(setup: Setup) -> None:
 
 
 def test_stream_shows_requests_served_by_another_process(
-    request: pytest.FixtureRequest,
+    setup: Setup,
     nexus_server_factory: Callable[..., NexusServer],
-    settings: Any,
+    shared_redis_env: dict[str, str],
 ) -> None:
-    if "Redis" not in settings.CHANNEL_LAYERS["default"]["BACKEND"]:
-        pytest.skip("the in-memory channel layer does not cross processes")
-    setup: Setup = request.getfixturevalue("setup")  # skip before starting it
-    other = Setup(nexus_server_factory(), setup.key, setup.token)
+    # Both processes on one Redis: REDIS_URL's, or the embedded default's own.
+    if shared_redis_env:
+        setup = Setup(nexus_server_factory(**shared_redis_env), setup.key, setup.token)
+    other = Setup(nexus_server_factory(**shared_redis_env), setup.key, setup.token)
     with open_stream(setup) as stream:
         assert stream.next()[0] == "snapshot"
         tokens = other.chat("served elsewhere")

