@@ -58,6 +58,7 @@ class Pipeline:
         send: Send,
     ) -> None:
         """Serve the request and record it (an error too: it is raised on)."""
+        self.accounting.open(exchange)
         try:
             await self._forward_watching_client(
                 exchange, state, requirements, receive, send

@@ -115,6 +115,7 @@ class Relay:
         """
         exchange, send = self.exchange, self.send
         exchange.status = response.status
+        exchange.live_chars = relay.text_length
         await send(
             {
                 "type": "http.response.start",
@@ -201,6 +202,7 @@ class Relay:
         """Relay (or translate) the rest of a leg's stream; bounded as ``stream``."""
         exchange, send = self.exchange, self.send
         exchange.status = response.status
+        exchange.live_chars = lambda: stream.chars
         await send(
             {
                 "type": "http.response.start",
