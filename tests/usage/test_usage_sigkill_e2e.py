@@ -70,6 +70,16 @@ class Running:
             with contextlib.suppress(queue.Empty):
                 self.seen.append(self.lines.get(timeout=min(left, 0.5)))
 
+    def stop(self) -> int:
+        """Ctrl-C: the launcher stops its children (they have sessions of their own)."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGINT)
+        try:
+            return self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            raise
+
     def queued_in_admission(self) -> float:
         text = httpx.get(f"{self.base}/metrics", timeout=10).text
         found = re.findall(
@@ -115,9 +125,7 @@ def nexus_run(tmp_path: Path) -> Iterator[Callable[[], Running]]:
 
     yield start
     for running in started:
-        if running.process.poll() is None:
-            os.killpg(running.process.pid, signal.SIGKILL)
-            running.process.wait(timeout=30)
+        running.stop()
 
 
 @dataclass
@@ -143,6 +151,9 @@ def _stream(base: str, key: str, request_id: str, outcome: Outcome) -> None:
             ) as response,
         ):
             outcome.status = response.status_code
+            if response.status_code != 200:
+                outcome.error = response.read().decode()
+                return
             for line in response.iter_lines():
                 if line.startswith("data: {"):
                     outcome.chunks += 1
@@ -271,7 +282,12 @@ def test_kill_9_of_a_serving_process_leaves_a_record_of_every_admitted_request(
     unanswered = [rid for rid, o in outcomes.items() if o.status is None]
     completed = [rid for rid, o in outcomes.items() if o.done]
     assert cut, outcomes  # the victim had streams mid-answer
-    assert len(cut) + len(unanswered) + len(completed) == STREAMS, outcomes
+    # In production the dead process's backend slots stay leased for a while
+    # (usage/limits): the survivor may refuse some of the queued (503).
+    refused_later = {
+        rid: o.status for rid, o in outcomes.items() if o.status not in (None, 200)
+    }
+    assert len(cut) + len(unanswered) + len(completed) + len(refused_later) == STREAMS
 
     everything = request_ids + refused + [f"after-{i}" for i in range(5)]
     records = wait_until(
@@ -294,5 +310,70 @@ def test_kill_9_of_a_serving_process_leaves_a_record_of_every_admitted_request(
     for rid in completed:
         record = records[rid]
         assert not record.reconciled and record.status == 200 and not record.error
+    for rid, status in refused_later.items():
+        record = records[rid]
+        assert not record.reconciled and record.status == status
     assert [records[rid].status for rid in refused] == statuses
     assert not OpenRequest.objects.exists()
+
+
+def test_requests_refused_while_draining_are_recorded(
+    mock_backend_factory: Callable[..., MockBackendProcess],
+    nexus_run: Callable[[], Running],
+) -> None:
+    if SHIPS_TO_REDIS:
+        clear_usage_stream()
+    slow = mock_backend_factory(
+        "--models", "llama3:8b", "--name", "slow", "--chunks", "100",
+        "--chunk-delay-ms", "40",
+    )  # fmt: skip
+    backend = Backend.objects.create(
+        name="slow", base_url=slow.base_url, status=HealthStatus.HEALTHY
+    )
+    BackendModel.objects.create(backend=backend, name="llama3:8b")
+    _, key = ApiKey.objects.create_key("draining")
+    nexus = nexus_run()
+    nexus.expect(r"on one port \(pids (\d+), (\d+)\)", timeout=90)
+    outcome = Outcome()
+    streaming = threading.Thread(
+        target=_stream, args=(nexus.base, key, "long", outcome)
+    )
+    streaming.start()
+    wait_until(lambda: outcome.chunks > 0, 30, "the stream answering")
+
+    os.killpg(nexus.process.pid, signal.SIGINT)  # Ctrl-C: every process drains
+    refused: list[str] = []
+
+    def shutting_down() -> bool:
+        rid = f"late-{len(refused)}"
+        try:
+            response = httpx.post(
+                f"{nexus.base}/v1/chat/completions",
+                json={
+                    "model": "llama3:8b",
+                    "messages": [{"role": "user", "content": "z"}],
+                },
+                headers={"authorization": f"Bearer {key}", "x-request-id": rid},
+                timeout=30,
+            )
+        except httpx.TransportError:
+            return False
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "shutting_down"
+        refused.append(rid)
+        return len(refused) >= 3
+
+    wait_until(shutting_down, 30, "three requests refused while draining")
+    assert nexus.process.wait(timeout=60) == 0
+    streaming.join(timeout=30)
+    assert outcome.done
+
+    if SHIPS_TO_REDIS:
+        drain_usage_stream()
+    records = {
+        r.request_id: r for r in UsageRecord.objects.filter(request_id__in=refused)
+    }
+    assert sorted(records) == sorted(refused)
+    for record in records.values():
+        assert (record.status, record.error) == (503, "shutting_down")
+    assert UsageRecord.objects.get(request_id="long").status == 200
