@@ -10,6 +10,7 @@ reconciles, as the beat tasks do.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import queue
 import re
@@ -128,6 +129,21 @@ def nexus_run(tmp_path: Path) -> Iterator[Callable[[], Running]]:
         running.stop()
 
 
+def _connections(pid: int, port: int) -> int:
+    """Established client connections on `port` that process `pid` holds."""
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, state, inode = fields[1], fields[3], fields[9]
+        if state == "01" and int(local.rsplit(":", 1)[1], 16) == port:
+            inodes.add(f"socket:[{inode}]")
+    held = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            held += os.readlink(fd) in inodes
+    return held
+
+
 @dataclass
 class Outcome:
     status: int | None = None
@@ -207,7 +223,8 @@ def test_kill_9_of_a_serving_process_leaves_a_record_of_every_admitted_request(
 
     nexus = nexus_run()
     pids = nexus.expect(r"on one port \(pids (\d+), (\d+)\)", timeout=90)
-    victim = int(pids.group(1))
+    for web in ("web-1", "web-2"):  # both accept connections
+        nexus.expect(rf"\[{web}\] .* Listening on TCP address", timeout=60)
 
     # Refusals are requests too: one key's 429s.
     refused = [f"rpm-{i}" for i in range(5)]
@@ -236,7 +253,11 @@ def test_kill_9_of_a_serving_process_leaves_a_record_of_every_admitted_request(
 
     def all_admitted() -> bool:
         answering = sum(outcome.chunks > 0 for outcome in outcomes.values())
-        return answering + nexus.queued_in_admission() == STREAMS and answering > 0
+        # In production a backend's slots are shared through Redis: a process
+        # may refuse (503 backends_busy) what its admission share let through.
+        refused = sum(o.status not in (None, 200) for o in outcomes.values())
+        queued = nexus.queued_in_admission()
+        return answering > 0 and answering + refused + queued == STREAMS
 
     wait_until(all_admitted, 30, "every stream answering or queued in admission")
 
@@ -256,6 +277,11 @@ def test_kill_9_of_a_serving_process_leaves_a_record_of_every_admitted_request(
         )
 
     wait_until(streams_reported, 30, "the answering streams' progress")
+    # The process that holds more of the streams' connections.
+    victim = max(
+        (int(pid) for pid in pids.groups()),
+        key=lambda pid: _connections(pid, nexus.port),
+    )
     killed_at = time.monotonic()
     os.kill(victim, signal.SIGKILL)
 
@@ -281,9 +307,10 @@ def test_kill_9_of_a_serving_process_leaves_a_record_of_every_admitted_request(
     cut = [rid for rid, o in outcomes.items() if o.status == 200 and not o.done]
     unanswered = [rid for rid, o in outcomes.items() if o.status is None]
     completed = [rid for rid, o in outcomes.items() if o.done]
-    assert cut, outcomes  # the victim had streams mid-answer
+    assert cut, (outcomes, "".join(nexus.seen[-60:]))  # streams mid-answer
     # In production the dead process's backend slots stay leased for a while
-    # (usage/limits): the survivor may refuse some of the queued (503).
+    # (usage/limits): the survivor may refuse some of the queued (503), as may
+    # either process before (above).
     refused_later = {
         rid: o.status for rid, o in outcomes.items() if o.status not in (None, 200)
     }
@@ -343,9 +370,10 @@ def test_requests_refused_while_draining_are_recorded(
 
     os.killpg(nexus.process.pid, signal.SIGINT)  # Ctrl-C: every process drains
     refused: list[str] = []
+    attempts = itertools.count()
 
     def shutting_down() -> bool:
-        rid = f"late-{len(refused)}"
+        rid = f"late-{next(attempts)}"
         try:
             response = httpx.post(
                 f"{nexus.base}/v1/chat/completions",
@@ -358,6 +386,8 @@ def test_requests_refused_while_draining_are_recorded(
             )
         except httpx.TransportError:
             return False
+        if response.status_code == 200 and not refused:
+            return False  # sent before the process heard of the Ctrl-C
         assert response.status_code == 503, response.text
         assert response.json()["error"]["code"] == "shutting_down"
         refused.append(rid)
