@@ -77,3 +77,9 @@ class Exchange(Generic[CallT, MeterT]):
     limit_ticket: Ticket | None = None
     # Set for a budgeted stream: counts it as it goes and may cut it short.
     meter: MeterT | None = None
+    # Characters of text relayed so far by a stream being relayed (read by
+    # the usage progress of open requests, off the request path).
+    live_chars: Callable[[], int] | None = None
+    # The usage event's id, once the pipeline opened the request (its open and
+    # its settle share it); "" for a request refused before that.
+    event_id: str = ""

@@ -58,6 +58,7 @@ from usage.flush import DatabaseFlusher
 from usage.limits.limiter import Limiter, LocalLimiter
 from usage.limits.spend import read_budget_spend
 from usage.live import LiveUsage
+from usage.progress import OpenRequests
 from usage.publisher import USAGE_GROUP, UsagePublisher
 from usage.spill import UsageSpill
 
@@ -111,6 +112,7 @@ class GatewayConfig:
     config_poll_interval: float = 1.0
     usage_buffer_max: int = 100_000
     usage_transport: str = "database"  # or "redis"
+    usage_progress_interval: float = 2.0
     access_log: bool = True
     drain_seconds: float = 30.0
     metrics_allow: tuple[str | Network, ...] = ("127.0.0.0/8", "::1/128")
@@ -143,6 +145,7 @@ class GatewayConfig:
             config_poll_interval=settings.NEXUS_CONFIG_POLL_INTERVAL,
             usage_buffer_max=settings.NEXUS_USAGE_BUFFER_MAX,
             usage_transport=settings.NEXUS_USAGE_TRANSPORT,
+            usage_progress_interval=settings.NEXUS_USAGE_PROGRESS_INTERVAL,
             access_log=settings.NEXUS_ACCESS_LOG,
             drain_seconds=settings.NEXUS_DRAIN_SECONDS,
             metrics_allow=tuple(settings.NEXUS_METRICS_ALLOW),
@@ -207,6 +210,7 @@ class Gateway:
         self.breaker = CircuitBreaker(stats=self.stats, config=config.breaker)
         self.buffer = UsageBuffer(maxlen=config.usage_buffer_max)
         self.usage_sink = sink(config, self.buffer)
+        self.open_requests = OpenRequests(self.buffer, config.usage_progress_interval)
         self.upstream = UpstreamClient(
             max_connections=config.max_connections,
             connect_timeout=config.connect_timeout,
@@ -307,13 +311,15 @@ class Gateway:
         reconnect elsewhere at once), then the listeners and periodic work,
         admission (letting through what still waits), the fleet, the
         snapshots, the publisher, the breaker's last announcements, the usage
-        sink (handing on the usage still held), the limiter (writing its last
+        sink (handing on the usage still held, after the open requests'
+        last progress), the limiter (writing its last
         settles), and the upstream client, which the others use, last.
         """
         services: list[Service] = [
             _UpstreamService(self.upstream),
             self.limiter,
             self.usage_sink,
+            self.open_requests,
             self.breaker,
             self.publisher,
             self.snapshots,

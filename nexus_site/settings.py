@@ -634,6 +634,15 @@ if NEXUS_USAGE_TRANSPORT == "redis" and not REDIS_URL:
 NEXUS_USAGE_SHIP_INTERVAL = _bounded_float(
     "NEXUS_USAGE_SHIP_INTERVAL", 0.05, 0.001, 3600
 )
+# Seconds between a serving process's progress reports of its open requests
+# (the backend reached, the tokens counted so far) and its beats while any is
+# open; a request its killed process left open is billed as of the last one.
+NEXUS_USAGE_PROGRESS_INTERVAL = _bounded_float(
+    "NEXUS_USAGE_PROGRESS_INTERVAL", 2.0, 0.05, 3600
+)
+# A serving process not heard of for this many seconds is taken for dead: a
+# beat task records its open requests as lost (billed as last reported).
+NEXUS_USAGE_LOST_AFTER = _bounded_float("NEXUS_USAGE_LOST_AFTER", 30.0, 1, 86_400)
 # Seconds between rollups of raw records into the aggregates, and between prune
 # runs.
 NEXUS_USAGE_ROLLUP_INTERVAL = _bounded_float(
@@ -723,6 +732,11 @@ CELERY_BEAT_SCHEDULE = {
     "prune-usage-records": {
         "task": "usage.tasks.prune_usage_records",
         "schedule": NEXUS_USAGE_PRUNE_INTERVAL,
+    },
+    "reconcile-lost-usage": {
+        "task": "usage.tasks.reconcile_lost_usage",
+        "schedule": max(1.0, NEXUS_USAGE_LOST_AFTER / 6),
+        "options": {"expires": max(1.0, NEXUS_USAGE_LOST_AFTER / 6)},
     },
     "check-backend-health": {
         "task": "backends.tasks.check_backends_health",

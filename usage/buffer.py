@@ -1,5 +1,13 @@
 """The in-process usage recorder: the proxy appends, a shipper drains. No ORM.
 
+Three kinds of items go through it, in order: a ``UsageOpen`` when a request
+is admitted to the pipeline (and again, with what was seen so far, while a
+long stream goes on: progress), the request's ``UsageEvent`` when it ends
+(its settle, with the same ``event_id``), and a ``UsageBeat`` now and then
+from a process with requests open. A process killed without warning thus
+leaves the opens it had handed on, which the beat reconciliation turns into
+records (``usage/lost.py``).
+
 Appending is a deque append (each deque operation is atomic in CPython), so
 the request path takes no lock and never waits. Each serving process's gateway owns one buffer; in the
 embedded default ``usage/flush.py`` writes it to the database, in production
@@ -38,6 +46,11 @@ _ID_COUNTER = itertools.count(1)
 def new_event_id() -> str:
     """Return an id no other usage event of any process has (32 characters)."""
     return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
+
+
+def process_id() -> str:
+    """Return this process's id (the prefix of its event ids, 16 characters)."""
+    return _ID_PREFIX
 
 
 def _reseed_after_fork() -> None:
@@ -85,8 +98,44 @@ class UsageEvent:
         return bool(self.error) or self.status >= 400
 
 
+@dataclass(frozen=True, slots=True)
+class UsageOpen:
+    """A request admitted and not yet ended, as far as it got (see the module).
+
+    Written when the request enters the pipeline, and again with its latest
+    numbers (backend, tokens counted so far) while a stream goes on; the
+    request's ``UsageEvent`` with the same ``event_id`` settles it.
+    """
+
+    event_id: str
+    process: str  # process_id() of the serving process
+    request_id: str
+    endpoint: str
+    api_key_prefix: str
+    requested_model: str
+    streamed: bool
+    created_at: float  # Unix time, seconds: when the request was admitted
+    backend: str = ""
+    served_model: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    cost_nanos: int = 0
+    status: int = 0  # the status sent so far (0: no answer yet)
+
+
+@dataclass(frozen=True, slots=True)
+class UsageBeat:
+    """A serving process is alive and has requests open (see ``usage/lost.py``)."""
+
+    process: str
+
+
+UsageItem = UsageEvent | UsageOpen | UsageBeat
+
+
 class UsageBuffer:
-    """Usage events not yet handed on (to the database or a Redis stream)."""
+    """Usage items not yet handed on (to the database or a Redis stream)."""
 
     def __init__(self, maxlen: int | None = None) -> None:
         # A last-resort bound: during an outage the gateway's task spills
@@ -95,7 +144,7 @@ class UsageBuffer:
         # dropped first and counted, never silently. Only append() enforces
         # it: a deque's own maxlen would make requeue() push the newest
         # events out of the other end, uncounted.
-        self._events: deque[UsageEvent] = deque()
+        self._events: deque[UsageItem] = deque()
         self.dropped = 0  # since the flusher last reported drops
         self.dropped_total = 0  # since the process started
         self._maxlen = maxlen
@@ -104,7 +153,7 @@ class UsageBuffer:
     def maxlen(self) -> int | None:
         return self._maxlen
 
-    def append(self, event: UsageEvent) -> None:
+    def append(self, event: UsageItem) -> None:
         events = self._events
         if self._maxlen is not None and len(events) >= self._maxlen:
             try:
@@ -116,15 +165,15 @@ class UsageBuffer:
                 self.dropped_total += 1
         events.append(event)
 
-    def drain(self, limit: int | None = None) -> list[UsageEvent]:
-        """Remove and return up to `limit` events, oldest first."""
-        events: list[UsageEvent] = []
+    def drain(self, limit: int | None = None) -> list[UsageItem]:
+        """Remove and return up to `limit` items, oldest first."""
+        events: list[UsageItem] = []
         pop = self._events.popleft
         while self._events and (limit is None or len(events) < limit):
             events.append(pop())
         return events
 
-    def requeue(self, events: list[UsageEvent]) -> None:
+    def requeue(self, events: list[UsageItem]) -> None:
         """Put events back at the front (a flush that failed); order is kept.
 
         Nothing is dropped, even past the bound: these events were taken out
@@ -140,24 +189,55 @@ class UsageBuffer:
 
 _FIELDS = tuple(field.name for field in dataclasses.fields(UsageEvent))
 _values_of = operator.attrgetter(*_FIELDS)
+_OPEN_FIELDS = tuple(field.name for field in dataclasses.fields(UsageOpen))
+_open_values_of = operator.attrgetter(*_OPEN_FIELDS)
 
 
-def encode_events(events: list[UsageEvent]) -> bytes:
-    """Serialise a batch of events (field names kept, so they survive upgrades)."""
-    return json.dumps(
-        {"fields": _FIELDS, "events": [_values_of(event) for event in events]},
-        separators=(",", ":"),
-    ).encode()
+def encode_events(items: list[UsageItem]) -> bytes:
+    """Serialise a batch of items (field names kept, so they survive upgrades).
+
+    Settles are under "fields"/"events" as ever; opens and beats under keys of
+    their own, which a reader that predates them ignores.
+    """
+    events, opens, beats = [], [], []
+    for item in items:
+        if isinstance(item, UsageEvent):
+            events.append(_values_of(item))
+        elif isinstance(item, UsageOpen):
+            opens.append(_open_values_of(item))
+        else:
+            beats.append(item.process)
+    batch: dict[str, object] = {"fields": _FIELDS, "events": events}
+    if opens:
+        batch["open_fields"] = _OPEN_FIELDS
+        batch["opens"] = opens
+    if beats:
+        batch["beats"] = beats
+    return json.dumps(batch, separators=(",", ":")).encode()
 
 
-def decode_events(data: bytes) -> list[UsageEvent]:
-    """Read a batch written by encode_events(); unknown fields are ignored."""
+def decode_events(data: bytes) -> list[UsageItem]:
+    """Read a batch written by encode_events(); unknown fields are ignored.
+
+    Opens come first, then beats, then settles: a settle read with its open
+    in one batch settles it whatever the order they were appended in.
+    """
     batch = json.loads(data)
     if not isinstance(batch, dict):
         raise TypeError("a usage batch must be a JSON object")
+    items: list[UsageItem] = []
+    if "opens" in batch:
+        names = batch["open_fields"]
+        known = [(i, name) for i, name in enumerate(names) if name in _OPEN_FIELDS]
+        items.extend(
+            UsageOpen(**{name: values[i] for i, name in known})
+            for values in batch["opens"]
+        )
+    items.extend(UsageBeat(str(process)) for process in batch.get("beats", ()))
     names = batch["fields"]
     known = [(index, name) for index, name in enumerate(names) if name in _FIELDS]
-    return [
+    items.extend(
         UsageEvent(**{name: values[index] for index, name in known})
         for values in batch["events"]
-    ]
+    )
+    return items

@@ -15,6 +15,12 @@ its acknowledgement was lost), the retry finds the rows already there by
 requests that each consumed tokens. Rolled-up rows are kept for
 NEXUS_USAGE_RECORD_RETENTION_HOURS, far longer than any retry takes, so the key
 is still there to conflict with.
+
+Opens (a request admitted, ``usage.buffer.UsageOpen``) become ``OpenRequest``
+rows only when their settle is not in the same batch: most requests end
+within one batch and cost no row of their own. A settle deletes its open row;
+a beat marks its process's open rows seen (``usage.lost`` reconciles those of
+a process no longer heard of).
 """
 
 from __future__ import annotations
@@ -28,10 +34,11 @@ from datetime import UTC, datetime
 from channels.db import database_sync_to_async
 from django.conf import settings
 from django.db import DataError, IntegrityError, models, transaction
+from django.utils import timezone
 
 from nexus_lib.service import periodic
-from usage.buffer import UsageBuffer, UsageEvent
-from usage.models import UsageRecord
+from usage.buffer import UsageBeat, UsageBuffer, UsageEvent, UsageItem, UsageOpen
+from usage.models import OpenRequest, UsageRecord
 from usage.spill import (
     UsageSpill,
     finish_before_cancel,
@@ -66,7 +73,7 @@ def flush_usage(source: UsageBuffer, *, batch_size: int = FLUSH_BATCH_SIZE) -> i
             break
         remaining -= len(events)
         try:
-            written += _write(_to_records(events))
+            written += _write_batch(events)
         except Exception:
             source.requeue(events)
             raise
@@ -134,7 +141,7 @@ class DatabaseFlusher:
             logger.exception("Could not write %d usage events at shutdown", pending)
         keep_on_disk(self.spill, self.buffer)
 
-    async def _deliver(self, events: list[UsageEvent]) -> None:
+    async def _deliver(self, events: list[UsageItem]) -> None:
         await database_sync_to_async(_flush_events)(events)
 
     async def _flush_once(self) -> None:
@@ -164,7 +171,7 @@ class DatabaseFlusher:
             self._failures = 0
 
 
-def _flush_events(events: list[UsageEvent]) -> None:
+def _flush_events(events: list[UsageItem]) -> None:
     batch = UsageBuffer()
     batch.requeue(events)
     flush_usage(batch)
@@ -187,6 +194,92 @@ def keep_on_disk(spill: UsageSpill | None, buffer: UsageBuffer) -> None:
                     spill.directory,
                 )
     spill.close()
+
+
+def _write_batch(items: list[UsageItem]) -> int:
+    """Write one batch of items (see the module); return the settles written."""
+    settles: list[UsageEvent] = []
+    opens: dict[str, UsageOpen] = {}
+    opened_here: set[str] = set()
+    beats: set[str] = set()
+    for item in items:
+        if isinstance(item, UsageEvent):
+            settles.append(item)
+        elif isinstance(item, UsageOpen):
+            opens[item.event_id] = item  # the latest progress wins
+            if not item.backend:  # the open itself (progress names a backend)
+                opened_here.add(item.event_id)
+        elif isinstance(item, UsageBeat):
+            beats.add(item.process)
+    # A request opened and settled in this batch never needs a row; one opened
+    # in an earlier batch may have one, which its settle removes.
+    settled_earlier = []
+    for event in settles:
+        opens.pop(event.event_id, None)
+        if event.event_id not in opened_here:
+            settled_earlier.append(event.event_id)
+    written = _write(_to_records(settles))
+    if settled_earlier:
+        OpenRequest.objects.filter(event_id__in=settled_earlier).delete()
+    now = timezone.now()
+    if opens:
+        _write_opens([_to_open(item, now) for item in opens.values()])
+    if beats:
+        OpenRequest.objects.filter(process__in=beats).update(seen_at=now)
+    return written
+
+
+_OPEN_UPDATES = (
+    "backend",
+    "served_model",
+    "prompt_tokens",
+    "completion_tokens",
+    "total_tokens",
+    "cost_nanos",
+    "status",
+    "seen_at",
+)
+
+
+def _write_opens(rows: list[OpenRequest]) -> None:
+    def upsert(batch: list[OpenRequest]) -> None:
+        with transaction.atomic():
+            OpenRequest.objects.bulk_create(
+                batch,
+                update_conflicts=True,
+                unique_fields=("event_id",),
+                update_fields=_OPEN_UPDATES,
+            )
+
+    try:
+        upsert(rows)
+    except (DataError, IntegrityError):
+        for row in rows:
+            try:
+                upsert([row])
+            except (DataError, IntegrityError):
+                logger.exception("Dropped open usage event %s", row.event_id)
+
+
+def _to_open(item: UsageOpen, now: datetime) -> OpenRequest:
+    return OpenRequest(
+        event_id=_clip("event_id", item.event_id),
+        process=item.process[:16],
+        request_id=_clip("request_id", item.request_id),
+        endpoint=_clip("endpoint", item.endpoint),
+        api_key_prefix=_clip("api_key_prefix", item.api_key_prefix),
+        backend=_clip("backend", item.backend),
+        requested_model=_clip("requested_model", item.requested_model),
+        served_model=_clip("served_model", item.served_model),
+        prompt_tokens=_count(item.prompt_tokens),
+        completion_tokens=_count(item.completion_tokens),
+        total_tokens=_count(item.total_tokens),
+        cost_nanos=_count(item.cost_nanos),
+        status=min(max(int(item.status), 0), _MAX_STATUS),
+        streamed=bool(item.streamed),
+        created_at=datetime.fromtimestamp(item.created_at, tz=UTC),
+        seen_at=now,
+    )
 
 
 def _write(records: list[UsageRecord]) -> int:

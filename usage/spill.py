@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TypeVar
 
-from usage.buffer import UsageBuffer, UsageEvent, decode_events, encode_events
+from usage.buffer import UsageBuffer, UsageItem, decode_events, encode_events
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class UsageSpill:
             queued.handle.seek(0, os.SEEK_END) > queued.offset for queued in self._queue
         )
 
-    def read_batch(self) -> tuple[list[UsageEvent], int]:
+    def read_batch(self) -> tuple[list[UsageItem], int]:
         """Return the next spilled batch and where it ends ([] at the end)."""
         for queued in self._queue:
             handle = queued.handle
@@ -215,7 +215,7 @@ async def spill_excess(spill: UsageSpill | None, buffer: UsageBuffer) -> None:
 
 async def replay_spilled(
     spill: UsageSpill | None,
-    deliver: Callable[[list[UsageEvent]], Awaitable[object]],
+    deliver: Callable[[list[UsageItem]], Awaitable[object]],
     *,
     max_batches: int = 20,
 ) -> int:

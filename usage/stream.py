@@ -25,7 +25,13 @@ from django.conf import settings
 from redis.backoff import NoBackoff
 
 from nexus_lib.service import periodic
-from usage.buffer import UsageBuffer, UsageEvent, decode_events, encode_events
+from usage.buffer import (
+    UsageBuffer,
+    UsageEvent,
+    UsageItem,
+    decode_events,
+    encode_events,
+)
 from usage.flush import flush_usage, keep_on_disk
 from usage.spill import UsageSpill, replay_spilled, spill_excess
 
@@ -47,7 +53,7 @@ _NO_RETRY = redis.retry.Retry(NoBackoff(), 0)
 _NO_RETRY_ASYNC = redis.asyncio.retry.Retry(NoBackoff(), 0)
 
 
-def _add_batch(pipe: Any, events: list[UsageEvent]) -> None:
+def _add_batch(pipe: Any, events: list[UsageItem]) -> None:
     # One entry per batch: one command and one JSON document however many
     # events a shipment holds.
     pipe.xadd(
@@ -155,7 +161,7 @@ class RedisShipper:
             self.buffer.requeue(events)
             raise
 
-    async def _deliver(self, events: list[UsageEvent]) -> None:
+    async def _deliver(self, events: list[UsageItem]) -> None:
         client = self._client
         assert client is not None
         async with client.pipeline(transaction=False) as pipe:
@@ -200,6 +206,8 @@ def drain_usage_stream(
 ) -> int:
     """Write every event the stream holds to the database; return how many.
 
+    How many requests' usage, that is: opens and beats go along uncounted.
+
     Reads `batch_size` entries (shipments) at a time, from the Redis at
     `redis_url` (default: REDIS_URL; nexus_run names its private one).
 
@@ -227,7 +235,7 @@ def drain_usage_stream(
                     continue
                 for event in events:
                     batch.append(event)
-            moved += len(batch)
+                    moved += isinstance(event, UsageEvent)  # settles, not opens
             flush_usage(batch)
             client.xdel(STREAM_KEY, *[entry_id for entry_id, _ in entries])
             if len(entries) < batch_size:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from celery import shared_task
 from django.conf import settings
 
-from usage import rollup, stream
+from usage import lost, rollup, stream
 from usage.limits import spend
 from usage.models import UsageBucket, UsageRecord
 
@@ -13,6 +13,11 @@ from usage.models import UsageBucket, UsageRecord
 @shared_task
 def drain_usage_stream() -> int:
     return stream.drain_usage_stream()
+
+
+@shared_task
+def reconcile_lost_usage() -> int:
+    return lost.reconcile_lost_usage()
 
 
 @shared_task

@@ -4,6 +4,11 @@ Every request the proxy answers for an endpoint ends here once, served or
 refused: the key's limit ticket is settled with what it cost, a usage event
 goes to the in-process buffer (memory only, no I/O) and the live counters,
 the request metrics are observed and the access log gets its line.
+
+A request the pipeline takes is opened first (``open()``): a ``UsageOpen``
+with the same event id goes to the buffer and the request is tracked by the
+gateway's ``OpenRequests`` until its usage event settles it, so a process
+killed mid-request leaves a record of what it had started (usage/lost.py).
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ from gateway.metrics import UNKNOWN, GatewayMetrics
 from gateway.proxy.errors import ProxyError
 from gateway.proxy.legs import ProxyExchange
 from routing.state import GatewayState
-from usage.buffer import UsageBuffer, UsageEvent
+from usage.buffer import UsageBuffer, UsageEvent, UsageOpen, new_event_id, process_id
 from usage.limits.limiter import Limiter
 from usage.limits.policy import FREE
 from usage.live import LiveUsage
+from usage.progress import OpenRequests, Progress
 
 access_logger = logging.getLogger("nexus.access")
 
@@ -38,21 +44,40 @@ class Accounting:
         buffer: UsageBuffer,
         live_usage: LiveUsage,
         access_log: bool,
+        open_requests: OpenRequests | None = None,
     ) -> None:
         self.limiter = limiter
         self.metrics = metrics
         self.buffer = buffer
         self.live_usage = live_usage
         self.access_log = access_log
+        self.open_requests = open_requests or OpenRequests(buffer, 1.0)
+        self.open_requests.progress_of = _progress_of
+
+    def open(self, exchange: ProxyExchange) -> None:
+        """Note the request as begun: its open goes to the buffer (memory only)."""
+        event_id = exchange.event_id = new_event_id()
+        opened = UsageOpen(
+            event_id,
+            process_id(),
+            exchange.request_id,
+            exchange.endpoint,
+            exchange.key_prefix,
+            exchange.requested_model,
+            exchange.stream,
+            time.time(),
+        )
+        self.open_requests.open(opened, exchange)
 
     def record(self, exchange: ProxyExchange) -> None:
         """Hand the request's usage to the gateway (memory only, no I/O)."""
         prompt, completion, total, reported = _token_counts(exchange)
-        state = exchange.state
-        cost = 0
-        if exchange.backend and state is not None:
-            price = state.prices.get(exchange.served_model, FREE)
-            cost = price.cost(prompt, completion)
+        cost = _cost(exchange, prompt, completion)
+        event_id = exchange.event_id
+        if event_id:
+            self.open_requests.settle(event_id)
+        else:
+            event_id = new_event_id()
         if exchange.limit_ticket is not None:
             self.limiter.settle(exchange.limit_ticket, total, cost)
             exchange.limit_ticket = None
@@ -77,6 +102,7 @@ class Accounting:
             streamed=exchange.stream,
             error=exchange.error,
             cost_nanos=cost,
+            event_id=event_id,
         )
         self.buffer.append(event)
         model = _model_label(exchange)
@@ -124,6 +150,32 @@ class Accounting:
             None if first_byte is None else first_byte - exchange.started,
         )
         metrics.observe_tokens(model, exchange.backend, prompt, completion)
+
+
+def _progress_of(exchange: ProxyExchange) -> Progress | None:
+    """What an open request would be billed if it ended now (None: nothing yet)."""
+    if not exchange.backend:
+        return None  # still waiting (queued, held, routed): no tokens spent
+    prompt, completion, total, reported = _token_counts(exchange)
+    if not reported:
+        # Mid-stream: what was relayed so far, or the budget meter's count.
+        live, meter = exchange.live_chars, exchange.meter
+        seen = 0 if live is None else -(-live() // 4)
+        if meter is not None:
+            seen = max(seen, meter.completion)
+        if seen > completion:
+            total += seen - completion
+            completion = seen
+    cost = _cost(exchange, prompt, completion)
+    served = exchange.served_model
+    return (exchange.backend, served, prompt, completion, total, cost, exchange.status)
+
+
+def _cost(exchange: ProxyExchange, prompt: int, completion: int) -> int:
+    state = exchange.state
+    if not exchange.backend or state is None:
+        return 0
+    return state.prices.get(exchange.served_model, FREE).cost(prompt, completion)
 
 
 def _token_counts(exchange: ProxyExchange) -> tuple[int, int, int, bool]:

@@ -92,6 +92,7 @@ class ProxyApp:
             gateway.buffer,
             gateway.live_usage,
             config.access_log,
+            gateway.open_requests,
         )
         upstream = Upstream(
             client=gateway.upstream,

@@ -59,6 +59,7 @@ class Pipeline:
         send: Send,
     ) -> None:
         """Serve the request and record it (an error too: it is raised on)."""
+        self.accounting.open(exchange)
         # A key's streams in this process are capped (limits.StreamCap); no
         # key, no cap.
         counted = exchange.key_prefix if exchange.stream else ""

@@ -120,6 +120,7 @@ class Relay:
         """
         exchange, send = self.exchange, self.send
         exchange.status = response.status
+        exchange.live_chars = relay.text_length
         await send(
             {
                 "type": "http.response.start",
@@ -206,6 +207,7 @@ class Relay:
         """Relay (or translate) the rest of a leg's stream; bounded as ``stream``."""
         exchange, send = self.exchange, self.send
         exchange.status = response.status
+        exchange.live_chars = lambda: stream.chars
         await send(
             {
                 "type": "http.response.start",

@@ -12,6 +12,7 @@ from gateway.process import Gateway, GatewayConfig
 from gateway.proxy import ProxyApp
 from tests.conftest import MockBackendProcess
 from tests.factories import BackendFactory, BackendModelFactory
+from usage.buffer import UsageEvent, UsageOpen
 from usage.models import ApiKey
 
 
@@ -72,7 +73,10 @@ def test_a_streamed_request_makes_no_database_queries(
         c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
     )
     assert content == "[mock-a/llama3:8b] echo: no queries please"
-    (event,) = gateway.buffer.drain()
+    # Opened when the pipeline took it, settled under the same id when it ended.
+    opened, event = gateway.buffer.drain()
+    assert isinstance(opened, UsageOpen) and isinstance(event, UsageEvent)
+    assert opened.event_id == event.event_id and opened.streamed
     assert event.backend == "mock-a" and event.streamed and not event.estimated
     assert event.prompt_tokens > 0 and event.completion_tokens > 0
     assert event.total_tokens == event.prompt_tokens + event.completion_tokens

@@ -35,7 +35,12 @@ from usage.models.keys import (
     hash_key,
 )
 from usage.models.prices import ModelPrice, nanos_to_usd
-from usage.models.records import Endpoint, UsageRecord, UsageRecordQuerySet
+from usage.models.records import (
+    Endpoint,
+    OpenRequest,
+    UsageRecord,
+    UsageRecordQuerySet,
+)
 
 __all__ = [
     "ANONYMOUS",
@@ -52,6 +57,7 @@ __all__ = [
     "KeySpend",
     "KeySpendQuerySet",
     "ModelPrice",
+    "OpenRequest",
     "TokenUsage",
     "UsageBucket",
     "UsageBucketQuerySet",

@@ -3,7 +3,10 @@
 ``usage.flush`` writes a ``UsageRecord`` per request; the rollup adds the
 pending ones to the aggregates (``usage.models.aggregates``) and to the keys'
 spend, and the rolled-up ones are pruned after
-NEXUS_USAGE_RECORD_RETENTION_HOURS.
+NEXUS_USAGE_RECORD_RETENTION_HOURS. An ``OpenRequest`` is a request admitted
+and not ended yet as far as the database knows: its settle removes it, or the
+reconciliation (``usage.lost``) turns it into a record once its serving
+process is gone. Open requests are never rolled up, so nothing counts twice.
 """
 
 from __future__ import annotations
@@ -79,6 +82,12 @@ class UsageRecord(models.Model):
     )
     created_at = models.DateTimeField(db_index=True)
     rolled_up = models.BooleanField(default=False)
+    reconciled = models.BooleanField(
+        "lost",
+        default=False,
+        help_text="Its serving process died before the request ended: billed "
+        "for what that process had seen last.",
+    )
 
     objects = UsageRecordQuerySet.as_manager()
 
@@ -94,3 +103,45 @@ class UsageRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.request_id} {self.backend} / {self.served_model}"
+
+
+class OpenRequest(models.Model):
+    """A request admitted by a serving process and not ended yet (see the module).
+
+    Written by ``usage.flush`` from the process's opens (and progress of long
+    streams), deleted with its settle, or by ``usage.lost`` once the process
+    stopped beating: then it becomes a ``reconciled`` UsageRecord with the
+    same ``event_id``.
+    """
+
+    event_id = models.CharField(max_length=32, unique=True)
+    process = models.CharField(
+        max_length=16, db_index=True, help_text="The serving process's id."
+    )
+    request_id = models.CharField(max_length=128)
+    endpoint = models.CharField(max_length=16, choices=Endpoint.choices)
+    api_key_prefix = models.CharField(
+        "API key", max_length=PREFIX_LENGTH, blank=True, default=""
+    )
+    backend = models.CharField(max_length=100, blank=True, default="")
+    requested_model = models.CharField(max_length=200, blank=True, default="")
+    served_model = models.CharField(max_length=200, blank=True, default="")
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+    total_tokens = models.PositiveBigIntegerField(default=0)
+    cost_nanos = models.PositiveBigIntegerField("cost (nano-USD)", default=0)
+    status = models.PositiveSmallIntegerField(
+        default=0, help_text="Status sent so far (0: no answer yet)."
+    )
+    streamed = models.BooleanField(default=False)
+    created_at = models.DateTimeField(help_text="When the request was admitted.")
+    seen_at = models.DateTimeField(
+        db_index=True, help_text="When its process was last heard of."
+    )
+
+    class Meta:
+        ordering = ("created_at",)
+        verbose_name = "open request"
+
+    def __str__(self) -> str:
+        return f"{self.request_id} (open)"
