@@ -231,6 +231,9 @@ class Gateway:
             ),
             stats=self.stats,
             max_reply=config.max_reply_bytes,
+            # Over the stream's own unsent bound the proxy stops reading the
+            # call; the worker may run ahead of it by a few times that.
+            max_unread=4 * config.max_unsent_bytes,
             state=self.snapshots.peek,
         )
         # What each worker may cost this process (its consumers share it).

@@ -97,13 +97,39 @@ class RelayCall:
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     next_seq: int = 0
     finished: bool = False
+    # Characters of chunks delivered and not read yet, and their bound (0:
+    # none): a worker sending faster than the client reads (its stream held
+    # by back-pressure) cannot pile up more than that in this process.
+    unread: int = 0
+    max_unread: int = 0
+    overflowed: bool = False
+    on_overflow: Callable[[RelayCall], None] | None = None
 
     def deliver(self, seq: int | None, event: Event) -> None:
+        if self.overflowed:
+            return
         if seq is not None:
             if seq != self.next_seq:
                 event = ("gone", f"relay event {self.next_seq} lost (got {seq})")
             self.next_seq = seq + 1
+        if event[0] == "chunk" and isinstance(event[1], str):
+            self.unread += len(event[1])
+            if self.max_unread and self.unread > self.max_unread:
+                self._overflow()
+                return
         self.events.put_nowait(event)
+
+    def _overflow(self) -> None:
+        """Drop what the client has not read and end the call at the worker."""
+        self.overflowed = True
+        while not self.events.empty():
+            self.events.get_nowait()
+        self.unread = 0
+        self.events.put_nowait(
+            ("gone", f"reply not read: over {self.max_unread} characters waiting")
+        )
+        if self.on_overflow is not None:
+            self.on_overflow(self)
 
 
 class _Body:
@@ -159,6 +185,7 @@ class RelayResponse:
             return b""
         kind, payload = await self._call.events.get()
         if kind == "chunk":
+            self._call.unread -= len(payload)
             return payload.encode()
         if kind == "complete":
             self._done = True
@@ -194,6 +221,7 @@ class RelayHub:
         stats: LiveStats | None = None,
         *,
         max_reply: int = 32 * 1024 * 1024,
+        max_unread: int = 4 * 1024 * 1024,
         state: Callable[[], GatewayState | None] = lambda: None,
     ) -> None:
         # Consumers holding a worker's socket in this process, by channel name.
@@ -206,6 +234,8 @@ class RelayHub:
         # the consumers holding their workers' sockets (read per request).
         self.state = state
         self.max_reply = max_reply  # a whole (non-stream) reply, in bytes
+        # A call's chunks delivered and not read (its client is slow).
+        self.max_unread = max_unread
         self._publishing: set[asyncio.Task[None]] = set()
         self.calls: dict[str, RelayCall] = {}
         self.reply_channel = ""
@@ -372,7 +402,12 @@ class RelayHub:
             channel = channels.get(backend_name, "")
             if channel:
                 self._sequence += 1
-                call = RelayCall(f"{request_id}.{self._sequence}", channel)
+                call = RelayCall(
+                    f"{request_id}.{self._sequence}",
+                    channel,
+                    max_unread=self.max_unread,
+                    on_overflow=self._overflowed,
+                )
                 frame = protocol.encode(
                     protocol.Request(
                         request_id=call.request_id,
@@ -500,6 +535,16 @@ class RelayHub:
                 call.finished = True
                 self.finish(call, cancel=True)
             raise
+
+    def _overflowed(self, call: RelayCall) -> None:
+        logger.warning(
+            "Relay request %s: its client reads slower than the worker sends; "
+            "cut after %d characters waiting",
+            call.request_id,
+            call.max_unread,
+        )
+        call.finished = True
+        self.finish(call, cancel=True)
 
     def finish(self, call: RelayCall, cancel: bool) -> None:
         """Forget a call; tell its worker to stop when it has not ended."""

@@ -15,6 +15,7 @@ anthropic, claude-x) behind ``claude-opus-*`` gets the body passed through.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -240,11 +241,14 @@ def test_the_official_clients_beta_api_streams_the_main_turn(gateway: Gateway) -
     recorded = _load(FIXTURES / "01_main_turn_stream.json")
     body = dict(recorded["body"])
     del body["stream"]
-    context_management = body.pop("context_management")
+    extra = {"context_management": body.pop("context_management")}
     betas = recorded["headers"]["anthropic-beta"].split(",")
-    with gateway.client().beta.messages.stream(
-        **body, betas=betas, extra_body={"context_management": context_management}
-    ) as stream:
+    client = gateway.client()
+    # What this SDK release's stream() does not name (anthropic 2.x dropped
+    # `temperature` there) goes as it would on the wire.
+    named = inspect.signature(client.beta.messages.stream).parameters
+    extra |= {name: body.pop(name) for name in list(body) if name not in named}
+    with client.beta.messages.stream(**body, betas=betas, extra_body=extra) as stream:
         message = stream.get_final_message()
     assert message.model == "llama3:8b"
     assert message.content, "an answer with content"

@@ -78,12 +78,14 @@ def test_a_full_queue_and_a_long_wait_answer_503_in_openai_shape(
 ) -> None:
     # Long enough that the third request finds the line still full on a
     # loaded machine; then the second one times out, then the first answers.
-    slow = _node(mock_backend_factory, "slow", "--latency-ms", "6000")
+    # The third request has the queue timeout (5 s) from the second one's
+    # queueing to arrive: a fresh clone's loaded run once took longer than 3.
+    slow = _node(mock_backend_factory, "slow", "--latency-ms", "8000")
     _backend(slow, "slow", max_concurrency=1)
     # Admission off: on, it admits what the line holds (slots + length) and
     # keeps the third request in its own fair queue instead of refusing it.
     _policy(
-        fleet_queue_length=1, fleet_queue_timeout_seconds=3, admission_enabled=False
+        fleet_queue_length=1, fleet_queue_timeout_seconds=5, admission_enabled=False
     )
     _, key = ApiKey.objects.create_key("fleet")
     server = nexus_server_factory()

@@ -214,6 +214,41 @@ def test_closing_a_stream_early_cancels_it_at_the_worker() -> None:
     assert link.cancelled[0].startswith("req.")
 
 
+def test_a_worker_far_ahead_of_its_reader_is_cut_and_what_waited_is_dropped() -> None:
+    """The red team's "worker streaming flat out": what a client has not read
+    of a relay stream is bounded; past the bound the call ends at the worker
+    and the reader gets an error instead of an ever longer queue."""
+
+    async def run() -> tuple[FakeLink, RelayHub, object]:
+        hub = RelayHub(max_unread=100)
+        chunk = "data: " + "x" * 24 + "\n\n"  # 32 characters
+
+        def flood(hub: RelayHub, rid: str) -> None:
+            call = hub.calls[rid]
+            call.deliver(0, ("chunk", chunk))
+            call.deliver(1, ("chunk", chunk))
+
+        link = FakeLink(hub, flood)
+        hub.attach("chan-a", link)
+        response = await _open(hub, ("a",), stream=True)
+        first = await response.content.readany()  # type: ignore[attr-defined]
+        assert first == chunk.encode()  # read: no longer waiting
+        call = next(iter(hub.calls.values()))
+        for seq in range(2, 6):  # 5 x 32 unread > 100
+            call.deliver(seq, ("chunk", chunk))
+        assert call.events.qsize() == 1  # the waiting chunks are gone
+        call.deliver(6, ("chunk", chunk))  # later ones are dropped
+        assert call.events.qsize() == 1
+        with pytest.raises(aiohttp.ClientPayloadError, match="not read"):
+            await _read_all(response)
+        response.close()  # type: ignore[attr-defined]
+        return link, hub, call
+
+    link, hub, call = asyncio.run(run())
+    assert link.cancelled == [call.request_id]  # type: ignore[attr-defined]
+    assert hub.calls == {}
+
+
 class FakeLayer:
     """Another serving process's consumers, over a channel layer: `answers`
     says what each channel's consumer does with a request (nothing: its

@@ -1123,7 +1123,7 @@ def test_the_readme_example_imports_as_written(
     output = run_import(write(_readme_toml()))
     assert "Imported" in output
     state = db_state()
-    assert state["aliases"] == {"gpt-4": "llama3:70b"}
+    assert state["aliases"] == {"gpt-4": "llama3:70b", "claude-*": "llama3:8b"}
     assert state["fallbacks"] == {"llama3:70b": ["llama3:8b", "mistral:7b"]}
     assert set(state["backends"]) == {"gpu-1"}
 

@@ -90,16 +90,28 @@ class Running:
 
 
 @pytest.fixture
-def nexus_run(tmp_path: Path) -> Iterator[Callable[[], Running]]:
+def nexus_run(
+    tmp_path: Path, shared_redis_env: dict[str, str]
+) -> Iterator[Callable[[], Running]]:
     started: list[Running] = []
+    # The embedded default: two serving processes need a Redis to share (else
+    # `--web-only` serves with one); usage still goes the database's way, which
+    # this test process reads, as it does without nexus_run.
+    shared = shared_redis_env | (
+        {"NEXUS_USAGE_TRANSPORT": "database"} if shared_redis_env else {}
+    )
 
     def start() -> Running:
-        env = server_env() | {
-            "NEXUS_STATE_DIR": str(tmp_path / "state"),
-            "NEXUS_DEMO": "0",
-            "NEXUS_USAGE_PROGRESS_INTERVAL": "0.2",
-            "NEXUS_DRAIN_SECONDS": "10",
-        }
+        env = (
+            server_env()
+            | shared
+            | {
+                "NEXUS_STATE_DIR": str(tmp_path / "state"),
+                "NEXUS_DEMO": "0",
+                "NEXUS_USAGE_PROGRESS_INTERVAL": "0.2",
+                "NEXUS_DRAIN_SECONDS": "10",
+            }
+        )
         env.pop("NEXUS_ADMIN_PASSWORD", None)
         port = _free_port()
         process = subprocess.Popen(
