@@ -51,7 +51,7 @@ LIMITS_FIELDSET: Any = (
         ),
         "description": "Empty fields mean no limit. Limits hold for the whole "
         "gateway in production mode and per serving process in the embedded "
-        "default (see README, Keys, limits and budgets).",
+        "default (see docs/tenancy.md).",
     },
 )
 

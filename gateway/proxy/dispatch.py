@@ -446,7 +446,7 @@ class ProxyApp:
         receive: Receive,
         send: Send,
     ) -> None:
-        """Anthropic's count_tokens, estimated (characters / 4; see the README)."""
+        """Anthropic's count_tokens, estimated (characters / 4; see docs/surfaces.md)."""
         raw = await read_body(receive, self.max_body, self.body_timeout)
         payload = parse_object(raw, loads)
         # count_tokens takes a Messages request without max_tokens.

@@ -29,7 +29,7 @@ HEADER = """\
 # are left out: nexus_run manages them.
 """
 KEYS_NOTE = """\
-# Limits of client keys (README: Keys, limits and budgets), matched by name.
+# Limits of client keys (docs/tenancy.md), matched by name.
 # The keys themselves are created with nexus_create_key, the admin or the API;
 # their secrets are never in a file. Keys without any limit are left out.
 """
@@ -57,7 +57,7 @@ def export_config() -> str:
     lines += [
         "",
         "[routing.admission]",
-        "# Fair queuing in Nexus when backends are busy (README: Admission control).",
+        "# Fair queuing in Nexus when backends are busy (docs/admission.md).",
     ]
     lines += _settings(policy, ADMISSION_SETTINGS)
     for table, field, _, _ in ADMISSION_MODEL_TABLES:
@@ -69,7 +69,7 @@ def export_config() -> str:
     lines += [
         "",
         "[routing.fleet]",
-        "# The fleet strategy's points and queues (README: Fleet scheduling);",
+        "# The fleet strategy's points and queues (docs/fleet.md);",
         "# without hold_seconds: 30 under the fleet strategy, 0 otherwise.",
     ]
     lines += _settings(policy, FLEET_TOML_SETTINGS)

@@ -687,8 +687,10 @@ def test_busy_workers_wait_in_admissions_queue_which_is_bounded(
     policy.save()
     _, other_key = ApiKey.objects.create_key("relay-tests-other")
     server = relay.server
+    # The third request must find the first still running (a fresh clone's
+    # loaded run once took over a second from the first's start to the third).
     mock, _ = relay.start(  # it waits until the server has the above
-        "gpu-a", "--latency-ms", "1000", worker_args=("--max-concurrency", "1")
+        "gpu-a", "--latency-ms", "3000", worker_args=("--max-concurrency", "1")
     )
     results: dict[str, object] = {}
 

@@ -113,9 +113,9 @@ class ApiKeyViewSet(
     """Client API keys for the gateway (/v1): create, list, change, revoke.
 
     A key carries its allowed models, expiry, rate and concurrency limits,
-    budgets and fair-queue settings (see the README, "Keys, limits and
-    budgets"); empty (null) limits mean no limit. Only a hash of each secret is stored: the secret is in the answer to the
-    create request and nowhere else. A revoked key is refused by every serving
+    budgets and fair-queue settings (see docs/tenancy.md); empty (null)
+    limits mean no limit. Only a hash of each secret is stored: the secret is
+    in the answer to the create request and nowhere else. A revoked key is refused by every serving
     process within a second or so, and stays revoked (create a new one).
     """
 

@@ -2,7 +2,7 @@
 
 redis-py's asyncio client takes a pooled connection, packs, sends, parses and
 gives the connection back for every command; on the request path that cost
-more than the round trip itself (see README, Keys, limits and budgets). This
+more than the round trip itself (see docs/benchmarks.md). This
 connection writes each command as it is asked for and matches replies to
 callers in order, so concurrent requests share one socket and their
 round trips overlap (pipelining without batching). It speaks only what the
