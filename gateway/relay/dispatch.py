@@ -234,7 +234,7 @@ class RelayHub:
         # the consumers holding their workers' sockets (read per request).
         self.state = state
         self.max_reply = max_reply  # a whole (non-stream) reply, in bytes
-        # A call's chunks delivered and not read (its client is slow).
+        # A stream's chunks delivered and not read (its client is slow).
         self.max_unread = max_unread
         self._publishing: set[asyncio.Task[None]] = set()
         self.calls: dict[str, RelayCall] = {}
@@ -405,7 +405,9 @@ class RelayHub:
                 call = RelayCall(
                     f"{request_id}.{self._sequence}",
                     channel,
-                    max_unread=self.max_unread,
+                    # A whole reply is read as it comes (up to max_reply,
+                    # checked by its reader) and may arrive in large batches.
+                    max_unread=self.max_unread if stream else 0,
                     on_overflow=self._overflowed,
                 )
                 frame = protocol.encode(
