@@ -23,35 +23,16 @@ import re
 from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 
+from nexus_lib.model_patterns import is_glob
+
 NOT_ALLOWED = "not in the worker's allow-list"
 SERVED_DIRECTLY = "served by a direct backend"
 UNSTORABLE = "control characters or lone surrogates"
 # What a worker's refused list keeps (names beyond it are counted, not kept).
 MAX_REFUSED_KEPT = 100
 
-# A model name or a glob pattern over one: no spaces, commas or control bytes
-# (the same syntax as client keys' allow-lists, usage/limits/policy.py).
-_PATTERN = re.compile(r"[^\s,\x00-\x1f]{1,200}")
 # What no model name holds: it could not be stored, logged or shown as it is.
 _UNSTORABLE = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")
-
-
-def split_patterns(text: str) -> tuple[str, ...]:
-    """Split a comma-separated allow-list (blanks and duplicates dropped)."""
-    seen: dict[str, None] = {}
-    for part in text.split(","):
-        part = part.strip()
-        if part:
-            seen[part] = None
-    return tuple(seen)
-
-
-def is_valid_pattern(pattern: str) -> bool:
-    return _PATTERN.fullmatch(pattern) is not None
-
-
-def _is_glob(pattern: str) -> bool:
-    return any(char in pattern for char in "*?[")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +53,8 @@ class ModelRules:
     _glob: re.Pattern[str] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        exact = frozenset(p for p in self.allowed if not _is_glob(p))
-        globs = [fnmatch.translate(p) for p in self.allowed if _is_glob(p)]
+        exact = frozenset(p for p in self.allowed if not is_glob(p))
+        globs = [fnmatch.translate(p) for p in self.allowed if is_glob(p)]
         object.__setattr__(self, "_exact", exact)
         object.__setattr__(
             self, "_glob", re.compile("|".join(globs)) if globs else None

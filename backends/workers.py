@@ -31,10 +31,9 @@ from backends.worker_models import (
     ModelRules,
     Refusal,
     describe_refusals,
-    is_valid_pattern,
-    split_patterns,
 )
 from nexus_lib.layer import run_on_layer
+from nexus_lib.model_patterns import is_valid_pattern, split_patterns
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,8 @@ from backends.worker_models import (
     ModelRules,
     Refusal,
     describe_refusals,
-    is_valid_pattern,
-    split_patterns,
 )
+from nexus_lib.model_patterns import is_valid_pattern, split_patterns
 
 DIRECT = frozenset({"gpt-4o", "llama3:70b"})
 

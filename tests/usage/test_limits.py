@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 
 import pytest
 
+from nexus_lib.model_patterns import split_patterns
 from usage.limits.limiter import (
     BUDGET,
     CONCURRENCY,
@@ -22,7 +23,6 @@ from usage.limits.policy import (
     period_end,
     period_id,
     resolve_prices,
-    split_patterns,
 )
 
 pytestmark = pytest.mark.mode_independent

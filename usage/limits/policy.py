@@ -15,9 +15,9 @@ from calendar import monthrange
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from nexus_lib.model_patterns import is_glob
+
 NANOS_PER_USD = 1_000_000_000
-# A model name or a glob pattern over one: no spaces, commas or control bytes.
-_PATTERN = re.compile(r"[^\s,\x00-\x1f]{1,200}")
 
 
 class BudgetPeriod(enum.StrEnum):
@@ -32,24 +32,6 @@ class BudgetPeriod(enum.StrEnum):
             (cls.MONTH, "per UTC month"),
             (cls.TOTAL, "all time"),
         ]
-
-
-def split_patterns(text: str) -> tuple[str, ...]:
-    """Split a comma-separated allow-list (blanks and duplicates dropped)."""
-    seen: dict[str, None] = {}
-    for part in text.split(","):
-        part = part.strip()
-        if part:
-            seen[part] = None
-    return tuple(seen)
-
-
-def is_valid_pattern(pattern: str) -> bool:
-    return _PATTERN.fullmatch(pattern) is not None
-
-
-def is_glob(pattern: str) -> bool:
-    return any(char in pattern for char in "*?[")
 
 
 def period_id(period: str, now: float) -> str:

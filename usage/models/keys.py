@@ -21,13 +21,8 @@ from django.db import models
 from django.db.models import Sum
 from django.utils import timezone
 
-from usage.limits.policy import (
-    NANOS_PER_USD,
-    BudgetPeriod,
-    is_valid_pattern,
-    period_id,
-    split_patterns,
-)
+from nexus_lib.model_patterns import is_valid_pattern, split_patterns
+from usage.limits.policy import NANOS_PER_USD, BudgetPeriod, period_id
 from usage.models.prices import nanos_to_usd
 from usage.signals import api_keys_changed
 

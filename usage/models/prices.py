@@ -13,7 +13,7 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models
 
-from usage.limits.policy import is_valid_pattern
+from nexus_lib.model_patterns import is_valid_pattern
 
 
 class ModelPrice(models.Model):
