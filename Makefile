@@ -6,8 +6,11 @@ TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/1
 # The tests start a few hundred Python processes: they share compiled bytecode
 # (__pycache__, git-ignored) even where the environment turns writing it off.
+# The embedded side keeps its state in .nexus-test, never in .nexus: a `make run`
+# in the same checkout serves from .nexus, and a process started there without
+# REDIS_URL joins that gateway's private Redis (the suite would empty it).
 EMBEDDED := env -u DATABASE_URL -u REDIS_URL -u PYTHONDONTWRITEBYTECODE \
-	NEXUS_TEST_MODE=embedded
+	NEXUS_TEST_MODE=embedded NEXUS_STATE_DIR=.nexus-test
 PRODUCTION := env -u PYTHONDONTWRITEBYTECODE NEXUS_TEST_MODE=production \
 	DATABASE_URL=$(TEST_DATABASE_URL) \
 	REDIS_URL=$(TEST_REDIS_URL) SECRET_KEY=tests-only-not-secret \
@@ -45,8 +48,8 @@ lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
-	$(EMBEDDED) NEXUS_STATE_DIR=.nexus-test $(BIN)/mypy
-	$(EMBEDDED) NEXUS_STATE_DIR=.nexus-test $(BIN)/python manage.py makemigrations --check --dry-run
+	$(EMBEDDED) $(BIN)/mypy
+	$(EMBEDDED) $(BIN)/python manage.py makemigrations --check --dry-run
 
 test-embedded: $(VENV)/.installed-dev test-tools
 	$(EMBEDDED) $(PYTEST) -n $(EMBEDDED_WORKERS) $(PYTEST_ARGS)
@@ -122,7 +125,7 @@ python_for = $(firstword $(foreach c,$(shell command -v python$(1)) \
 	$(if $(shell $(c) -c 'print(1)' 2>/dev/null),$(c))))
 smoke-pythons: $(foreach v,$(SMOKE_PYTHONS),smoke-python$(v))
 smoke-python%: $(SMOKE_DIR)/py%/.installed-dev
-	$(EMBEDDED) NEXUS_STATE_DIR=.nexus-test $(SMOKE_DIR)/py$*/bin/python manage.py check
+	$(EMBEDDED) $(SMOKE_DIR)/py$*/bin/python manage.py check
 	$(EMBEDDED) $(SMOKE_DIR)/py$*/bin/pytest -q -p no:cacheprovider $(SMOKE_TESTS)
 .PRECIOUS: $(SMOKE_DIR)/py%/.installed-dev  # keep the venvs for the next run
 $(SMOKE_DIR)/py%/.installed-dev: pyproject.toml

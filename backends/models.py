@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
-from django.db import models, transaction
+from django.db import models, router, transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 
@@ -84,6 +84,18 @@ class BackendTier(models.TextChoices):
 class BackendQuerySet(models.QuerySet["Backend"]):
     def enabled(self) -> BackendQuerySet:
         return self.filter(enabled=True)
+
+    def delete(self) -> tuple[int, dict[str, int]]:
+        """Delete these backends, their rows locked first in primary-key order.
+
+        Django deletes a backend's models before the backend; a health round or
+        a discovery run locks the backend first and then updates its models.
+        Taking the backend rows first here (as those do) keeps the two from
+        deadlocking (PostgreSQL aborts one of them: the admin saw a 503).
+        """
+        with transaction.atomic(using=self.db):
+            _lock_in_order(self.values_list("pk", flat=True), self.db)
+            return super().delete()
 
     def announce_change(self) -> None:
         """Tell the apps above that backends changed in a bulk write.
@@ -177,6 +189,12 @@ class BackendQuerySet(models.QuerySet["Backend"]):
             )
             for backend in backends
         }
+
+
+def _lock_in_order(pks: Iterable[int], using: str) -> None:
+    """Lock these backends' rows in primary-key order (see BackendQuerySet.delete)."""
+    rows = Backend.objects.using(using).select_for_update().filter(pk__in=list(pks))
+    list(rows.order_by("pk").values_list("pk", flat=True))
 
 
 def _pks_and_names(backends: BackendQuerySet) -> tuple[list[int], list[str]]:
@@ -287,6 +305,15 @@ class Backend(models.Model):
     def save(self, *args: object, **kwargs: object) -> None:
         self.base_url = self.base_url.rstrip("/")
         super().save(*args, **kwargs)  # type: ignore[arg-type]
+
+    def delete(
+        self, using: str | None = None, keep_parents: bool = False
+    ) -> tuple[int, dict[str, int]]:
+        """Delete this backend, its row locked first (see BackendQuerySet.delete)."""
+        database = using or router.db_for_write(Backend, instance=self)
+        with transaction.atomic(using=database):
+            _lock_in_order([self.pk], database)
+            return super().delete(using=using, keep_parents=keep_parents)
 
     def clean(self) -> None:
         super().clean()

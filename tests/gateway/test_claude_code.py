@@ -279,7 +279,7 @@ def test_a_key_is_judged_by_the_name_asked_for_or_the_model_it_resolves_to(
 ) -> None:
     llama_only, claude_names = gateway.llama_only, gateway.claude_names
     request = {
-        "model": "claude-sonnet-4-5-20250929",
+        "model": "claude-sonnet-4-6",
         "max_tokens": 20,
         "messages": [{"role": "user", "content": "hi"}],
     }

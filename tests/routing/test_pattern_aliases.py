@@ -17,7 +17,7 @@ from routing.core.aliases import (
 from routing.explain import render_decision
 from tests.routing.core_builders import backend, select, snapshot
 
-CLAUDE = "claude-sonnet-4-5-20250929"
+CLAUDE = "claude-sonnet-4-6"
 HAIKU = "claude-haiku-4-5-20251001"
 
 

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.django_db
 
 ALIAS_ADD = reverse("admin:routing_alias_add")
 ALIAS_LIST = reverse("admin:routing_alias_changelist")
-CLAUDE = "claude-sonnet-4-5-20250929"
+CLAUDE = "claude-sonnet-4-6"
 
 
 @pytest.fixture
