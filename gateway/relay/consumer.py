@@ -224,7 +224,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             task.cancel()
         self.hub.detach(self.channel_name)
         if self.registered:
-            self.hub.report_load(self.backend_name, None)
+            self.hub.report_load(self.backend_name, None, self.channel_name)
         routes, self.routes = self.routes, {}
         for request_id, route in routes.items():
             self._pass_on(request_id, route, ("gone", "worker gone"))

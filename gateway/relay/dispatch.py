@@ -54,6 +54,11 @@ REPLY_EVENT = "relay.reply"
 # Every serving process hears each worker's pong load on this group.
 LOAD_GROUP = "nexus.relay.load"
 LOAD_EVENT = "relay.load"
+# Channels of consumers whose worker went away, as heard over LOAD_GROUP before
+# this process's snapshot catches up (a request sent there would wait out the
+# accept timeout): remembered this long, at most this many.
+GONE_SECONDS = 120.0
+MAX_GONE = 4096
 # Headers the worker passes to its local backend (never the client's auth).
 _FORWARDED_HEADERS = ("content-type", "accept")
 
@@ -237,6 +242,8 @@ class RelayHub:
         # A stream's chunks delivered and not read (its client is slow).
         self.max_unread = max_unread
         self._publishing: set[asyncio.Task[None]] = set()
+        # Consumer channels known gone (see GONE_SECONDS), oldest first.
+        self._gone: dict[str, float] = {}
         self.calls: dict[str, RelayCall] = {}
         self.reply_channel = ""
         self._layer: Any = None
@@ -307,13 +314,16 @@ class RelayHub:
     def detach(self, channel: str) -> None:
         self.links.pop(channel, None)
 
-    def report_load(self, backend: str, load: int | None) -> None:
+    def report_load(
+        self, backend: str, load: int | None, gone_channel: str = ""
+    ) -> None:
         """A worker connected here said how many requests it has in flight
-        (None: it went away); every serving process's router hears of it."""
-        self._apply_load(backend, load)
+        (None: it went away, from its consumer's `gone_channel`); every
+        serving process's router hears of it."""
+        self._apply_load(backend, load, gone_channel)
         if self._layer is not None:
             task = asyncio.get_running_loop().create_task(
-                self._publish_load(backend, load)
+                self._publish_load(backend, load, gone_channel)
             )
             self._publishing.add(task)
             task.add_done_callback(self._publishing.discard)
@@ -322,21 +332,42 @@ class RelayHub:
         """A message of LOAD_GROUP: a worker's load, from whichever process
         holds its socket (this one's own come back too: the same numbers)."""
         backend, load = message.get("backend"), message.get("load")
+        gone = message.get("gone_channel")
         if isinstance(backend, str) and (load is None or isinstance(load, int)):
-            self._apply_load(backend, load)
+            self._apply_load(backend, load, gone if isinstance(gone, str) else "")
 
-    def _apply_load(self, backend: str, load: int | None) -> None:
+    def _apply_load(self, backend: str, load: int | None, gone_channel: str) -> None:
         if load is None:
             self.stats.forget_load(backend)
+            if gone_channel:
+                self._remember_gone(gone_channel)
         else:
             self.stats.report_load(backend, load)
 
-    async def _publish_load(self, backend: str, load: int | None) -> None:
+    def _remember_gone(self, channel: str) -> None:
+        now = asyncio.get_running_loop().time()
+        gone = self._gone
+        gone.pop(channel, None)
+        gone[channel] = now
+        for old, when in list(gone.items()):
+            if len(gone) <= MAX_GONE and now - when < GONE_SECONDS:
+                break
+            del gone[old]
+
+    def is_gone(self, channel: str) -> bool:
+        """Whether `channel`'s consumer is known to have lost its worker (this
+        process's snapshot may still list it for a moment)."""
+        return channel in self._gone
+
+    async def _publish_load(
+        self, backend: str, load: int | None, gone_channel: str
+    ) -> None:
+        message: dict[str, Any] = {"type": LOAD_EVENT, "backend": backend, "load": load}
+        if gone_channel:
+            message["gone_channel"] = gone_channel
         try:
             async with asyncio.timeout(5.0):
-                await self._layer.group_send(
-                    LOAD_GROUP, {"type": LOAD_EVENT, "backend": backend, "load": load}
-                )
+                await self._layer.group_send(LOAD_GROUP, message)
         except Exception:
             logger.warning(
                 "Could not pass on relay worker %s's load", backend, exc_info=True
@@ -400,7 +431,9 @@ class RelayHub:
         reasons: list[str] = []
         while True:
             channel = channels.get(backend_name, "")
-            if channel:
+            if channel and self.is_gone(channel):
+                reasons.append(f"{backend_name}: worker gone")
+            elif channel:
                 self._sequence += 1
                 call = RelayCall(
                     f"{request_id}.{self._sequence}",
@@ -448,7 +481,9 @@ class RelayHub:
                 on_close = None
             if len(tried) >= MAX_ATTEMPTS:
                 break
-            other = _next_worker(backends, channels, stats, target.model.name, tried)
+            other = _next_worker(
+                backends, channels, stats, target.model.name, tried, self.is_gone
+            )
             if other is None:
                 break
             tried.append(other.name)
@@ -598,6 +633,7 @@ def _next_worker(
     stats: LiveStats,
     model: str,
     tried: list[str],
+    is_gone: Callable[[str], bool],
 ) -> BackendSpec | None:
     """Another connected, healthy relay worker serving `model` with room, least
     loaded first (the router's count: its pong's load or this process's
@@ -607,6 +643,7 @@ def _next_worker(
         for name, backend in backends.items()
         if name not in tried
         and name in channels
+        and not is_gone(channels[name])
         and backend.kind == RELAY_KIND
         and backend.enabled
         and backend.status == Health.HEALTHY

@@ -307,3 +307,87 @@ def test_a_request_skips_a_dead_consumer_here_and_a_silent_process_there() -> No
         "other!b:relay.request",
         "other!c:relay.request",
     ]
+
+
+def test_a_worker_announced_gone_elsewhere_is_passed_by_at_once() -> None:
+    """Another process's consumer lost its worker and said so over the load
+    group; this process's snapshot still lists the worker for a moment. A
+    request for it goes straight to the next worker instead of waiting out
+    the accept timeout on a channel nobody reads (a client saw 5 s)."""
+
+    async def run() -> tuple[bytes, str, list[str], float]:
+        hub = RelayHub(accept_timeout=30)
+        layer = FakeLayer(
+            hub,
+            {"other!b": [("accepted", None), ("complete", (200, {}, '{"ok":1}'))]},
+        )
+        hub._layer = layer
+        hub.reply_channel = "this!reply"
+        hub._ready.set()
+        backends = _serve_workers(hub, {"a": "other!a", "b": "other!b"})
+        hub.on_load_message(
+            {
+                "type": "relay.load",
+                "backend": "a",
+                "load": None,
+                "gone_channel": "other!a",
+            }
+        )
+        started = asyncio.get_running_loop().time()
+        async with asyncio.timeout(5):
+            response = await hub.open(
+                Target(backends["a"], backends["a"].models[0]),
+                "req",
+                "/v1/chat/completions",
+                b'{"model":"llama3:8b"}',
+                {},
+                False,
+            )
+        took = asyncio.get_running_loop().time() - started
+        body = await _read_all(response)
+        kinds = [f"{channel}:{message['type']}" for channel, message in layer.sent]
+        return body, response.backend_name, kinds, took  # type: ignore[attr-defined]
+
+    body, served_by, sent, took = asyncio.run(run())
+    assert (body, served_by) == (b'{"ok":1}', "b")
+    assert sent == ["other!b:relay.request"]  # nothing to the gone consumer
+    assert took < 5  # not the accept timeout (30 s)
+
+
+def test_a_reconnected_worker_is_not_taken_for_gone() -> None:
+    """Gone is remembered by the consumer's channel: the same worker on a new
+    socket (a new channel) is served at once."""
+
+    async def run() -> tuple[bytes, list[str]]:
+        hub = RelayHub(accept_timeout=30)
+        layer = FakeLayer(
+            hub,
+            {"other!a2": [("accepted", None), ("complete", (200, {}, '{"ok":1}'))]},
+        )
+        hub._layer = layer
+        hub.reply_channel = "this!reply"
+        hub._ready.set()
+        hub.on_load_message(
+            {
+                "type": "relay.load",
+                "backend": "a",
+                "load": None,
+                "gone_channel": "other!a1",
+            }
+        )
+        backends = _serve_workers(hub, {"a": "other!a2"})
+        async with asyncio.timeout(5):
+            response = await hub.open(
+                Target(backends["a"], backends["a"].models[0]),
+                "req",
+                "/v1/chat/completions",
+                b'{"model":"llama3:8b"}',
+                {},
+                False,
+            )
+        body = await _read_all(response)
+        return body, [f"{channel}:{m['type']}" for channel, m in layer.sent]
+
+    body, sent = asyncio.run(run())
+    assert body == b'{"ok":1}'
+    assert sent == ["other!a2:relay.request"]
