@@ -12,9 +12,10 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from backends.models import Backend
+from nexus_lib.commands import DatabaseCommand
 
 
 class Report(Protocol):
@@ -29,7 +30,7 @@ class Report(Protocol):
 R = TypeVar("R", bound=Report)
 
 
-class BackendRoundCommand(BaseCommand, Generic[R]):
+class BackendRoundCommand(DatabaseCommand, Generic[R]):
     """A command that runs a round over backends and prints one report each.
 
     Subclasses say what the round is (``run_round``), how its reports read

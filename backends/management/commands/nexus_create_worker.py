@@ -6,13 +6,14 @@ import json
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
 from backends.models import Worker
+from nexus_lib.commands import DatabaseCommand
 from nexus_lib.validation import describe_validation_error
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = (
         "Create a relay worker (a GPU box behind NAT that dials in with "
         "nexus-worker) and print its secret. Only a hash is stored, so this is "

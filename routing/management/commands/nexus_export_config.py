@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
+from nexus_lib.commands import DatabaseCommand
 from routing.config_file import export_config
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = (
         "Write backends, their models, aliases, fallback chains and the routing "
         "policy as a TOML file that nexus_import_config reads back unchanged. "

@@ -6,12 +6,13 @@ import json
 import sys
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
+from nexus_lib.commands import DatabaseCommand
 from routing.config_file import ConfigError, ImportSummary, import_config_file
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = (
         "Import backends, their models, aliases, fallback chains and the routing "
         "policy from a TOML file (- reads standard input). The whole file is "

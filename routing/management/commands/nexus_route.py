@@ -5,14 +5,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
+from nexus_lib.commands import DatabaseCommand
 from routing.core import LiveStats, RequestRequirements, Router, RoutingError
 from routing.explain import describe_weights, render_decision
 from routing.snapshot import build_snapshot
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = (
         "Route a hypothetical request for MODEL with the current configuration and "
         "print the chosen backend, or the error a client would get. --explain shows "

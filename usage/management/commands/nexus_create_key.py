@@ -8,13 +8,14 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 
+from nexus_lib.commands import DatabaseCommand
 from nexus_lib.validation import describe_validation_error
 from usage.models import ApiKey
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = (
         "Create a client API key for the gateway and print it. Only a hash is "
         "stored, so this is the only time the key is shown."

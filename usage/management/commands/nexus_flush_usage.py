@@ -6,16 +6,17 @@ import json
 from typing import Any
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.db import DatabaseError
 from redis.exceptions import RedisError
 
+from nexus_lib.commands import DatabaseCommand
 from usage.models import UsageRecord
 from usage.rollup import roll_up_usage
 from usage.stream import drain_usage_stream
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = (
         "Write the usage events serving processes shipped to Redis (production) "
         "and roll every pending usage record up into the totals and per-minute "

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.db import DatabaseError
 from django.utils import timezone
 
+from nexus_lib.commands import DatabaseCommand
 from usage.models import (
     USAGE_DIMENSIONS,
     UsageRecord,
@@ -26,7 +27,7 @@ COLUMNS = (
 )
 
 
-class Command(BaseCommand):
+class Command(DatabaseCommand):
     help = (
         "Print requests, errors, tokens and cost per model, backend or client key, "
         "from the rolled-up usage. Estimated is the share of tokens Nexus estimated "
