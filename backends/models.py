@@ -16,6 +16,7 @@ from django.utils import timezone
 from backends.kinds import Endpoint, LoadedModel
 from backends.signals import backends_changed
 from backends.vocabulary import HealthStatus
+from nexus_worker.protocol import MISSED_HEARTBEATS_BEFORE_GONE
 
 
 class BackendKind(models.TextChoices):
@@ -48,9 +49,23 @@ STALE_AFTER_INTERVALS = 3
 EXPIRY_SLACK = timedelta(seconds=60)
 
 
-def health_stale_after() -> timedelta:
-    """How old a backend's last health result may be before it stops counting."""
-    return timedelta(seconds=STALE_AFTER_INTERVALS * settings.NEXUS_HEALTH_INTERVAL)
+def health_stale_after(kind: str = "") -> timedelta:
+    """How old a backend's last health result may be before it stops counting.
+
+    A relay worker's heartbeat is its health check (``see_worker``): its
+    result lasts at least until the worker would be Gone for missed
+    heartbeats, or every worker went stale between two of its pings when
+    NEXUS_RELAY_HEARTBEAT_SECONDS was over the health interval (60 s
+    heartbeats made relay backends unroutable 30 s after they connected).
+    """
+    seconds = STALE_AFTER_INTERVALS * settings.NEXUS_HEALTH_INTERVAL
+    if kind == BackendKind.RELAY:
+        seconds = max(
+            seconds,
+            (MISSED_HEARTBEATS_BEFORE_GONE + 1)
+            * settings.NEXUS_RELAY_HEARTBEAT_SECONDS,
+        )
+    return timedelta(seconds=seconds)
 
 
 # What a backend reports about each model it serves, and discovery records.
@@ -359,7 +374,7 @@ class Backend(models.Model):
             HealthStatus.UNHEALTHY,
         ):
             return None
-        return self.last_check_at + health_stale_after()
+        return self.last_check_at + health_stale_after(self.kind)
 
     def is_health_stale(self, now: datetime | None = None) -> bool:
         """Whether the last health result is older than 3 health intervals."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +13,7 @@ from django.utils import timezone
 
 from backends.models import Backend, BackendKind, BackendModel, HealthStatus
 from nexus_mock import MockBackendProcess, spawn_mock_backend
+from nexus_site.launcher import die_with
 from routing.models import Alias, ChainStep
 from usage.models import ApiKey
 
@@ -90,8 +94,10 @@ def spawn_demo_mock(spec: DemoBackend) -> MockBackendProcess:
         "20",
         "--chunk-delay-ms",
         "30",
-        # The launcher, not the terminal's Ctrl-C, stops it.
+        # The launcher, not the terminal's Ctrl-C, stops it; it dies with
+        # the launcher if the launcher is killed.
         new_session=True,
+        popen=functools.partial(subprocess.Popen, preexec_fn=die_with(os.getpid())),
     )
 
 

@@ -10,11 +10,19 @@ is started again, with the same command, after a back-off (1 s, doubling up to
 process is not a dead gateway. Each restart is said in the output and counted
 in a small JSON file (``restarts_file``) that the serving processes' /metrics
 reads (``nexus_process_restarts_total``).
+
+A launcher that is itself killed (``kill -9``, the OOM killer) takes its
+children with it: each is started with the kernel's parent-death signal
+(SIGTERM, so serving processes still drain and Redis exits cleanly) instead
+of living on, holding the port and the private Redis, until the next start
+said "Another nexus_run serves from ...".
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import http.client
 import json
 import os
@@ -268,6 +276,43 @@ class Supervisor:
             _signal_group(child.process, signal.SIGKILL)
 
 
+def _load_prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    prctl: Callable[..., int] = libc.prctl
+    return prctl
+
+
+# Looked up once here: between fork and exec nothing may import or allocate
+# much (other threads' locks are copied held).
+_PRCTL = _load_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with(parent: int) -> Callable[[], None]:
+    """A ``preexec_fn`` that has the child SIGTERMed when `parent` (this
+    process) dies.
+
+    The kernel sends it when the thread that forked the child exits, so every
+    child is started from the launcher's main thread (``start``, ``adopt``'s
+    callers, ``wait``'s restarts). A parent already gone by then is seen
+    after the prctl, and the child exits at once. Where prctl is missing (not
+    Linux) children outlive a killed launcher, as before.
+    """
+
+    def preexec() -> None:
+        if _PRCTL is not None:
+            _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    return preexec
+
+
 def _spawn(launch: Launch) -> subprocess.Popen[str]:
     return subprocess.Popen(
         launch.argv,
@@ -276,6 +321,8 @@ def _spawn(launch: Launch) -> subprocess.Popen[str]:
         text=True,
         bufsize=1,
         start_new_session=True,
+        # Safe with threads: one ctypes call looked up beforehand (die_with).
+        preexec_fn=die_with(os.getpid()),  # noqa: PLW1509
         pass_fds=launch.pass_fds,
         env=launch.env,
     )

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -423,6 +423,77 @@ def test_demo_off_starts_no_mock_backends(run_env: dict[str, str]) -> None:
     finally:
         if nexus.process.poll() is None:
             os.killpg(nexus.process.pid, signal.SIGKILL)
+
+
+def _descendants(root: int) -> set[int]:
+    """Every process below `root` (children, their children, ...)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: set[int] = set()
+    frontier = {root}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier}
+        found |= frontier
+    return found
+
+
+def test_a_killed_launcher_takes_its_children_with_it(
+    run_env: dict[str, str],
+) -> None:
+    """kill -9 of nexus_run itself: its serving processes, worker, beat, demo
+    mocks and private Redis used to live on (holding the port; the next start
+    said "Another nexus_run serves from ..."). They now get SIGTERM and end."""
+    run_env["NEXUS_ADMIN_PASSWORD"] = "a-chosen-admin-password"
+    run_env["NEXUS_DRAIN_SECONDS"] = "1"
+    nexus = _start(run_env, "--workers", "1")
+    children: set[int] = set()
+    try:
+        nexus.expect(r"Press Ctrl-C to stop")
+        children = _descendants(nexus.process.pid)
+        said = nexus.output()
+        assert "Demo backend" in said  # the mocks are among them
+        assert len(children) >= 5, said  # web, worker, beat, 3 mocks (+ Redis)
+        nexus.process.kill()
+        nexus.process.wait()
+        deadline = time.monotonic() + 30
+        while (alive := _commands(pid for pid in children if _is_alive(pid))) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.2)
+        assert not alive, "still running after the launcher died"
+        assert _free_port_is(nexus.port)
+    finally:
+        # A failed test leaves nothing behind either.
+        children |= _descendants(nexus.process.pid)
+        with contextlib.suppress(ProcessLookupError):
+            nexus.process.kill()
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _commands(pids: Iterable[int]) -> list[str]:
+    found = []
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            found.append(f"{pid}: {b' '.join(argv).decode(errors='replace')[:200]}")
+    return found
+
+
+def _free_port_is(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def test_busy_port_is_a_clear_error(run_env: dict[str, str]) -> None:

@@ -11,7 +11,7 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from backends.models import Backend, BackendModel, HealthStatus
+from backends.models import Backend, BackendKind, BackendModel, HealthStatus
 from routing.core import Health
 from tests.factories import BackendFactory, BackendModelFactory
 
@@ -202,6 +202,30 @@ def test_a_health_result_older_than_three_intervals_is_stale(settings) -> None:
     # Draining and unknown are not results of a check: they do not age.
     backend.status = HealthStatus.DRAINING
     assert not backend.is_health_stale(now)
+
+
+@pytest.mark.django_db
+def test_a_relay_workers_health_lasts_as_long_as_its_heartbeats_allow(settings) -> None:
+    """Its heartbeat is its health check: with 60 s heartbeats and a 10 s
+    health interval, a connected worker went stale (unroutable) 30 s after each
+    ping; it now stays fresh until it would be Gone (3 missed + 1)."""
+    settings.NEXUS_HEALTH_INTERVAL = 10.0
+    settings.NEXUS_RELAY_HEARTBEAT_SECONDS = 60.0
+    now = timezone.now()
+    worker = BackendFactory(
+        kind=BackendKind.RELAY, last_check_at=now - timedelta(seconds=59)
+    )
+    assert not worker.is_health_stale(now)
+    worker.last_check_at = now - timedelta(seconds=241)
+    assert worker.is_health_stale(now)
+    # Short heartbeats: the health interval's 30 s still holds.
+    settings.NEXUS_RELAY_HEARTBEAT_SECONDS = 2.0
+    worker.last_check_at = now - timedelta(seconds=29)
+    assert not worker.is_health_stale(now)
+    # Other kinds keep three health intervals.
+    settings.NEXUS_RELAY_HEARTBEAT_SECONDS = 60.0
+    other = BackendFactory(last_check_at=now - timedelta(seconds=59))
+    assert other.is_health_stale(now)
 
 
 @pytest.mark.django_db
