@@ -749,8 +749,12 @@ def test_under_fleet_a_busy_workers_requests_wait_in_its_line(relay: Relay) -> N
     policy.full_clean()
     policy.save()
     mock, _ = relay.start(
-        "gpu-a", "--latency-ms", "1000", worker_args=("--max-concurrency", "1")
+        "gpu-a", "--slots", "4", worker_args=("--max-concurrency", "1")
     )
+    # The first request waits at the mock until released (it never sees a
+    # second: the worker takes one at a time), however long a loaded machine
+    # takes to queue the second one.
+    httpx.post(f"{mock.base_url}/_mock/hold", json={"first": 2}, timeout=10)
     results: dict[str, object] = {}
 
     def ask(label: str) -> None:
@@ -761,14 +765,15 @@ def test_under_fleet_a_busy_workers_requests_wait_in_its_line(relay: Relay) -> N
 
     first = threading.Thread(target=ask, args=("first",))
     first.start()
-    wait_for(lambda: _in_flight(mock) == 1)
+    wait_for(lambda: _chats(mock) == 1)  # held at the mock
     second = threading.Thread(target=ask, args=("second",))
     second.start()
     # Admission lets it through to the worker's line, where it waits.
     wait_for(
         lambda: relay.server.metric("nexus_fleet_queue_waiting", 'backend="gpu-a"') == 1
     )
-    assert _in_flight(mock) == 1
+    assert _chats(mock) == 1
+    httpx.post(f"{mock.base_url}/_mock/release", timeout=10)
     first.join(timeout=30)
     second.join(timeout=30)
     assert results == {
