@@ -32,6 +32,7 @@ from tests.conftest import (
     mock_stats,
     start_mock_backend,
     start_nexus_server,
+    wait_until,
 )
 from usage.models import ApiKey
 
@@ -274,3 +275,24 @@ def test_without_a_name_the_only_enabled_ollama_backend_is_chosen() -> None:
         choose_backend(_state(BackendSpec("cloud", "http://c/v1")), None)
     assert caught.value.status == 404
     assert "no enabled Ollama backend" in caught.value.message
+
+
+def test_a_backend_that_is_down_is_a_502_in_ollamas_shape(gateway: Gateway) -> None:
+    httpx.post(
+        f"{gateway.olla2.base_url}/_mock/config",
+        json={"refuse_for_ms": 3000},
+        timeout=5,
+    )
+    with pytest.raises(ollama.ResponseError) as caught:
+        gateway.on("olla2").pull("gemma:2b", stream=True).__next__()
+    assert caught.value.status_code == 502
+    assert "olla2 did not answer" in caught.value.error
+    assert "gemma:2b" not in gateway.listed()
+    wait_until(lambda: _listening(gateway.olla2), what="olla2 to listen again")
+
+
+def _listening(mock: MockBackendProcess) -> bool:
+    try:
+        return httpx.get(f"{mock.base_url}/_mock/config", timeout=5).is_success
+    except httpx.TransportError:
+        return False
