@@ -2,7 +2,8 @@
 
 ``POST /api/pull``, ``/api/push`` and ``/api/create`` stream NDJSON progress
 lines (one object a line, the last ``{"status": "success"}``) unless
-``"stream": false``, when only that last object is sent; ``POST /api/copy``
+``"stream": false``, when only that last object is sent, as late as the
+stream would have ended (``chunk_delay_ms`` a line); ``POST /api/copy``
 and ``DELETE /api/delete`` answer 200 with an empty body. Errors are
 ``{"error": "..."}``: 400 for a body that is not what Ollama takes, 404 for a
 model the node does not have (the source of a copy or a create, what is
@@ -38,12 +39,16 @@ _LAYER_BYTES = 4_661_224_676
 class ManagedModels:
     """A management request's reply, and the node's models once it is sent.
 
-    ``lines`` are NDJSON lines streamed one by one (``body`` is None), or
-    ``body`` is the whole reply. ``after`` is the model list to apply once the
-    reply has gone out (None: unchanged).
+    ``lines`` are the operation's NDJSON progress lines: streamed one by one,
+    or, when ``stream`` is off, only the last one is sent once the others'
+    time has passed (Ollama says nothing until a pull without a stream is
+    over). ``body`` is the whole reply of an operation without progress
+    (copy, delete). ``after`` is the model list to apply once the reply has
+    gone out (None: unchanged).
     """
 
     lines: tuple[bytes, ...] = ()
+    stream: bool = True
     body: bytes | None = None
     after: tuple[str, ...] | None = None
     content_type: str = NDJSON_CONTENT_TYPE
@@ -85,9 +90,7 @@ def answer_management(request: Request, models: Sequence[str]) -> ManagedModels:
         after = models if model in models else (*models, model)
     if after is not None:
         after = tuple(after)
-    if not stream:
-        return ManagedModels(body=lines[-1], after=after, content_type="")
-    return ManagedModels(lines=lines, after=after)
+    return ManagedModels(lines=lines, stream=stream, after=after)
 
 
 def _name(payload: dict[str, Any], key: str) -> str:

@@ -28,7 +28,11 @@ from nexus_mock.kinds import check_bearer
 from nexus_mock.listener import Listener
 from nexus_mock.memory import NodeMemory, parse_keep_alive
 from nexus_mock.ollama_api import INFERENCE_PATHS as OLLAMA_INFERENCE_PATHS
-from nexus_mock.ollama_models import MANAGEMENT_PATHS, answer_management
+from nexus_mock.ollama_models import (
+    MANAGEMENT_PATHS,
+    ManagedModels,
+    answer_management,
+)
 from nexus_mock.protocol import Header, HttpConnection
 from nexus_mock.replies import encode_json
 from nexus_mock.slots import Slots
@@ -212,21 +216,28 @@ class MockBackend:
             self._set_models(managed.after)
             conn.send(200, managed.body, headers)
             return None
-        *blocks, tail = managed.lines
-        reply = Stream(blocks, tail, managed.content_type)
-        return self._deliver_managed(conn, reply, headers, config, managed.after)
+        return self._deliver_managed(conn, managed, headers, config)
 
     async def _deliver_managed(
         self,
         conn: HttpConnection,
-        reply: Stream,
+        managed: ManagedModels,
         headers: list[Header],
         config: MockConfig,
-        after: tuple[str, ...] | None,
     ) -> None:
-        """Stream a pull's or create's progress; the model exists once it is sent."""
-        await self._deliver(conn, reply, headers, config)
-        self._set_models(after)
+        """Stream a pull's or create's progress, or wait as long and send its
+        last line; the model exists once the answer is sent."""
+        *blocks, tail = managed.lines
+        if managed.stream:
+            reply = Stream(blocks, tail, managed.content_type)
+            await self._deliver(conn, reply, headers, config)
+        else:
+            pause = config.chunk_delay_ms / 1000 * len(blocks)
+            if pause > 0 and not await conn.sleep(pause):
+                self.stats.client_disconnects += 1
+                return
+            self._send(conn, tail.rstrip(b"\n"), headers)
+        self._set_models(managed.after)
 
     def _set_models(self, models: tuple[str, ...] | None) -> None:
         # Not through the knobs: deleting a node's last model leaves it empty.

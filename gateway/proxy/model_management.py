@@ -8,7 +8,10 @@ backend), and only a client key with ``can_manage_models`` may ask. The
 request body goes to that backend as it came; its answer comes back as it
 goes, NDJSON progress line by line while the backend sends it (a pull may
 stream for many minutes: no total timeout, only the backend's request
-timeout between reads). Once the operation is over, model discovery runs for
+timeout between reads). A pull, push or create without a stream is asked of
+the backend as a stream all the same, and answered with its last line once
+it ends (a 500 if that is an error, as Ollama does), so that the same bound
+between progress lines holds for it. Once the operation is over, model discovery runs for
 that backend and this process's snapshot is rebuilt before the answer ends,
 so the client's next ``/api/tags`` or chat sees the change.
 
@@ -41,6 +44,7 @@ from gateway.proxy.errors import ProxyError, method_not_allowed
 from gateway.proxy.legs import ProxyExchange
 from gateway.proxy.relays import STALL_POLL_SECONDS, Send
 from gateway.proxy.replies import TRANSPORT_ERRORS, describe
+from gateway.proxy.sse import LineSplitter
 from routing.core import BackendSpec
 from routing.state import GatewayState
 
@@ -57,6 +61,11 @@ MANAGEMENT_METHODS = {
     "/api/create": "POST",
     "/api/delete": "DELETE",
 }
+# Operations that report progress: asked of the backend as a stream even when
+# the client wants one answer (the ollama client's default), so that a long
+# pull is bounded by the time between progress lines, not by its length.
+PROGRESS_PATHS = frozenset({"/api/pull", "/api/push", "/api/create"})
+MAX_PROGRESS_LINE = 1024 * 1024
 BACKEND_HEADER = b"x-nexus-backend"
 BACKEND_PARAM = "backend"
 OLLAMA_KIND = "ollama"
@@ -110,8 +119,11 @@ class ModelManagement:
         backend = choose_backend(state, _named_backend(exchange, query))
         raw = await read_body(receive, self.max_body, self.body_timeout)
         payload = parse_object(raw)
+        collapse = path in PROGRESS_PATHS and payload.get("stream") is False
+        if collapse:
+            raw = json.dumps({**payload, "stream": True}).encode()
         started = time.perf_counter()
-        status = await self._relay(exchange, backend, raw, send)
+        status = await self._relay(exchange, backend, raw, send, collapse)
         logger.info(
             "Model management by %s on %s: %s %s -> %s in %.1f s",
             exchange.key_prefix or "anonymous",
@@ -123,9 +135,15 @@ class ModelManagement:
         )
 
     async def _relay(
-        self, exchange: ProxyExchange, backend: BackendSpec, raw: bytes, send: Send
+        self,
+        exchange: ProxyExchange,
+        backend: BackendSpec,
+        raw: bytes,
+        send: Send,
+        collapse: bool,
     ) -> int:
-        """Send the request on; relay the answer as it comes; return its status."""
+        """Send the request on; relay the answer as it comes (or only its last
+        line, when `collapse`); return the status the client got."""
         upstream = self.gateway.upstream
         path = exchange.path
         url = backend.base_url.removesuffix("/").removesuffix("/v1") + path
@@ -149,8 +167,37 @@ class ModelManagement:
         except TRANSPORT_ERRORS as error:
             raise _unreachable(backend, describe(error), 502) from None
         async with response:
+            if collapse and response.status < 400:
+                return await self._answer_once(exchange, backend, response, send)
             await self._answer(exchange, backend, response, send)
         return response.status
+
+    async def _answer_once(
+        self,
+        exchange: ProxyExchange,
+        backend: BackendSpec,
+        response: aiohttp.ClientResponse,
+        send: Send,
+    ) -> int:
+        """Read the backend's progress to its end; answer its last line alone.
+
+        As Ollama answers a request without a stream: the final status, or
+        a 500 with the error that ended it.
+        """
+        status, body = await _last_line(backend, response)
+        if status < 400 and exchange.path != "/api/push":
+            await self._rediscover(backend)
+        headers: Headers = [
+            (b"content-type", b"application/json; charset=utf-8"),
+            (b"content-length", str(len(body)).encode()),
+            (b"x-nexus-backend", backend.name.encode()),
+            *exchange.response_headers,
+        ]
+        await send(
+            {"type": "http.response.start", "status": status, "headers": headers}
+        )
+        await send({"type": "http.response.body", "body": body})
+        return status
 
     async def _answer(
         self,
@@ -232,6 +279,41 @@ class ModelManagement:
                 backend.name,
                 exc_info=True,
             )
+
+
+async def _last_line(
+    backend: BackendSpec, response: aiohttp.ClientResponse
+) -> tuple[int, bytes]:
+    """The status and body that a stream's last line makes (bounded lines)."""
+    splitter = LineSplitter()
+    last = b""
+    try:
+        async for data in response.content.iter_any():
+            for line in splitter.feed(data):
+                if line.strip():
+                    last = line
+            if splitter.pending_size > MAX_PROGRESS_LINE:
+                return _broke(backend, "a progress line over 1 MiB", 502)
+        rest = splitter.rest()
+        if rest.strip():
+            last = rest
+    except TimeoutError:
+        return _broke(backend, "no progress within its request timeout", 504)
+    except TRANSPORT_ERRORS as error:
+        return _broke(backend, describe(error), 502)
+    try:
+        final = json.loads(last)
+    except ValueError:
+        return _broke(backend, "its answer ended without a status line", 502)
+    if not isinstance(final, dict):
+        return _broke(backend, "its last line is not a JSON object", 502)
+    body = json.dumps(final).encode()
+    return (500 if "error" in final else 200), body
+
+
+def _broke(backend: BackendSpec, detail: str, status: int) -> tuple[int, bytes]:
+    message = f"Nexus: the backend {backend.name} broke off: {detail}."
+    return status, json.dumps({"error": message}).encode()
 
 
 def choose_backend(state: GatewayState, name: str | None) -> BackendSpec:

@@ -93,6 +93,9 @@ def gateway(django_db_setup: None, django_db_blocker: Any) -> Iterator[Gateway]:
                 base_url=mock.base_url,
                 kind=kind,
                 status=HealthStatus.HEALTHY,
+                # olla2 must send something every second: a pull without a
+                # stream that takes longer must still succeed.
+                request_timeout=1.0 if name == "olla2" else 300.0,
             )
             BackendModel.objects.create(
                 backend=backend, name=NATIVE if kind == "ollama" else "mistral:7b"
@@ -150,6 +153,24 @@ def test_pull_without_streaming_answers_success_once(gateway: Gateway) -> None:
     done = gateway.on("olla2").pull("phi3:mini", stream=False)
     assert done.status == "success"
     assert "phi3:mini" in gateway.listed()
+
+
+def test_a_pull_without_streaming_may_outlast_the_backends_read_timeout(
+    gateway: Gateway,
+) -> None:
+    # The mock says nothing for 3.2 s when asked without a stream, as
+    # Ollama does; olla2 must answer within 1 s between reads. Nexus asks for
+    # the stream and answers the client with its last line.
+    httpx.post(
+        f"{gateway.olla2.base_url}/_mock/config",
+        json={"chunk_delay_ms": 400},
+        timeout=5,
+    )
+    started = time.monotonic()
+    done = gateway.on("olla2").pull("gemma:7b", stream=False)
+    assert done.status == "success"
+    assert time.monotonic() - started >= 2.5  # 7 pauses between 9 lines
+    assert "gemma:7b" in gateway.listed()
 
 
 @pytest.mark.parametrize(
