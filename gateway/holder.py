@@ -139,6 +139,18 @@ class SnapshotHolder(Generic[S]):
         if self._rebuilding is None or self._rebuilding.done():
             self._rebuilding = asyncio.get_running_loop().create_task(self._rebuild())
 
+    async def catch_up(self, version: int) -> None:
+        """Rebuild if `version` is newer than the snapshot held; wait for it.
+
+        For a change this process made and must serve at once (a model that
+        Ollama model management just pulled); the rebuild is shielded, so a
+        caller that stops waiting leaves it to finish.
+        """
+        self.request_version(version)
+        rebuilding = self._rebuilding
+        if rebuilding is not None and not rebuilding.done():
+            await asyncio.shield(rebuilding)
+
     async def _rebuild(self) -> None:
         while True:
             target = self._wanted

@@ -12,6 +12,7 @@ that the control API (``nexus_mock.control``) reads and changes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -23,9 +24,15 @@ from nexus_mock.config import ConfigError, MockConfig
 from nexus_mock.control import CONTROL_PREFIX, answer_control
 from nexus_mock.http_parsing import Request
 from nexus_mock.jobs import ApiError, parse_json_object
+from nexus_mock.kinds import check_bearer
 from nexus_mock.listener import Listener
 from nexus_mock.memory import NodeMemory, parse_keep_alive
 from nexus_mock.ollama_api import INFERENCE_PATHS as OLLAMA_INFERENCE_PATHS
+from nexus_mock.ollama_models import (
+    MANAGEMENT_PATHS,
+    ManagedModels,
+    answer_management,
+)
 from nexus_mock.protocol import Header, HttpConnection
 from nexus_mock.replies import encode_json
 from nexus_mock.slots import Slots
@@ -151,6 +158,8 @@ class MockBackend:
         request_id = request.headers.get("x-request-id")
         if request_id is not None:
             headers = [*headers, ("X-Mock-Request-Id", request_id)]
+        if config.kind == "ollama" and request.path in MANAGEMENT_PATHS:
+            return self._manage(request, conn, headers, record)
         reply: bytes | Stream | ApiError
         try:
             reply = self._answers.answer(request, config, self.memory)
@@ -183,6 +192,62 @@ class MockBackend:
                 conn.send_stream(200, reply.content_type, headers, chunks)
                 return None
         return self._deliver(conn, reply, headers, config)
+
+    # Ollama's model management (nexus_mock.ollama_models)
+
+    def _manage(
+        self,
+        request: Request,
+        conn: HttpConnection,
+        headers: list[Header],
+        record: RecordedRequest | None,
+    ) -> Coroutine[Any, Any, None] | None:
+        """Pull, push, copy, create or delete a model; the list changes after."""
+        config = self.config
+        try:
+            check_bearer(request, config, ollama=True)
+            managed = answer_management(request, config.models)
+        except ApiError as error:
+            self._count(record, error.status)
+            self._send(conn, error, headers)
+            return None
+        self._count(record, 200)
+        if managed.body is not None:
+            self._set_models(managed.after)
+            conn.send(200, managed.body, headers)
+            return None
+        return self._deliver_managed(conn, managed, headers, config)
+
+    async def _deliver_managed(
+        self,
+        conn: HttpConnection,
+        managed: ManagedModels,
+        headers: list[Header],
+        config: MockConfig,
+    ) -> None:
+        """Stream a pull's or create's progress, or wait as long and send its
+        last line; the model exists once the answer is sent."""
+        *blocks, tail = managed.lines
+        if managed.stream:
+            reply = Stream(blocks, tail, managed.content_type)
+            await self._deliver(conn, reply, headers, config)
+        else:
+            pause = config.chunk_delay_ms / 1000 * len(blocks)
+            if pause > 0 and not await conn.sleep(pause):
+                self.stats.client_disconnects += 1
+                return
+            self._send(conn, tail.rstrip(b"\n"), headers)
+        self._set_models(managed.after)
+
+    def _set_models(self, models: tuple[str, ...] | None) -> None:
+        # Not through the knobs: deleting a node's last model leaves it empty.
+        if models is not None and models != self.config.models:
+            self._apply_config(dataclasses.replace(self.config, models=models), False)
+
+    def _count(self, record: RecordedRequest | None, status: int) -> None:
+        self.stats.responses[status] += 1
+        if record is not None:
+            record.status = status
 
     # Delivery
 

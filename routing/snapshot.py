@@ -264,6 +264,7 @@ def key_policy(key: ApiKey) -> KeyPolicy:
         budget_period=key.budget_period,
         budget_tokens=key.budget_tokens,
         budget_nanos=key.budget_nanos,
+        can_manage_models=key.can_manage_models,
     )
 
 

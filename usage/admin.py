@@ -18,6 +18,7 @@ from usage.limits.policy import period_id
 from usage.models import (
     ANONYMOUS,
     LIMIT_FIELDS,
+    PERMISSION_FIELDS,
     ApiKey,
     ApiKeyQuerySet,
     KeySpend,
@@ -56,6 +57,15 @@ LIMITS_FIELDSET: Any = (
 )
 
 
+PERMISSIONS_FIELDSET: Any = (
+    "Permissions",
+    {
+        "fields": PERMISSION_FIELDS,
+        "description": "What this key may do besides inference.",
+    },
+)
+
+
 def _usage_url(admin_site: admin.AdminSite, prefix: str) -> str:
     changelist = reverse(f"{admin_site.name}:usage_tokenusage_changelist")
     return f"{changelist}?{urlencode({'api_key_prefix': prefix or ANONYMOUS})}"
@@ -74,7 +84,7 @@ class ApiKeyAdmin(ApiKeyAdminBase):
         "created_at",
         "last_used_at",
     )
-    list_filter = ("is_active", "budget_period")
+    list_filter = ("is_active", "budget_period", "can_manage_models")
     search_fields = ("name", "prefix")
     actions = ("deactivate_keys",)
 
@@ -92,6 +102,7 @@ class ApiKeyAdmin(ApiKeyAdminBase):
                     },
                 ),
                 LIMITS_FIELDSET,
+                PERMISSIONS_FIELDSET,
             ]
         return [
             (
@@ -115,6 +126,7 @@ class ApiKeyAdmin(ApiKeyAdminBase):
                 },
             ),
             LIMITS_FIELDSET,
+            PERMISSIONS_FIELDSET,
             ("Spend against the budget", {"fields": ("spend",)}),
             ("Usage", {"fields": ("usage",)}),
         ]
@@ -133,7 +145,10 @@ class ApiKeyAdmin(ApiKeyAdminBase):
             super().save_model(request, obj, form, change)
             return
         created, raw_key = ApiKey.objects.create_key(
-            obj.name, **{name: getattr(obj, name) for name in LIMIT_FIELDS}
+            obj.name,
+            **{
+                name: getattr(obj, name) for name in (*LIMIT_FIELDS, *PERMISSION_FIELDS)
+            },
         )
         # The admin logs the addition and redirects using the instance it built,
         # so turn that instance into the row create_key saved.

@@ -3,7 +3,8 @@
 It answers every inbound surface (gateway/proxy/surfaces.py): OpenAI's and
 Anthropic's under /v1, and Ollama's native API at the root (``/``,
 ``/api/version``, ``/api/tags``, ``/api/ps``, ``/api/show``, ``/api/chat``,
-``/api/generate``, ``/api/embed``, ``/api/embeddings``).
+``/api/generate``, ``/api/embed``, ``/api/embeddings``, and model management,
+passed to one Ollama backend: gateway/proxy/model_management.py).
 
 ``ProxyApp`` dispatches: by path and method to the surface, through the key
 check, to what answers without a backend (model lists, Ollama's catalogue,
@@ -45,6 +46,7 @@ from gateway.proxy.errors import (
 )
 from gateway.proxy.forward import Upstream
 from gateway.proxy.legs import Call, ProxyExchange
+from gateway.proxy.model_management import ModelManagement
 from gateway.proxy.models_list import ModelsList
 from gateway.proxy.ollama_catalog import OllamaCatalog
 from gateway.proxy.pipeline import Pipeline
@@ -54,7 +56,7 @@ from gateway.proxy.surfaces import (
     COUNT_TOKENS_PATH,
     ENDPOINTS,
     OLLAMA_INFO_PATHS,
-    OLLAMA_UNSUPPORTED_PATHS,
+    OLLAMA_MANAGEMENT_PATHS,
     OLLAMA_VERSION,
     OPENAI,
     Surface,
@@ -105,6 +107,7 @@ class ProxyApp:
             live_usage=gateway.live_usage,
         )
         self.pipeline = Pipeline(gateway, upstream, self.accounting)
+        self.management = ModelManagement(gateway)
 
     async def __call__(
         self, scope: dict[str, Any], receive: Receive, send: Send
@@ -144,7 +147,15 @@ class ProxyApp:
             abort=_transport_hook(scope, "abort"),
         )
         try:
-            if path in OLLAMA_INFO_PATHS or path in OLLAMA_UNSUPPORTED_PATHS:
+            if path in OLLAMA_MANAGEMENT_PATHS:
+                state = exchange.state = await self._gateway_state()
+                self._identify(exchange, state, authorization, surface)
+                query = scope.get("query_string", b"")
+                await self.management.serve(
+                    exchange, state, method, query, receive, send
+                )
+                return
+            if path in OLLAMA_INFO_PATHS:
                 await self._ollama_info(
                     exchange, method, authorization, surface, receive, send
                 )
@@ -398,18 +409,8 @@ class ProxyApp:
         model catalogue (of the whole fleet), answered without a backend."""
         path, headers = exchange.path, exchange.response_headers
         allowed = OLLAMA_INFO_PATHS.get(path, ())
-        if path not in OLLAMA_UNSUPPORTED_PATHS and (
-            method not in allowed and not (method == "HEAD" and "GET" in allowed)
-        ):
+        if method not in allowed and not (method == "HEAD" and "GET" in allowed):
             raise method_not_allowed(method, path)
-        if path in OLLAMA_UNSUPPORTED_PATHS:
-            # Whatever the method (the client deletes with DELETE): not served.
-            raise ProxyError(
-                501,
-                f"Nexus is a gateway and does not manage models: {path} is not "
-                "supported. Pull, create and delete models on the backends.",
-                code="not_implemented",
-            )
         if path == "/":
             body = b"" if method == "HEAD" else b"Ollama is running"
             await _send_banner(send, body, headers)
@@ -474,7 +475,7 @@ def _endpoint_of(path: str, anthropic_client: bool) -> tuple[str, Surface]:
     if endpoint is None and (meant := near_miss(path)) is not None:
         # Not served under this spelling; refused in the shape of the path meant.
         return "", _endpoint_of(meant, anthropic_client)[1]
-    if path in OLLAMA_INFO_PATHS or path in OLLAMA_UNSUPPORTED_PATHS:
+    if path in OLLAMA_INFO_PATHS or path in OLLAMA_MANAGEMENT_PATHS:
         surface = _OLLAMA
     elif anthropic_client and endpoint is None:
         # Anthropic's SDK lists models at the same path (its Models API):

@@ -309,8 +309,9 @@ OLLAMA_INFO_PATHS: dict[str, tuple[str, ...]] = {
     "/api/ps": ("GET",),
     "/api/show": ("POST",),
 }
-# Ollama's model management, which a gateway does not do (501).
-OLLAMA_UNSUPPORTED_PATHS = frozenset(
+# Ollama's model management, passed to the backend the operator names for keys
+# that may (gateway/proxy/model_management.py).
+OLLAMA_MANAGEMENT_PATHS = frozenset(
     {"/api/pull", "/api/push", "/api/create", "/api/delete", "/api/copy"}
 )
 # The Ollama API version Nexus answers as (what its native surface imitates).
@@ -319,7 +320,7 @@ OLLAMA_VERSION = b'{"version":"0.9.0"}'
 OLLAMA_PATHS = frozenset(
     {path for path in ENDPOINTS if path.startswith("/api/")}
     | set(OLLAMA_INFO_PATHS)
-    | OLLAMA_UNSUPPORTED_PATHS
+    | OLLAMA_MANAGEMENT_PATHS
 )
 
 

@@ -137,6 +137,7 @@ KEY_SETTINGS = (
         str,
         '"critical", "default" or "sheddable"',
     ),
+    Setting("manage_models", "can_manage_models", bool, "true or false"),
 )
 KEY_MODELS = "models"
 KEY_EXPIRES = "expires"

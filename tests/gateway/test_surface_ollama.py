@@ -190,13 +190,17 @@ def test_show_reports_capabilities_and_context(gateway: Gateway) -> None:
         lambda client: client.pull(NATIVE),  # POST /api/pull
     ],
 )
-def test_model_management_is_a_501_whatever_the_method(
+def test_model_management_needs_the_keys_permission_whatever_the_method(
     gateway: Gateway, manage: Callable[[ollama.Client], object]
 ) -> None:
+    # tests/gateway/test_model_management.py covers keys that may.
     with pytest.raises(ollama.ResponseError) as caught:
         manage(gateway.client())
-    assert caught.value.status_code == 501
-    assert "does not manage models" in caught.value.error
+    assert caught.value.status_code == 403
+    assert "can_manage_models" in caught.value.error
+    assert not {"/api/delete", "/api/copy", "/api/pull"} & {
+        r["path"] for r in gateway.upstream(gateway.olla)
+    }
 
 
 def test_management_api_keeps_its_paths(gateway: Gateway) -> None:

@@ -67,6 +67,7 @@ def test_add_form_asks_for_a_name_and_the_keys_limits(admin_client: Client) -> N
         "budget_period",
         "budget_tokens",
         "budget_usd",
+        "can_manage_models",
     ]
 
 

@@ -84,6 +84,8 @@ class KeyPolicy:
     budget_period: str = BudgetPeriod.MONTH
     budget_tokens: int | None = None
     budget_nanos: int | None = None
+    # May pull, push, copy, create and delete models on Ollama backends.
+    can_manage_models: bool = False
     _exact: frozenset[str] = field(init=False, repr=False, compare=False)
     _glob: re.Pattern[str] | None = field(init=False, repr=False, compare=False)
 

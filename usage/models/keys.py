@@ -164,6 +164,13 @@ class ApiKey(models.Model):
         validators=[MinValueValidator(Decimal("0.0001"))],
         help_text="Spend (at the model prices) per budget period; empty: no limit.",
     )
+    can_manage_models = models.BooleanField(
+        "may manage Ollama models",
+        default=False,
+        help_text="Pull, push, copy, create and delete models on Ollama backends "
+        "through the gateway's /api/pull, /api/push, /api/copy, /api/create and "
+        "/api/delete.",
+    )
 
     objects = ApiKeyQuerySet.as_manager()
 
@@ -240,8 +247,15 @@ LIMIT_FIELDS = (
     "budget_tokens",
     "budget_usd",
 )
+# What a key may do besides inference (off unless granted).
+PERMISSION_FIELDS = ("can_manage_models",)
 # Everything an operator sets on a key besides its name (the API's fields too).
-SETTING_FIELDS = (*LIMIT_FIELDS, "admission_weight", "max_criticality")
+SETTING_FIELDS = (
+    *LIMIT_FIELDS,
+    "admission_weight",
+    "max_criticality",
+    *PERMISSION_FIELDS,
+)
 
 
 # Stands for "no key" (client auth off) where a key is named in text (the API's

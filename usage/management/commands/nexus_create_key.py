@@ -50,6 +50,12 @@ class Command(DatabaseCommand):
             "unless it names a zone).",
         )
         parser.add_argument(
+            "--manage-models",
+            action="store_true",
+            help="Let the key pull, push, copy, create and delete models on "
+            "Ollama backends through the gateway (/api/pull and the like).",
+        )
+        parser.add_argument(
             "--json",
             dest="as_json",
             action="store_true",
@@ -83,6 +89,7 @@ def _limits(options: dict[str, Any]) -> dict[str, Any]:
         "max_concurrency": options["max_concurrency"],
         "budget_tokens": options["budget_tokens"],
         "budget_period": options["budget_period"],
+        "can_manage_models": options["manage_models"],
     }
     if options["budget_usd"] is not None:
         try:

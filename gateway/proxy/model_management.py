@@ -1,0 +1,402 @@
+"""Ollama's model management through the gateway, for keys allowed to do it.
+
+``POST /api/pull``, ``/api/push``, ``/api/copy``, ``/api/create`` and
+``DELETE /api/delete`` change what an Ollama server holds, so they are not
+routed like inference: the operator names the backend (``?backend=NAME`` or
+the ``x-nexus-backend`` header; without either, the only enabled Ollama
+backend), and only a client key with ``can_manage_models`` may ask. The
+request body goes to that backend as it came; its answer comes back as it
+goes, NDJSON progress line by line while the backend sends it (a pull may
+stream for many minutes: no total timeout, only the backend's request
+timeout between reads). A pull, push or create without a stream is asked of
+the backend as a stream all the same, and answered with its last line once
+it ends (a 500 if that is an error, as Ollama does), so that the same bound
+between progress lines holds for it. Once the operation is over, model discovery runs for
+that backend and this process's snapshot is rebuilt before the answer ends,
+so the client's next ``/api/tags`` or chat sees the change.
+
+Every refusal is in Ollama's error shape (``{"error": "..."}``, rendered by
+the caller): 403 for a key without the permission (or no key), 404 for a
+backend name that does not exist or no Ollama backend at all, 400 for a
+backend that is not an Ollama server, two different names in the query and
+the header, or several Ollama backends and none named; 502/504 when the
+backend cannot be reached or stops answering before its answer began.
+
+Calls are logged (key, backend, path, model, status), not recorded as usage:
+they spend no tokens and name no served model, which usage rows count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
+
+import aiohttp
+
+from gateway.exchange import Headers
+from gateway.model_discovery import discover_backend
+from gateway.proxy.bodies import parse_object, read_body
+from gateway.proxy.errors import ProxyError, method_not_allowed
+from gateway.proxy.legs import ProxyExchange
+from gateway.proxy.relays import STALL_POLL_SECONDS, Send
+from gateway.proxy.replies import TRANSPORT_ERRORS, describe
+from gateway.proxy.sse import LineSplitter
+from routing.core import BackendSpec
+from routing.state import GatewayState
+
+if TYPE_CHECKING:
+    from gateway.process import Gateway
+
+logger = logging.getLogger(__name__)
+
+# The paths, and the method each takes (the ollama client deletes with DELETE).
+MANAGEMENT_METHODS = {
+    "/api/pull": "POST",
+    "/api/push": "POST",
+    "/api/copy": "POST",
+    "/api/create": "POST",
+    "/api/delete": "DELETE",
+}
+# Operations that report progress: asked of the backend as a stream even when
+# the client wants one answer (the ollama client's default), so that a long
+# pull is bounded by the time between progress lines, not by its length.
+PROGRESS_PATHS = frozenset({"/api/pull", "/api/push", "/api/create"})
+MAX_PROGRESS_LINE = 1024 * 1024
+BACKEND_HEADER = b"x-nexus-backend"
+BACKEND_PARAM = "backend"
+OLLAMA_KIND = "ollama"
+# How long the answer's end waits for discovery and the snapshot rebuild; the
+# operation is done by then, so a slow discovery only delays seeing it.
+DISCOVERY_WAIT_SECONDS = 60.0
+_MAX_NAME = 200
+
+
+class ModelManagement:
+    """Pass Ollama model management to the backend the operator names."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        config = gateway.config
+        self.max_body = config.max_body_bytes
+        self.body_timeout = config.client_body_timeout
+
+    async def serve(
+        self,
+        exchange: ProxyExchange,
+        state: GatewayState,
+        method: str,
+        query: bytes,
+        receive: Any,
+        send: Send,
+    ) -> None:
+        """Answer one management request of a key already identified."""
+        path = exchange.path
+        if method != MANAGEMENT_METHODS[path]:
+            raise method_not_allowed(method, path)
+        if self.gateway.draining:
+            exchange.response_headers += ((b"connection", b"close"),)
+            raise ProxyError(
+                503,
+                "This Nexus server is shutting down; retry the request.",
+                error_type="server_error",
+                code="shutting_down",
+            )
+        policy = exchange.policy
+        if policy is None or not policy.can_manage_models:
+            raise ProxyError(
+                403,
+                f"This key may not manage models ({path}): it needs the "
+                "can_manage_models permission (the admin's key page, the API's "
+                "keys, manage_models in the config file, or `manage.py "
+                "nexus_create_key --manage-models`).",
+                error_type="permission_error",
+                code="model_management_forbidden",
+            )
+        backend = choose_backend(state, _named_backend(exchange, query))
+        raw = await read_body(receive, self.max_body, self.body_timeout)
+        payload = parse_object(raw)
+        collapse = path in PROGRESS_PATHS and payload.get("stream") is False
+        if collapse:
+            raw = json.dumps({**payload, "stream": True}).encode()
+        started = time.perf_counter()
+        status = await self._relay(exchange, backend, raw, send, collapse)
+        logger.info(
+            "Model management by %s on %s: %s %s -> %s in %.1f s",
+            exchange.key_prefix or "anonymous",
+            backend.name,
+            path,
+            _model_of(payload),
+            status,
+            time.perf_counter() - started,
+        )
+
+    async def _relay(
+        self,
+        exchange: ProxyExchange,
+        backend: BackendSpec,
+        raw: bytes,
+        send: Send,
+        collapse: bool,
+    ) -> int:
+        """Send the request on; relay the answer as it comes (or only its last
+        line, when `collapse`); return the status the client got."""
+        upstream = self.gateway.upstream
+        path = exchange.path
+        url = backend.base_url.removesuffix("/").removesuffix("/v1") + path
+        headers = {
+            "content-type": "application/json",
+            "accept-encoding": "identity",
+            "x-request-id": exchange.request_id,
+        }
+        if backend.api_key:
+            headers["authorization"] = f"Bearer {backend.api_key}"
+        try:
+            response = await upstream.session.request(
+                MANAGEMENT_METHODS[path],
+                url,
+                data=raw,
+                headers=headers,
+                timeout=upstream.timeout(backend.request_timeout),
+            )
+        except TimeoutError:
+            raise _unreachable(backend, "timed out", 504) from None
+        except TRANSPORT_ERRORS as error:
+            raise _unreachable(backend, describe(error), 502) from None
+        async with response:
+            if collapse and response.status < 400:
+                return await self._answer_once(exchange, backend, response, send)
+            await self._answer(exchange, backend, response, send)
+        return response.status
+
+    async def _answer_once(
+        self,
+        exchange: ProxyExchange,
+        backend: BackendSpec,
+        response: aiohttp.ClientResponse,
+        send: Send,
+    ) -> int:
+        """Read the backend's progress to its end; answer its last line alone.
+
+        As Ollama answers a request without a stream: the final status, or
+        a 500 with the error that ended it.
+        """
+        status, body = await _last_line(backend, response)
+        if status < 400 and exchange.path != "/api/push":
+            await self._rediscover(backend)
+        headers: Headers = [
+            (b"content-type", b"application/json; charset=utf-8"),
+            (b"content-length", str(len(body)).encode()),
+            (b"x-nexus-backend", backend.name.encode()),
+            *exchange.response_headers,
+        ]
+        await send(
+            {"type": "http.response.start", "status": status, "headers": headers}
+        )
+        await send({"type": "http.response.body", "body": body})
+        return status
+
+    async def _answer(
+        self,
+        exchange: ProxyExchange,
+        backend: BackendSpec,
+        response: aiohttp.ClientResponse,
+        send: Send,
+    ) -> None:
+        content_type = response.headers.get("Content-Type", "application/json")
+        response_headers: Headers = [
+            (b"content-type", content_type.encode("latin-1")),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+            (b"x-nexus-backend", backend.name.encode()),
+            *exchange.response_headers,
+        ]
+        await send(
+            {
+                "type": "http.response.start",
+                "status": response.status,
+                "headers": response_headers,
+            }
+        )
+        broken = await self._pass_body(exchange, response, send)
+        if response.status < 400 and exchange.path != "/api/push":
+            # Pushing leaves the backend's models as they were.
+            await self._rediscover(backend)
+        if broken:
+            line = {"error": f"Nexus: the backend {backend.name} broke off: {broken}"}
+            tail = json.dumps(line).encode() + b"\n"
+        else:
+            tail = b""
+        if exchange.error == "client_stalled" and exchange.abort is not None:
+            exchange.abort()
+            return
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    async def _pass_body(
+        self, exchange: ProxyExchange, response: aiohttp.ClientResponse, send: Send
+    ) -> str:
+        """Relay the backend's body chunk by chunk; return why it broke ("": it
+        ended). A client that leaves ``max_unsent`` bytes unread for
+        ``stall_seconds`` stops the relay (the operation goes on at the
+        backend until its own end is read, below)."""
+        limits = self.gateway.upstream.limits
+        unsent = exchange.unsent_bytes
+        try:
+            async for data in response.content.iter_any():
+                await send(
+                    {"type": "http.response.body", "body": data, "more_body": True}
+                )
+                if (
+                    unsent is not None
+                    and unsent() > limits.max_unsent
+                    and await _stays_unread(
+                        unsent, limits.max_unsent, limits.stall_seconds
+                    )
+                ):
+                    exchange.error = "client_stalled"
+                    return ""
+        except TimeoutError:
+            return "no data within its request timeout"
+        except TRANSPORT_ERRORS as error:
+            return describe(error)
+        return ""
+
+    async def _rediscover(self, backend: BackendSpec) -> None:
+        """List the backend's models now and serve with them before answering."""
+        if backend.id is None:
+            return
+        try:
+            async with asyncio.timeout(DISCOVERY_WAIT_SECONDS):
+                version = await asyncio.to_thread(discover_backend, backend.id)
+                await self.gateway.snapshots.catch_up(version)
+        except Exception:
+            logger.warning(
+                "Discovery after model management on %s failed; the periodic "
+                "discovery will pick the change up",
+                backend.name,
+                exc_info=True,
+            )
+
+
+async def _last_line(
+    backend: BackendSpec, response: aiohttp.ClientResponse
+) -> tuple[int, bytes]:
+    """The status and body that a stream's last line makes (bounded lines)."""
+    splitter = LineSplitter()
+    last = b""
+    try:
+        async for data in response.content.iter_any():
+            for line in splitter.feed(data):
+                if line.strip():
+                    last = line
+            if splitter.pending_size > MAX_PROGRESS_LINE:
+                return _broke(backend, "a progress line over 1 MiB", 502)
+        rest = splitter.rest()
+        if rest.strip():
+            last = rest
+    except TimeoutError:
+        return _broke(backend, "no progress within its request timeout", 504)
+    except TRANSPORT_ERRORS as error:
+        return _broke(backend, describe(error), 502)
+    try:
+        final = json.loads(last)
+    except ValueError:
+        return _broke(backend, "its answer ended without a status line", 502)
+    if not isinstance(final, dict):
+        return _broke(backend, "its last line is not a JSON object", 502)
+    body = json.dumps(final).encode()
+    return (500 if "error" in final else 200), body
+
+
+def _broke(backend: BackendSpec, detail: str, status: int) -> tuple[int, bytes]:
+    message = f"Nexus: the backend {backend.name} broke off: {detail}."
+    return status, json.dumps({"error": message}).encode()
+
+
+def choose_backend(state: GatewayState, name: str | None) -> BackendSpec:
+    """The backend a management request goes to (ProxyError if none fits)."""
+    routes = state.routes
+    if name is not None:
+        backend = routes.backends_by_name.get(name)
+        if backend is None:
+            raise ProxyError(
+                404,
+                f"There is no backend named '{name}'.",
+                code="backend_not_found",
+            )
+        if backend.kind != OLLAMA_KIND:
+            raise ProxyError(
+                400,
+                f"The backend '{name}' is not an Ollama server (its kind is "
+                f"{backend.kind}): only Ollama backends pull, push, copy, create "
+                "and delete models.",
+                code="not_an_ollama_backend",
+            )
+        return backend
+    ollamas = [b for b in routes.backends if b.kind == OLLAMA_KIND and b.enabled]
+    if not ollamas:
+        raise ProxyError(
+            404,
+            "There is no enabled Ollama backend to manage models on.",
+            code="backend_not_found",
+        )
+    if len(ollamas) > 1:
+        names = ", ".join(sorted(b.name for b in ollamas))
+        raise ProxyError(
+            400,
+            f"There are {len(ollamas)} Ollama backends ({names}): name one with "
+            "the query parameter ?backend=NAME or the header x-nexus-backend.",
+            code="backend_ambiguous",
+        )
+    return ollamas[0]
+
+
+def _named_backend(exchange: ProxyExchange, query: bytes) -> str | None:
+    """The backend named in the query or the header (400 if they disagree)."""
+    from_query = parse_qs(query.decode("latin-1")).get(BACKEND_PARAM)
+    named = {value.strip() for value in from_query or ()}
+    for header, value in exchange.request_headers:
+        if header == BACKEND_HEADER:
+            named.add(value.decode("latin-1").strip())
+    named.discard("")
+    if len(named) > 1:
+        raise ProxyError(
+            400,
+            "Name one backend: the query and the x-nexus-backend header name "
+            "different ones.",
+            code="backend_ambiguous",
+        )
+    name = named.pop() if named else None
+    if name is not None and len(name) > _MAX_NAME:
+        raise ProxyError(
+            404, "There is no backend by that name.", code="backend_not_found"
+        )
+    return name
+
+
+def _model_of(payload: dict[str, Any]) -> str:
+    model = payload.get("model") or payload.get("name") or payload.get("source")
+    return model[:_MAX_NAME] if isinstance(model, str) else "?"
+
+
+def _unreachable(backend: BackendSpec, detail: str, status: int) -> ProxyError:
+    return ProxyError(
+        status,
+        f"The backend {backend.name} did not answer: {detail}.",
+        error_type="server_error",
+        code="upstream_timeout" if status == 504 else "upstream_unavailable",
+    )
+
+
+async def _stays_unread(unsent: Any, max_unsent: int, stall_seconds: float) -> bool:
+    """Whether the client leaves over half the bound unread for stall_seconds."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + stall_seconds
+    while unsent() > max_unsent // 2:
+        if loop.time() >= until:
+            return True
+        await asyncio.sleep(STALL_POLL_SECONDS)
+    return False
