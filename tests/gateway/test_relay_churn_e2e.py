@@ -17,6 +17,7 @@ pace (opening sockets costs the same for anyone).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -40,6 +41,7 @@ from tests.gateway.relay_workers import WorkerProcess, start_worker
 from tests.gateway.test_relay_e2e import (
     HEARTBEAT,
     MODEL,
+    _answer_pings,
     wait_registered,
     wait_routable,
     wait_until_live,
@@ -294,13 +296,21 @@ def test_models_update_churn_is_coalesced_and_the_last_update_stands(
                 update = protocol.ModelsUpdate(models=models)
                 await ws.send_str(protocol.encode(update))
             await ws.send_str(protocol.encode(protocol.ModelsUpdate(models=last)))
+            # Alive meanwhile: on a loaded machine the held update may come
+            # after three heartbeats, which a silent socket would not outlive.
+            answering = asyncio.create_task(_answer_pings(ws))
 
             def served() -> bool:
                 rows = BackendModel.objects.filter(backend__name="churn", enabled=True)
                 return sorted(rows.values_list("name", flat=True)) == last
 
             # (On the old code too, slowly: one version per update.)
-            await asyncio.to_thread(wait_until, served, 60.0)
+            try:
+                await asyncio.to_thread(wait_until, served, 60.0)
+            finally:
+                answering.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await answering
             await ws.close()
 
     wait_until_live(relay.server)
