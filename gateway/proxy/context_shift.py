@@ -395,7 +395,7 @@ class RequestShift:
     again, so every leg (native or translated) is built from the trimmed one.
     """
 
-    __slots__ = ("dropped", "exchange", "limits", "retries", "settings", "tools")
+    __slots__ = ("exchange", "limits", "retries", "settings", "tools")
 
     def __init__(
         self,
@@ -407,7 +407,6 @@ class RequestShift:
         self.settings = settings
         self.limits = limits
         self.retries = 0
-        self.dropped = 0
         self.tools = False
 
     @classmethod
@@ -422,6 +421,14 @@ class RequestShift:
         if _messages_key(exchange.endpoint, exchange.payload) is None:
             return None
         return cls(exchange, settings, limits)
+
+    def fit(self, limit: int) -> bool:
+        """Trim to ``limit`` tokens (a known context); True if it changed."""
+        exchange = self.exchange
+        shrunk = shrink(
+            exchange.endpoint, exchange.payload, None, None, 1, self.settings, limit
+        )
+        return shrunk is not None and not shrunk[2] and self._apply(shrunk)
 
     def pre_trim(self, backend: str, model: str, context_length: int | None) -> bool:
         """Trim to this pair's remembered limit; True if the request changed."""
@@ -449,6 +456,8 @@ class RequestShift:
             return False
         exchange = self.exchange
         limit = estimated_limit(exchange.endpoint, exchange.payload, overflow)
+        if limit is None and context_length:
+            limit = int(context_length * MARGIN)
         if limit is not None:
             self.limits.remember(backend, model, limit, context_length, overflow.n_ctx)
         if self.retries >= self.settings.max_retries:
@@ -478,16 +487,17 @@ class RequestShift:
                 call.client_headers,
             )
         exchange.payload, exchange.raw = payload, raw
-        self.dropped += dropped
+        exchange.context_dropped += dropped
         self.tools = self.tools or tools
         exchange.context_shifts += 1
         return True
 
     def header(self) -> tuple[bytes, bytes] | None:
         """``x-nexus-context-shift: dropped=N`` (and the tools, if they went)."""
-        if not self.dropped and not self.tools:
+        dropped = self.exchange.context_dropped
+        if not dropped and not self.tools:
             return None
-        value = f"dropped={self.dropped}" + ("; tools=dropped" if self.tools else "")
+        value = f"dropped={dropped}" + ("; tools=dropped" if self.tools else "")
         return HEADER, value.encode()
 
 
