@@ -11,6 +11,7 @@ answer and ``x-nexus-context-shift``.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from django.conf import settings
 from django.core.management import call_command
 
 from backends.models import Backend, BackendModel, HealthStatus
@@ -29,7 +31,10 @@ from tests.conftest import (
     start_mock_backend,
     start_nexus_server,
 )
-from usage.models import ApiKey
+from usage.models import ApiKey, UsageRecord
+from usage.stream import clear_usage_stream, drain_usage_stream
+
+SHIPS_TO_REDIS = settings.NEXUS_USAGE_TRANSPORT == "redis"
 
 CONTEXT = 400
 KINDS = ("llamacpp", "ollama", "vllm", "openai")
@@ -99,6 +104,8 @@ def gateway(django_db_setup: None, django_db_blocker: Any) -> Iterator[Gateway]:
     mocks = {kind: _start_mock(kind) for kind in KINDS}
     try:
         with django_db_blocker.unblock():
+            if SHIPS_TO_REDIS:
+                clear_usage_stream()
             for kind, mock in mocks.items():
                 backend = Backend.objects.create(
                     name=kind,
@@ -135,6 +142,19 @@ def _reset_mocks(gateway: Gateway) -> Iterator[None]:
         httpx.post(f"{mock.base_url}/_mock/reset", timeout=5)
 
 
+def usage_record(request_id: str, django_db_blocker: Any) -> UsageRecord:
+    deadline = time.monotonic() + 15
+    with django_db_blocker.unblock():
+        while True:
+            if SHIPS_TO_REDIS:
+                drain_usage_stream()
+            record = UsageRecord.objects.filter(request_id=request_id).first()
+            if record is not None:
+                return record
+            assert time.monotonic() < deadline, "usage was not recorded"
+            time.sleep(0.1)
+
+
 def long_chat(turns: int = 40, tag: str = "") -> list[dict[str, Any]]:
     """A system prompt and ``turns`` alternating user and assistant messages."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are terse."}]
@@ -154,7 +174,7 @@ def dropped_of(headers: Any) -> int:
 
 @pytest.mark.parametrize("kind", COUNTING)
 def test_a_long_chat_succeeds_after_one_trimmed_retry(
-    gateway: Gateway, kind: str
+    gateway: Gateway, kind: str, django_db_blocker: Any
 ) -> None:
     messages = long_chat(tag=f"{kind} ")
     raw = gateway.openai().chat.completions.with_raw_response.create(
@@ -174,6 +194,11 @@ def test_a_long_chat_succeeds_after_one_trimmed_retry(
     assert kept[1]["role"] == "user"
     # The oldest went first: what is kept is the tail of the chat.
     assert kept[1:] == messages[len(messages) - len(kept) + 1 :]
+    # Usage: the successful attempt's tokens (the mock counts words), one trim.
+    record = usage_record(raw.headers["x-request-id"], django_db_blocker)
+    assert record.prompt_tokens == sum(len(m["content"].split()) for m in kept)
+    assert record.context_shifts == 1
+    assert record.status == 200
 
 
 def test_an_anthropic_client_gets_its_answer_from_a_small_llamacpp(
