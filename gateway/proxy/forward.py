@@ -193,9 +193,10 @@ class _Tries:
         response: aiohttp.ClientResponse | None = None
         shift = self.shift
         context = target.model.context_length
-        if shift is not None and shift.pre_trim(backend.name, model, context):
-            leg = self.leg_for(target)
         try:
+            if shift is not None and shift.pre_trim(backend.name, model, context):
+                self.call = exchange.call
+                leg = self.leg_for(target)
             while True:  # again with the request trimmed after an overflow
                 url, data, headers = self._request_for(target, leg)
                 asked = time.perf_counter()

@@ -164,3 +164,31 @@ def test_a_limit_is_forgotten_when_the_context_changes() -> None:
     assert limits.limit("b", "m", 4096) is None
     limits.remember("b", "m", 500, None, 65536)  # too large to pre-trim
     assert limits.limit("b", "m", None) is None
+
+
+def test_a_responses_input_is_trimmed_with_its_function_call_pairs() -> None:
+    items: list[Any] = [
+        {"role": "user", "content": "old " * 100},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "r " * 100},
+        {"role": "user", "content": "newest"},
+    ]
+    payload = {"model": "m", "instructions": "be terse", "input": items}
+    shrunk = shrink("responses", payload, None, 40, 1, ContextShiftPolicy())
+    assert shrunk is not None
+    assert shrunk[0]["input"] == [items[-1]] and shrunk[1] == 3
+    assert shrunk[0]["instructions"] == "be terse"
+
+
+def test_the_servers_numbers_set_the_target() -> None:
+    payload = {"model": "m", "messages": _chat(40)}
+    overflow = recognise(
+        "llamacpp",
+        400,
+        overflow_body("llamacpp", 2000, 1000),  # twice the context
+    )
+    assert overflow is not None and overflow.scale() == 0.5
+    shrunk = shrink("chat", payload, overflow, None, 1, ContextShiftPolicy())
+    assert shrunk is not None
+    before, after = estimate(payload["messages"]), estimate(shrunk[0]["messages"])
+    assert 0.3 * before < after <= 0.5 * before

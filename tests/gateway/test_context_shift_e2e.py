@@ -18,6 +18,7 @@ from typing import Any
 
 import anthropic
 import httpx
+import ollama
 import openai
 import pytest
 from django.conf import settings
@@ -47,7 +48,7 @@ KNOWN = "ollama-known"
 # One model per test on top: a model's overflow is remembered by the gateway
 # (pre-trimming), which would change the next test's first request.
 EXTRA = {
-    "llamacpp": ("lc-tools", "lc-single", "lc-anthropic"),
+    "llamacpp": ("lc-tools", "lc-single", "lc-anthropic", "lc-stream", "lc-ollama"),
     "vllm": ("vllm-pre",),
     "ollama": (KNOWN,),
 }
@@ -318,3 +319,34 @@ def test_the_routers_400_stays_when_nothing_may_be_dropped(gateway: Gateway) -> 
         )
     assert caught.value.code == "capability_mismatch"
     assert gateway.seen("ollama") == []
+
+
+def test_a_streamed_answer_comes_after_the_trimmed_retry(gateway: Gateway) -> None:
+    messages = long_chat(tag="stream ")
+    raw = gateway.openai().chat.completions.with_raw_response.create(
+        model="lc-stream", messages=messages, stream=True
+    )
+    assert dropped_of(raw.headers) > 0
+    text = "".join(
+        chunk.choices[0].delta.content or "" for chunk in raw.parse() if chunk.choices
+    )
+    assert "stream the newest question" in text
+    assert mock_stats(gateway.mocks["llamacpp"])["context_overflows"] == 1
+
+
+def test_an_ollama_client_gets_its_answer_from_a_small_llamacpp(
+    gateway: Gateway,
+) -> None:
+    client = ollama.Client(
+        host=gateway.server.base_url,
+        headers={"Authorization": f"Bearer {gateway.key}"},
+        timeout=20,
+    )
+    messages = long_chat(tag="ollama-client ")
+    reply = client.chat(model="lc-ollama", messages=messages, stream=False)
+    assert "ollama-client the newest question" in (reply.message.content or "")
+    assert mock_stats(gateway.mocks["llamacpp"])["context_overflows"] == 1
+    *_, sent = gateway.seen("llamacpp")
+    assert sent["messages"][0]["content"] == messages[0]["content"]
+    assert sent["messages"][-1]["content"] == messages[-1]["content"]
+    assert len(sent["messages"]) < len(messages)
