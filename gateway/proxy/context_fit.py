@@ -9,7 +9,8 @@ capability is missing too, or when nothing may be dropped.
 
 from __future__ import annotations
 
-from gateway.proxy.context_shift import MARGIN, ContextLimits, RequestShift
+from gateway.context_limits import ContextLimits
+from gateway.proxy.context_shift import MARGIN, RequestShift
 from gateway.proxy.legs import ProxyExchange
 from routing.core import RequestRequirements, RoutingError
 from routing.core.errors import CapabilityMismatch

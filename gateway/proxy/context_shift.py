@@ -28,13 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.context_limits import ContextLimits
 from gateway.protocols.base import dumps
 from gateway.proxy.legs import Call, ProxyExchange
 from routing.core.context_shift_policy import ContextShiftPolicy
 
-# Pre-trimming is for small contexts only (the seed's bound): a large model's
-# overflow is rare enough to take the round trip.
-PRE_TRIM_MAX_CONTEXT = 32_768
 # Aim this far under the computed limit: the estimate is not the server's
 # tokenizer, and the answer needs room too.
 MARGIN = 0.85
@@ -340,52 +338,6 @@ def estimated_limit(
         return None
     whole = estimate(payload[key]) + _fixed_size(payload, key, True)
     return int(whole * min(scale, 1.0) * MARGIN)
-
-
-class ContextLimits:
-    """Per process: the limits of backend x model pairs seen to overflow.
-
-    Kept only for contexts of at most ``PRE_TRIM_MAX_CONTEXT`` tokens, with
-    the context length the model had then: a different one (discovery saw the
-    model reloaded with another ``n_ctx``) forgets the limit.
-    """
-
-    __slots__ = ("_limits",)
-
-    def __init__(self) -> None:
-        # (backend, model) -> (limit in estimate tokens, context length, n_ctx)
-        self._limits: dict[tuple[str, str], tuple[int, int | None, int | None]] = {}
-
-    def remember(
-        self,
-        backend: str,
-        model: str,
-        limit: int,
-        context_length: int | None,
-        n_ctx: int | None,
-    ) -> None:
-        window = n_ctx or context_length
-        if window is None or window > PRE_TRIM_MAX_CONTEXT:
-            return
-        self._limits[(backend, model)] = (limit, context_length, n_ctx)
-
-    def limit(self, backend: str, model: str, context_length: int | None) -> int | None:
-        """The remembered limit, None if none (or the context changed since)."""
-        entry = self._limits.get((backend, model))
-        if entry is None:
-            return None
-        if entry[1] != context_length:
-            del self._limits[(backend, model)]
-            return None
-        return entry[0]
-
-    def n_ctx(self, backend: str, model: str) -> int | None:
-        """The server's own context size as its overflow said (the admin shows it)."""
-        entry = self._limits.get((backend, model))
-        return None if entry is None else entry[2]
-
-    def forget(self) -> None:
-        self._limits.clear()
 
 
 class RequestShift:

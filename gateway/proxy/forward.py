@@ -17,10 +17,11 @@ import aiohttp
 
 from gateway.breaker import CircuitBreaker
 from gateway.client import UpstreamClient, upstream_body, upstream_url
+from gateway.context_limits import ContextLimits
 from gateway.fleet.scheduler import FleetScheduler, Placement
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import checks, sse
-from gateway.proxy.context_shift import ContextLimits, RequestShift, overflow_possible
+from gateway.proxy.context_shift import RequestShift, overflow_possible
 from gateway.proxy.errors import ProxyError
 from gateway.proxy.legs import Call, Leg, ProxyExchange, Unservable, openai_call
 from gateway.proxy.outbound import OPENAI_ADAPTER, adapter_for

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
+from gateway.context_limits import ContextLimits
 from gateway.proxy.context_shift import (
-    ContextLimits,
     estimate,
     recognise,
     shrink,
