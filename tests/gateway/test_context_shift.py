@@ -7,19 +7,22 @@ tests/fixtures/context_overflow/ (each names where it was seen); the mock
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gateway.context_limits import ContextLimits
+from gateway.context_limits import CONTEXT_GROUP, ContextLimits, SharedContextLimits
 from gateway.proxy.context_shift import (
     estimate,
     recognise,
     shrink,
     trim_messages,
 )
+from nexus_lib.groups import listen_to_group
 from nexus_mock.overflow import overflow_body
 from routing.core.context_shift_policy import ContextShiftPolicy
 
@@ -192,3 +195,24 @@ def test_the_servers_numbers_set_the_target() -> None:
     assert shrunk is not None
     before, after = estimate(payload["messages"]), estimate(shrunk[0]["messages"])
     assert 0.3 * before < after <= 0.5 * before
+
+
+async def test_a_learned_limit_reaches_the_other_processes() -> None:
+    """Through the channel layer (Redis in production): what one process
+    learns, the others' gateways apply without announcing it again."""
+    here, there = SharedContextLimits(), SharedContextLimits()
+    listener = asyncio.create_task(listen_to_group(CONTEXT_GROUP, there.on_message))
+    try:
+        deadline = time.monotonic() + 5
+        while there.limit("gpu-1", "small", 4096) is None:
+            assert time.monotonic() < deadline, "the limit never arrived"
+            here.learned("gpu-1", "small", 900, 4096, 4096)  # until it listens
+            await asyncio.sleep(0.05)
+        assert there.n_ctx("gpu-1", "small") == 4096
+        assert there._background == set()  # not announced again
+        there.on_message({"type": "context.limit", "origin": "x", "limit": "big"})
+        here.remember("gpu-1", "large", 90_000, 131_072, 131_072)
+        assert here.limit("gpu-1", "large", 131_072) is None  # too large to keep
+    finally:
+        listener.cancel()
+        await asyncio.gather(listener, *here._background, return_exceptions=True)
