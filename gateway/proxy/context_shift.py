@@ -444,13 +444,15 @@ class RequestShift:
         exchange.context_shifts += 1
         return True
 
-    def header(self) -> tuple[bytes, bytes] | None:
-        """``x-nexus-context-shift: dropped=N`` (and the tools, if they went)."""
+    def show(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """Set ``x-nexus-context-shift: dropped=N`` (and the tools, if they
+        went) on the answer's headers, once whichever backend answers."""
         dropped = self.exchange.context_dropped
         if not dropped and not self.tools:
-            return None
+            return
         value = f"dropped={dropped}" + ("; tools=dropped" if self.tools else "")
-        return HEADER, value.encode()
+        headers[:] = [h for h in headers if h[0] != HEADER]
+        headers.append((HEADER, value.encode()))
 
 
 def overflow_possible(status: int, response: Any) -> bool:

@@ -235,8 +235,8 @@ class _Tries:
                         leg = self.leg_for(target)
                         continue
                 break
-            if shift is not None and (shown := shift.header()) is not None:
-                exchange.response_headers.append(shown)
+            if shift is not None:
+                shift.show(exchange.response_headers)
             if status >= 500:
                 if self.held:
                     # Two backends fail on this request: its input's fault as
