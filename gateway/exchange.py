@@ -67,6 +67,9 @@ class Exchange(Generic[CallT, MeterT]):
     error: str = ""
     client_gone: bool = False
     retries: int = 0
+    # Trimmed resends after a context overflow, and pre-trims (context shift).
+    context_shifts: int = 0
+    context_dropped: int = 0  # messages those dropped
     # Bytes sent that the client has not read yet, where the server tells
     # (Daphne, through nexus_site.servers.daphne_limits); None elsewhere.
     unsent_bytes: Callable[[], int] | None = None

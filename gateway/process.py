@@ -35,6 +35,7 @@ from backends.workers import sweep_silent_workers
 from gateway.admission import AdmissionGate
 from gateway.breaker import BREAKER_GROUP, BreakerSettings, CircuitBreaker
 from gateway.client import ReplyLimits, UpstreamClient
+from gateway.context_limits import CONTEXT_GROUP, SharedContextLimits
 from gateway.fleet.scheduler import FleetScheduler
 from gateway.holder import SnapshotHolder
 from gateway.metrics import GatewayMetrics, MetricsEndpoint, Network, parse_networks
@@ -208,6 +209,8 @@ class Gateway:
         self.router = Router()
         self.stats = LiveStats()
         self.breaker = CircuitBreaker(stats=self.stats, config=config.breaker)
+        # Small-context limits learned from overflows (context shift's pre-trim).
+        self.context_limits = SharedContextLimits()
         self.buffer = UsageBuffer(maxlen=config.usage_buffer_max)
         self.usage_sink = sink(config, self.buffer)
         self.open_requests = OpenRequests(self.buffer, config.usage_progress_interval)
@@ -334,6 +337,9 @@ class Gateway:
         return [
             *services,
             _listener(BREAKER_GROUP, self.breaker.on_message, "breaker-listen"),
+            _listener(
+                CONTEXT_GROUP, self.context_limits.on_message, "context-limits-listen"
+            ),
             _listener(USAGE_GROUP, self.publisher.on_message, "usage-listen"),
             periodic(
                 "gauges",

@@ -15,6 +15,7 @@ import itertools
 import random
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from nexus_mock.config import MockConfig
 from nexus_mock.http_parsing import Request
@@ -53,6 +54,7 @@ from nexus_mock.ollama_api import (
 from nexus_mock.ollama_api import (
     is_stream as is_ollama_stream,
 )
+from nexus_mock.overflow import check_context
 from nexus_mock.replies import (
     encode_json,
     render_embeddings,
@@ -139,6 +141,7 @@ class Answers:
             job = parse_embedding_request(payload, config.models, config.embedding_dim)
         elif path == "/v1/chat/completions":
             job = parse_chat_request(payload, config.name, config.models)
+            self._check_context(config, payload)
         else:
             job = parse_completion_request(payload, config.name, config.models)
         self._inject_failure(config, request.body)
@@ -180,6 +183,8 @@ class Answers:
         )
         if isinstance(job, bytes):
             return job
+        if request.path == "/api/chat":
+            self._check_context(config, parse_json_object(request.body))
         try:
             self._inject_failure(config, request.body)
         except ApiError as error:
@@ -208,6 +213,13 @@ class Answers:
             config.tool_arguments,
         )
         return reply if isinstance(reply, bytes) else Stream(*reply)
+
+    def _check_context(self, config: MockConfig, payload: dict[str, Any]) -> None:
+        try:
+            check_context(config, payload)
+        except ApiError:
+            self._stats.context_overflows += 1
+            raise
 
     def _inject_failure(self, config: MockConfig, body: bytes) -> None:
         text = config.fail_on_text

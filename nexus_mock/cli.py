@@ -149,6 +149,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "knob is turned off.",
     )
     parser.add_argument(
+        "--enforce-context",
+        action="store_true",
+        help="Refuse chats over --context-length with the kind's own context "
+        "overflow error (nexus_mock.overflow).",
+    )
+    parser.add_argument(
         "--slots",
         type=int,
         help="Serve at most N inference requests at once; the others wait in "
@@ -185,6 +191,8 @@ def serve_from_options(
         knobs["error_rate"] = 1.0
     if options["loading"]:
         knobs["loading"] = True
+    if options.get("enforce_context"):
+        knobs["enforce_context"] = True
     refuse_ms = options["refuse_for_ms"]
     if options["refuse"]:
         refuse_ms = 0.0

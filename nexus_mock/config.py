@@ -40,7 +40,8 @@ class MockConfig:
     evict models like a node of a fleet (``nexus_mock.memory``).
     ``fail_on_text`` makes every inference request whose body holds that text
     (its UTF-8 bytes) fail with ``fail_status``: one input that crashes a model
-    server while others are served.
+    server while others are served. ``enforce_context`` refuses chats over
+    ``context_length`` with the kind's overflow error (``nexus_mock.overflow``).
     """
 
     models: tuple[str, ...] = ()
@@ -68,6 +69,7 @@ class MockConfig:
     memory_gb: float | None = None
     load_seconds: float = 0.0
     keep_alive_seconds: float = 300.0
+    enforce_context: bool = False
 
     @property
     def has_memory(self) -> bool:
@@ -270,4 +272,5 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "memory_gb": _optional(_float_knob(0.001, 100_000)),
     "load_seconds": _float_knob(0, 3600),
     "keep_alive_seconds": _float_knob(-1, 86_400),
+    "enforce_context": _validate_bool,
 }

@@ -41,6 +41,7 @@ class MockStats:
     client_disconnects: int = 0
     dropped_streams: int = 0
     injected_failures: int = 0
+    context_overflows: int = 0
     recorded: deque[RecordedRequest] = field(default_factory=deque)
     in_flight: int = 0
     open_connections: int = 0
@@ -71,6 +72,7 @@ class MockStats:
         self.client_disconnects = 0
         self.dropped_streams = 0
         self.injected_failures = 0
+        self.context_overflows = 0
         self.peak_busy_slots = self.busy_slots
         self.peak_waiting_for_slot = self.waiting_for_slot
         self.peak_outstanding = self.busy_slots + self.waiting_for_slot
@@ -87,6 +89,7 @@ class MockStats:
             "client_disconnects": self.client_disconnects,
             "dropped_streams": self.dropped_streams,
             "injected_failures": self.injected_failures,
+            "context_overflows": self.context_overflows,
             "busy_slots": self.busy_slots,
             "waiting_for_slot": self.waiting_for_slot,
             "peak_busy_slots": self.peak_busy_slots,

@@ -14,6 +14,11 @@ from django.db.models.lookups import Exact
 from routing.admission import AdmissionSettings, FlowKey, Sizing
 from routing.core import FLEET_SETTINGS, FleetPolicy, Strategy
 from routing.core.aliases import check_alias_pattern, is_alias_pattern
+from routing.core.context_shift_policy import (
+    KEEP_LAST_LIMIT,
+    ContextShiftPolicy,
+)
+from routing.core.context_shift_policy import RETRIES_LIMIT as CONTEXT_RETRIES_LIMIT
 from routing.core.fleet_policy import SETTINGS_BY_NAME
 
 
@@ -381,6 +386,26 @@ class RoutingPolicy(models.Model):
     hold_seconds = fleet_field("hold_seconds")
     fleet_queue_length = fleet_field("fleet_queue_length")
     fleet_queue_timeout_seconds = fleet_field("fleet_queue_timeout_seconds")
+    # Context shift (routing.core.context_shift_policy).
+    context_shift_enabled = models.BooleanField(
+        "context shift",
+        default=True,
+        help_text="Trim a chat that overflows a model's context and resend it, "
+        "rather than answer the server's context error.",
+    )
+    context_shift_keep_last_messages = models.PositiveSmallIntegerField(
+        "keep last messages",
+        default=1,
+        validators=[MinValueValidator(1), MaxValueValidator(KEEP_LAST_LIMIT)],
+        help_text="Newest non-system messages never dropped.",
+    )
+    context_shift_max_retries = models.PositiveSmallIntegerField(
+        "context shift retries",
+        default=2,
+        validators=[MaxValueValidator(CONTEXT_RETRIES_LIMIT)],
+        help_text="Trimmed resends to the backend that overflowed (the second "
+        "drops the tool definitions too).",
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -459,6 +484,14 @@ class RoutingPolicy(models.Model):
         """The fleet settings (raises ValueError if field validation would fail)."""
         return FleetPolicy(
             **{setting.name: getattr(self, setting.name) for setting in FLEET_SETTINGS}
+        )
+
+    def context_shift_policy(self) -> ContextShiftPolicy:
+        """The context shift settings (raises ValueError if out of range)."""
+        return ContextShiftPolicy(
+            enabled=self.context_shift_enabled,
+            keep_last_messages=self.context_shift_keep_last_messages,
+            max_retries=self.context_shift_max_retries,
         )
 
     def _admission_values(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ relay channels into the frozen ``GatewayState`` (routing/state.py).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from datetime import datetime
 from types import MappingProxyType
 
@@ -198,7 +199,7 @@ def _policy(stored: RoutingPolicy) -> Policy:
         # Only a row edited around the model's validation gets here.
         logger.error("Invalid fleet settings, using the defaults: %s", error)
         fleet = None
-    return make_policy(
+    policy = make_policy(
         strategy=stored.strategy,
         weight_priority=stored.weight_priority,
         weight_load=stored.weight_load,
@@ -206,6 +207,11 @@ def _policy(stored: RoutingPolicy) -> Policy:
         max_retries=stored.max_retries,
         fleet=fleet,
     )
+    try:
+        return replace(policy, context_shift=stored.context_shift_policy())
+    except ValueError as error:
+        logger.error("Invalid context shift settings, using the defaults: %s", error)
+        return policy
 
 
 def build_state() -> GatewayState:

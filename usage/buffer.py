@@ -92,6 +92,9 @@ class UsageEvent:
     # request_id, which a client may choose (X-Request-Id) and may repeat for
     # requests that each consumed tokens.
     event_id: str = field(default_factory=new_event_id)
+    # Times context shift trimmed the request (gateway/proxy/context_shift.py);
+    # the tokens are the successful attempt's only.
+    context_shifts: int = 0
 
     @property
     def is_error(self) -> bool:

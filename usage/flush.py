@@ -344,6 +344,7 @@ def _to_record(event: UsageEvent) -> UsageRecord:
         error=_clip("error", event.error),
         is_error=event.is_error,
         created_at=datetime.fromtimestamp(event.created_at, tz=UTC),
+        context_shifts=min(max(int(event.context_shifts), 0), _MAX_STATUS),
     )
 
 

@@ -103,6 +103,7 @@ class Accounting:
             error=exchange.error,
             cost_nanos=cost,
             event_id=event_id,
+            context_shifts=exchange.context_shifts,
         )
         self.buffer.append(event)
         model = _model_label(exchange)

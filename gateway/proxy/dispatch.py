@@ -105,6 +105,7 @@ class ProxyApp:
             fleet=gateway.fleet,
             metrics=gateway.metrics,
             live_usage=gateway.live_usage,
+            context_limits=gateway.context_limits,
         )
         self.pipeline = Pipeline(gateway, upstream, self.accounting)
         self.management = ModelManagement(gateway)

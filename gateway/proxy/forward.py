@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import aiohttp
 
 from gateway.breaker import CircuitBreaker
 from gateway.client import UpstreamClient, upstream_body, upstream_url
+from gateway.context_limits import ContextLimits
 from gateway.fleet.scheduler import FleetScheduler, Placement
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import checks, sse
+from gateway.proxy.context_shift import RequestShift, overflow_possible
 from gateway.proxy.errors import ProxyError
 from gateway.proxy.legs import Call, Leg, ProxyExchange, Unservable, openai_call
 from gateway.proxy.outbound import OPENAI_ADAPTER, adapter_for
@@ -56,6 +58,8 @@ class Upstream:
     fleet: FleetScheduler
     metrics: GatewayMetrics
     live_usage: LiveUsage
+    # Limits of small-context backend x model pairs seen to overflow (per process).
+    context_limits: ContextLimits = field(default_factory=ContextLimits)
 
 
 async def forward(
@@ -123,6 +127,7 @@ class _Tries:
         "held",
         "send",
         "session",
+        "shift",
         "timed_out",
         "upstream",
         "wants_usage_chunk",
@@ -144,6 +149,7 @@ class _Tries:
         # The backend whose 5xx is not counted yet: the next candidate tells
         # whether it was the backend's (counted then) or the input's.
         self.held = ""
+        self.shift = RequestShift.of(exchange, upstream.context_limits)
 
     def leg_for(self, target: Target) -> Leg | None:
         """Return the Leg to this backend, None for OpenAI to OpenAI as it is.
@@ -186,21 +192,51 @@ class _Tries:
         if self.failures:
             exchange.retries += 1
         response: aiohttp.ClientResponse | None = None
+        shift = self.shift
+        context = target.model.context_length
         try:
-            url, data, headers = self._request_for(target, leg)
-            asked = time.perf_counter()
-            try:
-                # The head too within the timeout, not just each read of it: a
-                # backend dripping its head a byte at a time would reset those.
-                async with asyncio.timeout(backend.request_timeout):
-                    response = await self._open(target, leg, url, data, headers)
-            except TRANSPORT_ERRORS as error:
-                self._failed(backend.name, describe(error), error)
-                return False
-            upstream.stats.observe_latency(
-                backend.name, (time.perf_counter() - asked) * 1000, model
-            )
-            status = response.status
+            if shift is not None and shift.pre_trim(backend.name, model, context):
+                self.call = exchange.call
+                leg = self.leg_for(target)
+            while True:  # again with the request trimmed after an overflow
+                url, data, headers = self._request_for(target, leg)
+                asked = time.perf_counter()
+                try:
+                    # The head too within the timeout, not just each read of
+                    # it: a backend dripping its head a byte at a time would
+                    # reset those.
+                    async with asyncio.timeout(backend.request_timeout):
+                        response = await self._open(target, leg, url, data, headers)
+                except TRANSPORT_ERRORS as error:
+                    self._failed(backend.name, describe(error), error)
+                    return False
+                upstream.stats.observe_latency(
+                    backend.name, (time.perf_counter() - asked) * 1000, model
+                )
+                status = response.status
+                error_body = None
+                if shift is not None and overflow_possible(status, response):
+                    try:
+                        error_body = await self._read_error(backend, response)
+                    except TRANSPORT_ERRORS as error:
+                        self._failed(
+                            backend.name, f"{describe(error)} mid-reply", error
+                        )
+                        return False
+                    except checks.UpstreamFault as fault:
+                        self._failed(backend.name, fault.detail, fault=fault.code)
+                        return False
+                    if shift.after_overflow(
+                        backend.kind, backend.name, model, context, status, error_body
+                    ):
+                        response.close()
+                        response = None
+                        self.call = exchange.call
+                        leg = self.leg_for(target)
+                        continue
+                break
+            if shift is not None:
+                shift.show(exchange.response_headers)
             if status >= 500:
                 if self.held:
                     # Two backends fail on this request: its input's fault as
@@ -218,8 +254,8 @@ class _Tries:
                 else:
                     upstream.breaker.record_failure(backend.name, exchange.key_prefix)
             if leg is None:
-                return await self._answer(target, response)
-            return await self._answer_leg(target, response, leg)
+                return await self._answer(target, response, error_body)
+            return await self._answer_leg(target, response, leg, error_body)
         finally:
             if response is not None:
                 # Closed, not released, unless read to the end: a reply cut
@@ -280,7 +316,21 @@ class _Tries:
             allow_redirects=False,
         )
 
-    async def _answer(self, target: Target, response: aiohttp.ClientResponse) -> bool:
+    async def _read_error(
+        self, backend: Any, response: aiohttp.ClientResponse
+    ) -> bytes:
+        """Read an error answer whole (it may be a context overflow)."""
+        async with asyncio.timeout(backend.request_timeout):
+            return await checks.read_capped(
+                response, self.upstream.client.limits.max_reply
+            )
+
+    async def _answer(
+        self,
+        target: Target,
+        response: aiohttp.ClientResponse,
+        read: bytes | None = None,
+    ) -> bool:
         """Judge an OpenAI backend's answer and relay it; False if it is a fault.
 
         A whole reply (or a stream's first event) is read and checked before
@@ -294,7 +344,10 @@ class _Tries:
         reply: dict[str, Any] | None = None
         try:
             async with asyncio.timeout(backend.request_timeout):
-                if is_event_stream(exchange, response):
+                if read is not None:
+                    body = read
+                    reply = checked_reply(exchange, response.status, body)
+                elif is_event_stream(exchange, response):
                     relay = sse.StreamRelay(
                         self.wants_usage_chunk, KEEP_FOR_ESTIMATE, limits.max_event
                     )
@@ -316,7 +369,11 @@ class _Tries:
         return True
 
     async def _answer_leg(
-        self, target: Target, response: aiohttp.ClientResponse, leg: Leg
+        self,
+        target: Target,
+        response: aiohttp.ClientResponse,
+        leg: Leg,
+        read: bytes | None = None,
     ) -> bool:
         """Judge a leg's answer and relay it; False if it is a fault."""
         exchange, limits = self.exchange, self.upstream.client.limits
@@ -326,7 +383,9 @@ class _Tries:
         body = b""
         try:
             async with asyncio.timeout(backend.request_timeout):
-                if is_leg_stream(exchange, response, leg):
+                if read is not None:
+                    body = leg_answer(exchange, leg, response.status, response, read)
+                elif is_leg_stream(exchange, response, leg):
                     stream = leg.stream(limits.max_event)
                     first_pieces = await first_leg_events(
                         response,

@@ -19,6 +19,7 @@ from gateway.fleet.errors import FleetRefusal
 from gateway.proxy import limits
 from gateway.proxy.accounting import Accounting
 from gateway.proxy.bodies import Receive
+from gateway.proxy.context_fit import fit_known_context
 from gateway.proxy.errors import ProxyError, bad_request, routing_error
 from gateway.proxy.forward import Upstream, forward
 from gateway.proxy.legs import ProxyExchange
@@ -121,7 +122,14 @@ class Pipeline:
                 raise bad_request(str(error), param=error.header) from None
             except AdmissionError as error:
                 raise _admission_error(error, exchange) from None
-            route, routes = await self._route(state, requirements)
+            try:
+                route, routes = await self._route(state, requirements)
+            except ProxyError as error:
+                # Longer than every candidate's known context: trimmed to fit.
+                fitted = fit_known_context(exchange, error.__cause__)
+                if fitted is None:
+                    raise
+                route, routes = await self._route(state, fitted)
             exchange.route = route
             fleet = gateway.fleet
             fleet.after_decision(route, routes)

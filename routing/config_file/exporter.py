@@ -11,6 +11,7 @@ from routing.config_file.schema import (
     ADMISSION_SETTINGS,
     AUTO,
     BACKEND_SETTINGS,
+    CONTEXT_SHIFT_SETTINGS,
     FLEET_TOML_SETTINGS,
     KEY_SETTINGS,
     MODEL_SETTINGS,
@@ -73,6 +74,13 @@ def export_config() -> str:
         "# without hold_seconds: 30 under the fleet strategy, 0 otherwise.",
     ]
     lines += _settings(policy, FLEET_TOML_SETTINGS)
+
+    lines += [
+        "",
+        "[routing.context_shift]",
+        "# Trim a chat that overflows a model's context and resend it.",
+    ]
+    lines += _settings(policy, CONTEXT_SHIFT_SETTINGS)
 
     lines += [
         "",

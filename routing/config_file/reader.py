@@ -25,6 +25,7 @@ from routing.config_file.schema import (
     ADMISSION_KEYS,
     ADMISSION_MODEL_TABLES,
     ADMISSION_SETTINGS,
+    CONTEXT_SHIFT_SETTINGS,
     FLEET_TOML_SETTINGS,
     POLICY_SETTINGS,
     ROUTING_KEYS,
@@ -88,6 +89,7 @@ def _read_document(reader: ValueReader, data: dict[str, Any]) -> ConfigFile:
         for key, settings in (
             ("weights", WEIGHT_SETTINGS),
             ("fleet", FLEET_TOML_SETTINGS),
+            ("context_shift", CONTEXT_SHIFT_SETTINGS),
         ):
             values, invalid = _read_settings_table(reader, routing, key, settings)
             policy |= values

@@ -90,6 +90,19 @@ FLEET_TOML_SETTINGS = tuple(
     )
     for setting in FLEET_SETTINGS
 )
+# [routing.context_shift]: trimming chats that overflow a model's context.
+CONTEXT_SHIFT_SETTINGS = (
+    Setting("enabled", "context_shift_enabled", bool, "true or false"),
+    Setting(
+        "keep_last_messages",
+        "context_shift_keep_last_messages",
+        int,
+        "a whole number from 1 to 1000",
+    ),
+    Setting(
+        "max_retries", "context_shift_max_retries", int, "a whole number from 0 to 5"
+    ),
+)
 MODEL_WEIGHTS_KEY = "model_weights"
 MODEL_WEIGHTS_FIELD = "admission_model_weights"
 MODEL_OUTPUT_TOKENS_KEY = "model_output_tokens"
@@ -151,6 +164,7 @@ ROUTING_KEYS = (
     "weights",
     "admission",
     "fleet",
+    "context_shift",
     "aliases",
     "fallbacks",
 )
@@ -168,6 +182,7 @@ POLICY_KEY_FOR_FIELD = (
     | {s.field: f"admission.{s.key}" for s in ADMISSION_SETTINGS}
     | {field: f"admission.{key}" for key, field, _, _ in ADMISSION_MODEL_TABLES}
     | {s.field: f"fleet.{s.key}" for s in FLEET_TOML_SETTINGS}
+    | {s.field: f"context_shift.{s.key}" for s in CONTEXT_SHIFT_SETTINGS}
 )
 BACKEND_KEY_FOR_FIELD = {s.field: s.key for s in BACKEND_SETTINGS} | {
     "api_key": "api_key"

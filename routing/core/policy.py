@@ -7,6 +7,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from routing.core.context_shift_policy import ContextShiftPolicy
 from routing.core.fleet_policy import FLEET_SETTINGS, FleetPolicy
 from routing.core.scoring import ScoringWeights
 from routing.core.vocabulary import Strategy
@@ -30,6 +31,7 @@ class Policy:
     weights: ScoringWeights = field(default_factory=ScoringWeights)
     max_retries: int = 2
     fleet: FleetPolicy = field(default_factory=FleetPolicy)
+    context_shift: ContextShiftPolicy = field(default_factory=ContextShiftPolicy)
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_retries <= MAX_RETRIES_LIMIT:

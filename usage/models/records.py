@@ -77,6 +77,12 @@ class UsageRecord(models.Model):
     status = models.PositiveSmallIntegerField(help_text="HTTP status sent.")
     streamed = models.BooleanField(default=False)
     error = models.CharField(max_length=100, blank=True, default="")
+    context_shifts = models.PositiveSmallIntegerField(
+        default=0,
+        help_text="Times context shift trimmed the request (a retry after an "
+        "overflow, a pre-trim, a trim to the known context); the tokens are "
+        "the successful attempt's.",
+    )
     is_error = models.BooleanField(
         "failed", default=False, help_text="Counted in errors (UsageEvent.is_error)."
     )
