@@ -194,6 +194,18 @@ class RoutingPolicyAdmin(RoutingPolicyAdminBase):
     fieldsets = (
         (None, {"fields": ("strategy", "max_retries")}),
         (
+            "Context shift",
+            {
+                "fields": (
+                    "context_shift_enabled",
+                    "context_shift_keep_last_messages",
+                    "context_shift_max_retries",
+                ),
+                "description": "A chat that overflows a model's context is "
+                "trimmed (oldest messages first) and resent.",
+            },
+        ),
+        (
             "Scoring weights",
             {
                 "fields": ("weight_priority", "weight_load", "weight_latency"),

@@ -186,6 +186,9 @@ class RoutingPolicySerializer(ModelCleanSerializer[RoutingPolicy]):
             "max_retries",
             "admission",
             *FLEET_SETTING_NAMES,
+            "context_shift_enabled",
+            "context_shift_keep_last_messages",
+            "context_shift_max_retries",
             "updated_at",
         )
 

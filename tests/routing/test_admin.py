@@ -62,8 +62,17 @@ def policy_form(**fields: str) -> dict[str, str]:
         "weight_latency": "20",
         **ADMISSION_DEFAULTS,
         **FLEET_DEFAULTS,
+        **CONTEXT_SHIFT_DEFAULTS,
         **fields,
     }
+
+
+# Context shift's part of the policy form, at its defaults.
+CONTEXT_SHIFT_DEFAULTS = {
+    "context_shift_enabled": "on",
+    "context_shift_keep_last_messages": "1",
+    "context_shift_max_retries": "2",
+}
 
 
 # The fleet strategy's part of the policy form, at its defaults.

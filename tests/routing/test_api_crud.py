@@ -207,6 +207,9 @@ def test_policy_reads_defaults_until_saved_without_creating_it(api: APIClient) -
             "model_weights": {},
         },
         **{setting.name: setting.default for setting in FLEET_SETTINGS},
+        "context_shift_enabled": True,
+        "context_shift_keep_last_messages": 1,
+        "context_shift_max_retries": 2,
         "updated_at": None,
     }
     assert not RoutingPolicy.objects.exists()

@@ -55,3 +55,25 @@ def test_out_of_range_values_are_named(tmp_path: Path) -> None:
         _import(tmp_path, "[routing.context_shift]\nmax_retries = 9\nkeep_last = 2\n")
     message = str(caught.value)
     assert "routing.context_shift.keep_last" in message
+
+
+@pytest.mark.django_db
+def test_the_policy_api_sets_them_and_refuses_out_of_range_values() -> None:
+    from rest_framework.test import APIClient
+
+    from tests.factories import StaffUserFactory
+
+    api = APIClient()
+    api.force_authenticate(StaffUserFactory())
+    wrong = api.patch("/api/v1/policy", {"context_shift_max_retries": 9}, format="json")
+    assert wrong.status_code == 400
+    assert "context_shift_max_retries" in wrong.json()
+    changed = api.patch(
+        "/api/v1/policy",
+        {"context_shift_enabled": False, "context_shift_keep_last_messages": 3},
+        format="json",
+    )
+    assert changed.status_code == 200, changed.json()
+    assert build_snapshot().policy.context_shift == ContextShiftPolicy(
+        enabled=False, keep_last_messages=3, max_retries=2
+    )

@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('usage', '0007_open_requests_lost_usage'),
+        ('usage', '0008_apikey_can_manage_models'),
     ]
 
     operations = [
