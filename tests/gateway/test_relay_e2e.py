@@ -687,11 +687,13 @@ def test_busy_workers_wait_in_admissions_queue_which_is_bounded(
     policy.save()
     _, other_key = ApiKey.objects.create_key("relay-tests-other")
     server = relay.server
-    # The third request must find the first still running (a fresh clone's
-    # loaded run once took over a second from the first's start to the third).
     mock, _ = relay.start(  # it waits until the server has the above
-        "gpu-a", "--latency-ms", "3000", worker_args=("--max-concurrency", "1")
+        "gpu-a", "--slots", "4", worker_args=("--max-concurrency", "1")
     )
+    # The first request waits at the mock until released, so that the third
+    # finds it still running however slowly a loaded machine sends them (a
+    # 3 s answer once ended first).
+    httpx.post(f"{mock.base_url}/_mock/hold", json={"first": 2}, timeout=10)
     results: dict[str, object] = {}
 
     def ask(label: str, key: str = relay.key) -> None:
@@ -710,14 +712,15 @@ def test_busy_workers_wait_in_admissions_queue_which_is_bounded(
 
     first = threading.Thread(target=ask, args=("first",))
     first.start()
-    wait_for(lambda: _in_flight(mock) == 1)
+    wait_for(lambda: _chats(mock) == 1)  # held at the mock
     second = threading.Thread(target=ask, args=("second",))
     second.start()
     # The worker is busy: the second request waits in admission's queue, not
     # at the worker (which would refuse it) and not in a line of the relay's.
     wait_for(lambda: server.metric("nexus_admission_queue_length") == 1)
-    assert _in_flight(mock) == 1
+    assert _chats(mock) == 1
     ask("third", other_key)  # another flow: the queue itself is full
+    httpx.post(f"{mock.base_url}/_mock/release", timeout=10)
     first.join(timeout=30)
     second.join(timeout=30)
     assert results == {
@@ -732,12 +735,13 @@ def test_busy_workers_wait_in_admissions_queue_which_is_bounded(
     policy.admission_queue_ttl = 1.0
     policy.save()
     wait_until_live(server)
-    httpx.post(f"{mock.base_url}/_mock/config", json={"latency_ms": 6000}, timeout=5)
+    httpx.post(f"{mock.base_url}/_mock/hold", json={"first": 2}, timeout=10)
     slow = threading.Thread(target=ask, args=("slow",))
     slow.start()
-    wait_for(lambda: _in_flight(mock) == 1)
+    wait_for(lambda: _chats(mock) == 3)  # held at the mock
     ask("late")
     assert results["late"] == (503, "server_error", "queue_ttl_expired", "1")
+    httpx.post(f"{mock.base_url}/_mock/release", timeout=10)
     slow.join(timeout=30)
     assert results["slow"] == "[gpu-a/llama3:8b] echo: slow"
     assert _chats(mock) == 3  # the late request never reached the worker
