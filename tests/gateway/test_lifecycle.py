@@ -129,6 +129,7 @@ def test_the_relay_stops_first_and_the_upstream_client_last() -> None:
         "relay-load-listen",
         "gauges",
         "usage-listen",
+        "context-limits-listen",
         "breaker-listen",
         *reconcile,
         "admission",
