@@ -27,6 +27,12 @@ from tests import zygote
 from tests.conftest import spare_redis_url, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Each test starts the whole launcher (migrations, serving and worker processes,
+# demo mocks) up to three times: on a 2-core machine shared with the rest of
+# the suite one took 31 s here and outlasted 120 s in CI, where pytest-timeout
+# then hid the output `expect` would have shown after its own 90 s.
+pytestmark = pytest.mark.timeout(300)
 STARTUP_TIMEOUT = 90.0
 
 

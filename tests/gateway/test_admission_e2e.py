@@ -71,14 +71,14 @@ def test_a_light_key_is_served_while_a_flooding_key_waits(
     _, flood_key = ApiKey.objects.create_key("flood")
     _, light_key = ApiKey.objects.create_key("light")
     server = nexus_server_factory()
-    # A second a request: the queue stays long while a loaded machine's client
-    # is still sending the flood (at 300 ms it could drain below 10 first).
-    httpx.post(f"{slotted.base_url}/_mock/config", json={"latency_ms": 1000})
+    # The requests let through wait at the mock until the flood and the light
+    # request are all queued, however slowly a loaded machine sends them.
+    httpx.post(f"{slotted.base_url}/_mock/hold", json={"first": 100})
 
     async def scenario() -> tuple[int, int, list[float]]:
         flood_client, light_client = (
-            _client(server, flood_key),
-            _client(server, light_key),
+            _client(server, flood_key, timeout=60),
+            _client(server, light_key, timeout=60),
         )
         flood = [
             asyncio.create_task(
@@ -86,11 +86,23 @@ def test_a_light_key_is_served_while_a_flooding_key_waits(
             )
             for _ in range(16)
         ]
-        await asyncio.to_thread(
-            wait_until, lambda: server.metric("nexus_admission_queue_length") >= 10
+        # At most 3 let through: 13 or more waiting (none leaves while held).
+        waiting = await asyncio.to_thread(
+            wait_until,
+            lambda: (q := server.metric("nexus_admission_queue_length")) >= 13 and q,
+            60,
         )
         started = time.monotonic()
-        await light_client.chat.completions.create(model="m", messages=MESSAGES)
+        light = asyncio.create_task(
+            light_client.chat.completions.create(model="m", messages=MESSAGES)
+        )
+        await asyncio.to_thread(
+            wait_until,
+            lambda: server.metric("nexus_admission_queue_length") > waiting,
+            60,
+        )
+        await asyncio.to_thread(httpx.post, f"{slotted.base_url}/_mock/release")
+        await light
         light_latency = time.monotonic() - started
         flood_done_then = sum(task.done() for task in flood)
         replies = await asyncio.gather(*flood)
