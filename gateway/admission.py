@@ -13,10 +13,14 @@ queues once a second. If the dequeueing machinery fails, everything waiting
 is let through (fail-open); if enqueueing fails, the request gets an error
 (fail-closed).
 
-A pool is the set of ready backends that will serve the requested model: the
-first of the name, its alias target and its fallbacks (the router's order)
-with a ready backend; a model with none bypasses admission and gets the
-router's own error.
+A pool holds the requests for the model that will serve them: the first of
+the name, its alias target and its fallbacks (the router's order) with a
+ready backend; its band comes from that model's ready backends. A model with
+none bypasses admission and gets the router's own error. Each new snapshot
+(``state_installed()``) resizes the pools that hold requests at once: a
+backend or relay worker that turns ready takes the waiting requests before
+new arrivals, and the requests of a model left with no ready backend go on
+to the router.
 
 Several serving processes each run their own queue and take their share of
 each pool's band (``AdmissionSettings.band``): with Redis, from a registry of
@@ -189,6 +193,7 @@ class AdmissionGate:
             pool_key=pool.key,
             ready=pool.ready,
             capacities=pool.capacities,
+            backends=pool.backends,
         )
 
     async def admit(self, ticket: Ticket) -> None:
@@ -201,7 +206,11 @@ class AdmissionGate:
         model = ticket.model
         try:
             self.controller.admit(
-                ticket, ticket.pool_key, ticket.ready, ticket.capacities
+                ticket,
+                ticket.pool_key,
+                ticket.ready,
+                ticket.capacities,
+                ticket.backends,
             )
         except AdmissionError as error:
             if self.metrics is not None:
@@ -244,6 +253,22 @@ class AdmissionGate:
         if waiting and self.metrics is not None:
             self.metrics.admission_decided(ticket)
 
+    def state_installed(self, state: GatewayState) -> None:
+        """A new snapshot is the one routed with: resize the pools holding
+        requests to their models' ready backends now (not at the next
+        arrival), so what waits goes first to a backend that turned ready."""
+        loop = self._loop
+        if loop is None:
+            return  # not started: the first prepare() takes the state
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not loop:
+            loop.call_soon_threadsafe(self.state_installed, state)
+            return
+        self._guard(self._resize_all, state)
+
     # Views -----------------------------------------------------------------
 
     def snapshot(self) -> AdmissionLiveDict:
@@ -260,7 +285,7 @@ class AdmissionGate:
             band = pool.band
             pools.append(
                 {
-                    "backends": pool.key.split("\n"),
+                    "backends": list(pool.backends),
                     "models": sorted(models_of.get(pool.key, pool.stock_by_model)),
                     "stock": pool.stock,
                     "waiting": len(pool.queue),
@@ -315,6 +340,19 @@ class AdmissionGate:
         if state.admission != self.controller.settings:
             self._guard(self.controller.configure, state.admission)
         self.controller.forget_idle_pools()
+
+    def _resize_all(self, state: GatewayState) -> None:
+        if state is not self._state:
+            self._use(state)
+        routes = state.routes
+        waits = routes.policy.waits_at_backends
+        for key in list(self.controller.pools):
+            model_routes = routes.routes.get(key)
+            if model_routes is not None and model_routes.routable:
+                pool = _pool_from(key, model_routes.routable, waits)
+                self.controller.resize(key, pool.ready, pool.capacities, pool.backends)
+            else:
+                self.controller.open_pool(key)
 
     def _pool_of(self, state: GatewayState, model: str) -> Pool | None:
         """The pool of the backends that will serve `model`, cached per snapshot.
@@ -446,11 +484,12 @@ class _ProcessRegistry:
 
 
 class Pool(NamedTuple):
-    """Which backends a model's requests are admitted against."""
+    """Which model's pool a request waits in, and that model's ready backends."""
 
-    key: str  # the backends' names, one a line
+    key: str  # the served model's name
     ready: int
     capacities: tuple[int, ...]  # max_concurrency of those that declare one
+    backends: tuple[str, ...]
 
 
 def _first_pool(routes: RouterSnapshot, names: tuple[str, ...]) -> Pool | None:
@@ -459,22 +498,25 @@ def _first_pool(routes: RouterSnapshot, names: tuple[str, ...]) -> Pool | None:
     for name in names:
         model_routes = routes.routes.get(name)
         if model_routes is not None and model_routes.routable:
-            return _pool_from(model_routes.routable, routes.policy.waits_at_backends)
+            return _pool_from(
+                name, model_routes.routable, routes.policy.waits_at_backends
+            )
     return None
 
 
-def _pool_from(routable: Sequence[PreparedTarget], waits: int = 0) -> Pool:
-    """The pool of `routable`; `waits`: requests that may wait per backend
-    beyond its max_concurrency (the fleet strategy's lines,
+def _pool_from(model: str, routable: Sequence[PreparedTarget], waits: int = 0) -> Pool:
+    """The pool of `model` served by `routable`; `waits`: requests that may
+    wait per backend beyond its max_concurrency (the fleet strategy's lines,
     ``Policy.waits_at_backends``), which its band lets through to wait there."""
     return Pool(
-        key="\n".join(target.backend_name for target in routable),
+        key=model,
         ready=len(routable),
         capacities=tuple(
             target.capacity + waits
             for target in routable
             if target.capacity != UNLIMITED
         ),
+        backends=tuple(target.backend_name for target in routable),
     )
 
 

@@ -444,6 +444,7 @@ class Gateway:
 
     def _note_config(self, state: GatewayState) -> None:
         self.metrics.config_version.set(state.version)
+        self.admission.state_installed(state)
         self.fleet.snapshot_installed()
         if isinstance(self.limiter, LocalLimiter):
             self.limiter.reconcile(state.spend)

@@ -59,6 +59,8 @@ class Launch:
     argv: list[str]
     pass_fds: tuple[int, ...] = ()
     env: dict[str, str] | None = None
+    # What the child gets if the launcher dies without stopping it (die_with).
+    death_signal: int = signal.SIGTERM
 
 
 @dataclass
@@ -139,9 +141,10 @@ class Supervisor:
         pass_fds: Sequence[int] = (),
         env: dict[str, str] | None = None,
         stop_last: bool = False,
+        death_signal: int = signal.SIGTERM,
     ) -> Child:
         """Start a child, restarted with the same command whenever it dies."""
-        launch = Launch(list(argv), tuple(pass_fds), env)
+        launch = Launch(list(argv), tuple(pass_fds), env, death_signal)
         child = self.adopt(label, _spawn(launch))
         child.launch = launch
         child.stop_last = stop_last
@@ -293,9 +296,9 @@ _PRCTL = _load_prctl()
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with(parent: int) -> Callable[[], None]:
-    """A ``preexec_fn`` that has the child SIGTERMed when `parent` (this
-    process) dies.
+def die_with(parent: int, signum: int = signal.SIGTERM) -> Callable[[], None]:
+    """A ``preexec_fn`` that has the child sent `signum` (SIGTERM: stop
+    cleanly) when `parent` (this process) dies.
 
     The kernel sends it when the thread that forked the child exits, so every
     child is started from the launcher's main thread (``start``, ``adopt``'s
@@ -306,7 +309,7 @@ def die_with(parent: int) -> Callable[[], None]:
 
     def preexec() -> None:
         if _PRCTL is not None:
-            _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+            _PRCTL(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
             if os.getppid() != parent:
                 os._exit(1)
 
@@ -322,7 +325,7 @@ def _spawn(launch: Launch) -> subprocess.Popen[str]:
         bufsize=1,
         start_new_session=True,
         # Safe with threads: one ctypes call looked up beforehand (die_with).
-        preexec_fn=die_with(os.getpid()),  # noqa: PLW1509
+        preexec_fn=die_with(os.getpid(), launch.death_signal),  # noqa: PLW1509
         pass_fds=launch.pass_fds,
         env=launch.env,
     )

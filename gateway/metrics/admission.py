@@ -76,21 +76,21 @@ class AdmissionMetrics:
         )
         self.admission_lower = Gauge(
             "nexus_admission_lower_bound",
-            "The band's lower bound of each backend pool (whole gateway).",
+            "The band's lower bound of each model's pool (whole gateway).",
             ("pool",),
             multiprocess_mode="livemax",
             registry=registry,
         )
         self.admission_upper = Gauge(
             "nexus_admission_upper_bound",
-            "The band's upper bound of each backend pool (whole gateway).",
+            "The band's upper bound of each model's pool (whole gateway).",
             ("pool",),
             multiprocess_mode="livemax",
             registry=registry,
         )
         self.admission_watermark = Gauge(
             "nexus_admission_watermark",
-            "The watermark of each backend pool (whole gateway).",
+            "The watermark of each model's pool (whole gateway).",
             ("pool",),
             multiprocess_mode="livemax",
             registry=registry,
@@ -170,7 +170,7 @@ class AdmissionMetrics:
             flows += pool.queue.active_flows
             for model, count in pool.stock_by_model.items():
                 stock[model] = stock.get(model, 0) + count
-            name = pool.key.replace("\n", ",")
+            name = pool.key
             self.admission_lower.labels(name).set(pool.band.lower)
             self.admission_upper.labels(name).set(pool.band.upper)
             self.admission_watermark.labels(name).set(pool.band.watermark)

@@ -25,6 +25,7 @@ from gateway.proxy.forward import Upstream, forward
 from gateway.proxy.legs import ProxyExchange
 from gateway.proxy.relays import Send
 from routing.admission import AdmissionError
+from routing.admission.vocabulary import Outcome
 from routing.core import RequestRequirements, Route, RouterSnapshot, RoutingError
 from routing.core.decision import Via
 from routing.state import GatewayState
@@ -118,6 +119,12 @@ class Pipeline:
                 )
                 if ticket is not None:
                     await gateway.admission.admit(ticket)
+                    if ticket.outcome is Outcome.DISPATCHED:
+                        # It waited: route with what is ready now (a backend
+                        # that turned ready meanwhile is why it goes).
+                        latest = gateway.snapshots.peek()
+                        if latest is not None and latest is not state:
+                            state = exchange.state = latest
             except BadAdmissionHeader as error:
                 raise bad_request(str(error), param=error.header) from None
             except AdmissionError as error:

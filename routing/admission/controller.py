@@ -1,12 +1,15 @@
 """The admission controller: stock, the hysteresis band, dispatch and release.
 
-A *pool* is the set of ready backends that serve a model: models served by
-exactly the same backends share one pool, and so one stock, one band and one
-fair queue (Nexus's backends are not interchangeable, so the gateway-wide
-stock of the seed would let a busy model hold back an idle one). The stock
-is the number of requests of the pool this process let through and has not
-seen end; the band is the policy's per-backend bounds times the pool's ready
-backends, this process's share of it (``AdmissionSettings.band``).
+A *pool* holds the requests for one served model: one stock, one band and
+one fair queue (Nexus's backends are not interchangeable, so the gateway-wide
+stock of the seed would let a busy model hold back an idle one). Its key does
+not depend on which backends are ready: when that set changes the band is
+recomputed and the waiting requests go first (``resize()``), so a backend
+that turns ready takes the queue before new arrivals, and nothing already
+waiting is overtaken. The stock is the number of requests of the pool this
+process let through and has not seen end; the band is the policy's
+per-backend bounds times the pool's ready backends, this process's share of
+it (``AdmissionSettings.band``).
 
 - ``admit()``: straight through (bypass) while nothing waits and the stock is
   below the band's upper limit, else into the queue (which may refuse, or
@@ -43,13 +46,14 @@ Clock = Callable[[], float]
 
 @dataclass(eq=False, slots=True)
 class Pool:
-    """The stock, band and queue of one set of ready backends."""
+    """The stock, band and queue of one served model."""
 
     key: str
     ready: int
     band: Band
     queue: FairRequestQueue
     capacities: tuple[int, ...] = ()  # max_concurrency of ready backends that say
+    backends: tuple[str, ...] = ()  # the ready backends' names (for the views)
     stock: int = 0
     stock_by_model: dict[str, int] = field(default_factory=dict)
     queueing: bool = False  # enqueue mode (False: bypass mode)
@@ -140,6 +144,7 @@ class AdmissionController:
         pool_key: str,
         ready_backends: int,
         capacities: tuple[int, ...] = (),
+        backends: tuple[str, ...] = (),
     ) -> Ticket:
         """Let `ticket` through or queue it; return it.
 
@@ -150,7 +155,7 @@ class AdmissionController:
         """
         counts = self.counts
         counts.arrived += 1
-        pool = self._pool(pool_key, ready_backends, capacities)
+        pool = self._pool(pool_key, ready_backends, capacities, backends)
         ticket.pool = pool
         queue = pool.queue
         now = self.clock()
@@ -210,6 +215,27 @@ class AdmissionController:
                 del by_model[ticket.model]
             self.pump(pool)
 
+    def resize(
+        self,
+        key: str,
+        ready_backends: int,
+        capacities: tuple[int, ...] = (),
+        backends: tuple[str, ...] = (),
+    ) -> None:
+        """The ready backends of pool `key` changed: a new band, and what now
+        fits of the waiting requests goes at once, before any new arrival."""
+        pool = self.pools.get(key)
+        if pool is not None:
+            self._pool(key, ready_backends, capacities, backends)
+
+    def open_pool(self, key: str) -> None:
+        """Let everything waiting in pool `key` through (its model has no
+        ready backend left: the router answers them, by a fallback or its
+        own error, rather than leaving them to wait out the TTL)."""
+        pool = self.pools.get(key)
+        if pool is not None:
+            self._open(pool, self.clock())
+
     def pump(self, pool: Pool) -> None:
         """Send waiting requests while the pool's stock is below the lower limit."""
         queue = pool.queue
@@ -238,14 +264,7 @@ class AdmissionController:
         """Let every waiting request through (fail-open when dequeueing broke)."""
         now = self.clock()
         for pool in list(self.pools.values()):
-            while True:
-                ticket = pool.queue.pop()
-                if ticket is None:
-                    break
-                self.counts.dispatched += 1
-                self._let_through(pool, ticket, Outcome.DISPATCHED, now)
-                self._call(ticket)
-            self._note_if_drained(pool)
+            self._open(pool, now)
 
     def expire(self) -> float | None:
         """Refuse requests past the TTL or their deadline; return the next expiry."""
@@ -282,7 +301,13 @@ class AdmissionController:
 
     # Internals -------------------------------------------------------------
 
-    def _pool(self, key: str, ready: int, capacities: tuple[int, ...]) -> Pool:
+    def _pool(
+        self,
+        key: str,
+        ready: int,
+        capacities: tuple[int, ...],
+        backends: tuple[str, ...] = (),
+    ) -> Pool:
         pool = self.pools.get(key)
         if pool is None:
             queue = FairRequestQueue()
@@ -293,12 +318,25 @@ class AdmissionController:
                 band=self.settings.band(ready, self.index, self.processes, capacities),
                 queue=queue,
                 capacities=capacities,
+                backends=backends,
             )
         elif pool.ready != ready or pool.capacities != capacities:
-            pool.ready, pool.capacities = ready, capacities
+            pool.ready, pool.capacities, pool.backends = ready, capacities, backends
             pool.band = self._band(pool)
             self.pump(pool)
+        elif backends and pool.backends != backends:
+            pool.backends = backends
         return pool
+
+    def _open(self, pool: Pool, now: float) -> None:
+        while True:
+            ticket = pool.queue.pop()
+            if ticket is None:
+                break
+            self.counts.dispatched += 1
+            self._let_through(pool, ticket, Outcome.DISPATCHED, now)
+            self._call(ticket)
+        self._note_if_drained(pool)
 
     def _band(self, pool: Pool) -> Band:
         return self.settings.band(

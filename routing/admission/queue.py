@@ -56,9 +56,10 @@ class Ticket:
     decided_at: float | None = None
     released: bool = False
     pool: Any = field(default=None, repr=False)  # the controller's Pool
-    pool_key: str = ""  # which pool, and its ready backends, to admit into
+    pool_key: str = ""  # which pool (the served model), and its ready backends
     ready: int = 0
     capacities: tuple[int, ...] = ()
+    backends: tuple[str, ...] = ()  # the ready backends' names (for the views)
     seq: int = 0
     vfinish: float = 0.0
     queued: bool = False

@@ -17,10 +17,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from rest_framework.authtoken.models import Token
 
 from backends.models import Backend, BackendModel, HealthStatus
 from routing.models import Alias, FallbackChain, RoutingPolicy
 from tests.conftest import MockBackendProcess, NexusServer, mock_stats, wait_until
+from tests.factories import StaffUserFactory
 from usage.models import ApiKey
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -358,3 +360,81 @@ def test_aliases_and_fallbacks_wait_in_the_pool_of_the_backend_that_serves(
     # One band for all three names: the backend never had two at once.
     assert stats["peak_outstanding"] == 1
     assert server.metric("nexus_admission_dequeue_successes_total") == 5
+
+
+def test_a_backend_enabled_while_requests_wait_serves_them_before_new_arrivals(
+    mock_backend_factory: Callable[..., MockBackendProcess],
+    nexus_server_factory: Callable[..., NexusServer],
+) -> None:
+    # Issue 30's reproduction: one backend running one request at a time
+    # holds one and queues two; the operator enables a second backend.
+    first = mock_backend_factory("--models", "m", "--name", "first", "--slots", "1")
+    second = mock_backend_factory(
+        "--models", "m", "--name", "second", "--latency-ms", "200", "--slots", "4"
+    )
+    for name, mock, enabled in (("first", first, True), ("second", second, False)):
+        backend = Backend.objects.create(
+            name=name,
+            base_url=mock.base_url,
+            status=HealthStatus.HEALTHY,
+            max_concurrency=1,
+            enabled=enabled,
+        )
+        BackendModel.objects.create(backend=backend, name="m")
+    enable = Backend.objects.get(name="second")
+    token = Token.objects.create(user=StaffUserFactory()).key
+    _, key = ApiKey.objects.create_key("patient")
+    server = nexus_server_factory()
+    httpx.post(f"{first.base_url}/_mock/hold", json={"first": 100})
+
+    def served_by_second() -> int:
+        return int(mock_stats(second)["requests"].get("/v1/chat/completions", 0))
+
+    async def scenario() -> tuple[list[Any], list[Any]]:
+        client = _client(server, key, timeout=60)
+
+        def ask() -> asyncio.Future[Any]:
+            return asyncio.ensure_future(
+                client.chat.completions.with_raw_response.create(
+                    model="m", messages=MESSAGES
+                )
+            )
+
+        older = [ask() for _ in range(3)]
+        await asyncio.to_thread(
+            wait_until,
+            lambda: server.metric("nexus_admission_queue_length") == 2,
+            60,
+            "two requests waiting",
+        )
+        changed = await asyncio.to_thread(
+            httpx.patch,
+            f"{server.base_url}/api/v1/backends/{enable.pk}",
+            json={"enabled": True},
+            headers={"Authorization": f"Token {token}"},
+            timeout=30,
+        )
+        assert changed.status_code == 200, changed.text
+        # The two that waited go to the new backend, without a new arrival
+        # to wake them, while the first backend still holds its request.
+        await asyncio.to_thread(
+            wait_until,
+            lambda: served_by_second() == 2,
+            60,
+            "the new backend to serve the two waiting requests",
+        )
+        newer = [ask() for _ in range(3)]
+        done_newer = await asyncio.gather(*newer, return_exceptions=True)
+        await asyncio.to_thread(httpx.post, f"{first.base_url}/_mock/release")
+        done_older = await asyncio.gather(*older, return_exceptions=True)
+        return done_older, done_newer
+
+    older, newer = asyncio.run(scenario())
+    for reply in [*older, *newer]:
+        assert not isinstance(reply, BaseException), reply
+    backends = [reply.headers["x-nexus-backend"] for reply in older]
+    assert sorted(backends) == ["first", "second", "second"]
+    # Capacity added never turns into refusals: the newcomers queued, then
+    # went to the new backend one at a time.
+    assert [reply.headers["x-nexus-backend"] for reply in newer] == ["second"] * 3
+    assert mock_stats(second)["peak_outstanding"] == 1

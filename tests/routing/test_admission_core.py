@@ -443,6 +443,39 @@ def test_an_idle_pool_of_max_concurrency_backends_never_queues() -> None:
     assert outcomes[8] is None  # the ninth waits for a free slot
 
 
+def test_waiting_requests_go_first_to_a_backend_that_turns_ready() -> None:
+    # Issue 30's reproduction: one backend running 3 at once, 3 in flight and
+    # 3 waiting; a second backend turns ready.
+    controller = AdmissionController(AdmissionSettings(), clock=Clock())
+    older = [Ticket(flow="a") for _ in range(6)]
+    for ticket in older:
+        controller.admit(ticket, "m", 1, (3,), ("gpu-1",))
+    assert [t.outcome for t in older].count(None) == 3
+    controller.resize("m", 2, (3, 3), ("gpu-1", "gpu-2"))
+    # The waiting three go at once, before anything new arrives...
+    assert all(t.outcome in GO for t in older)
+    assert controller.pools["m"].backends == ("gpu-1", "gpu-2")
+    # ... and newcomers wait for the band instead of overtaking them.
+    newer = [Ticket(flow="b") for _ in range(4)]
+    for ticket in newer:
+        controller.admit(ticket, "m", 2, (3, 3), ("gpu-1", "gpu-2"))
+    assert [t.outcome for t in newer] == [None] * 4
+    assert controller.pools["m"].stock == 6
+
+
+def test_waiting_requests_of_a_model_left_without_backends_go_on() -> None:
+    controller = AdmissionController(AdmissionSettings(), clock=Clock())
+    tickets = [Ticket(flow="a") for _ in range(3)]
+    for ticket in tickets:
+        controller.admit(ticket, "m", 1, (1,))
+    assert tickets[2].outcome is None
+    controller.open_pool("m")  # to the router: a fallback, or its error
+    assert all(t.outcome in GO for t in tickets)
+    for ticket in tickets:
+        controller.release(ticket)
+    assert controller.stock == 0
+
+
 def test_output_size_per_model_replaces_the_default() -> None:
     settings_ = AdmissionSettings(
         default_output_tokens=100, model_output_tokens={"big": 2000}

@@ -7,6 +7,7 @@ import importlib.util
 import os
 import secrets
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -284,6 +285,11 @@ class Command(BaseCommand):
                 "nexus-worker@%h",
                 *(() if shared else ("--without-mingle", "--without-gossip")),
             ],
+            # Its warm shutdown (SIGTERM) waits for running tasks: after a
+            # kill -9 of the launcher on a loaded machine it once outlived
+            # the launcher by more than 30 s (what it waited for was not
+            # seen). Its tasks are periodic and run again on the next beat.
+            death_signal=signal.SIGKILL,
         )
         beat = supervisor.start(
             "beat",
