@@ -230,6 +230,9 @@ class RoutingPolicyAdmin(RoutingPolicyAdminBase):
                     "admission_critical_reserved",
                     "admission_queue_ttl",
                     "admission_model_weights",
+                    "admission_critical_share",
+                    "admission_default_share",
+                    "admission_sheddable_share",
                 ),
                 "description": "When a pool of backends (the ready backends "
                 "serving a model) has more requests in flight than the band "

@@ -240,6 +240,9 @@ ADMISSION_FIELDS = (
     "percentage_deviation_for_bounds",
     "model_weights",
     "model_output_tokens",
+    "critical_share",
+    "default_share",
+    "sheddable_share",
 )
 
 
@@ -359,6 +362,26 @@ class RoutingPolicy(models.Model):
         blank=True,
         help_text="A request's output size when it sets no max_tokens, for these "
         'models, e.g. {"llama3:70b": 1024}; others use the default output tokens.',
+    )
+    admission_critical_share = models.PositiveSmallIntegerField(
+        "critical share",
+        default=70,
+        validators=[MaxValueValidator(100)],
+        help_text="Share of the dispatches that critical requests get while other "
+        "levels wait too (100 / 0 / 0: strict priority).",
+    )
+    admission_default_share = models.PositiveSmallIntegerField(
+        "default share",
+        default=25,
+        validators=[MaxValueValidator(100)],
+        help_text="Share of default requests (0: only when no level with a share "
+        "waits).",
+    )
+    admission_sheddable_share = models.PositiveSmallIntegerField(
+        "sheddable share",
+        default=5,
+        validators=[MaxValueValidator(100)],
+        help_text="Share of sheddable requests.",
     )
     # The fleet strategy's settings (routing.core.fleet_policy.FLEET_SETTINGS).
     hot_points = fleet_field("hot_points")

@@ -350,6 +350,7 @@ class AdmissionController:
             flow_capacity=settings.flow_capacity,
             critical_reserved=settings.critical_reserved,
             ttl=settings.queue_ttl,
+            shares=settings.shares,
         )
 
     def _let_through(

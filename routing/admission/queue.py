@@ -4,8 +4,12 @@ Each criticality level is a self-clocked fair queue: a request of flow *f*
 gets the virtual finish time ``max(V, f.last_finish) + size / weight`` and
 the level serves the smallest first, setting its virtual time ``V`` to it.
 A flow's finish times only grow, so requests of one flow leave in arrival
-order (FIFO) whatever their sizes. Levels cascade: critical first, then
-default, then sheddable.
+order (FIFO) whatever their sizes. Levels share the dispatches by their
+``shares`` (stride scheduling over the requests' sizes: critical 70, default
+25, sheddable 5 by default), so a sustained critical flood cannot starve the
+other levels; a level whose share is 0 is served only when no level with a
+share waits (100 / 0 / 0 is strict priority). A level that starts waiting
+gets no credit for the time it was empty.
 
 Bounds: ``flow_capacity`` requests per flow (over all levels) and
 ``total_capacity`` in all; non-critical requests may fill only
@@ -22,8 +26,9 @@ level's heap and the deadline heap, which are compacted when mostly stale.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from routing.admission.errors import FlowQueueFull, QueueFull
@@ -32,6 +37,9 @@ from routing.admission.vocabulary import Criticality, Outcome
 # Preemption history kept for flows no longer waiting (bounded).
 PREEMPTION_MEMORY = 4096
 _LEVELS_SERVED = (Criticality.CRITICAL, Criticality.DEFAULT, Criticality.SHEDDABLE)
+DEFAULT_SHARES = MappingProxyType(
+    {Criticality.CRITICAL: 70, Criticality.DEFAULT: 25, Criticality.SHEDDABLE: 5}
+)
 _LEVELS_SHED = (Criticality.SHEDDABLE, Criticality.DEFAULT)
 
 
@@ -75,13 +83,15 @@ class _Flow:
 
 
 class _Level:
-    __slots__ = ("flows", "heap", "live", "vtime")
+    __slots__ = ("flows", "heap", "live", "passed", "share", "vtime")
 
-    def __init__(self) -> None:
+    def __init__(self, share: int) -> None:
         self.flows: dict[str, _Flow] = {}
         self.live = 0
         self.heap: list[tuple[float, int, Ticket]] = []
         self.vtime = 0.0
+        self.share = share
+        self.passed = 0.0  # the level's stride-scheduling pass
 
 
 class FairRequestQueue:
@@ -94,12 +104,14 @@ class FairRequestQueue:
         flow_capacity: int = 100,
         critical_reserved: int = 0,
         ttl: float = 30.0,
+        shares: Mapping[Criticality, int] = DEFAULT_SHARES,
     ) -> None:
         self.total_capacity = total_capacity
         self.flow_capacity = flow_capacity
         self.critical_reserved = critical_reserved
         self.ttl = ttl
-        self._levels = {level: _Level() for level in Criticality}
+        self._levels = {level: _Level(shares[level]) for level in Criticality}
+        self._pass_clock = 0.0  # the pass of the level served last
         self._by_arrival: dict[Ticket, None] = {}
         self._deadlines: list[tuple[float, int, Ticket]] = []
         self._per_flow: dict[str, int] = {}
@@ -118,12 +130,15 @@ class FairRequestQueue:
         flow_capacity: int,
         critical_reserved: int,
         ttl: float,
+        shares: Mapping[Criticality, int] = DEFAULT_SHARES,
     ) -> None:
         """Apply new limits to future arrivals (waiting requests stay)."""
         self.total_capacity = total_capacity
         self.flow_capacity = flow_capacity
         self.critical_reserved = critical_reserved
         self.ttl = ttl
+        for level, share in shares.items():
+            self._levels[level].share = share
 
     def flow_lengths(self) -> dict[str, int]:
         """Requests waiting per flow (all levels together)."""
@@ -168,16 +183,31 @@ class FairRequestQueue:
 
     def pop(self) -> Ticket | None:
         """Remove and return the next request to serve (None if none waits)."""
+        chosen: _Level | None = None
+        first: _Level | None = None
         for criticality in _LEVELS_SERVED:
             level = self._levels[criticality]
-            heap = level.heap
-            while heap:
-                vfinish, _, ticket = heapq.heappop(heap)
-                if ticket.queued and ticket.vfinish == vfinish:
-                    level.vtime = max(level.vtime, vfinish)
-                    self._remove(ticket)
-                    return ticket
-        return None
+            if not level.live:
+                continue
+            if first is None:
+                first = level
+            if level.share and (chosen is None or level.passed < chosen.passed):
+                chosen = level
+        if chosen is None:
+            chosen = first
+            if chosen is None:
+                return None
+        heap = chosen.heap
+        while heap:
+            vfinish, _, ticket = heapq.heappop(heap)
+            if ticket.queued and ticket.vfinish == vfinish:
+                chosen.vtime = max(chosen.vtime, vfinish)
+                if chosen.share:
+                    self._pass_clock = chosen.passed
+                    chosen.passed += max(ticket.size, 1.0) / chosen.share
+                self._remove(ticket)
+                return ticket
+        return None  # not reached: a live level has a live heap entry
 
     def remove(self, ticket: Ticket) -> bool:
         """Take a waiting request out (cancelled); False if it was not waiting."""
@@ -257,6 +287,10 @@ class FairRequestQueue:
 
     def _insert(self, ticket: Ticket, now: float) -> None:
         level = self._levels[ticket.criticality]
+        if not level.live:
+            # No credit for the time it was empty: it starts level with the
+            # level served last.
+            level.passed = max(level.passed, self._pass_clock)
         flow = level.flows.get(ticket.flow)
         if flow is None:
             flow = level.flows[ticket.flow] = _Flow(ticket.flow)

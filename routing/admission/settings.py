@@ -12,13 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 
-from routing.admission.vocabulary import FlowKey, Sizing
+from routing.admission.vocabulary import Criticality, FlowKey, Sizing
 
 MAX_CAPACITY = 1_000_000
 MAX_TTL_SECONDS = 3600.0
 MAX_PER_BACKEND = 100_000.0
 MAX_WEIGHT = 1000.0
 MAX_OUTPUT_TOKENS = 10_000_000
+SHARE_NAMES = ("critical_share", "default_share", "sheddable_share")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +49,10 @@ class AdmissionSettings:
     critical requests; the others may fill ``total_capacity`` minus it.
     ``model_weights`` multiply a flow's weight by the model's (default 1);
     ``model_output_tokens`` replace ``default_output_tokens`` for the models
-    they name (a request without max_tokens).
+    they name (a request without max_tokens). ``critical_share``,
+    ``default_share`` and ``sheddable_share`` split the dispatches between
+    the criticality levels while more than one waits (0: only when no level
+    with a share waits).
     """
 
     enabled: bool = True
@@ -69,6 +73,9 @@ class AdmissionSettings:
     model_output_tokens: Mapping[str, int] = field(
         default_factory=lambda: MappingProxyType({})
     )
+    critical_share: int = 70
+    default_share: int = 25
+    sheddable_share: int = 5
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "flow_key", FlowKey(self.flow_key))
@@ -96,6 +103,15 @@ class AdmissionSettings:
             value = values.get(item.name, getattr(defaults, item.name))
             object.__setattr__(unchecked, item.name, value)
         return unchecked.problems()
+
+    @property
+    def shares(self) -> Mapping[Criticality, int]:
+        """Each criticality level's share of the dispatches."""
+        return {
+            Criticality.CRITICAL: self.critical_share,
+            Criticality.DEFAULT: self.default_share,
+            Criticality.SHEDDABLE: self.sheddable_share,
+        }
 
     @property
     def lower_per_backend(self) -> float:
@@ -183,6 +199,19 @@ class AdmissionSettings:
             found["lower_bound_per_backend"] = (
                 f"lower_bound_per_backend ({self.lower_per_backend:g}) cannot be "
                 f"above upper_bound_per_backend ({self.upper_per_backend:g})"
+            )
+        shares = [getattr(self, name) for name in SHARE_NAMES]
+        for name, share in zip(SHARE_NAMES, shares, strict=True):
+            if (
+                not isinstance(share, int)
+                or isinstance(share, bool)
+                or not 0 <= share <= 100
+            ):
+                found[name] = f"must be a whole number from 0 to 100, got {share!r}"
+        if not found.keys() & set(SHARE_NAMES) and not any(shares):
+            found["critical_share"] = (
+                "one of critical_share, default_share and sheddable_share must "
+                "be above 0"
             )
         for model, weight in self.model_weights.items():
             if not _finite_in(weight, 0, MAX_WEIGHT, low_open=True):

@@ -147,6 +147,18 @@ class AdmissionPolicySerializer(serializers.Serializer[Any]):
         source="admission_critical_reserved", required=False
     )
     queue_ttl = serializers.FloatField(source="admission_queue_ttl", required=False)
+    critical_share = serializers.IntegerField(
+        source="admission_critical_share",
+        required=False,
+        help_text="Share of the dispatches of critical requests while other "
+        "levels wait too (0-100).",
+    )
+    default_share = serializers.IntegerField(
+        source="admission_default_share", required=False
+    )
+    sheddable_share = serializers.IntegerField(
+        source="admission_sheddable_share", required=False
+    )
     model_weights = serializers.DictField(
         child=serializers.FloatField(),
         source="admission_model_weights",

@@ -54,6 +54,11 @@ ADMISSION_SETTINGS = (
         "a non-negative integer",
     ),
     Setting("queue_ttl", "admission_queue_ttl", float, "a number of seconds"),
+    Setting("critical_share", "admission_critical_share", int, "a whole number 0-100"),
+    Setting("default_share", "admission_default_share", int, "a whole number 0-100"),
+    Setting(
+        "sheddable_share", "admission_sheddable_share", int, "a whole number 0-100"
+    ),
     Setting(
         "watermark_per_backend",
         "admission_watermark_per_backend",

@@ -97,6 +97,9 @@ ADMISSION_DEFAULTS = {
     "admission_lower_bound_per_backend": "",
     "admission_upper_bound_per_backend": "",
     "admission_model_weights": "{}",
+    "admission_critical_share": "70",
+    "admission_default_share": "25",
+    "admission_sheddable_share": "5",
 }
 
 

@@ -290,6 +290,66 @@ def test_critical_is_served_before_default_and_sheddable() -> None:
     assert sim.served[2:] == [high, mid, low]
 
 
+def _drain_levels(queue: FairRequestQueue, pops: int) -> Counter[str]:
+    served: Counter[str] = Counter()
+    for _ in range(pops):
+        ticket = queue.pop()
+        assert ticket is not None
+        served[ticket.criticality.label] += 1
+    return served
+
+
+def _flood(queue: FairRequestQueue, per_level: int) -> None:
+    for n in range(per_level):
+        for level in Criticality:
+            queue.push(Ticket(flow=f"{level.label}{n % 4}", criticality=level), 0.0)
+
+
+def test_a_critical_flood_leaves_the_other_levels_their_shares() -> None:
+    queue = FairRequestQueue(total_capacity=1000, flow_capacity=1000)
+    _flood(queue, 300)
+    served = _drain_levels(queue, 200)
+    assert served == {"critical": 140, "default": 50, "sheddable": 10}
+
+
+def test_shares_of_100_0_0_serve_the_levels_strictly_in_order() -> None:
+    queue = FairRequestQueue(
+        total_capacity=1000,
+        flow_capacity=1000,
+        shares={
+            Criticality.CRITICAL: 100,
+            Criticality.DEFAULT: 0,
+            Criticality.SHEDDABLE: 0,
+        },
+    )
+    _flood(queue, 10)
+    order = [ticket.criticality for ticket in iter(queue.pop, None)]
+    assert order == sorted(order, reverse=True)  # critical, default, sheddable
+
+
+def test_a_level_that_starts_waiting_gets_no_credit_for_its_idle_time() -> None:
+    queue = FairRequestQueue(total_capacity=1000, flow_capacity=1000)
+    for _ in range(100):
+        queue.push(Ticket(flow="c", criticality=Criticality.CRITICAL), 0.0)
+    assert _drain_levels(queue, 60) == {"critical": 60}
+    for _ in range(40):
+        queue.push(Ticket(flow="d"), 0.0)
+    # The default level now gets its quarter, not 60 requests' worth at once.
+    served = _drain_levels(queue, 19)
+    assert served["default"] <= 6
+
+
+def test_the_shares_are_settings_checked_by_name() -> None:
+    assert AdmissionSettings().shares[Criticality.SHEDDABLE] == 5
+    problems = AdmissionSettings.check(
+        critical_share=0, default_share=0, sheddable_share=0
+    )
+    assert "critical_share" in problems
+    assert AdmissionSettings.check(default_share=101) == {
+        "default_share": "must be a whole number from 0 to 100, got 101"
+    }
+
+
 def test_a_preempted_waiter_is_told_503_preempted() -> None:
     sim = Sim(total_capacity=1, flow_capacity=1, critical_reserved=0)
     sim.submit("a")
