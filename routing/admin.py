@@ -234,8 +234,8 @@ class RoutingPolicyAdmin(RoutingPolicyAdminBase):
                     "admission_default_share",
                     "admission_sheddable_share",
                 ),
-                "description": "When a pool of backends (the ready backends "
-                "serving a model) has more requests in flight than the band "
+                "description": "When a model's pool (its requests, against "
+                "its ready backends) has more requests in flight than the band "
                 "allows, new requests wait in Nexus's fair queue instead of "
                 "piling up in the model servers. The band is the watermark per "
                 "ready backend ± the deviation, or the explicit bounds; a "

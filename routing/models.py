@@ -306,7 +306,7 @@ class RoutingPolicy(models.Model):
         "total capacity",
         default=1000,
         validators=[MinValueValidator(1), MaxValueValidator(1_000_000)],
-        help_text="Requests that may wait, per backend pool and serving process.",
+        help_text="Requests that may wait, per model pool and serving process.",
     )
     admission_flow_capacity = models.PositiveIntegerField(
         "flow capacity",
