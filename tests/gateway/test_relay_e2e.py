@@ -747,6 +747,41 @@ def test_busy_workers_wait_in_admissions_queue_which_is_bounded(
     assert _chats(mock) == 3  # the late request never reached the worker
 
 
+def test_a_worker_that_registers_takes_the_requests_already_waiting(
+    relay: Relay,
+) -> None:
+    # Issue 30: the admission pool used to be keyed by the ready backends, so
+    # requests queued for gpu-a stayed there when gpu-b registered.
+    server = relay.server
+    mock_a, _ = relay.start(
+        "gpu-a", "--slots", "4", worker_args=("--max-concurrency", "1")
+    )
+    httpx.post(f"{mock_a.base_url}/_mock/hold", json={"first": 100}, timeout=10)
+    results: dict[str, object] = {}
+
+    def ask(label: str) -> None:
+        reply = _sdk(server, relay.key).chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": label}]
+        )
+        results[label] = reply.headers["x-nexus-backend"]
+
+    asking = [threading.Thread(target=ask, args=(f"r{n}",)) for n in range(3)]
+    for thread in asking:
+        thread.start()
+    wait_for(lambda: _chats(mock_a) == 1)  # held at gpu-a's mock
+    wait_for(lambda: server.metric("nexus_admission_queue_length") == 2)
+    mock_b, _ = relay.start(
+        "gpu-b", "--slots", "4", worker_args=("--max-concurrency", "1")
+    )
+    # The two waiting go to the new worker while gpu-a still holds its one.
+    wait_for(lambda: _chats(mock_b) == 2)
+    assert _chats(mock_a) == 1
+    httpx.post(f"{mock_a.base_url}/_mock/release", timeout=10)
+    for thread in asking:
+        thread.join(timeout=30)
+    assert sorted(results.values()) == ["gpu-a", "gpu-b", "gpu-b"]
+
+
 def test_under_fleet_a_busy_workers_requests_wait_in_its_line(relay: Relay) -> None:
     policy = RoutingPolicy.load()
     policy.strategy = "fleet"
