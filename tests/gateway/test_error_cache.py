@@ -8,6 +8,7 @@ port it listened on.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import threading
@@ -63,6 +64,13 @@ async def _refused() -> aiohttp.ClientError:
     raise AssertionError("a closed port accepted a connection")
 
 
+@pytest.fixture(scope="module")
+def refused() -> aiohttp.ClientError:
+    """A real refused connection's error (the tests below run off the event
+    loop, so that nothing is announced on the channel layer)."""
+    return asyncio.run(_refused())
+
+
 def _make_cache(
     clock: Clock, seconds: float = CACHE_SECONDS
 ) -> tuple[ErrorCache, LiveStats]:
@@ -86,8 +94,9 @@ def _snapshot(*names: str) -> RouterSnapshot:
     )
 
 
-async def test_only_a_failure_to_reach_the_server_counts() -> None:
-    refused = await _refused()
+def test_only_a_failure_to_reach_the_server_counts(
+    refused: aiohttp.ClientError,
+) -> None:
     assert is_connection_failure(refused)
     # A live server's doing: it hung up after answering, or answered slowly.
     assert not is_connection_failure(aiohttp.ServerDisconnectedError())
@@ -95,13 +104,15 @@ async def test_only_a_failure_to_reach_the_server_counts() -> None:
     assert not is_connection_failure(aiohttp.ClientPayloadError("cut short"))
 
 
-async def test_a_refused_connection_skips_the_backend_until_the_time_is_up() -> None:
+def test_a_refused_connection_skips_the_backend_until_the_time_is_up(
+    refused: aiohttp.ClientError,
+) -> None:
     clock = Clock()
     cache, stats = _make_cache(clock)
     snapshot = _snapshot("gpu-1", "gpu-2")
     assert Router().select(REQUEST, snapshot, stats).target.backend_name == "gpu-1"
 
-    assert cache.connect_failed("gpu-1", await _refused())
+    assert cache.connect_failed("gpu-1", refused)
     route = Router().select(REQUEST, snapshot, stats)
     assert route.target.backend_name == "gpu-2"
     assert route.retry_targets == ()  # not even as a retry
@@ -113,10 +124,11 @@ async def test_a_refused_connection_skips_the_backend_until_the_time_is_up() -> 
     assert not cache.is_cached("gpu-1")
 
 
-async def test_more_failures_meanwhile_do_not_put_off_the_next_try() -> None:
+def test_more_failures_meanwhile_do_not_put_off_the_next_try(
+    refused: aiohttp.ClientError,
+) -> None:
     clock = Clock()
     cache, _ = _make_cache(clock)
-    refused = await _refused()
     assert cache.connect_failed("gpu-1", refused)
     clock.now += 6
     assert not cache.connect_failed("gpu-1", refused)  # in flight before the skip
@@ -124,23 +136,27 @@ async def test_more_failures_meanwhile_do_not_put_off_the_next_try() -> None:
     assert not cache.is_cached("gpu-1")
 
 
-async def test_an_answer_from_the_backend_lets_it_back_at_once() -> None:
+def test_an_answer_from_the_backend_lets_it_back_at_once(
+    refused: aiohttp.ClientError,
+) -> None:
     cache, _ = _make_cache(Clock())
-    cache.connect_failed("gpu-1", await _refused())
+    cache.connect_failed("gpu-1", refused)
     cache.record_success("gpu-1")
     assert not cache.is_cached("gpu-1")
 
 
-async def test_zero_seconds_turns_the_cache_off() -> None:
+def test_zero_seconds_turns_the_cache_off(refused: aiohttp.ClientError) -> None:
     cache, stats = _make_cache(Clock(), seconds=0)
-    assert not cache.connect_failed("gpu-1", await _refused())
+    assert not cache.connect_failed("gpu-1", refused)
     assert Router().select(REQUEST, _snapshot("gpu-1"), stats).target.backend_name
     assert not stats.failed_connections
 
 
-async def test_explain_names_the_backend_the_error_cache_skipped() -> None:
+def test_explain_names_the_backend_the_error_cache_skipped(
+    refused: aiohttp.ClientError,
+) -> None:
     cache, stats = _make_cache(Clock())
-    cache.connect_failed("gpu-1", await _refused())
+    cache.connect_failed("gpu-1", refused)
     decision = Router().explain(REQUEST, _snapshot("gpu-1", "gpu-2"), stats)
     (excluded,) = decision.as_dict()["excluded"]
     assert excluded["backend"] == "gpu-1"
@@ -148,10 +164,11 @@ async def test_explain_names_the_backend_the_error_cache_skipped() -> None:
     assert "connection to it failed moments ago" in excluded["detail"]
 
 
-async def test_with_every_candidate_cached_the_least_recently_failed_is_tried() -> None:
+def test_with_every_candidate_cached_the_least_recently_failed_is_tried(
+    refused: aiohttp.ClientError,
+) -> None:
     clock = Clock()
     cache, stats = _make_cache(clock)
-    refused = await _refused()
     cache.connect_failed("gpu-2", refused)
     clock.now += 1
     cache.connect_failed("gpu-3", refused)
