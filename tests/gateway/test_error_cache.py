@@ -309,7 +309,7 @@ def _explained(server: NexusServer, token: str) -> dict[str, list[str]]:
     return {e["backend"]: e["reasons"] for e in answer["excluded"]}
 
 
-SECONDS = 4.0
+SECONDS = 6.0
 ENV = {
     "NEXUS_ERROR_CACHE_SECONDS": str(SECONDS),
     # Only the error cache may keep the dead backend out here.
