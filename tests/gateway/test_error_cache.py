@@ -245,7 +245,14 @@ def test_another_process_s_failure_is_skipped_here_for_the_same_time() -> None:
 
 
 class PortWatch:
-    """Listens on a port, counts the connections made and hangs each up."""
+    """Listens on a port, counts the connections made, and answers each
+    request with a 503: a live server's error, which must not skip it."""
+
+    BODY = b'{"error": {"message": "busy", "type": "server_error"}}'
+    ANSWER = (
+        b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(BODY), BODY)
+    )
 
     def __init__(self, port: int) -> None:
         self.sock = socket.socket()
@@ -263,7 +270,34 @@ class PortWatch:
             except OSError:
                 return  # closed
             self.connected_at.append(time.monotonic())
-            conn.close()
+            with conn:
+                conn.settimeout(5)
+                try:
+                    self._read_request(conn)
+                    conn.sendall(self.ANSWER)
+                except OSError:
+                    pass
+
+    @staticmethod
+    def _read_request(conn: socket.socket) -> None:
+        """Read the request whole, so that closing sends no reset."""
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        while len(body) < length:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return
+            body += chunk
 
     def close(self) -> None:
         self.sock.shutdown(socket.SHUT_RDWR)
@@ -379,7 +413,7 @@ def test_a_killed_backend_is_skipped_without_a_connection_until_the_time_is_up(
         "--models", "llama3:8b", "--name", "mock-a", "--port", str(dead.port)
     )
     try:
-        # A hang-up after connecting is a live server's doing: not skipped.
+        # Its 503 was a live server's answer: not skipped.
         assert served_by() == "mock-a"
     finally:
         back.stop()
@@ -388,6 +422,7 @@ def test_a_killed_backend_is_skipped_without_a_connection_until_the_time_is_up(
     lines = [line for line in server.log if "Backend mock-a failed" in line]
     assert len(lines) == 1, lines
     assert "connection" in lines[0]  # refused (or, pooled, closed)
+    assert not any("Backend mock-a failed: HTTP 503" in line for line in server.log)
 
 
 @pytest.mark.django_db(transaction=True)
