@@ -103,6 +103,7 @@ class BackendAdmin(BackendAdminBase):
         "name_label",
         "url_label",
         "kind",
+        "version",
         "status_badge",
         "enabled",
         "priority",
@@ -235,6 +236,10 @@ class BackendAdmin(BackendAdminBase):
         if obj.avg_latency_ms is None:
             return "—"
         return f"{obj.avg_latency_ms:,.0f} ms"
+
+    @admin.display(description="version", ordering="server_version")
+    def version(self, obj: Backend) -> str:
+        return obj.server_version or "—"
 
     @admin.display(description="last check", ordering="last_check_at")
     def last_check_age(self, obj: Backend) -> str:

@@ -18,6 +18,12 @@ click): each backend row is locked while its new state is computed, and a probe
 that started before the last recorded one finished is dropped, so one moment
 of a backend's life is never counted twice and no update is lost.
 
+After a good probe the round also reads each server's version (see
+``backends.kinds``), with what is left of the probe's time and never more than
+half of it, so that a slow or broken version endpoint cannot turn a good probe
+into a timeout: a version that cannot be read keeps the one recorded before.
+Versions are read here only, never on a request.
+
 A status change is announced to the apps above (``announce_change()``; the
 updates bypass model signals on purpose: a round that only refreshes latency
 and check times must not make every serving process rebuild its snapshot).
@@ -27,9 +33,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime
+from functools import partial
 from typing import TypedDict
 
 import httpx
@@ -42,13 +50,22 @@ from backends.kinds import (
     MAX_MESSAGE,
     BackendKindAdapter,
     Endpoint,
+    ProbeFailed,
     ProbeResult,
     ProbeStatus,
+    describe_error,
 )
 from backends.kinds.calls import Answer, call_backends
 from backends.models import HEALTH_FIELDS, Backend, BackendModel, HealthStatus
 
 logger = logging.getLogger(__name__)
+
+# The version read gets at most this share of the probe timeout, and must end
+# this share of it before the timeout (the probe's own answer is kept then).
+VERSION_SHARE = 0.5
+VERSION_MARGIN = 0.1
+# Less time than this left: not worth asking.
+MIN_VERSION_SECONDS = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +118,8 @@ class CheckReportDict(TypedDict):
     models: int
     error: str
     superseded: bool
+    # The server's version as recorded ("": unknown or a kind that does not say).
+    version: str
     # "pending (1 of 2 successes)", "failing (1 of 3 failures)" or "".
     progress: str
 
@@ -140,6 +159,7 @@ class CheckReport:
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     thresholds: Thresholds = Thresholds()
+    version: str = ""
 
     @property
     def progress(self) -> str:
@@ -185,6 +205,7 @@ class CheckReport:
             "models": self.models,
             "error": self.error,
             "superseded": self.superseded,
+            "version": self.version,
             "progress": self.progress,
         }
 
@@ -267,11 +288,12 @@ def check_all(
     )
     if not endpoints:
         return []
+    timeout = settings.NEXUS_HEALTH_PROBE_TIMEOUT
     answers = asyncio.run(
         call_backends(
             endpoints,
-            _probe,
-            timeout=settings.NEXUS_HEALTH_PROBE_TIMEOUT,
+            partial(_probe, timeout=timeout),
+            timeout=timeout,
             connections_per_backend=2,
             keep_alive=False,
             action="Probing",
@@ -290,9 +312,47 @@ def check_backend(backend_id: int) -> CheckReport:
 
 
 async def _probe(
-    adapter: BackendKindAdapter, client: httpx.AsyncClient, endpoint: Endpoint
+    adapter: BackendKindAdapter,
+    client: httpx.AsyncClient,
+    endpoint: Endpoint,
+    *,
+    timeout: float,
 ) -> ProbeResult:
-    return await adapter.probe(client, endpoint)
+    started = time.perf_counter()
+    result = await adapter.probe(client, endpoint)
+    if result.status is ProbeStatus.DOWN:
+        return result
+    # The round's timeout covers the probe and the version together: the
+    # version gets what the probe left, with a margin, and at most half.
+    left = min(
+        timeout * VERSION_SHARE,
+        timeout * (1 - VERSION_MARGIN) - (time.perf_counter() - started),
+    )
+    version = await _read_version(adapter, client, endpoint, left)
+    return replace(result, version=version)
+
+
+async def _read_version(
+    adapter: BackendKindAdapter,
+    client: httpx.AsyncClient,
+    endpoint: Endpoint,
+    seconds: float,
+) -> str | None:
+    """The server's version, or None when it could not be read in `seconds`."""
+    if seconds <= MIN_VERSION_SECONDS:
+        return None
+    try:
+        async with asyncio.timeout(seconds):
+            return await adapter.read_version(client, endpoint)
+    except (TimeoutError, httpx.HTTPError, ProbeFailed) as failure:
+        logger.debug(
+            "Could not read the version of %s: %s",
+            endpoint.name,
+            describe_error(failure, timeout=seconds),
+        )
+    except Exception:
+        logger.warning("Reading the version of %s failed", endpoint.name, exc_info=True)
+    return None
 
 
 def _observe(answer: Answer[ProbeResult]) -> Observation:
@@ -307,6 +367,7 @@ def _record(
 ) -> list[CheckReport]:
     thresholds = Thresholds.from_settings()
     reports: list[CheckReport] = []
+    versions_changed: list[tuple[str, str, str]] = []
     changed = False
     with transaction.atomic():
         # Locked in primary-key order, so overlapping rounds cannot deadlock.
@@ -335,6 +396,12 @@ def _record(
                     state.last_error, api_keys.get(row.pk, "")
                 )
                 row.last_check_at = observation.finished_at
+                if result.version is not None:
+                    if row.server_version and result.version != row.server_version:
+                        versions_changed.append(
+                            (row.name, row.server_version, result.version)
+                        )
+                    row.server_version = result.version
                 updated.append(row)
                 changed |= row.status != previous
                 if result.loaded_models is not None:
@@ -357,6 +424,7 @@ def _record(
                     consecutive_failures=row.consecutive_failures,
                     consecutive_successes=row.consecutive_successes,
                     thresholds=thresholds,
+                    version=row.server_version,
                 )
             )
         Backend.objects.bulk_update(updated, HEALTH_FIELDS)
@@ -371,6 +439,8 @@ def _record(
                 report.previous_status,
                 f": {report.error}" if report.error else "",
             )
+    for name, before, now in versions_changed:
+        logger.info("Backend %s runs version %s now (was %s)", name, now or "?", before)
     order = {pk: index for index, pk in enumerate(observations)}
     return sorted(reports, key=lambda report: order[report.backend_id])
 

@@ -13,7 +13,7 @@ from django.db import models, router, transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 
-from backends.kinds import Endpoint, LoadedModel
+from backends.kinds import MAX_VERSION, Endpoint, LoadedModel
 from backends.signals import backends_changed
 from backends.vocabulary import HealthStatus
 from nexus_worker.protocol import MISSED_HEARTBEATS_BEFORE_GONE
@@ -38,6 +38,7 @@ HEALTH_FIELDS = (
     "consecutive_failures",
     "consecutive_successes",
     "avg_latency_ms",
+    "server_version",
 )
 # A health result older than this many health intervals no longer counts: the
 # backend is treated as unknown (not routed to) until the next check.
@@ -281,6 +282,14 @@ class Backend(models.Model):
     consecutive_failures = models.PositiveIntegerField(default=0)
     consecutive_successes = models.PositiveIntegerField(default=0)
     avg_latency_ms = models.FloatField(null=True, blank=True)
+    server_version = models.CharField(
+        max_length=MAX_VERSION,
+        blank=True,
+        default="",
+        help_text="What the server said it runs, read by the health round (Ollama "
+        "/api/version, llama.cpp /props build_info, vLLM /version); empty: not "
+        "read yet, or a kind that does not say.",
+    )
 
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

@@ -4,7 +4,7 @@ The ASGI wiring (nexus_site/asgi.py) builds a ``Gateway`` from the settings and
 hands it to the proxy (``ProxyApp(gateway)``), the usage stream and /metrics.
 It owns what a serving process keeps between requests: the snapshot holder,
 the router and its live stats (in flight, latency, open circuits), the circuit
-breaker, the usage buffer and its shipper, the live usage counters and their
+breaker and the error cache, the usage buffer and its shipper, the live usage counters and their
 publisher, the upstream HTTP client and the metrics.
 
 Whatever runs in the background is a service (nexus_lib.service), listed once
@@ -36,6 +36,7 @@ from gateway.admission import AdmissionGate
 from gateway.breaker import BREAKER_GROUP, BreakerSettings, CircuitBreaker
 from gateway.client import ReplyLimits, UpstreamClient
 from gateway.context_limits import CONTEXT_GROUP, SharedContextLimits
+from gateway.error_cache import ErrorCache
 from gateway.fleet.scheduler import FleetScheduler
 from gateway.holder import SnapshotHolder
 from gateway.metrics import GatewayMetrics, MetricsEndpoint, Network, parse_networks
@@ -120,6 +121,8 @@ class GatewayConfig:
     metrics_token: str = ""
     metrics_per_key: bool = False
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
+    # Seconds a backend that refused a connection is skipped (0: never).
+    error_cache_seconds: float = 10.0
     # How admission control learns its share of the band: "single" (the only
     # process), "env" (the launcher's NEXUS_SERVING_*), "redis" (live registry).
     admission_share: str = "single"
@@ -153,6 +156,7 @@ class GatewayConfig:
             metrics_token=settings.NEXUS_METRICS_TOKEN,
             metrics_per_key=settings.NEXUS_METRICS_PER_KEY,
             breaker=BreakerSettings.from_settings(),
+            error_cache_seconds=settings.NEXUS_ERROR_CACHE_SECONDS,
             admission_share="redis" if settings.REDIS_URL else "env",
             limits_backend=settings.NEXUS_LIMITS_BACKEND,
             limits_redis_url=settings.NEXUS_LIMITS_REDIS_URL,
@@ -209,6 +213,9 @@ class Gateway:
         self.router = Router()
         self.stats = LiveStats()
         self.breaker = CircuitBreaker(stats=self.stats, config=config.breaker)
+        self.error_cache = ErrorCache(
+            stats=self.stats, seconds=config.error_cache_seconds
+        )
         # Small-context limits learned from overflows (context shift's pre-trim).
         self.context_limits = SharedContextLimits()
         self.buffer = UsageBuffer(maxlen=config.usage_buffer_max)
@@ -316,7 +323,8 @@ class Gateway:
         The order of stopping is the point: the relay first (its workers
         reconnect elsewhere at once), then the listeners and periodic work,
         admission (letting through what still waits), the fleet, the
-        snapshots, the publisher, the breaker's last announcements, the usage
+        snapshots, the publisher, the breaker's and the error cache's last
+        announcements, the usage
         sink (handing on the usage still held, after the open requests'
         last progress), the limiter (writing its last
         settles), and the upstream client, which the others use, last.
@@ -327,6 +335,7 @@ class Gateway:
             self.usage_sink,
             self.open_requests,
             self.breaker,
+            self.error_cache,
             self.publisher,
             self.snapshots,
             self.fleet,
@@ -336,7 +345,8 @@ class Gateway:
             services.append(self._reconciliation(self.limiter))
         return [
             *services,
-            _listener(BREAKER_GROUP, self.breaker.on_message, "breaker-listen"),
+            # The breaker's openings and the error cache's failures.
+            _listener(BREAKER_GROUP, self._on_backend_news, "breaker-listen"),
             _listener(
                 CONTEXT_GROUP, self.context_limits.on_message, "context-limits-listen"
             ),
@@ -434,6 +444,11 @@ class Gateway:
             error="Could not read the keys' spend",
             log=logger.warning,
         )
+
+    def _on_backend_news(self, message: dict[str, Any]) -> None:
+        """Another process opened a circuit or could not connect to a backend."""
+        self.breaker.on_message(message)
+        self.error_cache.on_message(message)
 
     def _count_opening(self, backend_name: str) -> None:
         self.metrics.breaker_openings.labels(backend_name).inc()

@@ -27,7 +27,12 @@ class BackendHealthRowDict(TypedDict):
     url: str
     enabled: bool
     status: str
+    # What the server said it runs on the last health round; None: unknown, or a
+    # kind that does not say (OpenAI-compatible, Anthropic, relay).
+    version: str | None
     circuit_open: bool
+    # A connection to it failed moments ago: skipped for new requests here.
+    error_cached: bool
     latency_ms: float | None
     last_check_at: str | None
     # The last result is older than 3 health intervals: treated as unknown.
@@ -77,9 +82,15 @@ def health(request: HttpRequest) -> JsonResponse:
 
     Open to anyone, like any load balancer check, with the overall status and
     the counts by health. Staff (a session or an admin token) also get each
-    backend: name, kind, status and the server part of its URL, never keys or
-    URL credentials. A healthy backend whose last check is stale counts as
-    unknown, as the router treats it.
+    backend: name, kind, status, server version and the server part of its
+    URL, never keys or URL credentials. A healthy backend whose last check is
+    stale counts as unknown, as the router treats it.
+
+    Versions are for staff only: a model server's version says which of its
+    published vulnerabilities are still open (Ollama has had path traversal
+    and remote code execution fixed in point releases), and names and URLs map
+    the private network behind the gateway. A load balancer needs the status
+    code; the anonymous body stays counts only.
     """
     try:
         backends = list(Backend.objects.with_model_count().order_by("priority", "name"))
@@ -96,7 +107,8 @@ def health(request: HttpRequest) -> JsonResponse:
     }
     rows: list[BackendHealthRowDict] = []
     serving = 0
-    breaker = current_gateway().breaker
+    gateway = current_gateway()
+    breaker, error_cache = gateway.breaker, gateway.error_cache
     now = timezone.now()
     for backend in backends:
         circuit_open = breaker.is_open(backend.name)
@@ -117,7 +129,9 @@ def health(request: HttpRequest) -> JsonResponse:
                 "url": _public_url(backend.base_url),
                 "enabled": backend.enabled,
                 "status": backend.status,
+                "version": backend.server_version or None,
                 "circuit_open": circuit_open,
+                "error_cached": error_cache.is_cached(backend.name),
                 "latency_ms": (
                     None
                     if backend.avg_latency_ms is None

@@ -40,6 +40,7 @@ _KNOB_OPTIONS = (
     "memory_gb",
     "load_seconds",
     "keep_alive_seconds",
+    "server_version",
 )
 
 
@@ -160,6 +161,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Serve at most N inference requests at once; the others wait in "
         "arrival order, like a model server's queue (default: no limit).",
     )
+    version_help = (
+        "The server version the kind reports (Ollama /api/version, vLLM "
+        "/version, llama.cpp /props build_info); default: a recent one."
+    )
+    try:
+        parser.add_argument(
+            "--version", "--server-version", dest="server_version", help=version_help
+        )
+    except argparse.ArgumentError:
+        # A Django command's parser has Django's own --version.
+        parser.add_argument(
+            "--server-version", dest="server_version", help=version_help
+        )
     parser.add_argument(
         "--record-requests",
         type=int,

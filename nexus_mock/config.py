@@ -70,6 +70,8 @@ class MockConfig:
     load_seconds: float = 0.0
     keep_alive_seconds: float = 300.0
     enforce_context: bool = False
+    # The version the kind's version endpoint reports (None: the kind's default).
+    server_version: str | None = None
 
     @property
     def has_memory(self) -> bool:
@@ -273,4 +275,5 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "load_seconds": _float_knob(0, 3600),
     "keep_alive_seconds": _float_knob(-1, 86_400),
     "enforce_context": _validate_bool,
+    "server_version": _optional(_validate_header_text),
 }

@@ -13,6 +13,10 @@ format:
   inference API of ``nexus_mock.ollama_api`` (``/api/chat``,
   ``/api/generate``, ``/api/embed``, ``/api/embeddings``). Errors are
   ``{"error": "..."}``.
+
+The version each kind reports (Ollama ``/api/version``, vLLM ``/version``,
+llama.cpp ``build_info`` in ``/props``) is ``server_version`` (``--version``),
+else a recent release.
 - ``vllm``: ``GET /health`` (200, empty body, never authenticated), ``GET
   /version``, and ``max_model_len`` on every ``/v1/models`` entry.
 - ``llamacpp``: ``GET /health`` (``{"status": "ok"}``, never authenticated),
@@ -43,6 +47,7 @@ from nexus_mock.replies import encode_json
 
 OLLAMA_VERSION = "0.6.8"
 VLLM_VERSION = "0.8.5"
+LLAMACPP_BUILD = "b5000-mock"
 # Bytes of a 4-bit 8B model, give or take: only there to look like Ollama.
 _MODEL_SIZE = 4_661_224_676
 
@@ -60,7 +65,7 @@ def answer_kind_request(
     if kind == "ollama":
         return _answer_ollama(request, config)
     if kind == "vllm":
-        return _answer_vllm(request)
+        return _answer_vllm(request, config)
     if kind == "anthropic":
         return _answer_anthropic(request, config, started)
     return None
@@ -141,7 +146,7 @@ def _answer_llamacpp(request: Request, config: MockConfig) -> bytes | None:
                 "chat_template": "{{ messages }}",
                 "modalities": {"vision": model in config.vision_models, "audio": False},
                 "chat_template_caps": {"supports_tools": model in config.tool_models},
-                "build_info": "b5000-mock",
+                "build_info": config.server_version or LLAMACPP_BUILD,
             }
         )
     return None
@@ -150,13 +155,13 @@ def _answer_llamacpp(request: Request, config: MockConfig) -> bytes | None:
 # vLLM
 
 
-def _answer_vllm(request: Request) -> bytes | None:
+def _answer_vllm(request: Request, config: MockConfig) -> bytes | None:
     if request.path == "/health":
         _require_get(request)
         return b""
     if request.path == "/version":
         _require_get(request)
-        return encode_json({"version": VLLM_VERSION})
+        return encode_json({"version": config.server_version or VLLM_VERSION})
     return None
 
 
@@ -170,7 +175,7 @@ def _answer_ollama(request: Request, config: MockConfig) -> bytes | None:
     check_bearer(request, config, ollama=True)
     if path == "/api/version":
         _require_get(request)
-        return encode_json({"version": OLLAMA_VERSION})
+        return encode_json({"version": config.server_version or OLLAMA_VERSION})
     if path == "/api/tags":
         _require_get(request)
         return encode_json(

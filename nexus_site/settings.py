@@ -605,6 +605,10 @@ NEXUS_BREAKER_FAILURES = _bounded_int("NEXUS_BREAKER_FAILURES", 5, 1, 1_000_000_
 NEXUS_BREAKER_WINDOW = _bounded_float("NEXUS_BREAKER_WINDOW", 10.0, 0.1, 86_400)
 NEXUS_BREAKER_COOLDOWN = _bounded_float("NEXUS_BREAKER_COOLDOWN", 30.0, 0.1, 86_400)
 NEXUS_BREAKER_PERSIST = env.bool("NEXUS_BREAKER_PERSIST", default=True)
+# Error cache: a connection to a backend that fails (refused, reset, unknown
+# host, connect timeout) skips it for new requests for this many seconds, in
+# every serving process; 0 turns it off.
+NEXUS_ERROR_CACHE_SECONDS = _bounded_float("NEXUS_ERROR_CACHE_SECONDS", 10.0, 0, 3600)
 
 # --- Usage accounting -----------------------------------------------------------
 

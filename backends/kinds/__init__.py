@@ -28,6 +28,14 @@ What each kind is asked:
 - ``relay``: a worker behind NAT that dialled in; not asked anything (its
   heartbeats are its health, its register message lists its models).
 
+After a good probe the health round also reads the server's version
+(``read_version()``): Ollama ``GET /api/version``, llama.cpp ``GET /props``
+(``build_info``), vLLM ``GET /version``; OpenAI-compatible, Anthropic and relay
+backends do not say (""). The answer is read up to a few kilobytes (/props: 512
+KiB, it carries the chat template), uncompressed, and within what is left of
+the probe's time; a failure to read it keeps the version recorded before and
+never fails the probe.
+
 Ollama, vLLM and llama.cpp constrain output to JSON for any model they serve,
 so their models are reported with JSON mode; elsewhere it is left unknown.
 """
@@ -44,6 +52,7 @@ from backends.kinds.adapters import (
 )
 from backends.kinds.base import (
     MAX_MESSAGE,
+    MAX_VERSION,
     BackendKindAdapter,
     BackendLoading,
     Endpoint,
@@ -76,6 +85,7 @@ def get_adapter(kind: str) -> BackendKindAdapter:
 __all__ = [
     "KINDS",
     "MAX_MESSAGE",
+    "MAX_VERSION",
     "BackendKindAdapter",
     "BackendLoading",
     "Endpoint",

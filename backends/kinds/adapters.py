@@ -11,6 +11,8 @@ from typing import Any
 import httpx
 
 from backends.kinds.base import (
+    MAX_PROPS_ANSWER,
+    MAX_VERSION_ANSWER,
     BackendKindAdapter,
     BackendLoading,
     Endpoint,
@@ -21,6 +23,7 @@ from backends.kinds.base import (
     ProbeStatus,
     model_entries,
     positive_int,
+    version_in,
 )
 
 ANTHROPIC_VERSION = "2023-06-01"
@@ -44,6 +47,13 @@ class VLLMKind(BackendKindAdapter):
         await self._get_json(client, endpoint, "/v1/models")
         return ProbeResult(ProbeStatus.UP, latency_ms=latency)
 
+    async def read_version(self, client: httpx.AsyncClient, endpoint: Endpoint) -> str:
+        """``GET /version``: ``{"version": "0.8.5"}``."""
+        payload = await self._get_small_json(
+            client, endpoint, "/version", MAX_VERSION_ANSWER
+        )
+        return version_in(payload, "version", "/version")
+
 
 class LlamaCppKind(BackendKindAdapter):
     kind = "llamacpp"
@@ -60,6 +70,14 @@ class LlamaCppKind(BackendKindAdapter):
             )
         self._check_status(response, "GET", "/health")
         return ProbeResult(ProbeStatus.UP, latency_ms=latency)
+
+    async def read_version(self, client: httpx.AsyncClient, endpoint: Endpoint) -> str:
+        """``GET /props``: its ``build_info`` ("b5000-1b2c3d4"); "" on builds
+        that do not say."""
+        payload = await self._get_small_json(
+            client, endpoint, "/props", MAX_PROPS_ANSWER
+        )
+        return version_in(payload, "build_info", "/props")
 
     async def list_models(
         self, client: httpx.AsyncClient, endpoint: Endpoint
@@ -138,6 +156,13 @@ class OllamaKind(BackendKindAdapter):
             loaded_models=frozenset(names),
             loaded_details=_ollama_loaded(payload, names),
         )
+
+    async def read_version(self, client: httpx.AsyncClient, endpoint: Endpoint) -> str:
+        """``GET /api/version``: ``{"version": "0.6.8"}``."""
+        payload = await self._get_small_json(
+            client, endpoint, "/api/version", MAX_VERSION_ANSWER
+        )
+        return version_in(payload, "version", "/api/version")
 
     async def list_models(
         self, client: httpx.AsyncClient, endpoint: Endpoint

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import errno
+import json
 import ssl
 import time
 from collections.abc import Mapping
@@ -20,6 +21,12 @@ _CONTEXT_KEYS = (
     "max_context_length",
 )
 MAX_MESSAGE = 300
+# A server version is stored cut to this many characters.
+MAX_VERSION = 100
+# Bytes read of a version answer at most: /api/version and /version are a few
+# bytes; llama.cpp's /props carries the chat template too.
+MAX_VERSION_ANSWER = 16 * 1024
+MAX_PROPS_ANSWER = 512 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +70,9 @@ class ProbeResult:
     ``latency_ms`` is the round trip of the probe's first request (None when it
     got no answer). ``loaded_models`` is set by kinds that report which models
     are in memory (Ollama), so that every health round refreshes it, and
-    ``loaded_details`` what they said about each of them.
+    ``loaded_details`` what they said about each of them. ``version`` is the
+    server's version as the health round read it: "" for a kind that reports
+    none, None when it was not read (the one recorded before stays).
     """
 
     status: ProbeStatus
@@ -71,6 +80,7 @@ class ProbeResult:
     error: str = ""
     loaded_models: frozenset[str] | None = None
     loaded_details: Mapping[str, LoadedModel] | None = None
+    version: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +129,14 @@ class BackendKindAdapter:
         """Check that the backend answers as a healthy one of its kind."""
         _, latency = await self._get_json(client, endpoint, "/v1/models")
         return ProbeResult(ProbeStatus.UP, latency_ms=latency)
+
+    async def read_version(self, client: httpx.AsyncClient, endpoint: Endpoint) -> str:
+        """Return the server's version ("": this kind does not say).
+
+        Asked by the health round after a good probe, never on a request.
+        Raises like ``probe()``; the caller bounds its time.
+        """
+        return ""
 
     async def list_models(
         self, client: httpx.AsyncClient, endpoint: Endpoint
@@ -170,6 +188,34 @@ class BackendKindAdapter:
             return response.json(), latency
         except ValueError:
             raise ProbeFailed(f"{method} {path} did not answer JSON") from None
+
+    async def _get_small_json(
+        self,
+        client: httpx.AsyncClient,
+        endpoint: Endpoint,
+        path: str,
+        max_bytes: int,
+    ) -> Any:
+        """GET `path` and parse its JSON, reading at most `max_bytes` of it.
+
+        Raises ProbeFailed for a longer answer (never read past the limit).
+        """
+        # Raw bytes, uncompressed: a few compressed bytes cannot expand past
+        # the limit before it is checked.
+        headers = {**self.headers(endpoint), "accept-encoding": "identity"}
+        async with client.stream(
+            "GET", endpoint.root + path, headers=headers
+        ) as response:
+            self._check_status(response, "GET", path)
+            body = bytearray()
+            async for chunk in response.aiter_raw():
+                body += chunk
+                if len(body) > max_bytes:
+                    raise ProbeFailed(f"GET {path} answered over {max_bytes} bytes")
+        try:
+            return json.loads(body)
+        except (ValueError, RecursionError):
+            raise ProbeFailed(f"GET {path} did not answer JSON") from None
 
     def _check_status(self, response: httpx.Response, method: str, path: str) -> None:
         status = response.status_code
@@ -233,6 +279,21 @@ def _describe_connect_error(error: httpx.ConnectError) -> str:
     if "name or service not known" in text or "nodename nor servname" in text:
         return "host name not found"
     return "cannot connect"
+
+
+def version_in(payload: Any, key: str, path: str) -> str:
+    """The version string at `key` of a JSON object, cleaned for storing.
+
+    Printable ASCII only (a version is shown in the admin and /health), cut to
+    MAX_VERSION characters; "" when the object does not have it.
+    """
+    if not isinstance(payload, dict):
+        raise ProbeFailed(f"GET {path} did not answer a JSON object")
+    value = payload.get(key)
+    if not isinstance(value, str):
+        return ""
+    text = "".join(c for c in value[: MAX_VERSION * 4] if " " <= c <= "~")
+    return text.strip()[:MAX_VERSION]
 
 
 def model_entries(payload: Any, path: str) -> list[dict[str, Any]]:

@@ -100,6 +100,7 @@ class ProxyApp:
             client=gateway.upstream,
             stats=gateway.stats,
             breaker=gateway.breaker,
+            error_cache=gateway.error_cache,
             limiter=gateway.limiter,
             relay=gateway.relay,
             fleet=gateway.fleet,

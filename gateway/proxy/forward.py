@@ -18,6 +18,7 @@ import aiohttp
 from gateway.breaker import CircuitBreaker
 from gateway.client import UpstreamClient, upstream_body, upstream_url
 from gateway.context_limits import ContextLimits
+from gateway.error_cache import ErrorCache
 from gateway.fleet.scheduler import FleetScheduler, Placement
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import checks, sse
@@ -60,6 +61,10 @@ class Upstream:
     live_usage: LiveUsage
     # Limits of small-context backend x model pairs seen to overflow (per process).
     context_limits: ContextLimits = field(default_factory=ContextLimits)
+    # Backends a connection to which failed moments ago (the default: off).
+    error_cache: ErrorCache = field(
+        default_factory=lambda: ErrorCache(stats=LiveStats(), seconds=0)
+    )
 
 
 async def forward(
@@ -173,6 +178,9 @@ class _Tries:
         if position and self.upstream.breaker.is_open(backend.name):
             self.failures.append(f"{backend.name}: circuit open")
             return False
+        if position and self.upstream.error_cache.is_cached(backend.name):
+            self.failures.append(f"{backend.name}: connection failed moments ago")
+            return False
         if not self.upstream.stats.try_begin(backend, target.model.name):
             self.failures.append(f"{backend.name}: at max concurrency")
             return False
@@ -208,6 +216,9 @@ class _Tries:
                     async with asyncio.timeout(backend.request_timeout):
                         response = await self._open(target, leg, url, data, headers)
                 except TRANSPORT_ERRORS as error:
+                    if backend.kind != RELAY_KIND:
+                        # Not there at all: new requests go elsewhere a while.
+                        upstream.error_cache.connect_failed(backend.name, error)
                     self._failed(backend.name, describe(error), error)
                     return False
                 upstream.stats.observe_latency(
@@ -238,6 +249,7 @@ class _Tries:
             if shift is not None:
                 shift.show(exchange.response_headers)
             if status >= 500:
+                upstream.error_cache.note_failure(backend.name, f"HTTP {status}")
                 if self.held:
                     # Two backends fail on this request: its input's fault as
                     # much as theirs. The client has the second's answer.
@@ -417,6 +429,7 @@ class _Tries:
         if status < 500:
             self.count_held()
             upstream.breaker.record_success(backend.name, exchange.key_prefix)
+            upstream.error_cache.record_success(backend.name)
         if status < 400:  # it answered for the model: loaded now (fleet)
             upstream.stats.mark_hot(backend.name, model)
         # A relay request may have been requeued to another worker.
@@ -443,6 +456,7 @@ class _Tries:
         """Count a try that failed before any byte reached the client."""
         self.count_held()
         self.upstream.breaker.record_failure(backend_name, self.exchange.key_prefix)
+        self.upstream.error_cache.note_failure(backend_name, detail, error)
         self.upstream.metrics.retries.labels(backend_name).inc()
         self.failures.append(f"{backend_name}: {detail}")
         self.timed_out = isinstance(error, TimeoutError)

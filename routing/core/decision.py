@@ -75,6 +75,7 @@ _SUMMARY_PHRASES: dict[Reason, str] = {
     Reason.HEALTH_STALE: "with a stale health check",
     Reason.AT_CAPACITY: "at max concurrency",
     Reason.CIRCUIT_OPEN: "with an open circuit breaker",
+    Reason.ERROR_CACHED: "with a connection failure moments ago",
     Reason.NO_VISION: "without vision",
     Reason.NO_TOOLS: "without tools",
     Reason.NO_JSON_MODE: "without JSON mode",
@@ -161,6 +162,9 @@ class Attempt:
     rejected: Sequence[tuple[PreparedTarget, int]] = ()
     # Names of routable backends skipped because their circuit breaker was open.
     circuit_open: frozenset[str] = frozenset()
+    # Names of routable backends skipped because a connection to them failed
+    # moments ago (the error cache).
+    error_cached: frozenset[str] = frozenset()
     # Candidates whose support for a needed capability is unknown, set aside
     # because others confirm it: tried after the survivors.
     unconfirmed: Sequence[PreparedTarget] = ()
@@ -262,6 +266,8 @@ class Attempt:
                 reasons += (Reason.AT_CAPACITY,)
             if target.backend.name in self.circuit_open:
                 reasons += (Reason.CIRCUIT_OPEN,)
+            if target.backend.name in self.error_cached:
+                reasons += (Reason.ERROR_CACHED,)
             if position in deferred:
                 reasons += (Reason.CAPABILITY_UNCONFIRMED,)
             score = short.get(position)
@@ -561,5 +567,9 @@ _DETAILS: dict[Reason, str] = {
     Reason.CIRCUIT_OPEN: (
         "circuit breaker open: the gateway saw repeated failures and pauses "
         "traffic for a cool-down"
+    ),
+    Reason.ERROR_CACHED: (
+        "a connection to it failed moments ago (error cache): new requests go "
+        "elsewhere until it may be tried again"
     ),
 }

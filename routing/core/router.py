@@ -8,7 +8,10 @@ The pipeline is the spec's:
    ago takes traffic once the health checker has seen it answer. A backend
    whose in-flight count has reached its max_concurrency is excluded too
    ("at_capacity"), as is one whose circuit breaker is open in the live
-   stats ("circuit_open", see backends.breaker);
+   stats ("circuit_open", see gateway.breaker), and one a connection to which
+   failed moments ago ("error_cached", see gateway.error_cache) unless every
+   backend left failed so: then the one that failed longest ago stays, so
+   that a request is tried somewhere rather than refused untried;
 3. capabilities: context length (when known) >= estimated tokens, and vision,
    tools and JSON mode when the request needs them. A capability is yes, no
    or unknown: only "no" excludes; when some candidates confirm every needed
@@ -278,6 +281,23 @@ class Router:
                 survivors = [p for p, ok in zip(survivors, passed, strict=True) if ok]
                 pendings = [n for n, ok in zip(pendings, passed, strict=True) if ok]
                 names = [p.backend_name for p in survivors]
+        error_cached: frozenset[str] = frozenset()
+        if stats.failed_connections and survivors:
+            # Rare: only while a connection to some backend failed moments ago.
+            failed_at = [stats.connection_failed_at(name) for name in names]
+            if any(at is not None for at in failed_at):
+                keep = [at is None for at in failed_at]
+                if not any(keep):
+                    # Every candidate failed moments ago: try the one that
+                    # failed longest ago rather than fail without trying.
+                    times = [at for at in failed_at if at is not None]  # all
+                    keep[times.index(min(times))] = True
+                error_cached = frozenset(
+                    name for name, ok in zip(names, keep, strict=True) if not ok
+                )
+                survivors = [p for p, ok in zip(survivors, keep, strict=True) if ok]
+                pendings = [n for n, ok in zip(pendings, keep, strict=True) if ok]
+                names = [p.backend_name for p in survivors]
         unconfirmed: Sequence[PreparedTarget] = ()
         if need & ~routes.common_mask and len(survivors) > 1:
             # Unknown support does not exclude (the backend decides), but a
@@ -366,6 +386,7 @@ class Router:
             totals=totals,
             rejected=rejected,
             circuit_open=circuit_open,
+            error_cached=error_cached,
             unconfirmed=unconfirmed,
             fleet_scores=fleet_scores,
             no_memory=no_memory,

@@ -12,7 +12,10 @@ share of the load, which is what it can act on without a network round trip.
 Open circuit breakers live here too (``open_circuit``), because the router must
 skip them on the hot path without I/O. ``backends.breaker`` decides when a
 circuit opens and spreads openings to the other serving processes; this class
-only remembers until when each circuit stays open.
+only remembers until when each circuit stays open. So are connection
+failures (``fail_connection``), the gateway's error cache: a backend that
+refused a connection moments ago is skipped until a deadline, and the router
+tells the least recently failed one by when each failed.
 """
 
 from __future__ import annotations
@@ -80,6 +83,9 @@ class LiveStats:
         self._latency: dict[str, tuple[float, float]] = {}
         # backend name -> clock() until which its circuit breaker is open
         self._open_until: dict[str, float] = {}
+        # backend name -> (clock() until which it is skipped, clock() of the
+        # connection failure) while it is in the error cache
+        self._failed: dict[str, tuple[float, float]] = {}
         # The fleet strategy's live signals (see routing/core/fleet.py), keyed
         # by names from the snapshot, so they stay as small as the config.
         # (backend, model) -> requests waiting for it in a fleet queue
@@ -167,6 +173,47 @@ class LiveStats:
             if self._open_until.get(backend) == until:
                 del self._open_until[backend]
         return False
+
+    @property
+    def failed_connections(self) -> Mapping[str, tuple[float, float]]:
+        """Live view of (skip until, failed at) per backend in the error cache
+        (may hold expired ones)."""
+        return self._failed
+
+    def fail_connection(self, backend: str, until: float) -> bool:
+        """Skip `backend` until clock() reaches `until`: a connection to it failed.
+
+        Returns False (and changes nothing) when it is skipped already: the
+        first failure's deadline stands, so that a backend is tried again on
+        time however many requests saw it down meanwhile.
+        """
+        now = self.clock()
+        with self._lock:
+            current = self._failed.get(backend)
+            if current is not None and current[0] > now:
+                return False
+            self._failed[backend] = (until, now)
+            return True
+
+    def forget_connection_failure(self, backend: str) -> None:
+        """Let `backend` take traffic again at once (it answered)."""
+        if backend in self._failed:
+            with self._lock:
+                self._failed.pop(backend, None)
+
+    def connection_failed_at(self, backend: str) -> float | None:
+        """clock() of `backend`'s connection failure while it is still skipped
+        for it, else None (no I/O)."""
+        failed = self._failed.get(backend)
+        if failed is None:
+            return None
+        if failed[0] > self.clock():
+            return failed[1]
+        with self._lock:
+            # Forget the expired entry unless a new failure replaced it.
+            if self._failed.get(backend) == failed:
+                del self._failed[backend]
+        return None
 
     def in_flight(self, backend: str) -> int:
         """Return how many requests are in flight to `backend`."""

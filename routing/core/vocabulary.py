@@ -47,6 +47,10 @@ class Reason(enum.StrEnum):
     # The proxy saw repeated failures: its circuit breaker opened this backend's
     # circuit for a cool-down (LiveStats.open_circuits), before any health probe.
     CIRCUIT_OPEN = "circuit_open"
+    # A connection to it failed moments ago (refused, reset, no such host,
+    # connect timeout): skipped for a few seconds (LiveStats.failed_connections,
+    # the gateway's error cache) unless every candidate was.
+    ERROR_CACHED = "error_cached"
     NO_VISION = "no_vision"
     NO_TOOLS = "no_tools"
     NO_JSON_MODE = "no_json_mode"

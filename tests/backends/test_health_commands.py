@@ -44,10 +44,18 @@ def test_check_health_prints_a_table_and_exits_0_when_all_are_healthy(
     code, out, _ = run("nexus_check_health")
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["NAME", "KIND", "STATUS", "LATENCY", "MODELS", "ERROR"]
-    assert lines[1].split()[:3] == ["ollama-1", "ollama", "healthy"]
-    assert lines[1].split()[4] == "ms"
-    assert lines[2].split()[:3] == ["vllm-1", "vllm", "healthy"]
+    assert lines[0].split() == [
+        "NAME",
+        "KIND",
+        "VERSION",
+        "STATUS",
+        "LATENCY",
+        "MODELS",
+        "ERROR",
+    ]
+    assert lines[1].split()[:4] == ["ollama-1", "ollama", "0.6.8", "healthy"]
+    assert lines[1].split()[5] == "ms"
+    assert lines[2].split()[:4] == ["vllm-1", "vllm", "0.8.5", "healthy"]
     assert SECRET not in out
     assert Backend.objects.filter(status=HealthStatus.HEALTHY).count() == 2
 
@@ -60,7 +68,7 @@ def test_check_health_exits_1_naming_the_failing_backends(
     code, out, err = run("nexus_check_health")
     assert code == 1
     dead_line = next(line for line in out.splitlines() if line.startswith("dead"))
-    assert dead_line.split()[2] == "unknown"
+    assert dead_line.split()[2:4] == ["-", "unknown"]
     assert dead_line.endswith("connection refused")
     assert err.strip() == "Not healthy: dead"
 
@@ -76,7 +84,7 @@ def test_a_recovering_backend_is_shown_pending_not_unhealthy(
     lines = {line.split()[0]: line for line in out.splitlines()[1:]}
     assert "pending (1 of 2 successes)" in lines["ollama-1"]
     assert "unhealthy" not in lines["ollama-1"]
-    assert lines["dying"].split()[2] == "healthy"
+    assert lines["dying"].split()[3] == "healthy"
     assert code == 1  # not healthy yet
     code, out, _ = run("nexus_check_health", "--json")
     reports = {r["name"]: r for r in json.loads(out)}

@@ -136,6 +136,7 @@ def test_the_relay_stops_first_and_the_upstream_client_last() -> None:
         "fleet",
         "snapshots",
         "publisher",
+        "error-cache",
         "breaker",
         "usage-progress",  # its last reports go to the sink, stopped after
         gateway.usage_sink.name,  # hands on the usage still held

@@ -8,14 +8,15 @@ from backends.health import CheckReport, check_all
 from backends.management.rounds import BackendRoundCommand, format_columns
 from backends.models import HealthStatus
 
-HEADER = ("NAME", "KIND", "STATUS", "LATENCY", "MODELS", "ERROR")
+HEADER = ("NAME", "KIND", "VERSION", "STATUS", "LATENCY", "MODELS", "ERROR")
 
 
 class Command(BackendRoundCommand[CheckReport]):
     help = (
         "Run a health round now: probe every enabled backend (or --backend NAME, "
         "even a disabled one) concurrently, record the results as the scheduled "
-        "checks do, and print name, kind, status, latency, models and error. Exits "
+        "checks do, and print name, kind, server version, status, latency, models "
+        "and error. Exits "
         "with status 1 when a checked backend is unhealthy or still unknown."
     )
     backend_help = "Check only this backend."
@@ -32,6 +33,7 @@ class Command(BackendRoundCommand[CheckReport]):
             (
                 r.name,
                 r.kind,
+                r.version or "-",
                 # "unhealthy" with no error reads as a bug: say it is recovering.
                 r.progress if r.progress.startswith("pending") else r.status,
                 "-" if r.latency_ms is None else f"{r.latency_ms:,.0f} ms",
