@@ -523,7 +523,11 @@ class FleetScheduler:
         for prepared in model_routes.routable:
             target = prepared.target
             name = target.backend.name
-            if self.stats.is_circuit_open(name) or not self.is_hot(target, routes):
+            if (
+                self.stats.is_circuit_open(name)
+                or self.stats.connection_failed_at(name) is not None
+                or not self.is_hot(target, routes)
+            ):
                 continue
             if self.queues.waiting_on(name):
                 continue  # its own waiters come first

@@ -281,6 +281,27 @@ async def test_rebalance_never_moves_to_a_backend_where_the_model_is_cold() -> N
         task.cancel()
 
 
+@pytest.mark.parametrize("down", ["circuit_open", "error_cached"])
+async def test_rebalance_never_moves_to_a_backend_routing_skips(down: str) -> None:
+    routes = _routes(
+        _backend("busy", capacity=1),
+        _backend("hot", capacity=10),
+        rebalance_threshold=1,
+    )
+    h = Harness(routes)
+    if down == "circuit_open":
+        h.stats.open_circuit("hot", h.stats.clock() + 60)
+    else:  # a connection to it just failed (the error cache)
+        h.stats.fail_connection("hot", h.stats.clock() + 60)
+    route = _route(routes, "busy", "hot")
+    h.begin(route)
+    waiters = [asyncio.create_task(h.fleet.take_slot(route, routes)) for _ in range(4)]
+    await _settle()
+    assert h.fleet.rebalance(routes) == []
+    for task in waiters:
+        task.cancel()
+
+
 async def test_a_held_request_wakes_when_a_snapshot_is_installed() -> None:
     routes = _routes(_backend("a"), hold_seconds=30)
     h = Harness(routes)
