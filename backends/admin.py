@@ -102,8 +102,7 @@ class BackendAdmin(BackendAdminBase):
     list_display = (
         "name_label",
         "url_label",
-        "kind",
-        "version",
+        "kind_version",
         "status_badge",
         "enabled",
         "priority",
@@ -237,9 +236,20 @@ class BackendAdmin(BackendAdminBase):
             return "—"
         return f"{obj.avg_latency_ms:,.0f} ms"
 
-    @admin.display(description="version", ordering="server_version")
-    def version(self, obj: Backend) -> str:
-        return obj.server_version or "—"
+    @admin.display(description="kind / version", ordering="kind")
+    def kind_version(self, obj: Backend) -> SafeString:
+        # One column, the version under the kind: the list fits 1280 px.
+        kind = obj.get_kind_display()
+        version = obj.server_version
+        if not version:
+            return format_html("{}", kind)
+        shown = version if len(version) <= 16 else f"{version[:15]}…"
+        return format_html(
+            '{}<br><small title="{}" style="white-space:nowrap">{}</small>',
+            kind,
+            version,
+            shown,
+        )
 
     @admin.display(description="last check", ordering="last_check_at")
     def last_check_age(self, obj: Backend) -> str:
