@@ -25,7 +25,7 @@ from django.core.management import call_command
 
 from backends.models import Backend, BackendModel, HealthStatus
 from gateway.proxy.ensemble import prompts
-from routing.models import Alias
+from routing.models import Alias, RoutingPolicy
 from tests.conftest import (
     MockBackendProcess,
     NexusServer,
@@ -39,6 +39,8 @@ from usage.stream import clear_usage_stream, drain_usage_stream
 SHIPS_TO_REDIS = settings.NEXUS_USAGE_TRANSPORT == "redis"
 MODEL = "llama3:8b"
 CHAT_PATHS = ("/v1/chat/completions", "/api/chat")
+# Each step's timeout: far above a mock's answer, short enough to wait out.
+STEP_TIMEOUT = 5.0
 # Backend name -> (kind, models, mock arguments). gamma fails every request
 # holding "boom"; alpha and beta every one holding "allfailboom" (so gamma too).
 MOCKS = {
@@ -121,6 +123,9 @@ def gateway(django_db_setup: None, django_db_blocker: Any) -> Iterator[Gateway]:
                         backend=backend, name=model, loaded=True
                     )
             Alias.objects.create(name="council", target=f"moe-{MODEL}")
+            policy = RoutingPolicy.load()
+            policy.ensemble_step_timeout_seconds = STEP_TIMEOUT
+            policy.save()
             _, key = ApiKey.objects.create_key("ensemble-tests")
             keys = {
                 "plain-only": ApiKey.objects.create_key(
@@ -457,3 +462,59 @@ def test_the_budget_is_charged_for_every_step(gateway: Gateway) -> None:
     with pytest.raises(openai.RateLimitError) as caught:
         client.chat.completions.create(model=MODEL, messages=messages)  # type: ignore[arg-type]
     assert caught.value.code == "budget_exceeded"
+
+
+def _fail_refinements(gateway: Gateway, *names: str) -> None:
+    for name in names:
+        httpx.post(
+            f"{gateway.mocks[name].base_url}/_mock/config",
+            json={"fail_on_text": "Critiques:"},
+            timeout=5,
+        ).raise_for_status()
+
+
+def test_a_failed_refinement_goes_to_the_next_best_backend(gateway: Gateway) -> None:
+    _fail_refinements(gateway, "beta")
+    question = "Refine elsewhere. prefer:beta"
+    reply = gateway.openai().chat.completions.create(
+        model=f"moe-{MODEL}", messages=[{"role": "user", "content": question}]
+    )
+    text = reply.choices[0].message.content or ""
+    refiner = text.split("/", 1)[0].removeprefix("[")
+    assert refiner in ("alpha", "gamma")
+    assert text == f"[{refiner}/{MODEL}] refined: [beta/{MODEL}] echo: {question}"
+
+
+def test_when_no_backend_refines_the_best_answer_is_sent_as_it_was(
+    gateway: Gateway,
+) -> None:
+    _fail_refinements(gateway, "alpha", "beta", "gamma")
+    question = "Nobody refines. prefer:beta"
+    stream = gateway.openai().chat.completions.create(
+        model=f"moe-{MODEL}",
+        messages=[{"role": "user", "content": question}],
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == f"[beta/{MODEL}] echo: {question}"
+
+
+def test_a_backend_slower_than_the_step_timeout_is_left_out(
+    gateway: Gateway, django_db_blocker: Any
+) -> None:
+    httpx.post(
+        f"{gateway.mocks['gamma'].base_url}/_mock/config",
+        json={"latency_ms": STEP_TIMEOUT * 1000 * 4},
+        timeout=5,
+    ).raise_for_status()
+    question = "Too slow? prefer:alpha"
+    started = time.monotonic()
+    raw = gateway.openai().chat.completions.with_raw_response.create(
+        model=f"moe-{MODEL}", messages=[{"role": "user", "content": question}]
+    )
+    assert time.monotonic() - started < STEP_TIMEOUT * 3
+    assert raw.parse().choices[0].message.content == refined_by("alpha", question)
+    assert header_fields(raw.headers)["answered"] == "2"
+    records = ensemble_records(raw.headers["x-nexus-ensemble-id"], 6, django_db_blocker)
+    (late,) = [r for r in records if r.backend == "gamma" or r.status != 200]
+    assert (late.status, late.error) == (504, "ensemble_step_timeout")
