@@ -205,6 +205,7 @@ def test_three_backends_answer_critique_and_the_best_refines(
     assert fields["opinions"] == "3 of 3"
     assert fields["answered"] == "3"
     assert fields["critiques"] == "3"
+    assert raw.headers["x-nexus-backend"] == "beta"  # the refining backend
     seen = {name: gateway.seen(name) for name in ("alpha", "beta", "gamma")}
     for name, bodies in seen.items():
         answers = [b for b in bodies if not _is_critique(b) and not _is_refine(b)]
@@ -518,3 +519,67 @@ def test_a_backend_slower_than_the_step_timeout_is_left_out(
     records = ensemble_records(raw.headers["x-nexus-ensemble-id"], 6, django_db_blocker)
     (late,) = [r for r in records if r.backend == "gamma" or r.status != 200]
     assert (late.status, late.error) == (504, "ensemble_step_timeout")
+
+
+def test_a_client_that_hangs_up_cancels_every_step(
+    gateway: Gateway, django_db_blocker: Any
+) -> None:
+    for mock in gateway.mocks.values():
+        httpx.post(
+            f"{mock.base_url}/_mock/config", json={"latency_ms": 30_000}, timeout=5
+        ).raise_for_status()
+    request_id = "ensemble-hang-up"
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(
+            f"{gateway.server.base_url}/v1/chat/completions",
+            headers={
+                "authorization": f"Bearer {gateway.key}",
+                "x-request-id": request_id,
+            },
+            json={
+                "model": f"moe-{MODEL}",
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+            timeout=1.0,
+        )
+    deadline = time.monotonic() + 15
+    with django_db_blocker.unblock():
+        while True:
+            if SHIPS_TO_REDIS:
+                drain_usage_stream()
+            records = list(UsageRecord.objects.filter(request_id=request_id))
+            if len(records) >= 3:
+                break
+            assert time.monotonic() < deadline, f"{len(records)} recorded"
+            time.sleep(0.1)
+    # Three answers asked for, none given: nothing billed.
+    assert len(records) == 3
+    assert {(r.status, r.error) for r in records} == {(499, "client_closed")}
+    assert {r.total_tokens for r in records} == {0}
+    assert len({r.ensemble_id for r in records}) == 1
+    # The backends saw their requests go: nothing is left in flight.
+    for name in ("alpha", "beta", "gamma"):
+        while mock_stats(gateway.mocks[name])["in_flight"]:
+            assert time.monotonic() < deadline, f"{name} still busy"
+            time.sleep(0.05)
+
+
+def test_the_responses_api_gets_the_refined_answer(gateway: Gateway) -> None:
+    question = "Respond. prefer:gamma"
+    response = gateway.openai().responses.create(model=f"moe-{MODEL}", input=question)
+    assert response.output_text == refined_by("gamma", question)
+
+
+def test_loading_and_counting_tokens_know_ensembles(gateway: Gateway) -> None:
+    """Ollama's "load the model" (what ``ollama run`` sends first) and
+    Anthropic's count_tokens answer for a moe- name without a backend."""
+    loaded = gateway.ollama().chat(model=f"moe-{MODEL}", messages=[])
+    assert loaded.done_reason == "load"
+    counted = gateway.anthropic().messages.count_tokens(
+        model=f"moe-{MODEL}", messages=[{"role": "user", "content": "count me"}]
+    )
+    assert counted.input_tokens > 0
+    assert all(gateway.seen(name) == [] for name in ("alpha", "beta", "gamma"))
+    with pytest.raises(ollama.ResponseError) as caught:
+        gateway.ollama().chat(model="moe-nothing:1b", messages=[])
+    assert caught.value.status_code == 404

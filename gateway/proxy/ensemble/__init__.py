@@ -9,6 +9,11 @@ and writes the final answer in the client's surface. Settings:
 
 from __future__ import annotations
 
-from gateway.proxy.ensemble.runner import EnsemblePlan, Ensembles
+from gateway.proxy.ensemble.runner import (
+    EnsemblePlan,
+    Ensembles,
+    base_requirements,
+    ensemble_name,
+)
 
-__all__ = ["EnsemblePlan", "Ensembles"]
+__all__ = ["EnsemblePlan", "Ensembles", "base_requirements", "ensemble_name"]

@@ -93,6 +93,7 @@ class FinalAnswer:
         self._parts: list[bytes] = []
         self._splitter = sse.EventSplitter()
         self._writer: StreamTranslator | None = None
+        self._backend = ""
 
     async def __call__(self, message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
@@ -120,8 +121,10 @@ class FinalAnswer:
         else:
             self.failure = "the backend's answer was not a chat completion"
 
-    async def deliver(self, reply: dict[str, Any]) -> None:
-        """Send a whole canonical reply (as a one-chunk stream if streamed)."""
+    async def deliver(self, reply: dict[str, Any], backend: str = "") -> None:
+        """Send a whole canonical reply (as a one-chunk stream if streamed)
+        that `backend` gave."""
+        self._backend = backend or self._backend
         reply = {**reply, "model": self.model}
         surface, inbound = self.surface, self.inbound
         if not inbound.stream:
@@ -144,6 +147,8 @@ class FinalAnswer:
             if name == b"content-type":
                 content_type = value
         self._streamed = content_type.startswith(b"text/event-stream")
+        if self.step is not None:
+            self._backend = self.step.backend
         if self.on_start is not None:
             self.on_start()
 
@@ -193,11 +198,14 @@ class FinalAnswer:
         self.delivered = True
         exchange = self.exchange
         exchange.first_byte = time.perf_counter()
+        served = (
+            ((b"x-nexus-backend", self._backend.encode()),) if self._backend else ()
+        )
         await self.send(
             {
                 "type": "http.response.start",
                 "status": 200,
-                "headers": [*headers, *exchange.response_headers],
+                "headers": [*headers, *exchange.response_headers, *served],
             }
         )
 

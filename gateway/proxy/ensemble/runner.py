@@ -41,8 +41,14 @@ from gateway.proxy.errors import ProxyError, bad_request, routing_error
 from gateway.proxy.forward import Upstream, forward
 from gateway.proxy.legs import ProxyExchange
 from gateway.proxy.relays import Send
-from gateway.proxy.surfaces import OPENAI, Inbound, translation_error
-from routing.core import RequestRequirements, Route, RoutingError, Target
+from gateway.proxy.surfaces import OPENAI, Inbound, Surface, translation_error
+from routing.core import (
+    RequestRequirements,
+    Route,
+    RouterSnapshot,
+    RoutingError,
+    Target,
+)
 from routing.core.ensemble_policy import EnsemblePolicy, ensemble_base
 from routing.state import GatewayState
 from usage.buffer import new_event_id
@@ -119,17 +125,11 @@ class Ensembles:
         400 for what an ensemble cannot answer (not a chat, tools).
         """
         routes = state.routes
-        name = requirements.model
-        if name in routes.routes:
+        name = ensemble_name(routes, requirements.model)
+        if name is None:
             return None
-        if ensemble_base(name) is None:
-            target = routes.alias_for(name)
-            if target is None or target in routes.routes:
-                return None
-            name = target
         base = ensemble_base(name)
-        if base is None:
-            return None
+        assert base is not None
         inbound = _inbound_of(exchange)
         if exchange.endpoint not in _CHAT_ENDPOINTS or (
             inbound.canonical_endpoint != "chat"
@@ -203,9 +203,9 @@ class Ensembles:
             )
         if len(opinions) == 1:
             headers.append((ENSEMBLE_HEADER, f"{asked}; answered=1".encode()))
-            reply = opinions[0][1].reply
-            assert reply is not None
-            await final.deliver(reply)
+            step = opinions[0][1]
+            assert step.reply is not None
+            await final.deliver(step.reply, step.target.backend.name)
             return
         critiques = await self._critiques(plan, exchange, opinions, model)
         numbers = [opinion.number for opinion, _ in opinions]
@@ -242,7 +242,7 @@ class Ensembles:
         if not final.delivered:
             # No backend refined it: the best answer as it was.
             assert best_step.reply is not None
-            await final.deliver(best_step.reply)
+            await final.deliver(best_step.reply, best_step.target.backend.name)
 
     def finish(self, plan: EnsemblePlan, exchange: ProxyExchange) -> None:
         """Settle the key's limits with what every step cost.
@@ -328,7 +328,7 @@ class Ensembles:
         """Send the last step's answer to the client (``final.delivered``);
         the targets after the first are its retries. Returns what failed and
         its status."""
-        step = self._step_exchange(plan, exchange, request)
+        step = final.step = self._step_exchange(plan, exchange, request)
         placement = Placement(order[0], tuple(order[1:]))
         failure = await self._forward(
             plan, step, placement, final, plan.policy.step_timeout_seconds, final
@@ -403,6 +403,28 @@ class Ensembles:
         return failure
 
 
+def ensemble_name(routes: RouterSnapshot, name: str) -> str | None:
+    """The ``moe-`` name a request for `name` asks for (itself or its alias's
+    target); None when it asks for a model (cheap for served names)."""
+    if name in routes.routes:
+        return None
+    if ensemble_base(name) is None:
+        target = routes.alias_for(name)
+        if target is None or target in routes.routes:
+            return None
+        name = target
+    return name if ensemble_base(name) is not None else None
+
+
+def base_requirements(
+    routes: RouterSnapshot, requirements: RequestRequirements
+) -> RequestRequirements:
+    """The requirements to route: the base model's for an ensemble's name."""
+    name = ensemble_name(routes, requirements.model)
+    base = None if name is None else ensemble_base(name)
+    return requirements if base is None else replace(requirements, model=base)
+
+
 def _opinion_targets(route: Route, opinions: int) -> list[Target]:
     """Up to `opinions` backends for the chosen model: the router's choice,
     then its retry order (healthy, capable, circuit closed), one per backend."""
@@ -424,7 +446,7 @@ def _inbound_of(exchange: ProxyExchange) -> Inbound:
     return OPENAI.to_canonical(exchange.payload) if call is None else call.inbound
 
 
-def _surface_of(exchange: ProxyExchange) -> Any:
+def _surface_of(exchange: ProxyExchange) -> Surface:
     call = exchange.call
     return OPENAI if call is None else call.surface
 
