@@ -1,6 +1,6 @@
 """Multiple opinions: a request for ``moe-<model>`` answered by an ensemble.
 
-``runner`` runs it (answers, critiques, the refined answer) with the proxy's
+``plans`` recognises it, ``runner`` runs it (answers, critiques, the refined answer) with the proxy's
 own forwarding and accounting; ``prompts`` holds what the backends are asked
 and how their scores are read; ``delivery`` catches what each step answers
 and writes the final answer in the client's surface. Settings:
@@ -9,11 +9,11 @@ and writes the final answer in the client's surface. Settings:
 
 from __future__ import annotations
 
-from gateway.proxy.ensemble.runner import (
+from gateway.proxy.ensemble.plans import (
     EnsemblePlan,
-    Ensembles,
     base_requirements,
     ensemble_name,
 )
+from gateway.proxy.ensemble.runner import Ensembles
 
 __all__ = ["EnsemblePlan", "Ensembles", "base_requirements", "ensemble_name"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gateway.exchange import Exchange
@@ -37,21 +37,19 @@ from gateway.protocols.base import dumps
 from gateway.proxy.accounting import Accounting
 from gateway.proxy.ensemble import prompts
 from gateway.proxy.ensemble.delivery import Collected, FinalAnswer, reply_text
-from gateway.proxy.errors import ProxyError, bad_request, routing_error
+from gateway.proxy.ensemble.plans import EnsemblePlan, plan_for
+from gateway.proxy.errors import ProxyError, routing_error
 from gateway.proxy.forward import Upstream, forward
 from gateway.proxy.legs import ProxyExchange
 from gateway.proxy.relays import Send
-from gateway.proxy.surfaces import OPENAI, Inbound, Surface, translation_error
+from gateway.proxy.surfaces import OPENAI, Surface
 from routing.core import (
     RequestRequirements,
     Route,
-    RouterSnapshot,
     RoutingError,
     Target,
 )
-from routing.core.ensemble_policy import EnsemblePolicy, ensemble_base
 from routing.state import GatewayState
-from usage.buffer import new_event_id
 
 if TYPE_CHECKING:
     from gateway.process import Gateway
@@ -60,33 +58,6 @@ ENSEMBLE_HEADER = b"x-nexus-ensemble"
 ENSEMBLE_ID_HEADER = b"x-nexus-ensemble-id"
 CHAT_PATH = "/v1/chat/completions"
 CLIENT_CLOSED = 499
-# Endpoints whose requests are chats (an ensemble answers nothing else).
-_CHAT_ENDPOINTS = frozenset(
-    {"chat", "messages", "responses", "ollama-chat", "ollama-generate"}
-)
-
-
-@dataclass(slots=True)
-class EnsemblePlan:
-    """One ensemble request: what it asks of whom, and what its steps cost."""
-
-    name: str  # the moe- name (the alias's target, when asked through one)
-    requirements: RequestRequirements  # the client's, for the base model
-    policy: EnsemblePolicy
-    inbound: Inbound
-    ensemble_id: str
-    steps_run: int = 0
-    tokens: int = 0
-    nanos: int = 0
-
-    @property
-    def base(self) -> str:
-        return self.requirements.model
-
-    @property
-    def steps(self) -> int:
-        """Steps the key's limits are taken for: answers, critiques, refine."""
-        return 2 * self.policy.opinions + 1
 
 
 @dataclass(slots=True)
@@ -119,41 +90,8 @@ class Ensembles:
         state: GatewayState,
         requirements: RequestRequirements,
     ) -> EnsemblePlan | None:
-        """The request's ensemble, or None for any other request (cheap).
-
-        A name some backend serves is that model, ``moe-`` or not. Raises a
-        400 for what an ensemble cannot answer (not a chat, tools).
-        """
-        routes = state.routes
-        name = ensemble_name(routes, requirements.model)
-        if name is None:
-            return None
-        base = ensemble_base(name)
-        assert base is not None
-        inbound = _inbound_of(exchange)
-        if exchange.endpoint not in _CHAT_ENDPOINTS or (
-            inbound.canonical_endpoint != "chat"
-        ):
-            raise bad_request(
-                f"The model '{name}' is a multiple-opinions ensemble: it answers "
-                "chats only.",
-                param="model",
-            )
-        if inbound.untranslatable is not None:
-            raise translation_error(inbound.untranslatable)
-        if inbound.canonical.get("tools"):
-            raise bad_request(
-                f"The model '{name}' is a multiple-opinions ensemble: it answers "
-                "in text, without tools. Ask the model itself for tool calls.",
-                param="tools",
-            )
-        return EnsemblePlan(
-            name=name,
-            requirements=replace(requirements, model=base),
-            policy=routes.policy.ensemble,
-            inbound=inbound,
-            ensemble_id=new_event_id(),
-        )
+        """The request's ensemble, or None for any other request (cheap)."""
+        return plan_for(exchange, state, requirements)
 
     async def run(
         self,
@@ -172,7 +110,6 @@ class Ensembles:
             raise routing_error(error) from error
         targets = _opinion_targets(route, plan.policy.opinions)
         model = route.target.model.name
-        canonical = plan.inbound.canonical
         final = FinalAnswer(exchange, _surface_of(exchange), plan.inbound, send)
         asked = f"opinions={len(targets)} of {plan.policy.opinions}"
         headers = exchange.response_headers
@@ -180,18 +117,44 @@ class Ensembles:
         if len(targets) == 1:
             # One backend: nothing to compare, its answer streams as it comes.
             headers.append((ENSEMBLE_HEADER, f"{asked}; answered=1".encode()))
-            request = prompts.answer_request(canonical, model)
-            if plan.inbound.stream:
-                request["stream"] = True
+            request = prompts.answer_request(plan.inbound.canonical, model)
+            request["stream"] = plan.inbound.stream
             failure, status = await self._final(plan, exchange, final, targets, request)
             if not final.delivered:
                 raise _all_failed(plan, [(targets[0], failure, status)])
             return
-        answers = await self._all(
-            plan,
-            exchange,
-            [(t, prompts.answer_request(canonical, model)) for t in targets],
+        opinions = await self._opinions(plan, exchange, targets, model)
+        if len(opinions) == 1:
+            headers.append((ENSEMBLE_HEADER, f"{asked}; answered=1".encode()))
+            await _send_as_is(final, opinions[0][1])
+            return
+        ranked, verdict = await self._judge(plan, exchange, opinions, model)
+        headers.append((ENSEMBLE_HEADER, f"{asked}; {verdict}".encode()))
+        best_opinion, best_step, critiques = ranked[0]
+        request = prompts.refine_request(
+            plan.policy.refine_template,
+            plan.inbound.canonical,
+            best_opinion.text,
+            critiques,
+            model,
         )
+        request["stream"] = plan.inbound.stream
+        order = [step.target for _, step, _ in ranked]
+        await self._final(plan, exchange, final, order, request)
+        if not final.delivered:
+            # No backend refined it: the best answer as it was.
+            await _send_as_is(final, best_step)
+
+    async def _opinions(
+        self,
+        plan: EnsemblePlan,
+        exchange: ProxyExchange,
+        targets: list[Target],
+        model: str,
+    ) -> list[tuple[prompts.Opinion, _Step]]:
+        """Every backend's answer, numbered from 1; raises when none answered."""
+        request = prompts.answer_request(plan.inbound.canonical, model)
+        answers = await self._all(plan, exchange, [(t, request) for t in targets])
         opinions = [
             (prompts.Opinion(number, step.text), step)
             for number, step in enumerate(answers, 1)
@@ -201,48 +164,36 @@ class Ensembles:
             raise _all_failed(
                 plan, [(s.target, s.failure or "no text", s.status) for s in answers]
             )
-        if len(opinions) == 1:
-            headers.append((ENSEMBLE_HEADER, f"{asked}; answered=1".encode()))
-            step = opinions[0][1]
-            assert step.reply is not None
-            await final.deliver(step.reply, step.target.backend.name)
-            return
+        return opinions
+
+    async def _judge(
+        self,
+        plan: EnsemblePlan,
+        exchange: ProxyExchange,
+        opinions: list[tuple[prompts.Opinion, _Step]],
+        model: str,
+    ) -> tuple[list[tuple[prompts.Opinion, _Step, list[str]]], str]:
+        """The opinions best first (each with every critique's text) and the
+        verdict for the header."""
         critiques = await self._critiques(plan, exchange, opinions, model)
         numbers = [opinion.number for opinion, _ in opinions]
         votes = [
             prompts.parse_scores(step.text, [n for n in numbers if n != number])
             for number, step in critiques
         ]
-        ranked = prompts.rank(numbers, votes)
+        texts = [step.text for _, step in critiques if step.text]
         by_number = {opinion.number: (opinion, step) for opinion, step in opinions}
-        best_opinion, best_step = by_number[ranked[0]]
+        ranked = [(*by_number[n], texts) for n in prompts.rank(numbers, votes)]
         scores = prompts.mean_scores(numbers, votes)
         shown = ",".join(
             f"{n}:{scores[n]:.1f}" if n in scores else f"{n}:-" for n in numbers
         )
-        headers.append(
-            (
-                ENSEMBLE_HEADER,
-                f"{asked}; answered={len(opinions)}; "
-                f"critiques={sum(1 for vote in votes if vote)}; "
-                f"best={best_opinion.number}; scores={shown}".encode(),
-            )
+        verdict = (
+            f"answered={len(opinions)}; "
+            f"critiques={sum(1 for vote in votes if vote)}; "
+            f"best={ranked[0][0].number}; scores={shown}"
         )
-        request = prompts.refine_request(
-            plan.policy.refine_template,
-            canonical,
-            best_opinion.text,
-            [step.text for _, step in critiques if step.text],
-            model,
-        )
-        if plan.inbound.stream:
-            request["stream"] = True
-        order = [by_number[n][1].target for n in ranked]
-        await self._final(plan, exchange, final, order, request)
-        if not final.delivered:
-            # No backend refined it: the best answer as it was.
-            assert best_step.reply is not None
-            await final.deliver(best_step.reply, best_step.target.backend.name)
+        return ranked, verdict
 
     def finish(self, plan: EnsemblePlan, exchange: ProxyExchange) -> None:
         """Settle the key's limits with what every step cost.
@@ -403,28 +354,6 @@ class Ensembles:
         return failure
 
 
-def ensemble_name(routes: RouterSnapshot, name: str) -> str | None:
-    """The ``moe-`` name a request for `name` asks for (itself or its alias's
-    target); None when it asks for a model (cheap for served names)."""
-    if name in routes.routes:
-        return None
-    if ensemble_base(name) is None:
-        target = routes.alias_for(name)
-        if target is None or target in routes.routes:
-            return None
-        name = target
-    return name if ensemble_base(name) is not None else None
-
-
-def base_requirements(
-    routes: RouterSnapshot, requirements: RequestRequirements
-) -> RequestRequirements:
-    """The requirements to route: the base model's for an ensemble's name."""
-    name = ensemble_name(routes, requirements.model)
-    base = None if name is None else ensemble_base(name)
-    return requirements if base is None else replace(requirements, model=base)
-
-
 def _opinion_targets(route: Route, opinions: int) -> list[Target]:
     """Up to `opinions` backends for the chosen model: the router's choice,
     then its retry order (healthy, capable, circuit closed), one per backend."""
@@ -441,9 +370,10 @@ def _opinion_targets(route: Route, opinions: int) -> list[Target]:
     return targets
 
 
-def _inbound_of(exchange: ProxyExchange) -> Inbound:
-    call = exchange.call
-    return OPENAI.to_canonical(exchange.payload) if call is None else call.inbound
+async def _send_as_is(final: FinalAnswer, step: _Step) -> None:
+    """Answer the client with the reply a step already got."""
+    assert step.reply is not None  # only steps with text are opinions
+    await final.deliver(step.reply, step.target.backend.name)
 
 
 def _surface_of(exchange: ProxyExchange) -> Surface:
