@@ -70,6 +70,8 @@ class Exchange(Generic[CallT, MeterT]):
     # Trimmed resends after a context overflow, and pre-trims (context shift).
     context_shifts: int = 0
     context_dropped: int = 0  # messages those dropped
+    # The multiple-opinions request this one is a step of ("" for none).
+    ensemble_id: str = ""
     # Bytes sent that the client has not read yet, where the server tells
     # (Daphne, through nexus_site.servers.daphne_limits); None elsewhere.
     unsent_bytes: Callable[[], int] | None = None

@@ -11,6 +11,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from nexus_mock.ensemble import ensemble_reply
 from nexus_mock.structured import FormatError, read_response_format, render_structured
 
 MAX_CHOICES = 128
@@ -141,8 +142,10 @@ def parse_chat_request(
             last_user_text = text
         elif message["role"] == "tool":
             last_user_text = f"tool result: {text}"
-    reply = f"[{backend}/{model}] echo: {last_user_text}"
-    reply = _apply_format(payload, reply, last_user_text)
+    reply = ensemble_reply(backend, model, last_user_text)
+    if reply is None:
+        reply = f"[{backend}/{model}] echo: {last_user_text}"
+        reply = _apply_format(payload, reply, last_user_text)
     return _build_generation("chat", payload, model, [reply], prompt_words)
 
 

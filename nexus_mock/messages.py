@@ -21,6 +21,7 @@ import itertools
 from collections.abc import Collection
 from typing import Any
 
+from nexus_mock.ensemble import ensemble_reply
 from nexus_mock.jobs import ApiError, parse_json_object
 from nexus_mock.replies import encode_json, split_text
 from nexus_mock.tools import ToolCall, choose_tool_call
@@ -86,7 +87,10 @@ def answer_messages(
         }
         stop, output = "tool_use", call.tokens
     else:
-        text = f"[{backend}/{model}] echo: {last_text}"
+        text = (
+            ensemble_reply(backend, model, last_text)
+            or f"[{backend}/{model}] echo: {last_text}"
+        )
         words = text.split()
         stop = "end_turn"
         if len(words) > limit:

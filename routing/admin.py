@@ -206,6 +206,20 @@ class RoutingPolicyAdmin(RoutingPolicyAdminBase):
             },
         ),
         (
+            "Multiple opinions",
+            {
+                "fields": (
+                    "ensemble_opinions",
+                    "ensemble_step_timeout_seconds",
+                    "ensemble_critique_prompt",
+                    "ensemble_refine_prompt",
+                ),
+                "description": "A request for moe-<model> asks several backends "
+                "serving the model, has each critique the others' answers, and "
+                "answers with the best one refined by its backend.",
+            },
+        ),
+        (
             "Scoring weights",
             {
                 "fields": ("weight_priority", "weight_load", "weight_latency"),

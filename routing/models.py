@@ -19,6 +19,14 @@ from routing.core.context_shift_policy import (
     ContextShiftPolicy,
 )
 from routing.core.context_shift_policy import RETRIES_LIMIT as CONTEXT_RETRIES_LIMIT
+from routing.core.ensemble_policy import (
+    CRITIQUE_REQUIRED,
+    OPINIONS_LIMIT,
+    REFINE_REQUIRED,
+    TIMEOUT_LIMIT,
+    EnsemblePolicy,
+    prompt_problem,
+)
 from routing.core.fleet_policy import SETTINGS_BY_NAME
 
 
@@ -246,6 +254,18 @@ ADMISSION_FIELDS = (
 )
 
 
+def _critique_prompt_validator(value: str) -> None:
+    problem = prompt_problem("The critique prompt", value, CRITIQUE_REQUIRED)
+    if problem is not None:
+        raise ValidationError(problem + ".")
+
+
+def _refine_prompt_validator(value: str) -> None:
+    problem = prompt_problem("The refine prompt", value, REFINE_REQUIRED)
+    if problem is not None:
+        raise ValidationError(problem + ".")
+
+
 class RoutingPolicy(models.Model):
     """The single, global routing policy (strategy, scoring weights, retries)."""
 
@@ -429,6 +449,37 @@ class RoutingPolicy(models.Model):
         help_text="Trimmed resends to the backend that overflowed (the second "
         "drops the tool definitions too).",
     )
+    # Multiple opinions, moe-<model> (routing.core.ensemble_policy).
+    ensemble_opinions = models.PositiveSmallIntegerField(
+        "opinions",
+        default=3,
+        validators=[MinValueValidator(1), MaxValueValidator(OPINIONS_LIMIT)],
+        help_text="Backends asked for an answer to a moe-<model> request (fewer "
+        "when fewer serve the model).",
+    )
+    ensemble_critique_prompt = models.TextField(
+        "critique prompt",
+        blank=True,
+        default="",
+        validators=[_critique_prompt_validator],
+        help_text="Leave empty for the default. Must contain {answers}; may "
+        "contain {question}. It should ask for lines 'Answer <n>: <score>/10'.",
+    )
+    ensemble_refine_prompt = models.TextField(
+        "refine prompt",
+        blank=True,
+        default="",
+        validators=[_refine_prompt_validator],
+        help_text="Leave empty for the default. Must contain {answer}; may "
+        "contain {question} and {critiques}.",
+    )
+    ensemble_step_timeout_seconds = models.FloatField(
+        "step timeout (seconds)",
+        default=120.0,
+        validators=[MinValueValidator(1.0), MaxValueValidator(TIMEOUT_LIMIT)],
+        help_text="Longest wait for each step (answers, critiques, the refined "
+        "answer's start); a backend slower than that is left out.",
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -515,6 +566,15 @@ class RoutingPolicy(models.Model):
             enabled=self.context_shift_enabled,
             keep_last_messages=self.context_shift_keep_last_messages,
             max_retries=self.context_shift_max_retries,
+        )
+
+    def ensemble_policy(self) -> EnsemblePolicy:
+        """The multiple-opinions settings (raises ValueError if out of range)."""
+        return EnsemblePolicy(
+            opinions=self.ensemble_opinions,
+            critique_prompt=self.ensemble_critique_prompt,
+            refine_prompt=self.ensemble_refine_prompt,
+            step_timeout_seconds=self.ensemble_step_timeout_seconds,
         )
 
     def _admission_values(self) -> dict[str, Any]:

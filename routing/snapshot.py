@@ -208,9 +208,13 @@ def _policy(stored: RoutingPolicy) -> Policy:
         fleet=fleet,
     )
     try:
-        return replace(policy, context_shift=stored.context_shift_policy())
+        policy = replace(policy, context_shift=stored.context_shift_policy())
     except ValueError as error:
         logger.error("Invalid context shift settings, using the defaults: %s", error)
+    try:
+        return replace(policy, ensemble=stored.ensemble_policy())
+    except ValueError as error:
+        logger.error("Invalid ensemble settings, using the defaults: %s", error)
         return policy
 
 

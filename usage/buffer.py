@@ -95,6 +95,9 @@ class UsageEvent:
     # Times context shift trimmed the request (gateway/proxy/context_shift.py);
     # the tokens are the successful attempt's only.
     context_shifts: int = 0
+    # One id for every request of a multiple-opinions ensemble (moe-<model>,
+    # gateway/proxy/ensemble.py); "" for any other request.
+    ensemble_id: str = ""
 
     @property
     def is_error(self) -> bool:

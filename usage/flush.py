@@ -345,6 +345,7 @@ def _to_record(event: UsageEvent) -> UsageRecord:
         is_error=event.is_error,
         created_at=datetime.fromtimestamp(event.created_at, tz=UTC),
         context_shifts=min(max(int(event.context_shifts), 0), _MAX_STATUS),
+        ensemble_id=_clip("ensemble_id", event.ensemble_id),
     )
 
 

@@ -69,8 +69,11 @@ class Accounting:
         )
         self.open_requests.open(opened, exchange)
 
-    def record(self, exchange: ProxyExchange) -> None:
-        """Hand the request's usage to the gateway (memory only, no I/O)."""
+    def record(self, exchange: ProxyExchange) -> tuple[int, int]:
+        """Hand the request's usage to the gateway (memory only, no I/O).
+
+        Returns the tokens and the cost (nano-USD) it was recorded with.
+        """
         prompt, completion, total, reported = _token_counts(exchange)
         cost = _cost(exchange, prompt, completion)
         event_id = exchange.event_id
@@ -104,6 +107,7 @@ class Accounting:
             cost_nanos=cost,
             event_id=event_id,
             context_shifts=exchange.context_shifts,
+            ensemble_id=exchange.ensemble_id,
         )
         self.buffer.append(event)
         model = _model_label(exchange)
@@ -113,6 +117,7 @@ class Accounting:
         self._observe(exchange, model, now, prompt, completion)
         if self.access_log and access_logger.isEnabledFor(logging.INFO):
             _log_access(exchange, event.latency_ms, prompt, completion)
+        return total, cost
 
     def refuse(self, exchange: ProxyExchange, error: ProxyError) -> None:
         """Record a request refused before any backend saw it.
@@ -243,7 +248,7 @@ def _log_access(
 ) -> None:
     access_logger.info(
         "request_id=%s endpoint=%s model=%s backend=%s status=%d "
-        "latency_ms=%.1f tokens_in=%d tokens_out=%d retries=%d%s%s",
+        "latency_ms=%.1f tokens_in=%d tokens_out=%d retries=%d%s%s%s",
         exchange.request_id,
         exchange.endpoint,
         # Client-chosen: escaped so that it cannot forge log lines.
@@ -256,4 +261,5 @@ def _log_access(
         exchange.retries,
         " stream=1" if exchange.stream else "",
         f" error={exchange.error}" if exchange.error else "",
+        f" ensemble={exchange.ensemble_id}" if exchange.ensemble_id else "",
     )

@@ -36,6 +36,7 @@ from gateway.proxy.bodies import (
     read_body,
     too_large,
 )
+from gateway.proxy.ensemble import base_requirements
 from gateway.proxy.errors import (
     ProxyError,
     bad_request,
@@ -350,7 +351,11 @@ class ProxyApp:
                 limits.check_model(
                     exchange.policy, state.routes, requirements.model, gateway.metrics
                 )
-            decision = gateway.router.explain(requirements, state.routes, gateway.stats)
+            decision = gateway.router.explain(
+                base_requirements(state.routes, requirements),
+                state.routes,
+                gateway.stats,
+            )
             if decision.error is not None:
                 raise routing_error(decision.error)
             await _send_json(send, 200, inbound.ready, exchange.response_headers)
@@ -461,7 +466,9 @@ class ProxyApp:
             limits.check_model(
                 exchange.policy, state.routes, requirements.model, gateway.metrics
             )
-        decision = gateway.router.explain(requirements, state.routes, gateway.stats)
+        decision = gateway.router.explain(
+            base_requirements(state.routes, requirements), state.routes, gateway.stats
+        )
         if decision.error is not None:
             raise routing_error(decision.error)
         tokens = anthropic_translate.estimate_input_tokens(inbound.canonical)

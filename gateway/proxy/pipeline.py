@@ -7,6 +7,10 @@ admission control, then the router (holding the request while its model has
 no backend, gateway/fleet), the fleet's slot, and ``forward``. A client that
 hangs up cancels it wherever it is. Whatever happens, the accounting records
 the request once.
+
+A request for a ``moe-`` model (multiple opinions) takes the same way up to
+admission, its key's limits taken for every step; then the ensemble runs
+its steps (gateway/proxy/ensemble/) and records each.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from gateway.proxy import limits
 from gateway.proxy.accounting import Accounting
 from gateway.proxy.bodies import Receive
 from gateway.proxy.context_fit import fit_known_context
+from gateway.proxy.ensemble import EnsemblePlan, Ensembles
 from gateway.proxy.errors import ProxyError, bad_request, routing_error
 from gateway.proxy.forward import Upstream, forward
 from gateway.proxy.legs import ProxyExchange
@@ -51,6 +56,7 @@ class Pipeline:
         self.accounting = accounting
         self.default_completion = gateway.config.default_completion_tokens
         self.streams = limits.StreamCap(gateway.config.max_streams_per_key)
+        self.ensembles = Ensembles(gateway, upstream, accounting)
 
     async def serve(
         self,
@@ -61,7 +67,9 @@ class Pipeline:
         send: Send,
     ) -> None:
         """Serve the request and record it (an error too: it is raised on)."""
-        self.accounting.open(exchange)
+        plan = self.ensembles.plan(exchange, state, requirements)
+        if plan is None:
+            self.accounting.open(exchange)
         # A key's streams in this process are capped (limits.StreamCap); no
         # key, no cap.
         counted = exchange.key_prefix if exchange.stream else ""
@@ -70,7 +78,7 @@ class Pipeline:
                 self.streams.take(counted, self.gateway.metrics)
             try:
                 await self._forward_watching_client(
-                    exchange, state, requirements, receive, send
+                    exchange, state, requirements, receive, send, plan
                 )
             finally:
                 if counted:
@@ -81,7 +89,10 @@ class Pipeline:
             error.recorded = True
             raise
         finally:
-            self.accounting.record(exchange)
+            if plan is None:
+                self.accounting.record(exchange)
+            else:
+                self.ensembles.finish(plan, exchange)
 
     async def _forward_watching_client(
         self,
@@ -90,6 +101,7 @@ class Pipeline:
         requirements: RequestRequirements,
         receive: Receive,
         send: Send,
+        plan: EnsemblePlan | None = None,
     ) -> None:
         """Check the key, wait for admission, route and forward; a client that
         hangs up cancels.
@@ -101,7 +113,7 @@ class Pipeline:
         """
         gateway = self.gateway
         if exchange.policy is not None:
-            await self._check_key(exchange, state, requirements, exchange.policy)
+            await self._check_key(exchange, state, requirements, exchange.policy, plan)
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.get_running_loop().create_task(
@@ -112,7 +124,7 @@ class Pipeline:
             try:
                 ticket = gateway.admission.prepare(
                     state,
-                    requirements,
+                    requirements if plan is None else plan.requirements,
                     exchange.payload,
                     exchange.key_prefix,
                     exchange.request_headers,
@@ -129,6 +141,9 @@ class Pipeline:
                 raise bad_request(str(error), param=error.header) from None
             except AdmissionError as error:
                 raise _admission_error(error, exchange) from None
+            if plan is not None:
+                await self.ensembles.run(plan, exchange, state, send)
+                return
             try:
                 route, routes = await self._route(state, requirements)
             except ProxyError as error:
@@ -204,16 +219,24 @@ class Pipeline:
         state: GatewayState,
         requirements: RequestRequirements,
         policy: KeyPolicy,
+        plan: EnsemblePlan | None = None,
     ) -> None:
         """Refuse what the key may not do, or take its share of its limits.
 
         The rate-limit headers go onto the answer's headers (or the
         refusal's); a budgeted stream gets a meter that may cut it short.
+        An ensemble needs the key to allow its base model too, and takes
+        the limits once for all its steps (no meter: its steps end on their
+        own).
         """
         gateway = self.gateway
         metrics = gateway.metrics
         model = requirements.model
         limits.check_model(policy, state.routes, model, metrics)
+        steps = 1
+        if plan is not None:
+            limits.check_model(policy, state.routes, plan.base, metrics)
+            model, steps = plan.base, plan.steps
         if not policy.is_limited:
             return
         prompt = requirements.estimated_tokens
@@ -230,13 +253,13 @@ class Pipeline:
         ticket = await limits.admit(
             gateway.limiter,
             policy,
-            prompt + completion,
-            price.cost(prompt, completion),
+            (prompt + completion) * steps,
+            price.cost(prompt, completion) * steps,
             exchange.response_headers,
             metrics,
         )
         exchange.limit_ticket = ticket
-        if exchange.stream and policy.has_budget:
+        if exchange.stream and policy.has_budget and plan is None:
             exchange.meter = limits.BudgetMeter(
                 gateway.limiter, ticket, state.prices, model, prompt
             )

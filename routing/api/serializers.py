@@ -201,6 +201,10 @@ class RoutingPolicySerializer(ModelCleanSerializer[RoutingPolicy]):
             "context_shift_enabled",
             "context_shift_keep_last_messages",
             "context_shift_max_retries",
+            "ensemble_opinions",
+            "ensemble_critique_prompt",
+            "ensemble_refine_prompt",
+            "ensemble_step_timeout_seconds",
             "updated_at",
         )
 

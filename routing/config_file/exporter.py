@@ -12,6 +12,7 @@ from routing.config_file.schema import (
     AUTO,
     BACKEND_SETTINGS,
     CONTEXT_SHIFT_SETTINGS,
+    ENSEMBLE_SETTINGS,
     FLEET_TOML_SETTINGS,
     KEY_SETTINGS,
     MODEL_SETTINGS,
@@ -81,6 +82,13 @@ def export_config() -> str:
         "# Trim a chat that overflows a model's context and resend it.",
     ]
     lines += _settings(policy, CONTEXT_SHIFT_SETTINGS)
+
+    lines += [
+        "",
+        "[routing.ensemble]",
+        "# Multiple opinions for moe-<model>; an empty prompt is the default.",
+    ]
+    lines += _settings(policy, ENSEMBLE_SETTINGS)
 
     lines += [
         "",

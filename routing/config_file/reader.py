@@ -26,6 +26,7 @@ from routing.config_file.schema import (
     ADMISSION_MODEL_TABLES,
     ADMISSION_SETTINGS,
     CONTEXT_SHIFT_SETTINGS,
+    ENSEMBLE_SETTINGS,
     FLEET_TOML_SETTINGS,
     POLICY_SETTINGS,
     ROUTING_KEYS,
@@ -90,6 +91,7 @@ def _read_document(reader: ValueReader, data: dict[str, Any]) -> ConfigFile:
             ("weights", WEIGHT_SETTINGS),
             ("fleet", FLEET_TOML_SETTINGS),
             ("context_shift", CONTEXT_SHIFT_SETTINGS),
+            ("ensemble", ENSEMBLE_SETTINGS),
         ):
             values, invalid = _read_settings_table(reader, routing, key, settings)
             policy |= values

@@ -108,6 +108,18 @@ CONTEXT_SHIFT_SETTINGS = (
         "max_retries", "context_shift_max_retries", int, "a whole number from 0 to 5"
     ),
 )
+# [routing.ensemble]: multiple opinions (moe-<model>).
+ENSEMBLE_SETTINGS = (
+    Setting("opinions", "ensemble_opinions", int, "a whole number from 1 to 8"),
+    Setting("critique_prompt", "ensemble_critique_prompt", str, "a string"),
+    Setting("refine_prompt", "ensemble_refine_prompt", str, "a string"),
+    Setting(
+        "step_timeout_seconds",
+        "ensemble_step_timeout_seconds",
+        float,
+        "a number of seconds from 1 to 3600",
+    ),
+)
 MODEL_WEIGHTS_KEY = "model_weights"
 MODEL_WEIGHTS_FIELD = "admission_model_weights"
 MODEL_OUTPUT_TOKENS_KEY = "model_output_tokens"
@@ -170,6 +182,7 @@ ROUTING_KEYS = (
     "admission",
     "fleet",
     "context_shift",
+    "ensemble",
     "aliases",
     "fallbacks",
 )
@@ -188,6 +201,7 @@ POLICY_KEY_FOR_FIELD = (
     | {field: f"admission.{key}" for key, field, _, _ in ADMISSION_MODEL_TABLES}
     | {s.field: f"fleet.{s.key}" for s in FLEET_TOML_SETTINGS}
     | {s.field: f"context_shift.{s.key}" for s in CONTEXT_SHIFT_SETTINGS}
+    | {s.field: f"ensemble.{s.key}" for s in ENSEMBLE_SETTINGS}
 )
 BACKEND_KEY_FOR_FIELD = {s.field: s.key for s in BACKEND_SETTINGS} | {
     "api_key": "api_key"

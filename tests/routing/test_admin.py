@@ -63,6 +63,7 @@ def policy_form(**fields: str) -> dict[str, str]:
         **ADMISSION_DEFAULTS,
         **FLEET_DEFAULTS,
         **CONTEXT_SHIFT_DEFAULTS,
+        **ENSEMBLE_DEFAULTS,
         **fields,
     }
 
@@ -72,6 +73,15 @@ CONTEXT_SHIFT_DEFAULTS = {
     "context_shift_enabled": "on",
     "context_shift_keep_last_messages": "1",
     "context_shift_max_retries": "2",
+}
+
+
+# Multiple opinions' part of the policy form, at its defaults.
+ENSEMBLE_DEFAULTS = {
+    "ensemble_opinions": "3",
+    "ensemble_step_timeout_seconds": "120",
+    "ensemble_critique_prompt": "",
+    "ensemble_refine_prompt": "",
 }
 
 

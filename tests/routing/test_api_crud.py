@@ -213,6 +213,10 @@ def test_policy_reads_defaults_until_saved_without_creating_it(api: APIClient) -
         "context_shift_enabled": True,
         "context_shift_keep_last_messages": 1,
         "context_shift_max_retries": 2,
+        "ensemble_opinions": 3,
+        "ensemble_critique_prompt": "",
+        "ensemble_refine_prompt": "",
+        "ensemble_step_timeout_seconds": 120.0,
         "updated_at": None,
     }
     assert not RoutingPolicy.objects.exists()

@@ -83,6 +83,15 @@ class UsageRecord(models.Model):
         "overflow, a pre-trim, a trim to the known context); the tokens are "
         "the successful attempt's.",
     )
+    ensemble_id = models.CharField(
+        "ensemble",
+        max_length=32,
+        blank=True,
+        default="",
+        db_index=True,
+        help_text="Shared by the requests Nexus made for one multiple-opinions "
+        "(moe-<model>) request: its answers, critiques and refined answer.",
+    )
     is_error = models.BooleanField(
         "failed", default=False, help_text="Counted in errors (UsageEvent.is_error)."
     )
