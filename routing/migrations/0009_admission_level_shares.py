@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('routing', '0007_routing_policy_context_shift'),
+        ('routing', '0008_routing_policy_ensemble'),
     ]
 
     operations = [
