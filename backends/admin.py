@@ -25,6 +25,7 @@ from backends.models import (
     BackendQuerySet,
     HealthStatus,
 )
+from nexus_lib import live_views
 
 if TYPE_CHECKING:
     from django.contrib.admin.options import _FieldsetSpec
@@ -368,6 +369,7 @@ class BackendModelAdmin(BackendModelAdminBase):
     readonly_fields = (
         "discovered",
         "manual_fields",
+        "learned_context",
         *LOADED_FIELDS,
         "created_at",
         "updated_at",
@@ -376,6 +378,7 @@ class BackendModelAdmin(BackendModelAdminBase):
         "backend",
         "name",
         *CAPABILITY_FIELDS,
+        "learned_context",
         *SIZE_FIELDS,
         "max_concurrency",
         "loaded",
@@ -397,6 +400,25 @@ class BackendModelAdmin(BackendModelAdminBase):
     ) -> None:
         obj.claim_fields(form.changed_data)
         super().save_model(request, obj, form, change)
+
+    @admin.display(description="context learned from overflows")
+    def learned_context(self, obj: BackendModel) -> str:
+        if obj.backend_id is None:
+            return "—"
+        learned = live_views.learned_context(
+            obj.backend.name, obj.name, obj.context_length
+        )
+        if learned is None:
+            return (
+                "— (no context overflow seen by this serving process since the "
+                "context length was last discovered)"
+            )
+        limit, n_ctx = learned
+        said = f"; the server said n_ctx {n_ctx:,}" if n_ctx else ""
+        return (
+            f"{limit:,} tokens (Nexus's estimate){said}: requests are trimmed "
+            "to it before they are sent (context shift)"
+        )
 
     @admin.action(description="Let discovery manage the selected models' fields")
     def let_discovery_manage(

@@ -83,6 +83,16 @@ class ContextLimits:
             return None
         return entry[0]
 
+    def peek(
+        self, backend: str, model: str, context_length: int | None
+    ) -> tuple[int, int | None] | None:
+        """(limit, the server's n_ctx) while the context is unchanged, else
+        None; changes nothing (the admin reads it from another thread)."""
+        entry = self._limits.get((backend, model))
+        if entry is None or entry[1] != context_length:
+            return None
+        return entry[0], entry[2]
+
     def n_ctx(self, backend: str, model: str) -> int | None:
         """The server's own context size as its overflow said (the admin shows it)."""
         entry = self._limits.get((backend, model))

@@ -3,6 +3,8 @@ from __future__ import annotations
 from django.apps import AppConfig, apps
 from django.contrib.admin import apps as admin_apps
 
+from nexus_lib import live_views
+
 # A module, not the class, is imported: Django picks this module's one class
 # marked `default` as the nexus_site app, and Django's AdminConfig is one.
 
@@ -19,6 +21,16 @@ class NexusSiteConfig(AppConfig):
         # stay "rest_framework.authtoken" in INSTALLED_APPS (its models check
         # for that name), so the admin's heading is renamed here.
         apps.get_app_config("authtoken").verbose_name = "Management API"
+        # The admin shows what this serving process learned (nexus_lib.live_views).
+        live_views.provide_learned_context(_learned_context)
+
+
+def _learned_context(
+    backend: str, model: str, context_length: int | None
+) -> tuple[int, int | None] | None:
+    from gateway.process import current_gateway
+
+    return current_gateway().context_limits.peek(backend, model, context_length)
 
 
 class NexusAdminConfig(admin_apps.AdminConfig):

@@ -523,3 +523,27 @@ def test_remove_demo_backends_with_none_selected_removes_nothing(
     assert _messages(response) == [
         "None of the selected backends is a demo backend; nothing removed."
     ]
+
+
+def test_a_model_page_shows_the_context_learned_from_overflows(
+    admin_client: Client,
+) -> None:
+    from gateway.process import current_gateway
+
+    model = BackendModelFactory(
+        backend=BackendFactory(name="small-gpu"), name="tiny:1b", context_length=4096
+    )
+    url = reverse("admin:backends_backendmodel_change", args=[model.pk])
+    assert "no context overflow seen" in admin_client.get(url).content.decode()
+    limits = current_gateway().context_limits
+    limits.remember("small-gpu", "tiny:1b", 3_512, 4096, 4096, announce=False)
+    try:
+        page = admin_client.get(url).content.decode()
+        assert "3,512 tokens (Nexus&#x27;s estimate); the server said n_ctx 4,096" in (
+            page
+        )
+        # Discovery saw another context length: the learned limit is forgotten.
+        BackendModel.objects.filter(pk=model.pk).update(context_length=8192)
+        assert "no context overflow seen" in admin_client.get(url).content.decode()
+    finally:
+        limits.forget()
