@@ -51,7 +51,7 @@ from routing.admission.errors import (
     QueueTTLExpired,
 )
 from routing.admission.queue import Ticket
-from routing.admission.vocabulary import Criticality, FlowKey, Outcome
+from routing.admission.vocabulary import Criticality, FlowKey, Outcome, StockUnit
 from routing.core import RequestRequirements, RouterSnapshot
 from routing.core.types import UNLIMITED, PreparedTarget
 from usage.live import AdmissionLiveDict, AdmissionPoolDict
@@ -281,19 +281,26 @@ class AdmissionGate:
             if route is not None:
                 models_of.setdefault(route.key, []).append(model)
         pools: list[AdmissionPoolDict] = []
+        tokens = self.controller.settings.stock_unit is StockUnit.TOKENS
         for pool in self.controller.pools.values():
             band = pool.band
             pools.append(
                 {
+                    "pool": pool.key,
                     "backends": list(pool.backends),
                     "models": sorted(models_of.get(pool.key, pool.stock_by_model)),
-                    "stock": pool.stock,
+                    "unit": "tokens" if tokens else "requests",
+                    "stock": round(pool.stock_tokens) if tokens else pool.stock,
                     "waiting": len(pool.queue),
                     "lower": band.lower,
                     "upper": band.upper,
                     "watermark": band.watermark,
-                    "dispatch_limit": band.dispatch_limit,
-                    "bypass_limit": band.bypass_limit,
+                    "dispatch_limit": (
+                        band.token_dispatch_limit if tokens else band.dispatch_limit
+                    ),
+                    "bypass_limit": (
+                        band.token_bypass_limit if tokens else band.bypass_limit
+                    ),
                     "flows": pool.queue.flow_lengths(),
                 }
             )

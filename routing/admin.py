@@ -247,6 +247,8 @@ class RoutingPolicyAdmin(RoutingPolicyAdminBase):
                     "admission_critical_share",
                     "admission_default_share",
                     "admission_sheddable_share",
+                    "admission_stock_unit",
+                    "admission_watermark_tokens_per_backend",
                 ),
                 "description": "When a model's pool (its requests, against "
                 "its ready backends) has more requests in flight than the band "

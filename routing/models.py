@@ -11,7 +11,7 @@ from django.db import models
 from django.db.models import BaseConstraint, CheckConstraint, F, Q
 from django.db.models.lookups import Exact
 
-from routing.admission import AdmissionSettings, FlowKey, Sizing
+from routing.admission import AdmissionSettings, FlowKey, Sizing, StockUnit
 from routing.core import FLEET_SETTINGS, FleetPolicy, Strategy
 from routing.core.aliases import check_alias_pattern, is_alias_pattern
 from routing.core.context_shift_policy import (
@@ -251,6 +251,7 @@ ADMISSION_FIELDS = (
     "critical_share",
     "default_share",
     "sheddable_share",
+    "stock_unit",
 )
 
 
@@ -402,6 +403,25 @@ class RoutingPolicy(models.Model):
         default=5,
         validators=[MaxValueValidator(100)],
         help_text="Share of sheddable requests.",
+    )
+    admission_stock_unit = models.CharField(
+        "stock unit",
+        max_length=8,
+        choices=[
+            (StockUnit.REQUESTS.value, "Requests (each counts 1)"),
+            (StockUnit.TOKENS.value, "Tokens (each counts its estimated size)"),
+        ],
+        default=StockUnit.REQUESTS,
+        help_text="What the in-flight stock and the band count: with tokens, "
+        "ten 8,000-token prompts fill the band that ten 50-token ones do not.",
+    )
+    admission_watermark_tokens_per_backend = models.FloatField(
+        "token watermark per backend",
+        null=True,
+        blank=True,
+        help_text="Tokens in flight aimed at per ready backend when the stock "
+        "counts tokens (default: the watermark per backend x twice the default "
+        "output tokens).",
     )
     # The fleet strategy's settings (routing.core.fleet_policy.FLEET_SETTINGS).
     hot_points = fleet_field("hot_points")
@@ -581,6 +601,9 @@ class RoutingPolicy(models.Model):
         values = {name: getattr(self, f"admission_{name}") for name in ADMISSION_FIELDS}
         values["lower_bound_per_backend"] = self.admission_lower_bound_per_backend
         values["upper_bound_per_backend"] = self.admission_upper_bound_per_backend
+        values["watermark_tokens_per_backend"] = (
+            self.admission_watermark_tokens_per_backend
+        )
         return values
 
     @classmethod

@@ -52,11 +52,15 @@ class AdmissionPoolDict(TypedDict):
 
     ``dispatch_limit`` / ``bypass_limit`` are whole requests (a process's
     share; merged, the gateway's); ``lower`` / ``upper`` / ``watermark`` the
-    gateway's band. ``flows`` counts the requests waiting per flow.
+    gateway's band. ``flows`` counts the requests waiting per flow. With the
+    stock counted in tokens (``unit``), ``stock`` and all of the band are
+    tokens.
     """
 
+    pool: str  # the served model whose requests it holds
     backends: list[str]
     models: list[str]
+    unit: str
     stock: int
     waiting: int
     lower: float

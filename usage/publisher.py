@@ -254,7 +254,7 @@ def merge_snapshots(
 def merge_admission(states: list[AdmissionLiveDict]) -> AdmissionLiveDict | None:
     """The gateway's admission control from its processes' (None: no process).
 
-    A pool (the same backends) in several processes: stocks, queues and the
+    A pool (one served model) in several processes: stocks, queues and the
     processes' shares of the band add up; the band's bounds are the
     gateway's already.
     """
@@ -265,7 +265,9 @@ def merge_admission(states: list[AdmissionLiveDict]) -> AdmissionLiveDict | None
     preemptions: dict[str, int] = {}
     for state in states:
         for pool in state["pools"]:
-            key = tuple(pool["backends"])
+            # A process of an older version says only its backends.
+            served = pool.get("pool")
+            key = (served,) if isinstance(served, str) else tuple(pool["backends"])
             merged = pools.get(key)
             if merged is None:
                 pools[key] = {**pool, "flows": dict(pool["flows"])}
@@ -273,6 +275,7 @@ def merge_admission(states: list[AdmissionLiveDict]) -> AdmissionLiveDict | None
             for name in ("stock", "waiting", "dispatch_limit", "bypass_limit"):
                 merged[name] += pool[name]
             merged["models"] = sorted({*merged["models"], *pool["models"]})
+            merged["backends"] = sorted({*merged["backends"], *pool["backends"]})
             for flow, waiting in pool["flows"].items():
                 merged["flows"][flow] = merged["flows"].get(flow, 0) + waiting
         _add_counts(rejections, state["rejections"])

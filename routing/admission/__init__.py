@@ -20,7 +20,13 @@ from routing.admission.errors import (
 )
 from routing.admission.queue import FairRequestQueue, Ticket
 from routing.admission.settings import AdmissionSettings, Band
-from routing.admission.vocabulary import Criticality, FlowKey, Outcome, Sizing
+from routing.admission.vocabulary import (
+    Criticality,
+    FlowKey,
+    Outcome,
+    Sizing,
+    StockUnit,
+)
 
 __all__ = [
     "AdmissionController",
@@ -40,6 +46,7 @@ __all__ = [
     "QueueFull",
     "QueueTTLExpired",
     "Sizing",
+    "StockUnit",
     "Ticket",
     "error_of",
 ]

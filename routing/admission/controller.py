@@ -55,6 +55,7 @@ class Pool:
     capacities: tuple[int, ...] = ()  # max_concurrency of ready backends that say
     backends: tuple[str, ...] = ()  # the ready backends' names (for the views)
     stock: int = 0
+    stock_tokens: float = 0.0  # the sizes of the requests in the stock
     stock_by_model: dict[str, int] = field(default_factory=dict)
     queueing: bool = False  # enqueue mode (False: bypass mode)
     mode_changes: int = 0
@@ -159,7 +160,12 @@ class AdmissionController:
         ticket.pool = pool
         queue = pool.queue
         now = self.clock()
-        if not len(queue) and pool.stock < pool.band.bypass_limit:
+        band = pool.band
+        if (
+            not len(queue)
+            and pool.stock < band.bypass_limit
+            and pool.stock_tokens < band.token_bypass_limit
+        ):
             if pool.queueing:
                 pool.queueing = False
                 pool.mode_changes += 1
@@ -207,6 +213,7 @@ class AdmissionController:
             return
         if outcome is Outcome.BYPASSED or outcome is Outcome.DISPATCHED:
             pool.stock -= 1
+            pool.stock_tokens = pool.stock_tokens - ticket.size if pool.stock else 0.0
             by_model = pool.stock_by_model
             left = by_model[ticket.model] - 1
             if left:
@@ -241,8 +248,9 @@ class AdmissionController:
         queue = pool.queue
         counts = self.counts
         limit = pool.band.dispatch_limit
+        token_limit = pool.band.token_dispatch_limit
         now = -1.0
-        while pool.stock < limit and len(queue):
+        while pool.stock < limit and pool.stock_tokens < token_limit and len(queue):
             counts.dequeue_attempts += 1
             ticket = queue.pop()
             if ticket is None:
@@ -357,6 +365,7 @@ class AdmissionController:
         self, pool: Pool, ticket: Ticket, outcome: Outcome, now: float
     ) -> None:
         pool.stock += 1
+        pool.stock_tokens += ticket.size
         by_model = pool.stock_by_model
         by_model[ticket.model] = by_model.get(ticket.model, 0) + 1
         ticket.outcome = outcome
@@ -379,6 +388,7 @@ class AdmissionController:
             pool.queueing
             and not len(pool.queue)
             and pool.stock < pool.band.bypass_limit
+            and pool.stock_tokens < pool.band.token_bypass_limit
         ):
             pool.queueing = False
             pool.mode_changes += 1

@@ -12,24 +12,33 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 
-from routing.admission.vocabulary import Criticality, FlowKey, Sizing
+from routing.admission.vocabulary import Criticality, FlowKey, Sizing, StockUnit
 
 MAX_CAPACITY = 1_000_000
 MAX_TTL_SECONDS = 3600.0
 MAX_PER_BACKEND = 100_000.0
 MAX_WEIGHT = 1000.0
 MAX_OUTPUT_TOKENS = 10_000_000
+MAX_TOKENS_PER_BACKEND = 100_000_000.0
+# In requests mode nothing limits the tokens, in tokens mode a pool whose
+# backends do not all say their max_concurrency has no request limit.
+NO_LIMIT = 1 << 62
 SHARE_NAMES = ("critical_share", "default_share", "sheddable_share")
 
 
 @dataclass(frozen=True, slots=True)
 class Band:
-    """The stock limits of one pool in one serving process, in whole requests.
+    """The stock limits of one pool in one serving process.
 
-    ``bypass_limit``: a request goes straight through while the stock is below
-    it and nothing waits; ``dispatch_limit``: a waiting request is sent while
-    the stock is below it. ``lower``, ``upper`` and ``watermark`` are the
-    (fractional) band of the whole gateway, for the gauges.
+    ``bypass_limit``: a request goes straight through while the stock (in
+    requests) is below it and nothing waits; ``dispatch_limit``: a waiting
+    request is sent while the stock is below it. The token limits do the same
+    for the stock in tokens (the sizes of the requests let through) and
+    always hold too: with ``stock_unit = "requests"`` they never bind, with
+    "tokens" the request limits bind only where every backend says its
+    max_concurrency (the router sends it no more). ``lower``, ``upper`` and
+    ``watermark`` are the (fractional) band of the whole gateway in the
+    stock's unit, for the gauges.
     """
 
     lower: float
@@ -37,6 +46,8 @@ class Band:
     watermark: float
     dispatch_limit: int
     bypass_limit: int
+    token_dispatch_limit: int = NO_LIMIT
+    token_bypass_limit: int = NO_LIMIT
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +87,13 @@ class AdmissionSettings:
     critical_share: int = 70
     default_share: int = 25
     sheddable_share: int = 5
+    stock_unit: StockUnit = StockUnit.REQUESTS
+    watermark_tokens_per_backend: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "flow_key", FlowKey(self.flow_key))
         object.__setattr__(self, "sizing", Sizing(self.sizing))
+        object.__setattr__(self, "stock_unit", StockUnit(self.stock_unit))
         object.__setattr__(
             self, "model_weights", MappingProxyType(dict(self.model_weights))
         )
@@ -103,6 +117,21 @@ class AdmissionSettings:
             value = values.get(item.name, getattr(defaults, item.name))
             object.__setattr__(unchecked, item.name, value)
         return unchecked.problems()
+
+    @property
+    def request_tokens(self) -> float:
+        """The size a backend slot is counted at in tokens: a request whose
+        prompt is as long as the default output (twice default_output_tokens)."""
+        return float(max(1, 2 * self.default_output_tokens))
+
+    @property
+    def tokens_per_backend(self) -> float:
+        """The token watermark per ready backend without a max_concurrency:
+        the one set, else the request watermark times ``request_tokens``
+        (so that requests of that size see the same band as in requests)."""
+        if self.watermark_tokens_per_backend is not None:
+            return self.watermark_tokens_per_backend
+        return self.watermark_per_backend * self.request_tokens
 
     @property
     def shares(self) -> Mapping[Criticality, int]:
@@ -213,6 +242,14 @@ class AdmissionSettings:
                 "one of critical_share, default_share and sheddable_share must "
                 "be above 0"
             )
+        per_backend = self.watermark_tokens_per_backend
+        if per_backend is not None and not _finite_in(
+            per_backend, 0, MAX_TOKENS_PER_BACKEND, low_open=True
+        ):
+            found["watermark_tokens_per_backend"] = (
+                f"must be more than 0 and at most {MAX_TOKENS_PER_BACKEND:g}, "
+                f"got {per_backend!r}"
+            )
         for model, weight in self.model_weights.items():
             if not _finite_in(weight, 0, MAX_WEIGHT, low_open=True):
                 found["model_weights"] = (
@@ -247,18 +284,42 @@ class AdmissionSettings:
         `processes` serving processes, the remainder to the lowest indexes, so
         that the shares add up to the gateway's limits; every process keeps at
         least one request, or it could never send anything.
+
+        With ``stock_unit = "tokens"`` the same band is counted in tokens
+        (``_token_band``).
         """
         others = max(0, ready_backends - len(capacities))
         slots = sum(capacities)
         lower = self.lower_per_backend * others + slots
         upper = self.upper_per_backend * others + slots
         watermark = self.watermark_per_backend * others + slots
+        if self.stock_unit is StockUnit.TOKENS:
+            return self._token_band(others, slots, index, processes)
         return Band(
             lower=lower,
             upper=upper,
             watermark=watermark,
             dispatch_limit=_share(math.ceil(lower - 1e-9), index, processes),
             bypass_limit=_share(math.ceil(upper - 1e-9), index, processes),
+        )
+
+    def _token_band(self, others: int, slots: int, index: int, processes: int) -> Band:
+        """The band in tokens: the per-backend bounds scaled from requests to
+        ``tokens_per_backend``, a backend slot counted at ``request_tokens``."""
+        scale = self.tokens_per_backend / self.watermark_per_backend
+        per_slot = self.request_tokens
+        lower = self.lower_per_backend * scale * others + slots * per_slot
+        upper = self.upper_per_backend * scale * others + slots * per_slot
+        watermark = self.tokens_per_backend * others + slots * per_slot
+        requests = NO_LIMIT if others else _share(slots, index, processes)
+        return Band(
+            lower=lower,
+            upper=upper,
+            watermark=watermark,
+            dispatch_limit=requests,
+            bypass_limit=requests,
+            token_dispatch_limit=_share(math.ceil(lower - 1e-9), index, processes),
+            token_bypass_limit=_share(math.ceil(upper - 1e-9), index, processes),
         )
 
     def weight_of(self, model: str) -> float:

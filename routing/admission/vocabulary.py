@@ -44,6 +44,13 @@ class Sizing(StrEnum):
     FIXED = "fixed"
 
 
+class StockUnit(StrEnum):
+    """What the stock and the band count."""
+
+    REQUESTS = "requests"
+    TOKENS = "tokens"  # the requests' sizes (estimated tokens)
+
+
 class Outcome(StrEnum):
     """How a ticket left admission control."""
 

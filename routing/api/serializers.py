@@ -159,6 +159,17 @@ class AdmissionPolicySerializer(serializers.Serializer[Any]):
     sheddable_share = serializers.IntegerField(
         source="admission_sheddable_share", required=False
     )
+    stock_unit = serializers.ChoiceField(
+        choices=["requests", "tokens"],
+        source="admission_stock_unit",
+        required=False,
+        help_text="What the in-flight stock and the band count.",
+    )
+    watermark_tokens_per_backend = serializers.FloatField(
+        source="admission_watermark_tokens_per_backend",
+        required=False,
+        allow_null=True,
+    )
     model_weights = serializers.DictField(
         child=serializers.FloatField(),
         source="admission_model_weights",

@@ -59,6 +59,13 @@ ADMISSION_SETTINGS = (
     Setting(
         "sheddable_share", "admission_sheddable_share", int, "a whole number 0-100"
     ),
+    Setting("stock_unit", "admission_stock_unit", str, '"requests" or "tokens"'),
+    Setting(
+        "watermark_tokens_per_backend",
+        "admission_watermark_tokens_per_backend",
+        float,
+        "a positive number",
+    ),
     Setting(
         "watermark_per_backend",
         "admission_watermark_per_backend",

@@ -110,6 +110,8 @@ ADMISSION_DEFAULTS = {
     "admission_critical_share": "70",
     "admission_default_share": "25",
     "admission_sheddable_share": "5",
+    "admission_stock_unit": "requests",
+    "admission_watermark_tokens_per_backend": "",
 }
 
 

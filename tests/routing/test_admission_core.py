@@ -21,6 +21,7 @@ from routing.admission import (
     FlowQueueFull,
     Outcome,
     QueueFull,
+    StockUnit,
     Ticket,
     error_of,
 )
@@ -534,6 +535,63 @@ def test_waiting_requests_of_a_model_left_without_backends_go_on() -> None:
     for ticket in tickets:
         controller.release(ticket)
     assert controller.stock == 0
+
+
+def _let_through(settings_: AdmissionSettings, size: float, count: int) -> int:
+    controller = AdmissionController(settings_, clock=Clock())
+    tickets = [Ticket(flow=f"t{n}", size=size) for n in range(count)]
+    for ticket in tickets:
+        controller.admit(ticket, "m", 1)
+    return sum(ticket.outcome in GO for ticket in tickets)
+
+
+def test_in_tokens_ten_large_prompts_hold_the_band_ten_small_ones_do_not() -> None:
+    # One backend: 4 requests ± 10 % in requests; in tokens 4 x 512 = 2,048
+    # (the default size of a request is twice default_output_tokens, 256).
+    requests = AdmissionSettings()
+    tokens = AdmissionSettings(stock_unit=StockUnit.TOKENS)
+    assert tokens.band(1).watermark == 2048
+    assert (_let_through(requests, 100, 10), _let_through(requests, 4000, 10)) == (
+        5,
+        5,
+    )
+    # Ten 100-token requests fit; of ten 1,000-token ones, three are in
+    # flight (0, 1,000 and 2,000 are below the 2,253 bound) and seven wait.
+    assert _let_through(tokens, 100, 10) == 10
+    assert _let_through(tokens, 1000, 10) == 3
+    # One request larger than the whole band still goes when nothing is in
+    # flight, or it could never be served.
+    assert _let_through(tokens, 50_000, 2) == 1
+
+
+def test_in_tokens_the_stock_returns_to_zero_and_frees_the_band() -> None:
+    controller = AdmissionController(
+        AdmissionSettings(
+            stock_unit=StockUnit.TOKENS, watermark_tokens_per_backend=1000
+        ),
+        clock=Clock(),
+    )
+    big = [Ticket(flow="a", size=600) for _ in range(3)]
+    for ticket in big:
+        controller.admit(ticket, "m", 1)
+    assert [t.outcome in GO for t in big] == [True, True, False]
+    controller.release(big[0])
+    assert big[2].outcome is Outcome.DISPATCHED  # 600 left, below the 900 bound
+    for ticket in big[1:]:
+        controller.release(ticket)
+    pool = controller.pools["m"]
+    assert (pool.stock, pool.stock_tokens) == (0, 0.0)
+
+
+def test_in_tokens_max_concurrency_backends_keep_their_request_limit() -> None:
+    settings_ = AdmissionSettings(stock_unit=StockUnit.TOKENS)
+    band = settings_.band(2, capacities=(2, 2))
+    assert (band.dispatch_limit, band.bypass_limit) == (4, 4)
+    assert band.token_bypass_limit == 4 * 512
+    assert settings_.band(2, capacities=(2,)).bypass_limit > 10**9  # one says none
+    assert AdmissionSettings.check(watermark_tokens_per_backend=0) == {
+        "watermark_tokens_per_backend": "must be more than 0 and at most 1e+08, got 0"
+    }
 
 
 def test_output_size_per_model_replaces_the_default() -> None:

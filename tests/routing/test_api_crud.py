@@ -208,6 +208,8 @@ def test_policy_reads_defaults_until_saved_without_creating_it(api: APIClient) -
             "critical_share": 70,
             "default_share": 25,
             "sheddable_share": 5,
+            "stock_unit": "requests",
+            "watermark_tokens_per_backend": None,
         },
         **{setting.name: setting.default for setting in FLEET_SETTINGS},
         "context_shift_enabled": True,

@@ -72,8 +72,10 @@ def _admission(stock: int, flows: dict[str, int], **counts: int) -> AdmissionLiv
         "enabled": True,
         "pools": [
             {
+                "pool": "m",
                 "backends": ["gpu-1", "gpu-2"],
                 "models": ["m"],
+                "unit": "requests",
                 "stock": stock,
                 "waiting": sum(flows.values()),
                 "lower": 7.2,

@@ -426,7 +426,7 @@
       tr.append(
         cell(pool.backends.join(", ")),
         cell(pool.models.join(", ") || "–"),
-        cell(format(pool.stock), "num stock"),
+        cell(format(pool.stock) + (pool.unit === "tokens" ? " tokens" : ""), "num stock"),
         bandCell(pool),
         cell(format(pool.waiting), "num waiting")
       );
