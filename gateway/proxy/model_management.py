@@ -42,6 +42,7 @@ from gateway.model_discovery import discover_backend
 from gateway.proxy.bodies import parse_object, read_body
 from gateway.proxy.errors import ProxyError, method_not_allowed
 from gateway.proxy.legs import ProxyExchange
+from gateway.proxy.limits import check_model
 from gateway.proxy.relays import STALL_POLL_SECONDS, Send
 from gateway.proxy.replies import TRANSPORT_ERRORS, describe
 from gateway.proxy.sse import LineSplitter
@@ -119,6 +120,10 @@ class ModelManagement:
         backend = choose_backend(state, _named_backend(exchange, query))
         raw = await read_body(receive, self.max_body, self.body_timeout)
         payload = parse_object(raw)
+        # A key limited to some models manages only those (a pull, a copy's
+        # source and destination, a delete).
+        for name in _models_named(payload):
+            check_model(policy, state.routes, name, self.gateway.metrics)
         collapse = path in PROGRESS_PATHS and payload.get("stream") is False
         if collapse:
             raw = json.dumps({**payload, "stream": True}).encode()
@@ -375,6 +380,14 @@ def _named_backend(exchange: ProxyExchange, query: bytes) -> str | None:
             404, "There is no backend by that name.", code="backend_not_found"
         )
     return name
+
+
+def _models_named(payload: dict[str, Any]) -> list[str]:
+    return [
+        value
+        for field in ("model", "name", "source", "destination")
+        if isinstance(value := payload.get(field), str) and value
+    ]
 
 
 def _model_of(payload: dict[str, Any]) -> str:

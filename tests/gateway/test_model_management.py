@@ -50,6 +50,7 @@ class Gateway:
     oa: MockBackendProcess
     manager: str  # a key that may manage models
     user: str  # a key that may not
+    scoped: str  # a key that may manage the llama3 models only
 
     def client(self, key: str, **headers: str) -> ollama.Client:
         return ollama.Client(
@@ -102,9 +103,12 @@ def gateway(django_db_setup: None, django_db_blocker: Any) -> Iterator[Gateway]:
             )
         _, manager = ApiKey.objects.create_key("ops", can_manage_models=True)
         _, user = ApiKey.objects.create_key("app")
+        _, scoped = ApiKey.objects.create_key(
+            "llama-ops", can_manage_models=True, allowed_models="llama3*"
+        )
     server = start_nexus_server(NEXUS_BREAKER_FAILURES="1000000")
     try:
-        yield Gateway(server, olla1, olla2, oa, manager, user)
+        yield Gateway(server, olla1, olla2, oa, manager, user, scoped)
     finally:
         server.stop()
         for mock in (olla1, olla2, oa):
@@ -191,6 +195,21 @@ def test_a_key_without_the_permission_gets_403_in_ollamas_shape(
     assert caught.value.status_code == 403
     assert "can_manage_models" in caught.value.error
     assert gateway.management_calls(gateway.olla1) == 0
+
+
+def test_a_key_limited_to_some_models_manages_only_those(gateway: Gateway) -> None:
+    client = gateway.on("olla1", key=gateway.scoped)
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.pull("mistral:7b")
+    assert caught.value.status_code == 403
+    assert "not allowed to use the model 'mistral:7b'" in caught.value.error
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.copy(NATIVE, "mistral:copy")  # the destination counts too
+    assert caught.value.status_code == 403
+    assert gateway.management_calls(gateway.olla1) == 0
+    client.copy(NATIVE, "llama3:mine")
+    assert "llama3:mine" in gateway.listed()
+    client.delete("llama3:mine")
 
 
 def test_copy_create_and_delete_change_the_listed_models(gateway: Gateway) -> None:
