@@ -344,15 +344,27 @@ def test_aliases_and_fallbacks_wait_in_the_pool_of_the_backend_that_serves(
     FallbackChain.objects.create(model="gone").set_fallbacks(["m"])
     _, key = ApiKey.objects.create_key("three-names")
     server = nexus_server_factory()
+    # The one let through waits at the mock until the other five wait in
+    # Nexus, however slowly a loaded machine sends them (at 300 ms each they
+    # could otherwise arrive one after another and each go straight through).
+    httpx.post(f"{slotted.base_url}/_mock/hold", json={"first": 100})
 
     async def scenario() -> None:
-        client = _client(server, key)
-        await asyncio.gather(
-            *(
+        client = _client(server, key, timeout=60)
+        calls = [
+            asyncio.ensure_future(
                 client.chat.completions.create(model=name, messages=MESSAGES)
-                for name in ("m", "alias", "gone", "gone", "alias", "m")
             )
+            for name in ("m", "alias", "gone", "gone", "alias", "m")
+        ]
+        await asyncio.to_thread(
+            wait_until,
+            lambda: server.metric("nexus_admission_queue_length") == 5,
+            60,
+            "five requests waiting behind the one let through",
         )
+        await asyncio.to_thread(httpx.post, f"{slotted.base_url}/_mock/release")
+        await asyncio.gather(*calls)
 
     asyncio.run(scenario())
     stats = mock_stats(slotted)
