@@ -15,10 +15,21 @@ from typing import Any
 import pytest
 from django.contrib.auth.hashers import PBKDF2PasswordHasher
 from django.test import override_settings
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
 
 from nexus_mock import MockBackendProcess, spawn_mock_backend
 from tests import zygote
 from tests.worker_isolation import SPARE_REDIS_URL, redis_urls_for_worker
+
+# Hypothesis's wall-clock checks judge the machine, not the code: with the
+# suite's workers on 2 cores one draw of test_requirements' JSON took 1.2 s
+# and failed the "input generation is slow" health check. Tests keep their
+# own example counts; none has a deadline.
+hypothesis_settings.register_profile(
+    "nexus", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+hypothesis_settings.load_profile("nexus")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
