@@ -315,9 +315,12 @@ def watching(port: int) -> Iterator[PortWatch]:
 
 
 def _two_backends(
-    mock_backend_factory: Callable[..., MockBackendProcess],
+    mock_backend_factory: Callable[..., MockBackendProcess], *first_args: str
 ) -> tuple[MockBackendProcess, MockBackendProcess]:
-    first = mock_backend_factory("--models", "llama3:8b", "--name", "mock-a")
+    """mock-a first by priority (started with `first_args`), mock-b second."""
+    first = mock_backend_factory(
+        "--models", "llama3:8b", "--name", "mock-a", *first_args
+    )
     second = mock_backend_factory("--models", "llama3:8b", "--name", "mock-b")
     for name, mock, priority in (("mock-a", first, 1), ("mock-b", second, 2)):
         backend = Backend.objects.create(
@@ -430,21 +433,7 @@ def test_an_http_error_from_a_live_server_does_not_skip_it(
     mock_backend_factory: Callable[..., MockBackendProcess],
     nexus_server_factory: Callable[..., NexusServer],
 ) -> None:
-    failing = mock_backend_factory(
-        "--models", "llama3:8b", "--name", "mock-a", "--fail-status", "502"
-    )
-    healthy = mock_backend_factory("--models", "llama3:8b", "--name", "mock-b")
-    for name, mock, priority in (("mock-a", failing, 1), ("mock-b", healthy, 2)):
-        backend = Backend.objects.create(
-            name=name,
-            base_url=mock.base_url,
-            priority=priority,
-            status=HealthStatus.HEALTHY,
-        )
-        BackendModel.objects.create(backend=backend, name="llama3:8b")
-    policy = RoutingPolicy.load()
-    policy.strategy = "priority_only"
-    policy.save()
+    failing, _ = _two_backends(mock_backend_factory, "--fail-status", "502")
     _, key = ApiKey.objects.create_key("error-cache")
     server = nexus_server_factory(**ENV)
     sdk = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0)
