@@ -41,13 +41,16 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from gateway.admission_places import FLOW_FULL, LocalPlaces, Places
 from nexus_lib.service import Service, periodic
 from routing.admission.controller import AdmissionController, error_of
 from routing.admission.errors import (
     AdmissionError,
     ClientCancelled,
     DeadlineExceeded,
+    FlowQueueFull,
     Preempted,
+    QueueFull,
     QueueTTLExpired,
 )
 from routing.admission.queue import Ticket
@@ -68,6 +71,9 @@ DEADLINE_HEADER = b"x-nexus-deadline-ms"
 SDK_TIMEOUT_HEADER = b"x-stainless-timeout"
 MAX_DEADLINE_SECONDS = 24 * 3600.0
 SAFETY_INTERVAL = 1.0
+# A request finding the gateway's queue full sheds at most this many less
+# critical ones waiting here (more only when their places were not counted).
+PREEMPTIONS_PER_ARRIVAL = 4
 HEARTBEAT_SECONDS = 1.0
 STALE_AFTER_SECONDS = 3.5
 REGISTRY_KEY = "nexus:admission:processes"
@@ -98,9 +104,11 @@ class AdmissionGate:
         metrics: GatewayMetrics | None = None,
         *,
         share: str = "single",
+        places: Places | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.controller = AdmissionController(clock=clock)
+        self.places: Places = places or LocalPlaces()
         self.metrics = metrics
         self.share = share
         self.clock = clock
@@ -204,8 +212,13 @@ class AdmissionGate:
         ``release()`` then takes the request out of the queue at once.
         """
         model = ticket.model
+        controller = self.controller
         try:
-            self.controller.admit(
+            if not controller.bypasses(
+                ticket.pool_key, ticket.ready, ticket.capacities, ticket.backends
+            ):
+                await self._take_places(ticket)
+            controller.admit(
                 ticket,
                 ticket.pool_key,
                 ticket.ready,
@@ -213,31 +226,79 @@ class AdmissionGate:
                 ticket.backends,
             )
         except AdmissionError as error:
+            self._give_back(ticket)
             if self.metrics is not None:
                 self.metrics.admission_refused(model, error.code)
             raise
-        except Exception:
+        except BaseException as error:
+            self._give_back(ticket)
+            if not isinstance(error, Exception):
+                raise  # cancelled: the client left
             logger.exception("Admission failed to queue a request")
             raise  # fail-closed: the proxy answers 500
         if ticket.outcome is Outcome.BYPASSED:
+            self._give_back(ticket)
             if self.metrics is not None:
                 self.metrics.admission_bypass(model)
             return
         if ticket.outcome is None:
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
-            def wake(_: Ticket) -> None:
+            def wake(decided: Ticket) -> None:
+                self._give_back(decided)
                 if not waiter.done():
                     waiter.set_result(None)
 
             ticket.on_done = wake
             self._arm_expiry(ticket)
             await waiter
+        else:
+            self._give_back(ticket)  # sent on at once by the queue's pump
         if self.metrics is not None:
             self.metrics.admission_decided(ticket)
         refusal = error_of(ticket)
         if refusal is not None:
             raise refusal
+
+    async def _take_places(self, ticket: Ticket) -> None:
+        """Take the request's gateway-wide queue places (``admission_places``).
+
+        When the gateway's queue is full, a less critical request waiting in
+        this process gives up its place (preempted), as in a pool's own full
+        queue; other processes' waiting requests are not reached from here.
+        Raises QueueFull or FlowQueueFull.
+        """
+        settings = self.controller.settings
+        critical = ticket.criticality is Criticality.CRITICAL
+        for _ in range(PREEMPTIONS_PER_ARRIVAL + 1):
+            taken = await self.places.take(ticket.flow, critical, settings)
+            if not isinstance(taken, str):
+                ticket.held = taken
+                return
+            if taken == FLOW_FULL:
+                raise FlowQueueFull(
+                    f"{settings.flow_capacity} requests of this flow are waiting "
+                    "in the gateway, its flow capacity; retry later."
+                )
+            if not self.controller.preempt_below(ticket.criticality):
+                break
+        where = (
+            "every model and serving process" if self.places.shared else "every model"
+        )
+        kept = (
+            f"; {settings.critical_reserved} places are kept for critical requests"
+            if settings.critical_reserved and not critical
+            else ""
+        )
+        raise QueueFull(
+            f"The gateway's admission queue is full ({settings.total_capacity} "
+            f"requests may wait over {where}{kept}); retry later."
+        )
+
+    def _give_back(self, ticket: Ticket) -> None:
+        held, ticket.held = ticket.held, None
+        if held is not None:
+            self.places.give_back(held)
 
     def release(self, ticket: Ticket | None) -> None:
         """The request is over (any way at all); safe to call twice."""

@@ -33,6 +33,7 @@ from django.conf import settings
 
 from backends.workers import sweep_silent_workers
 from gateway.admission import AdmissionGate
+from gateway.admission_places import LocalPlaces, Places, SharedPlaces
 from gateway.breaker import BREAKER_GROUP, BreakerSettings, CircuitBreaker
 from gateway.client import ReplyLimits, UpstreamClient
 from gateway.context_limits import CONTEXT_GROUP, SharedContextLimits
@@ -193,6 +194,16 @@ def _make_limiter(config: GatewayConfig, on_error: Callable[[], None]) -> Limite
     return LocalLimiter()
 
 
+def _places_of(limiter: Limiter) -> Places:
+    """Admission's queue places: counted where the limiter counts (Redis: the
+    gateway as a whole)."""
+    if isinstance(limiter, LocalLimiter):
+        return LocalPlaces()
+    from usage.limits.redis_limiter import RedisLimiter  # needs Redis only here
+
+    return SharedPlaces(limiter) if isinstance(limiter, RedisLimiter) else LocalPlaces()
+
+
 class Gateway:
     """The live state of one serving process (see the module docstring)."""
 
@@ -249,14 +260,18 @@ class Gateway:
         # What each worker may cost this process (its consumers share it).
         self.relay_guard = RelayGuard()
         self.metrics = GatewayMetrics(per_key=config.metrics_per_key)
-        self.admission = AdmissionGate(self.metrics, share=config.admission_share)
+        self.limiter = _make_limiter(config, self.metrics.limiter_errors.inc)
+        self.admission = AdmissionGate(
+            self.metrics,
+            share=config.admission_share,
+            places=_places_of(self.limiter),
+        )
         self.live_usage = LiveUsage(
             in_flight=lambda: self.stats.in_flight_by_model,
             admission=self.admission.snapshot,
             admission_changes=lambda: self.admission.controller.counts.events,
         )
         self.publisher = UsagePublisher(self.live_usage)
-        self.limiter = _make_limiter(config, self.metrics.limiter_errors.inc)
         self.fleet = FleetScheduler(
             self.stats,
             self.metrics,

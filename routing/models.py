@@ -327,13 +327,13 @@ class RoutingPolicy(models.Model):
         "total capacity",
         default=1000,
         validators=[MinValueValidator(1), MaxValueValidator(1_000_000)],
-        help_text="Requests that may wait, per model pool and serving process.",
+        help_text="Requests that may wait in the whole gateway (every model, every serving process).",
     )
     admission_flow_capacity = models.PositiveIntegerField(
         "flow capacity",
         default=100,
         validators=[MinValueValidator(1), MaxValueValidator(1_000_000)],
-        help_text="Requests one flow may have waiting.",
+        help_text="Requests one flow may have waiting in the whole gateway.",
     )
     admission_critical_reserved = models.PositiveIntegerField(
         "places reserved for critical requests",

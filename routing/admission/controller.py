@@ -39,7 +39,7 @@ from routing.admission.errors import (
 )
 from routing.admission.queue import FairRequestQueue, Ticket
 from routing.admission.settings import AdmissionSettings, Band
-from routing.admission.vocabulary import Outcome
+from routing.admission.vocabulary import Criticality, Outcome
 
 Clock = Callable[[], float]
 
@@ -160,12 +160,7 @@ class AdmissionController:
         ticket.pool = pool
         queue = pool.queue
         now = self.clock()
-        band = pool.band
-        if (
-            not len(queue)
-            and pool.stock < band.bypass_limit
-            and pool.stock_tokens < band.token_bypass_limit
-        ):
+        if _can_bypass(pool):
             if pool.queueing:
                 pool.queueing = False
                 pool.mode_changes += 1
@@ -185,12 +180,42 @@ class AdmissionController:
             pool.queueing = True
             pool.mode_changes += 1
         for victim in preempted:
-            counts.preempted += 1
-            level = victim.criticality.label
-            counts.preempted_by[level] = counts.preempted_by.get(level, 0) + 1
-            self._decide(victim, Outcome.PREEMPTED, now)
+            self._preempted(victim, now)
         self.pump(pool)
         return ticket
+
+    def bypasses(
+        self,
+        pool_key: str,
+        ready_backends: int,
+        capacities: tuple[int, ...] = (),
+        backends: tuple[str, ...] = (),
+    ) -> bool:
+        """Whether a request for pool `pool_key` would go straight through now
+        (``admit()`` would not queue it)."""
+        return _can_bypass(self._pool(pool_key, ready_backends, capacities, backends))
+
+    def preempt_below(self, criticality: Criticality) -> bool:
+        """Shed one waiting request less critical than `criticality`, from
+        whichever pool has the most of the least critical level (the gateway's
+        queue is full: a more critical request takes its place). False when
+        none waits."""
+        for level in (Criticality.SHEDDABLE, Criticality.DEFAULT):
+            if level >= criticality:
+                break
+            pool = max(
+                self.pools.values(),
+                key=lambda p: p.queue.waiting_at(level),
+                default=None,
+            )
+            if pool is None or not pool.queue.waiting_at(level):
+                continue
+            victim = pool.queue.shed(level)
+            if victim is not None:
+                self._preempted(victim, self.clock())
+                self._note_if_drained(pool)
+                return True
+        return False
 
     def release(self, ticket: Ticket) -> None:
         """End `ticket`: completed if let through, cancelled if waiting.
@@ -371,6 +396,13 @@ class AdmissionController:
         ticket.outcome = outcome
         ticket.decided_at = now
 
+    def _preempted(self, victim: Ticket, now: float) -> None:
+        counts = self.counts
+        counts.preempted += 1
+        level = victim.criticality.label
+        counts.preempted_by[level] = counts.preempted_by.get(level, 0) + 1
+        self._decide(victim, Outcome.PREEMPTED, now)
+
     def _decide(self, ticket: Ticket, outcome: Outcome, now: float) -> None:
         ticket.outcome = outcome
         ticket.decided_at = now
@@ -384,14 +416,19 @@ class AdmissionController:
     @staticmethod
     def _note_if_drained(pool: Pool) -> None:
         # Back to bypass mode only once the queue is empty: the hysteresis.
-        if (
-            pool.queueing
-            and not len(pool.queue)
-            and pool.stock < pool.band.bypass_limit
-            and pool.stock_tokens < pool.band.token_bypass_limit
-        ):
+        if pool.queueing and _can_bypass(pool):
             pool.queueing = False
             pool.mode_changes += 1
+
+
+def _can_bypass(pool: Pool) -> bool:
+    """Nothing waits and the stock is below the band's upper limit."""
+    band = pool.band
+    return (
+        not len(pool.queue)
+        and pool.stock < band.bypass_limit
+        and pool.stock_tokens < band.token_bypass_limit
+    )
 
 
 def _deadline_message(waited: float) -> str:

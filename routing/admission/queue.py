@@ -71,6 +71,7 @@ class Ticket:
     seq: int = 0
     vfinish: float = 0.0
     queued: bool = False
+    held: Any = None  # its gateway-wide queue places (gateway.admission_places)
 
 
 class _Flow:
@@ -209,6 +210,18 @@ class FairRequestQueue:
                 return ticket
         return None  # not reached: a live level has a live heap entry
 
+    def waiting_at(self, criticality: Criticality) -> int:
+        """Requests waiting at one criticality level."""
+        return self._levels[criticality].live
+
+    def shed(self, criticality: Criticality) -> Ticket | None:
+        """Take out the request of level `criticality` a full queue gives up
+        first (see ``push``); None when that level has none waiting."""
+        victim = self._victim_in(criticality)
+        if victim is not None:
+            self._remove(victim)
+        return victim
+
     def remove(self, ticket: Ticket) -> bool:
         """Take a waiting request out (cancelled); False if it was not waiting."""
         if not ticket.queued:
@@ -263,27 +276,33 @@ class FairRequestQueue:
         for level_name in _LEVELS_SHED:
             if level_name >= criticality:
                 return None
-            flows = self._levels[level_name].flows
-            if not flows:
-                continue
-            history = self._preempted_at
-            flow = min(
-                flows.values(),
-                key=lambda f: (
-                    history.get((level_name, f.key), -1),
-                    -len(f.entries),
-                    f.key,
-                ),
-            )
-            victim = next(reversed(flow.entries))
-            self._preemptions += 1
-            key = (level_name, flow.key)
-            history.pop(key, None)
-            history[key] = self._preemptions
-            if len(history) > PREEMPTION_MEMORY:
-                del history[next(iter(history))]
-            return victim
+            victim = self._victim_in(level_name)
+            if victim is not None:
+                return victim
         return None
+
+    def _victim_in(self, level_name: Criticality) -> Ticket | None:
+        """The newest request of the flow least recently preempted in the level."""
+        flows = self._levels[level_name].flows
+        if not flows:
+            return None
+        history = self._preempted_at
+        flow = min(
+            flows.values(),
+            key=lambda f: (
+                history.get((level_name, f.key), -1),
+                -len(f.entries),
+                f.key,
+            ),
+        )
+        victim = next(reversed(flow.entries))
+        self._preemptions += 1
+        key = (level_name, flow.key)
+        history.pop(key, None)
+        history[key] = self._preemptions
+        if len(history) > PREEMPTION_MEMORY:
+            del history[next(iter(history))]
+        return victim
 
     def _insert(self, ticket: Ticket, now: float) -> None:
         level = self._levels[ticket.criticality]

@@ -56,8 +56,11 @@ class AdmissionSettings:
 
     ``lower_bound_per_backend`` / ``upper_bound_per_backend`` override the band
     that ``watermark_per_backend`` ± ``percentage_deviation_for_bounds`` gives
-    when set (both or either). ``critical_reserved`` queue places are kept for
-    critical requests; the others may fill ``total_capacity`` minus it.
+    when set (both or either). ``total_capacity`` and ``flow_capacity`` bound
+    the requests waiting in the whole gateway and per flow (every pool and,
+    with Redis, every serving process: ``gateway.admission_places``; each
+    pool's queue keeps them too). ``critical_reserved`` queue places are kept
+    for critical requests; the others may fill ``total_capacity`` minus it.
     ``model_weights`` multiply a flow's weight by the model's (default 1);
     ``model_output_tokens`` replace ``default_output_tokens`` for the models
     they name (a request without max_tokens). ``critical_share``,

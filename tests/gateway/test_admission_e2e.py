@@ -450,3 +450,124 @@ def test_a_backend_enabled_while_requests_wait_serves_them_before_new_arrivals(
     # went to the new backend one at a time.
     assert [reply.headers["x-nexus-backend"] for reply in newer] == ["second"] * 3
     assert mock_stats(second)["peak_outstanding"] == 1
+
+
+def _held_backend(
+    mock_backend_factory: Callable[..., MockBackendProcess], model: str
+) -> MockBackendProcess:
+    """A backend serving `model` one request at a time (its max_concurrency),
+    holding every request until released."""
+    mock = mock_backend_factory("--models", model, "--name", model, "--slots", "4")
+    httpx.post(f"{mock.base_url}/_mock/hold", json={"first": 100})
+    backend = Backend.objects.create(
+        name=model,
+        base_url=mock.base_url,
+        status=HealthStatus.HEALTHY,
+        max_concurrency=1,
+    )
+    BackendModel.objects.create(backend=backend, name=model)
+    return mock
+
+
+async def _ask(server: NexusServer, key: str, model: str) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=60) as client:
+        return await client.post(
+            f"{server.base_url}/v1/chat/completions",
+            json={"model": model, "messages": MESSAGES},
+            headers={"Authorization": f"Bearer {key}"},
+        )
+
+
+def _waiting(*servers: NexusServer) -> float:
+    return sum(server.metric("nexus_admission_queue_length") for server in servers)
+
+
+async def _until(condition: Callable[[], Any], what: str) -> None:
+    await asyncio.to_thread(wait_until, condition, 60, what)
+
+
+def test_total_capacity_counts_the_requests_waiting_for_every_model(
+    mock_backend_factory: Callable[..., MockBackendProcess],
+    nexus_server_factory: Callable[..., NexusServer],
+) -> None:
+    # Two models, each on a backend running one request at a time: with room
+    # for 2 waiting requests in the gateway, one waiting for each model fills
+    # it (each model's pool alone would have room for a second).
+    mocks = [_held_backend(mock_backend_factory, model) for model in ("m", "n")]
+    _configure(total_capacity=2, flow_capacity=2, critical_reserved=0)
+    _, key = ApiKey.objects.create_key("two models")
+    _, other_key = ApiKey.objects.create_key("another flow")
+    server = nexus_server_factory()
+
+    async def scenario() -> tuple[list[httpx.Response], httpx.Response]:
+        running = [asyncio.ensure_future(_ask(server, key, m)) for m in ("m", "n")]
+        await _until(
+            lambda: all(mock_stats(mock)["busy_slots"] == 1 for mock in mocks),
+            "one request held at each backend",
+        )
+        for model in ("m", "n"):
+            running.append(asyncio.ensure_future(_ask(server, key, model)))
+        await _until(lambda: _waiting(server) == 2, "one waiting per model")
+        refused = await _ask(server, other_key, "m")
+        for mock in mocks:
+            await asyncio.to_thread(httpx.post, f"{mock.base_url}/_mock/release")
+        return await asyncio.gather(*running), refused
+
+    served, refused = asyncio.run(scenario())
+    assert [reply.status_code for reply in served] == [200] * 4
+    assert refused.status_code == 503, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "queue_full"
+    assert "2 requests may wait over every model" in error["message"]
+    assert refused.headers["retry-after"] == "1"
+    wait_until(lambda: server.metric("nexus_admission_stock_level") == 0)
+
+
+@pytest.mark.skipif(not PRODUCTION, reason="production mode (processes share Redis)")
+def test_queue_and_flow_capacities_hold_for_two_serving_processes_together(
+    mock_backend_factory: Callable[..., MockBackendProcess],
+    nexus_server_factory: Callable[..., NexusServer],
+) -> None:
+    # One backend running two requests at a time (one per serving process's
+    # share); 3 may wait in the gateway, 2 of them of one flow (one key).
+    mock = _held_backend(mock_backend_factory, "m")
+    Backend.objects.filter(name="m").update(max_concurrency=2)
+    _configure(total_capacity=3, flow_capacity=2, critical_reserved=0)
+    _, first_key = ApiKey.objects.create_key("first")
+    _, second_key = ApiKey.objects.create_key("second")
+    servers = [nexus_server_factory(), nexus_server_factory()]
+    for server in servers:
+        httpx.get(f"{server.base_url}/health/live")  # start the gateway
+        wait_until(lambda s=server: s.metric("nexus_admission_serving_processes") == 2)
+
+    async def scenario() -> tuple[list[httpx.Response], list[httpx.Response]]:
+        running = [asyncio.ensure_future(_ask(s, first_key, "m")) for s in servers]
+        await _until(lambda: mock_stats(mock)["busy_slots"] == 2, "two held")
+        refused = []
+        # The first key's flow: one waits in each process, the third finds
+        # the flow's 2 places taken (each process alone had room for it).
+        for server, waiting in ((servers[0], 1), (servers[1], 2)):
+            running.append(asyncio.ensure_future(_ask(server, first_key, "m")))
+            await _until(
+                lambda w=waiting: _waiting(*servers) == w, f"{waiting} waiting"
+            )
+        refused.append(await _ask(servers[0], first_key, "m"))
+        # Another key: one more place in the gateway, then none.
+        running.append(asyncio.ensure_future(_ask(servers[1], second_key, "m")))
+        await _until(lambda: _waiting(*servers) == 3, "3 waiting")
+        refused.append(await _ask(servers[0], second_key, "m"))
+        await asyncio.to_thread(httpx.post, f"{mock.base_url}/_mock/release")
+        return await asyncio.gather(*running), refused
+
+    served, refused = asyncio.run(scenario())
+    assert [reply.status_code for reply in served] == [200] * 5
+    assert [reply.status_code for reply in refused] == [503, 503]
+    assert [reply.json()["error"]["code"] for reply in refused] == [
+        "flow_queue_full",
+        "queue_full",
+    ]
+    assert (
+        "over every model and serving process" in refused[1].json()["error"]["message"]
+    )
+    for server in servers:
+        wait_until(lambda s=server: s.metric("nexus_admission_stock_level") == 0)

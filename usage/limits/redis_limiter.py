@@ -57,7 +57,16 @@ from usage.limits.policy import KeyPolicy, period_end, period_id
 from usage.limits.redis_keys import LEASE_SECONDS, backend_key, budget_key, liveness_key
 from usage.limits.reserve import RESERVE_REQUESTS, RESERVE_SECONDS, Reserve
 from usage.limits.resp import RespConnection, Script, encode, encode_parts
-from usage.limits.scripts import ACQUIRE, ADMIT, COVER, HOLDS, RENEW, RETURN, limit_arg
+from usage.limits.scripts import (
+    ACQUIRE,
+    ADMIT,
+    COVER,
+    HOLDS,
+    PLACES,
+    RENEW,
+    RETURN,
+    limit_arg,
+)
 from usage.limits.writes import NO_REPLY, PendingWrites
 
 logger = logging.getLogger(__name__)
@@ -94,6 +103,7 @@ class RedisLimiter:
                 ("admit", ADMIT),
                 ("cover", COVER),
                 ("acquire", ACQUIRE),
+                ("places", PLACES),
                 ("renew", RENEW),
             )
         }
@@ -476,6 +486,44 @@ class RedisLimiter:
         writes = self._writes
         writes.released.setdefault(key, []).append(lease)
         writes.queue((key, lease))
+
+    async def acquire_places(
+        self, keys: list[str], limits: list[int]
+    ) -> tuple[list[str], int]:
+        """Take a place in each of `keys` (sorted sets of leases, at most
+        `limits` each, one cluster slot) or in none, in one round trip.
+
+        Returns the leases taken and 0, or no leases and the 1-based index of
+        the first key that is full. While Redis cannot be reached: no leases
+        and 0 (nothing is counted; the caller's own bounds still hold). The
+        leases are renewed with the backends' and expire LEASE_SECONDS after
+        a process dies holding them; ``release_places`` gives them back.
+        """
+        if time.monotonic() < self._down_until:
+            return [], 0
+        lease = new_lease()
+        leases = [f"{lease}.{index}" for index in range(len(keys))]
+        args: list[Any] = [LEASE_SECONDS * 1000]
+        for limit, member in zip(limits, leases, strict=True):
+            args += (limit, member)
+        try:
+            full = int(await self._run("places", keys, args))
+        except (RedisError, OSError, ValueError) as error:
+            self._failed(error)
+            return [], 0
+        if full:
+            return [], full
+        for key, member in zip(keys, leases, strict=True):
+            self._leases[member] = key
+        return leases, 0
+
+    def release_places(self, leases: list[str]) -> None:
+        """Give back places taken by ``acquire_places`` (written unanswered,
+        ahead of this process's next command)."""
+        for lease in leases:
+            key = self._leases.pop(lease, None)
+            if key is not None:
+                self._writes.queue(encode(("ZREM", key, lease)))
 
     async def _request(self, script: Script, data: bytes) -> Any:
         redis = self._redis
