@@ -228,7 +228,7 @@ class AdmissionGate:
         except AdmissionError as error:
             self._give_back(ticket)
             if self.metrics is not None:
-                self.metrics.admission_refused(model, error.code)
+                self.metrics.admission_refused(model, ticket.pool_key, error.code)
             raise
         except BaseException as error:
             self._give_back(ticket)
@@ -239,7 +239,7 @@ class AdmissionGate:
         if ticket.outcome is Outcome.BYPASSED:
             self._give_back(ticket)
             if self.metrics is not None:
-                self.metrics.admission_bypass(model)
+                self.metrics.admission_bypass(model, ticket.pool_key)
             return
         if ticket.outcome is None:
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()

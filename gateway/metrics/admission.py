@@ -22,8 +22,10 @@ class AdmissionMetrics:
     def _add_admission_metrics(self, registry: CollectorRegistry) -> None:
         self.admission_queue_length = Gauge(
             "nexus_admission_queue_length",
-            "Requests waiting in the admission queue, by model and flow.",
-            ("model", "flow"),
+            "Requests waiting in the admission queue, by requested model, the "
+            "model that serves them (target_model: an alias's target, a "
+            "fallback) and flow.",
+            ("model", "target_model", "flow"),
             multiprocess_mode="livesum",
             registry=registry,
         )
@@ -31,41 +33,49 @@ class AdmissionMetrics:
             "nexus_admission_queue_latency_seconds",
             "Time requests spent in the admission queue; success is false for "
             "those that never reached a backend (TTL, deadline, preempted, gone).",
-            ("model", "success"),
+            ("model", "target_model", "success"),
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
         self.admission_stock = Gauge(
             "nexus_admission_stock_level",
             "Requests let through admission control and not yet finished.",
-            ("model",),
+            ("model", "target_model"),
+            multiprocess_mode="livesum",
+            registry=registry,
+        )
+        self.admission_stock_tokens = Gauge(
+            "nexus_admission_stock_tokens",
+            "Estimated tokens (prompt and expected output) of the requests let "
+            "through and not yet finished, by the model that serves them.",
+            ("target_model",),
             multiprocess_mode="livesum",
             registry=registry,
         )
         self.admission_bypassed = Counter(
             "nexus_admission_bypass",
             "Requests that went straight through (nothing waiting, stock low).",
-            ("model",),
+            ("model", "target_model"),
             registry=registry,
         )
         self.admission_expired = Counter(
             "nexus_admission_requests_expired",
             "Requests that waited past the queue TTL (503 queue_ttl_expired) or "
             "their own deadline (504 deadline_exceeded), by reason.",
-            ("model", "reason"),
+            ("model", "target_model", "reason"),
             registry=registry,
         )
         self.admission_cancelled = Counter(
             "nexus_admission_requests_cancelled",
             "Requests whose client left while they waited (499).",
-            ("model",),
+            ("model", "target_model"),
             registry=registry,
         )
         self.admission_push_errors = Counter(
             "nexus_admission_queue_push_errors",
             "Requests the queue refused, by error type (queue_full: "
             "ErrTooManyFlows, flow_queue_full: ErrInsufficientFlowCapacity).",
-            ("model", "error_type"),
+            ("model", "target_model", "error_type"),
             registry=registry,
         )
         self.admission_preemptions = Counter(
@@ -117,33 +127,37 @@ class AdmissionMetrics:
             multiprocess_mode="livesum",
             registry=registry,
         )
-        self._bypass_children: dict[str, Any] = {}
-        self._queue_length_seen: set[tuple[str, str]] = set()
-        self._stock_seen: set[str] = set()
+        self._bypass_children: dict[tuple[str, str], Any] = {}
+        self._queue_length_seen: set[tuple[str, str, str]] = set()
+        self._stock_seen: set[tuple[str, str]] = set()
+        self._stock_tokens_seen: set[str] = set()
 
-    def admission_bypass(self, model: str) -> None:
+    def admission_bypass(self, model: str, target: str) -> None:
         """Count a request that went straight through (the hot path: cached)."""
-        child = self._bypass_children.get(model)
+        key = (model, target)
+        child = self._bypass_children.get(key)
         if child is None:
-            child = self._bypass_children[model] = self.admission_bypassed.labels(model)
+            child = self._bypass_children[key] = self.admission_bypassed.labels(*key)
         child.inc()
 
     def admission_decided(self, ticket: Any) -> None:
         """Count a waiting request's outcome (a routing.admission Ticket)."""
         outcome = ticket.outcome.value if ticket.outcome is not None else ""
-        model = ticket.model
+        model, target = ticket.model, ticket.pool_key
         waited = (ticket.decided_at or ticket.arrived) - ticket.arrived
         success = "true" if outcome == "dispatched" else "false"
-        self.admission_queue_latency.labels(model, success).observe(max(0.0, waited))
+        self.admission_queue_latency.labels(model, target, success).observe(
+            max(0.0, waited)
+        )
         if outcome in ("expired", "deadline"):
-            self.admission_expired.labels(model, outcome).inc()
+            self.admission_expired.labels(model, target, outcome).inc()
         elif outcome == "cancelled":
-            self.admission_cancelled.labels(model).inc()
+            self.admission_cancelled.labels(model, target).inc()
         elif outcome == "preempted":
             self.admission_preemptions.labels(ticket.criticality.label).inc()
 
-    def admission_refused(self, model: str, error_type: str) -> None:
-        self.admission_push_errors.labels(model, error_type).inc()
+    def admission_refused(self, model: str, target: str, error_type: str) -> None:
+        self.admission_push_errors.labels(model, target, error_type).inc()
 
     def set_admission(
         self,
@@ -155,30 +169,38 @@ class AdmissionMetrics:
     ) -> None:
         """Set the admission gauges from the controller (off the request path)."""
         self.admission_processes.set(processes)
-        lengths: dict[tuple[str, str], int] = {}
+        lengths: dict[tuple[str, str, str], int] = {}
         for ticket in waiting:
-            key = (ticket.model, ticket.flow or "-")
+            key = (ticket.model, ticket.pool_key, ticket.flow or "-")
             lengths[key] = lengths.get(key, 0) + 1
         for key in self._queue_length_seen - lengths.keys():
             self.admission_queue_length.labels(*key).set(0)
         for key, length in lengths.items():
             self.admission_queue_length.labels(*key).set(length)
         self._queue_length_seen = set(lengths)
-        stock: dict[str, int] = {}
+        stock: dict[tuple[str, str], int] = {}
+        stock_tokens: dict[str, float] = {}
         flows = 0
         for pool in pools:
             flows += pool.queue.active_flows
-            for model, count in pool.stock_by_model.items():
-                stock[model] = stock.get(model, 0) + count
             name = pool.key
+            for model, count in pool.stock_by_model.items():
+                stock[model, name] = stock.get((model, name), 0) + count
+            if pool.stock_tokens or name in self._stock_tokens_seen:
+                stock_tokens[name] = pool.stock_tokens
             self.admission_lower.labels(name).set(pool.band.lower)
             self.admission_upper.labels(name).set(pool.band.upper)
             self.admission_watermark.labels(name).set(pool.band.watermark)
-        for model in self._stock_seen - stock.keys():
-            self.admission_stock.labels(model).set(0)
-        for model, count in stock.items():
-            self.admission_stock.labels(model).set(count)
+        for pair in self._stock_seen - stock.keys():
+            self.admission_stock.labels(*pair).set(0)
+        for pair, count in stock.items():
+            self.admission_stock.labels(*pair).set(count)
         self._stock_seen = set(stock)
+        for name in self._stock_tokens_seen - stock_tokens.keys():
+            self.admission_stock_tokens.labels(name).set(0)
+        for name, tokens in stock_tokens.items():
+            self.admission_stock_tokens.labels(name).set(round(tokens))
+        self._stock_tokens_seen = {name for name, t in stock_tokens.items() if t}
         self.admission_active_flows.set(flows)
         if dequeue_attempts > 0:
             self.admission_dequeue_attempts.inc(dequeue_attempts)

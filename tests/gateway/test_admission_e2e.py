@@ -363,6 +363,13 @@ def test_aliases_and_fallbacks_wait_in_the_pool_of_the_backend_that_serves(
             60,
             "five requests waiting behind the one let through",
         )
+        # Each by the name asked for, all for the model that serves them.
+        for labels, count in (
+            ('target_model="m"', 5),
+            ('model="gone",target_model="m"', 2),
+            ('model="alias",target_model="m"', 2),
+        ):
+            assert server.metric("nexus_admission_queue_length", labels) == count
         await asyncio.to_thread(httpx.post, f"{slotted.base_url}/_mock/release")
         await asyncio.gather(*calls)
 
@@ -571,3 +578,52 @@ def test_queue_and_flow_capacities_hold_for_two_serving_processes_together(
     )
     for server in servers:
         wait_until(lambda s=server: s.metric("nexus_admission_stock_level") == 0)
+
+
+def test_in_tokens_ten_long_prompts_wait_where_ten_short_ones_go_through(
+    mock_backend_factory: Callable[..., MockBackendProcess],
+    nexus_server_factory: Callable[..., NexusServer],
+) -> None:
+    # stock_unit = "tokens": a backend is aimed at 4,000 estimated tokens in
+    # flight (+-10 %, a request goes through while fewer than 4,400 are).
+    # Ten short questions (a few tokens each, max_tokens 16) all go through
+    # at once; of ten prompts of 10,000 characters (2,500 tokens by the
+    # estimate), two do and eight wait.
+    mock = mock_backend_factory("--models", "m", "--name", "tokens", "--slots", "20")
+    _backend(mock, "tokens")
+    _configure(stock_unit="tokens", watermark_tokens_per_backend=4000)
+    _, key = ApiKey.objects.create_key("sizes")
+    server = nexus_server_factory()
+    long_prompt = "word " * 2000
+
+    async def burst(content: str, let_through: int) -> None:
+        await asyncio.to_thread(
+            httpx.post, f"{mock.base_url}/_mock/hold", json={"first": 100}
+        )
+        client = _client(server, key, timeout=60)
+        calls = [
+            asyncio.ensure_future(
+                client.chat.completions.create(
+                    model="m",
+                    messages=[{"role": "user", "content": content}],
+                    max_tokens=16,
+                )
+            )
+            for _ in range(10)
+        ]
+        await _until(
+            lambda: (
+                mock_stats(mock)["busy_slots"] == let_through
+                and _waiting(server) == 10 - let_through
+            ),
+            f"{let_through} at the backend, {10 - let_through} waiting",
+        )
+        assert mock_stats(mock)["busy_slots"] == let_through
+        await asyncio.to_thread(httpx.post, f"{mock.base_url}/_mock/release")
+        await asyncio.gather(*calls)
+
+    asyncio.run(burst("What is 2 + 2?", 10))
+    assert server.metric("nexus_admission_bypass_total") == 10
+    asyncio.run(burst(long_prompt, 2))
+    wait_until(lambda: server.metric("nexus_admission_stock_tokens") == 0)
+    assert server.metric("nexus_admission_dequeue_successes_total") == 8
