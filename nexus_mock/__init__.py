@@ -23,7 +23,8 @@ OpenAI's shape: 400 bad JSON or fields, 401 wrong or missing key (only with
 
 Knobs (CLI ``--latency-ms``, runtime ``latency_ms``; see ``MockConfig``):
 ``name``, ``models``, ``latency_ms`` (before the response head of every /v1
-request), ``chunks``, ``chunk_delay_ms`` (between stream chunks), ``embedding_dim``,
+request), ``prefill_ms_per_1k_tokens`` (added to it per 1,000 prompt tokens,
+estimated as the request body's bytes / 4: a long prompt's prefill), ``chunks``, ``chunk_delay_ms`` (between stream chunks), ``embedding_dim``,
 ``api_key``, ``fail_status`` + ``error_rate`` (that fraction of valid inference
 requests fails, drawn from a ``seed``-ed RNG), ``fail_on_text`` (every inference
 request whose body holds that text fails with ``fail_status``),

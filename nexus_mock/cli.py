@@ -21,6 +21,7 @@ _KNOB_OPTIONS = (
     "name",
     "models",
     "latency_ms",
+    "prefill_ms_per_1k_tokens",
     "chunks",
     "chunk_delay_ms",
     "embedding_dim",
@@ -80,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--latency-ms", type=float, default=0.0, help="Delay before the response."
+    )
+    parser.add_argument(
+        "--prefill-ms-per-1k-tokens",
+        type=float,
+        default=0.0,
+        help="Added to the delay per 1,000 prompt tokens (the body's bytes / 4).",
     )
     parser.add_argument(
         "--chunks", type=int, default=4, help="Content chunks per stream."

@@ -48,6 +48,7 @@ class MockConfig:
     name: str = "mock"
     kind: str = "openai"
     latency_ms: float = 0.0
+    prefill_ms_per_1k_tokens: float = 0.0
     chunks: int = 4
     chunk_delay_ms: float = 0.0
     embedding_dim: int = 8
@@ -252,6 +253,7 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "models": _validate_models,
     "name": _validate_header_text,
     "latency_ms": _float_knob(0, 3_600_000),
+    "prefill_ms_per_1k_tokens": _float_knob(0, 3_600_000),
     "chunks": _int_knob(1, MAX_CHUNKS),
     "chunk_delay_ms": _float_knob(0, 3_600_000),
     "embedding_dim": _int_knob(1, MAX_EMBEDDING_DIM),

@@ -174,16 +174,18 @@ class MockBackend:
             or (config.kind == "ollama" and request.path in OLLAMA_INFERENCE_PATHS)
         )
         memory = self.memory
+        # A prompt's prefill: its tokens estimated as the body's bytes / 4.
+        prefill = config.prefill_ms_per_1k_tokens * len(request.body) / 4_000_000
         if memory is not None and status == 200:
             wanted = _model_wanted(request)
             if wanted is not None:
                 return self._deliver_loaded(
-                    memory, wanted, conn, reply, headers, config, slotted
+                    memory, wanted, conn, reply, headers, config, slotted, prefill
                 )
         if slotted:
-            return self._deliver_in_slot(conn, reply, headers, config)
+            return self._deliver_in_slot(conn, reply, headers, config, prefill)
         # Answer without a task when nothing has to wait: benchmarks live here.
-        if config.latency_ms <= 0:
+        if config.latency_ms <= 0 and prefill <= 0:
             if not isinstance(reply, Stream):
                 self._send(conn, reply, headers)
                 return None
@@ -191,7 +193,7 @@ class MockBackend:
                 chunks = [*reply.blocks, reply.tail]
                 conn.send_stream(200, reply.content_type, headers, chunks)
                 return None
-        return self._deliver(conn, reply, headers, config)
+        return self._deliver(conn, reply, headers, config, prefill)
 
     # Ollama's model management (nexus_mock.ollama_models)
 
@@ -265,10 +267,11 @@ class MockBackend:
         reply: bytes | ApiError | Stream,
         headers: list[Header],
         config: MockConfig,
+        prefill: float = 0.0,
     ) -> None:
         self.stats.in_flight += 1
         try:
-            if not await conn.sleep(config.latency_ms / 1000):
+            if not await conn.sleep(config.latency_ms / 1000 + prefill):
                 self.stats.client_disconnects += 1
                 return
             if isinstance(reply, Stream):
@@ -287,6 +290,7 @@ class MockBackend:
         headers: list[Header],
         config: MockConfig,
         slotted: bool,
+        prefill: float,
     ) -> None:
         """Load the model if it is not (as Ollama's scheduler does), then answer.
 
@@ -296,9 +300,9 @@ class MockBackend:
         await memory.acquire(model, keep_alive, load_only=load_only)
         try:
             if slotted and not load_only:
-                await self._deliver_in_slot(conn, reply, headers, config)
+                await self._deliver_in_slot(conn, reply, headers, config, prefill)
             else:
-                await self._deliver(conn, reply, headers, config)
+                await self._deliver(conn, reply, headers, config, prefill)
         finally:
             memory.release(model)
 
@@ -308,6 +312,7 @@ class MockBackend:
         reply: bytes | ApiError | Stream,
         headers: list[Header],
         config: MockConfig,
+        prefill: float = 0.0,
     ) -> None:
         """Wait for a free slot (in arrival order), then answer as usual."""
         if not await self.slots.acquire(conn, config.slots):
@@ -317,7 +322,7 @@ class MockBackend:
             if not await self.slots.hold(conn):
                 self.stats.client_disconnects += 1
                 return
-            await self._deliver(conn, reply, headers, config)
+            await self._deliver(conn, reply, headers, config, prefill)
         finally:
             self.slots.release()
 

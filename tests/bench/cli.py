@@ -136,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
         "models, cold loads; round_robin, smart and fleet compared).",
     )
     parser.add_argument(
+        "--fleet-variants",
+        action="store_true",
+        help="Instead: the fleet benchmark's variants (a node joining mid-run "
+        "under fleet; mixed prompt sizes with the admission stock counted in "
+        "requests, then in tokens).",
+    )
+    parser.add_argument(
         "--fleet-requests",
         type=int,
         default=360,
@@ -185,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not 10 <= options.fleet_requests <= 10_000:
             parser.error("--fleet-requests must be within 10..10000.")
         return _fleet(options)
+    if options.fleet_variants:
+        return _fleet_variants(options)
     if options.relay:
         return _relay(options)
     if options.duration < 1:
@@ -293,6 +302,33 @@ def _fleet(options: argparse.Namespace) -> int:
         return 1
     (options.output / "fleet.json").write_text(json.dumps(results, indent=2))
     sys.stdout.write(format_fleet_report(results) + "\n")
+    return 0
+
+
+def _fleet_variants(options: argparse.Namespace) -> int:
+    from nexus_mock import spawn_mock_backend
+    from tests.bench.fleet_variants import (
+        format_fleet_variants_report,
+        run_fleet_variants,
+    )
+
+    ensure_database()
+    call_command("migrate", interactive=False, verbosity=0)
+    logs = options.output / "fleet-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    try:
+        results = run_fleet_variants(
+            child_environment(),
+            spawn_mock_backend,
+            logs,
+            options.fleet_requests,
+            _progress,
+        )
+    except BenchError as error:
+        sys.stderr.write(f"The benchmark failed: {error}\n")
+        return 1
+    (options.output / "fleet-variants.json").write_text(json.dumps(results, indent=2))
+    sys.stdout.write(format_fleet_variants_report(results) + "\n")
     return 0
 
 

@@ -495,6 +495,21 @@ def test_latency_delays_the_response(mock: Mock) -> None:
     assert time.monotonic() - started >= 0.25
 
 
+def test_a_long_prompt_adds_its_prefill_time(mock: Mock) -> None:
+    mock.configure(prefill_ms_per_1k_tokens=100)
+    client = mock.client()
+
+    def timed(content: str) -> float:
+        started = time.monotonic()
+        client.chat.completions.create(
+            model="mistral:7b", messages=[{"role": "user", "content": content}]
+        )
+        return time.monotonic() - started
+
+    assert timed("word " * 8000) >= 0.95  # 40,000 bytes: 10,000 tokens
+    assert timed("hi") < 0.5
+
+
 def test_http_pipelining_chunked_bodies_and_connection_close(
     mock: Mock,
 ) -> None:
