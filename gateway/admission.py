@@ -268,6 +268,13 @@ class AdmissionGate:
         queue; other processes' waiting requests are not reached from here.
         Raises QueueFull or FlowQueueFull.
         """
+        try:
+            await self._take_places_or_refuse(ticket)
+        except AdmissionError as error:
+            self.controller.count_refusal(error.code)
+            raise
+
+    async def _take_places_or_refuse(self, ticket: Ticket) -> None:
         settings = self.controller.settings
         critical = ticket.criticality is Criticality.CRITICAL
         for _ in range(PREEMPTIONS_PER_ARRIVAL + 1):

@@ -172,8 +172,7 @@ class AdmissionController:
                 raise DeadlineExceeded(_deadline_message(0.0))
             preempted = queue.push(ticket, now)
         except AdmissionError as error:
-            counts.rejected += 1
-            counts.refused[error.code] = counts.refused.get(error.code, 0) + 1
+            self.count_refusal(error.code)
             raise
         counts.enqueued += 1
         if not pool.queueing:
@@ -183,6 +182,13 @@ class AdmissionController:
             self._preempted(victim, now)
         self.pump(pool)
         return ticket
+
+    def count_refusal(self, code: str) -> None:
+        """Count a request refused at the door (here, or by the gateway-wide
+        queue places before it reached a pool)."""
+        counts = self.counts
+        counts.rejected += 1
+        counts.refused[code] = counts.refused.get(code, 0) + 1
 
     def bypasses(
         self,

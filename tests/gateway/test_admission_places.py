@@ -8,6 +8,7 @@ processes (``SharedPlaces`` over two ``RedisLimiter``s, production mode).
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
@@ -148,6 +149,16 @@ async def _scenario(one: AdmissionGate, two: AdmissionGate) -> None:
         assert gate.controller.stock == 0
     for name, (_, ticket, _) in waiters.tasks.items():
         assert ticket.held is None, name
+    # What the dashboard shows: each refusal once, by its reason.
+    refusals: Counter[str] = Counter()
+    for gate in {id(one): one, id(two): two}.values():
+        refusals.update(gate.snapshot()["rejections"])
+    assert refusals == {
+        "flow_queue_full": 1,
+        "queue_full": 2,
+        "preempted": 1,
+        "client_closed": 2,
+    }
 
 
 @pytest.mark.mode_independent
