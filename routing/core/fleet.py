@@ -5,7 +5,9 @@ signal             points (defaults; every number is a FleetPolicy setting)
 =================  ========================================================
 1 thermal          hot +50, warm +30, on disk +10, absent 0
 2 memory fit       fit ratio > 2: +20, 1.5-2: +15, 1.2-1.5: +8, 1-1.2: +3;
-                   below 1 a cold model is eliminated; unknown: 0, kept
+                   below 1 a cold model is eliminated; unknown: 0, kept;
+                   a cold model on a node paused for cold loads is
+                   eliminated too (routing/core/capacity.py)
 3 queue depth      - min(30, depth x 6); depth = in flight + waiting
 4 estimated wait   - min(25, depth x p75 latency (s) / 10)
 5 role affinity    up to +15: parameter count against the backend's tier
@@ -23,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from routing.core.capacity import cold_load_pause, memory_limit, memory_source
 from routing.core.fleet_policy import FleetPolicy
 from routing.core.stats import LiveStats
 from routing.core.types import BackendSpec, ModelSpec
@@ -51,6 +54,9 @@ SMALL_MODEL_B = 10.0
 # window the request's estimated tokens would fill.
 CONTEXT_FIT: tuple[tuple[float, float], ...] = ((0.5, 1.0), (0.75, 0.6), (1.0, 0.3))
 
+# The most requests at once a node x model is given from its free memory.
+MAX_LEARNED_CONCURRENCY = 64
+
 
 @dataclass(frozen=True, slots=True)
 class FleetScore:
@@ -74,6 +80,12 @@ class FleetScore:
     context_window: int | None
     tokens: int
     context_points: float
+    # The memory limit read (GB) and where it came from (capacity.memory_source),
+    # and why the node takes no cold load now ("": it does; then ``fits`` is
+    # False for a model that is not hot).
+    memory_limit_gb: float | None = None
+    memory_source: str = ""
+    paused: str = ""
 
     @property
     def total(self) -> float:
@@ -99,29 +111,32 @@ def score_fleet(
 ) -> FleetScore:
     """Score `model` on `backend` for a request of ~`tokens` tokens at wall time `now`.
 
-    ``fits`` is False only for a model that is not hot and whose known size
+    ``fits`` is False for a model that is not hot and whose known size
     exceeds the backend's known memory even once its idle models are unloaded
-    (the memory of models with requests in flight or waiting stays taken): the
+    (the memory of models with requests in flight or waiting stays taken), or
+    when the backend is paused for cold loads (``paused`` says why): the
     router eliminates it. A model that fits only by unloading idle ones gets no
     fit points (its fit ratio, on the memory in use now, is below 1).
     """
     thermal = thermal_state(backend.name, model, stats, policy, now)
     hot = thermal is Thermal.HOT
     size = model.memory_gb or 0.0
+    limit = memory_limit(backend, stats)
     used = memory_in_use(backend, stats, policy, now)
     fit_ratio = memory_fit_ratio(
-        backend, model, None if used is None else used - (size if hot else 0.0)
+        limit, model, None if used is None else used - (size if hot else 0.0)
     )
     # Room once the backend unloads its idle models (what Ollama does).
     room = (
         None
         if hot or fit_ratio is None or fit_ratio >= 1.0
         else memory_fit_ratio(
-            backend,
+            limit,
             model,
             memory_in_use(backend, stats, policy, now, busy_only=True),
         )
     )
+    paused = "" if hot else cold_load_pause(backend, stats, now)
     depth = stats.queue_depth(backend.name, model.name)
     p75_ms = stats.latency_p75_ms(backend.name, model.name)
     per_request = p75_ms / 1000 if p75_ms is not None else heuristic_seconds(model)
@@ -137,7 +152,11 @@ def score_fleet(
         thermal_points=thermal_points(thermal, policy),
         fit_ratio=fit_ratio,
         fit_points=fit_points(fit_ratio, policy),
-        fits=hot or fit_ratio is None or fit_ratio >= 1.0 or (room or 0.0) >= 1.0,
+        fits=hot
+        or (
+            not paused
+            and (fit_ratio is None or fit_ratio >= 1.0 or (room or 0.0) >= 1.0)
+        ),
         depth=depth,
         queue_points=min(
             policy.queue_penalty_max, depth * policy.queue_points_per_request
@@ -155,6 +174,9 @@ def score_fleet(
         context_window=window,
         tokens=tokens,
         context_points=context_points(tokens, window, policy),
+        memory_limit_gb=limit,
+        memory_source=memory_source(backend, stats),
+        paused=paused,
     )
 
 
@@ -251,9 +273,11 @@ def memory_in_use(
 
     With `busy_only`, only the models with requests in flight or waiting
     there: the rest are idle, and Ollama unloads idle models (least recently
-    used first) to make room for a model it has to load.
+    used first) to make room for a model it has to load. Memory the node
+    reported in use beyond the models listed here (``memory_other_gb``)
+    counts either way: nothing here can tell whether it would be freed.
     """
-    used = 0.0
+    used = backend.memory_other_gb
     for model in believed_loaded(backend, stats, policy, now):
         if busy_only and not stats.queue_depth(backend.name, model.name):
             continue
@@ -277,7 +301,7 @@ def evictions_for(
     memory is unknown. Follows Ollama (and the mock): least recently used
     idle models go first until the new one fits.
     """
-    ceiling, size = backend.memory_ceiling_gb, model.memory_gb
+    ceiling, size = memory_limit(backend, stats), model.memory_gb
     if ceiling is None or size is None:
         return []
     loaded = believed_loaded(backend, stats, policy, now)
@@ -285,7 +309,7 @@ def evictions_for(
         return []
     if any(m.memory_gb is None for m in loaded):
         return []
-    free = ceiling - sum(m.memory_gb or 0.0 for m in loaded)
+    free = ceiling - backend.memory_other_gb - sum(m.memory_gb or 0.0 for m in loaded)
     idle = sorted(
         (m for m in loaded if not stats.queue_depth(backend.name, m.name)),
         key=lambda m: _last_use(backend.name, m, stats),
@@ -319,14 +343,14 @@ def thermal_points(thermal: Thermal, policy: FleetPolicy) -> float:
 
 
 def memory_fit_ratio(
-    backend: BackendSpec, model: ModelSpec, used: float | None
+    ceiling: float | None, model: ModelSpec, used: float | None
 ) -> float | None:
     """(ceiling - used) / model size, or None when any of the three is unknown.
 
     A loaded model's own memory counts as free for it: it needs no more.
-    `used` is what the backend's loaded models take (``memory_in_use``).
+    `ceiling` is the backend's memory limit (``capacity.memory_limit``),
+    `used` what its loaded models take (``memory_in_use``).
     """
-    ceiling = backend.memory_ceiling_gb
     size = model.memory_gb
     if ceiling is None or used is None or size is None or size <= 0:
         return None
@@ -392,3 +416,33 @@ def context_points(tokens: int, window: int | None, policy: FleetPolicy) -> floa
         if tokens <= window * share:
             return round(fraction * policy.context_fit_max_points, 2)
     return 0.0
+
+
+def learned_concurrency(
+    backend: BackendSpec,
+    model: ModelSpec,
+    stats: LiveStats,
+    policy: FleetPolicy,
+    now: float,
+) -> int | None:
+    """Requests `model` may run at once on `backend`, as the node's numbers say.
+
+    The node's own slot count when it reports one (llama.cpp). Else, with the
+    node's memory limit, the model's KV cache per token and its context window
+    known: one request, plus one per KV footprint (window x bytes per token)
+    that fits in the memory left once the model is loaded (1 to
+    MAX_LEARNED_CONCURRENCY). None when unknown: no limit but the operator's.
+    """
+    if backend.slots is not None:
+        return backend.slots
+    per_token = model.kv_bytes_per_token
+    window = model.loaded_context or model.context_length
+    limit = memory_limit(backend, stats)
+    used = memory_in_use(backend, stats, policy, now)
+    if per_token is None or window is None or limit is None or used is None:
+        return None
+    hot = thermal_state(backend.name, model, stats, policy, now) is Thermal.HOT
+    free = limit - used - (0.0 if hot else model.memory_gb or 0.0)
+    per_request = per_token * window / 1e9
+    extra = math.floor(max(free, 0.0) / per_request) if per_request > 0 else 0
+    return max(1, min(MAX_LEARNED_CONCURRENCY, 1 + extra))

@@ -42,11 +42,20 @@ class WaitSignalDict(SignalDict):
     source: str
 
 
+class MemorySignalDict(SignalDict):
+    """The memory fit, with the limit it was read against and its source:
+    "ceiling" (the operator's), "reported" (by the node), "oom" (its last
+    out-of-memory error) or None (unknown)."""
+
+    limit_gb: float | None
+    source: str | None
+
+
 class FleetSignalsDict(TypedDict):
     """The fleet strategy's seven signals of one candidate, and their total."""
 
     thermal: SignalDict
-    memory_fit: SignalDict
+    memory_fit: MemorySignalDict
     queue_depth: SignalDict
     estimated_wait: WaitSignalDict
     role_affinity: SignalDict

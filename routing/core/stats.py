@@ -25,6 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TypedDict
 
 from routing.core.types import BackendSpec
@@ -41,6 +42,26 @@ TREND_SLOW_SECONDS = 60.0
 TREND_LOAD_DELTA = 0.5
 # Ratio of recent to older latency that counts as a trend (and its inverse).
 TREND_LATENCY_RATIO = 1.25
+
+
+# Out-of-memory load failures remembered per backend (the newest ones).
+OOM_REMEMBERED = 8
+
+
+@dataclass(slots=True)
+class LoadFailures:
+    """A backend's recent out-of-memory load failures (``LiveStats.note_oom``).
+
+    ``times``: wall clock of each, oldest first. The rest is of the last one:
+    the model, the server's words, the memory the node had reported in use
+    before it (GB), and its memory as the error told (in use + available).
+    """
+
+    times: deque[float]
+    model: str
+    detail: str
+    used_gb: float | None
+    total_gb: float | None
 
 
 class BackendStatsDict(TypedDict):
@@ -104,6 +125,8 @@ class LiveStats:
         # said (a relay worker's pong: every serving process's requests),
         # moved by this process's own requests since.
         self._reported: dict[str, int] = {}
+        # backend name -> its recent out-of-memory load failures
+        self._oom: dict[str, LoadFailures] = {}
 
     @property
     def in_flight_counts(self) -> Mapping[str, int]:
@@ -290,6 +313,41 @@ class LiveStats:
                 self._trend_of(backend).observe_latency(now, latency_ms)
 
     # The fleet strategy's live signals.
+
+    def note_oom(
+        self,
+        backend: str,
+        model: str,
+        detail: str,
+        *,
+        used_gb: float | None = None,
+        total_gb: float | None = None,
+    ) -> None:
+        """`backend` failed to load `model` for want of memory, as of now.
+
+        ``used_gb``: what the node had reported in use; ``total_gb``: its
+        memory as the error told, when it did (kept from an earlier failure
+        otherwise).
+        """
+        with self._lock:
+            record = self._oom.get(backend)
+            if record is None:
+                record = self._oom[backend] = LoadFailures(
+                    deque(maxlen=OOM_REMEMBERED), model, detail, used_gb, total_gb
+                )
+            record.times.append(self.wall_clock())
+            record.model, record.detail, record.used_gb = model, detail, used_gb
+            if total_gb is not None:
+                record.total_gb = total_gb
+
+    def oom_failures(self, backend: str) -> LoadFailures | None:
+        """`backend`'s recent out-of-memory load failures (None: none seen)."""
+        return self._oom.get(backend)
+
+    @property
+    def oom_backends(self) -> Mapping[str, LoadFailures]:
+        """Live view of the backends with out-of-memory load failures."""
+        return self._oom
 
     def add_waiting(self, backend: str, model: str) -> None:
         """Count one more request waiting in (backend, model)'s fleet queue."""

@@ -472,7 +472,12 @@ async def test_a_cold_model_sent_to_a_full_node_unloads_the_oldest_idle_one() ->
     decision = Router().explain(RequestRequirements(model="x"), routes, h.stats)
     fleet = decision.as_dict()["candidates"][0]["fleet"]  # type: ignore[index]
     assert fleet["thermal"]["value"] == "warm"
-    assert fleet["memory_fit"] == {"value": 0.33, "points": 0}
+    assert fleet["memory_fit"] == {
+        "value": 0.33,
+        "points": 0,
+        "limit_gb": 7.0,
+        "source": "ceiling",
+    }
 
 
 async def test_a_model_in_use_is_never_expected_unloaded() -> None:

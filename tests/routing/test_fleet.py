@@ -221,7 +221,12 @@ def test_memory_fit_points_follow_the_seeds_table(free_gb: float, points: int) -
 
     fit = only(b)["memory_fit"]
 
-    assert fit == {"value": round(free_gb / 10.0, 2), "points": points}
+    assert fit == {
+        "value": round(free_gb / 10.0, 2),
+        "points": points,
+        "limit_gb": 30.0 + free_gb,
+        "source": "ceiling",
+    }
 
 
 def busy(stats: LiveStats, backend_name: str, model_name: str) -> LiveStats:
@@ -271,7 +276,8 @@ def test_an_idle_loaded_model_is_unloaded_for_a_cold_one_but_free_memory_wins() 
 
     assert both.chosen is not None and both.chosen.backend.name == "roomy"
     assert not both.excluded
-    assert signals(both)["small"]["memory_fit"] == {"value": 0.5, "points": 0}
+    assert signals(both)["small"]["memory_fit"]["value"] == 0.5
+    assert signals(both)["small"]["memory_fit"]["points"] == 0
     assert alone.chosen is not None and alone.chosen.backend.name == "small"
 
 
@@ -289,7 +295,8 @@ def test_unknown_memory_skips_the_signal_and_never_eliminates() -> None:
     )
 
     for b in (unknown_ceiling, unknown_size, unknown_use):
-        assert only(b)["memory_fit"] == {"value": None, "points": 0}
+        fit = only(b)["memory_fit"]
+        assert (fit["value"], fit["points"]) == (None, 0)
 
 
 # Signals 3 and 4: queue depth and estimated wait --------------------------------

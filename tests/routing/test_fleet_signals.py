@@ -112,7 +112,12 @@ def test_an_ollama_backends_loaded_model_is_hot_and_the_others_on_disk(
     assert hot["context_fit"]["value"] == {"window": 8192, "tokens": 0}
     assert cold["thermal"] == {"value": "on_disk", "points": 10}
     # 12 GB ceiling, one 4.66 GB model loaded: (12 - 4.66) / 4.66 = 1.57.
-    assert cold["memory_fit"] == {"value": 1.57, "points": 15}
+    assert cold["memory_fit"] == {
+        "value": 1.57,
+        "points": 15,
+        "limit_gb": 12.0,
+        "source": "ceiling",
+    }
 
 
 @pytest.mark.django_db
