@@ -72,12 +72,23 @@ class MockConfig:
     enforce_context: bool = False
     # The version the kind's version endpoint reports (None: the kind's default).
     server_version: str | None = None
+    # Learned capacity (Ollama): models other clients keep loaded (GB each;
+    # listed by /api/ps, taking memory), and loads that do not fit failing with
+    # Ollama's out-of-memory error instead of loading anyway.
+    resident_models: tuple[tuple[str, float], ...] = ()
+    oom_loads: bool = False
+    # vLLM's /metrics KV cache usage, 0..1 (None: no /metrics, a 404).
+    kv_cache_usage: float | None = None
 
     @property
     def has_memory(self) -> bool:
         """Whether models load and unload (an Ollama node of a fleet)."""
         return self.kind == "ollama" and bool(
-            self.model_sizes or self.memory_gb is not None or self.load_seconds > 0
+            self.model_sizes
+            or self.memory_gb is not None
+            or self.load_seconds > 0
+            or self.resident_models
+            or self.oom_loads
         )
 
     def size_of(self, model: str) -> float | None:
@@ -113,6 +124,7 @@ class MockConfig:
             for name, value in dataclasses.asdict(self).items()
         }
         values["model_sizes"] = dict(self.model_sizes)
+        values["resident_models"] = dict(self.resident_models)
         return values
 
 
@@ -276,4 +288,7 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "keep_alive_seconds": _float_knob(-1, 86_400),
     "enforce_context": _validate_bool,
     "server_version": _optional(_validate_header_text),
+    "resident_models": _validate_model_sizes,
+    "oom_loads": _validate_bool,
+    "kv_cache_usage": _optional(_float_knob(0, 1)),
 }
