@@ -8,8 +8,10 @@ A request for a model that is not loaded waits ``load_seconds`` (one load
 however many requests wait for it) and counts one load. A model that does not
 fit under ``memory_gb`` evicts the least recently used idle models first, as
 Ollama does (when none is idle it loads anyway: the mock does not queue for
-memory), unless ``oom_loads`` is on: then the load fails with Ollama's own
-500, "model requires more system memory (X GiB) than is available (Y GiB)". A
+memory), unless ``oom_loads`` is set: then the load fails with Ollama's own
+500, "model requires more system memory (X GiB) than is available (Y GiB)"
+(``"estimate"``) or "llama runner process has terminated: CUDA error: out of
+memory" (``"runner"``). A
 loaded model stays ``keep_alive`` seconds after its last request ended (the
 request's own ``keep_alive``: seconds or "5m"/"30s"/"1h", 0 unloads at once,
 negative keeps it forever; else ``keep_alive_seconds``).
@@ -73,7 +75,7 @@ class NodeMemory:
     cold_starts: int = 0
     evictions: int = 0
     resident: dict[str, float] = field(default_factory=dict)
-    oom_loads: bool = False
+    oom_loads: str | None = None
     refused: int = 0
     _loading: dict[str, asyncio.Future[None]] = field(default_factory=dict)
 
@@ -185,8 +187,12 @@ class NodeMemory:
                 return
             del self.loaded[name]
             self.evictions += 1
-        if self.oom_loads and not self._fits(size_gb):
+        if self.oom_loads is not None and not self._fits(size_gb):
             self.refused += 1
+            if self.oom_loads == "runner":
+                raise LoadRefused(
+                    "llama runner process has terminated: CUDA error: out of memory"
+                )
             available = max((self.ceiling_gb or 0.0) - self.used_gb, 0.0)
             raise LoadRefused(
                 f"model requires more system memory ({size_gb * GB / GIB:.1f} "

@@ -107,9 +107,10 @@ def note_out_of_memory(
 ) -> None:
     """Record that `backend` could not load `model` (see the module docstring).
 
-    The memory the node has is learned from the error when it says what is
-    available: what the node reported in use (or the models it lists as
-    loaded) plus that.
+    The model is not loaded there (whatever sending the request for it made
+    this process expect). The memory the node has is learned from the error
+    when it says what is available: what the node reported in use (or the
+    models it lists as loaded) plus that.
     """
     used = backend.memory_reported_used_gb
     if used is None:
@@ -118,6 +119,7 @@ def note_out_of_memory(
     if error.available_gb is not None and used is not None:
         total = round(used + error.available_gb, 3)
     stats.note_oom(backend.name, model, error.detail, used_gb=used, total_gb=total)
+    stats.mark_evicted(backend.name, model)
 
 
 def memory_limit(backend: BackendSpec, stats: LiveStats) -> float | None:
