@@ -439,6 +439,26 @@ class Backend(models.Model):
         self.memory_reported_at = now
         return True
 
+    def describe_memory(self) -> str:
+        """What the server last reported of its memory, for operators ("": none)."""
+        parts = []
+        if self.memory_used_bytes is not None:
+            used = f"{self.memory_used_bytes / 1e9:.1f} GB in use"
+            if self.memory_total_bytes is not None:
+                used += f" of {self.memory_total_bytes / 1e9:.1f} GB"
+            parts.append(used)
+        elif self.memory_total_bytes is not None:
+            parts.append(f"{self.memory_total_bytes / 1e9:.1f} GB")
+        if self.slots is not None:
+            parts.append(f"{self.slots} slot{'s' if self.slots != 1 else ''}")
+        if self.memory_pressure:
+            parts.append("memory pressure: cold loads paused until it ends")
+        if not parts:
+            return ""
+        when = self.memory_reported_at
+        at = f" (as of {when:%Y-%m-%d %H:%M:%S} UTC)" if when is not None else ""
+        return "; ".join(parts) + at
+
     def health_expires_at(self) -> datetime | None:
         """When the last health result stops counting (None: it never does).
 

@@ -81,11 +81,18 @@ class PrewarmDict(TypedDict):
     at: float  # epoch seconds
 
 
+class PausedDict(TypedDict):
+    backend: str
+    reason: str
+
+
 class FleetStateDict(TypedDict):
     """What the dashboard shows of one process's fleet scheduler."""
 
     enabled: bool
     lines: list[LineDict]
+    # Backends taking no new cold loads, as this process sees them, and why.
+    paused: list[PausedDict]
     waiting: int
     held: int
     moved_total: int
@@ -642,6 +649,7 @@ class FleetScheduler:
                 {"backend": b, "model": m, "waiting": n}
                 for b, m, n in sorted(self.queues.lines())
             ],
+            "paused": self._paused(routes),
             "waiting": self.queues.total_waiting,
             "held": self.held,
             "moved_total": self.moved_total,
@@ -651,6 +659,16 @@ class FleetScheduler:
                 for b, m, o, at in self.recent_prewarms
             ],
         }
+
+    def _paused(self, routes: RouterSnapshot | None) -> list[PausedDict]:
+        if routes is None:
+            return []
+        now = self.stats.wall_clock()
+        return [
+            {"backend": backend.name, "reason": reason}
+            for backend in routes.backends
+            if (reason := cold_load_pause(backend, self.stats, now))
+        ]
 
 
 def _room(in_flight: int, reserved: int, capacity: int) -> int:

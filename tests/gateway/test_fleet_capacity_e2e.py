@@ -15,6 +15,8 @@ import httpx
 import openai
 import pytest
 from django.contrib.auth import get_user_model
+from django.test import Client
+from django.urls import reverse
 from rest_framework.authtoken.models import Token
 
 from backends.discovery import discover_models
@@ -59,11 +61,13 @@ def _configure(mock: MockBackendProcess, **knobs: Any) -> None:
 
 
 def _decide(model: str) -> Decision:
-    return Router().explain(RequestRequirements(model=model), build_snapshot(), LiveStats())
+    return Router().explain(
+        RequestRequirements(model=model), build_snapshot(), LiveStats()
+    )
 
 
 def test_memory_another_client_takes_on_a_node_moves_the_fleets_choice(
-    mock_backend_factory: Factory,
+    mock_backend_factory: Factory, admin_client: Client
 ) -> None:
     a = _node(mock_backend_factory, "a", 24, "m")
     b = _node(mock_backend_factory, "b", 24, "m")
@@ -92,6 +96,8 @@ def test_memory_another_client_takes_on_a_node_moves_the_fleets_choice(
     (excluded,) = after.as_dict()["excluded"]
     assert (excluded["backend"], excluded["reasons"]) == ("a", ["no_memory"])
     assert "ceiling 24.00 GB, 20.00 GB in use, model 8.00 GB" in excluded["detail"]
+    page = admin_client.get(reverse("admin:backends_backend_change", args=[row.pk]))
+    assert "20.0 GB in use" in page.content.decode()
     # Gone again: the node is chosen again after the next round.
     _configure(a, resident_models={})
     check_all()
