@@ -467,7 +467,14 @@ def fleet_signals_dict(score: FleetScore) -> FleetSignalsDict:
         "queue_depth": {"value": score.depth, "points": _penalty(score.queue_points)},
         "estimated_wait": {
             "value": round(score.est_wait_s, 2),
-            "source": "p75" if score.wait_from_samples else "heuristic",
+            "source": (
+                "p75"
+                if score.wait_from_samples
+                else "heuristic"
+                if score.bandwidth_gbps is None
+                else "bandwidth"
+            ),
+            "bandwidth_gbps": _round(score.bandwidth_gbps),
             "points": _penalty(round(score.wait_points, 2)),
         },
         "role_affinity": {

@@ -32,10 +32,17 @@ from routing.core.types import BackendSpec, ModelSpec
 from routing.core.vocabulary import Thermal, Trend
 
 # The estimated latency of one request before MIN_LATENCY_SAMPLES answers were
-# timed: a base plus a time per GB of model (decoding reads every weight once
-# per token, so time grows with size; ~200 tokens at ~200 GB/s is ~1 s per GB).
+# timed: a base plus the time to decode HEURISTIC_TOKENS (decoding reads every
+# weight once per token, so time grows with size) at the node's memory
+# bandwidth: learned from its decoding speed (``observe_decoding``), else
+# DEFAULT_BANDWIDTH_GBPS (~200 tokens at ~200 GB/s is ~1 s per GB).
 HEURISTIC_BASE_SECONDS = 2.0
-HEURISTIC_SECONDS_PER_GB = 1.0
+HEURISTIC_TOKENS = 200
+DEFAULT_BANDWIDTH_GBPS = 200.0
+# A decoding speed is learned from streamed answers of at least this many
+# reported tokens, over at least this long.
+MIN_DECODE_TOKENS = 16
+MIN_DECODE_SECONDS = 0.05
 # The guess when the model's size is unknown too.
 HEURISTIC_UNKNOWN_SECONDS = 5.0
 
@@ -71,6 +78,8 @@ class FleetScore:
     queue_points: float
     est_wait_s: float
     wait_from_samples: bool
+    # The node's learned memory bandwidth the guess used (None: the default).
+    bandwidth_gbps: float | None
     wait_points: float
     parameters_b: float | None
     tier: str
@@ -139,7 +148,10 @@ def score_fleet(
     paused = "" if hot else cold_load_pause(backend, stats, now)
     depth = stats.queue_depth(backend.name, model.name)
     p75_ms = stats.latency_p75_ms(backend.name, model.name)
-    per_request = p75_ms / 1000 if p75_ms is not None else heuristic_seconds(model)
+    bandwidth = stats.bandwidth_gbps(backend.name)
+    per_request = (
+        p75_ms / 1000 if p75_ms is not None else heuristic_seconds(model, bandwidth)
+    )
     est_wait = depth * per_request
     window = (
         model.loaded_context
@@ -163,6 +175,7 @@ def score_fleet(
         ),
         est_wait_s=est_wait,
         wait_from_samples=p75_ms is not None,
+        bandwidth_gbps=None if p75_ms is not None else bandwidth,
         wait_points=min(
             policy.wait_penalty_max, est_wait / policy.wait_seconds_per_point
         ),
@@ -370,12 +383,33 @@ def fit_points(ratio: float | None, policy: FleetPolicy) -> float:
     return float(policy.fit_over_1_points)
 
 
-def heuristic_seconds(model: ModelSpec) -> float:
-    """One request's latency, guessed from the model's size (before samples)."""
+def heuristic_seconds(model: ModelSpec, bandwidth_gbps: float | None = None) -> float:
+    """One request's latency, guessed from the model's size and the node's
+    memory bandwidth (before samples; None: DEFAULT_BANDWIDTH_GBPS)."""
     size = model.memory_gb
     if size is None:
         return HEURISTIC_UNKNOWN_SECONDS
-    return HEURISTIC_BASE_SECONDS + HEURISTIC_SECONDS_PER_GB * size
+    bandwidth = bandwidth_gbps or DEFAULT_BANDWIDTH_GBPS
+    return HEURISTIC_BASE_SECONDS + HEURISTIC_TOKENS * size / bandwidth
+
+
+def observe_decoding(
+    stats: LiveStats,
+    backend: BackendSpec,
+    model: ModelSpec,
+    tokens: int,
+    seconds: float,
+) -> None:
+    """Learn `backend`'s memory bandwidth from one streamed answer: `tokens`
+    decoded in `seconds` read the model's weights once each.
+
+    Skipped for short answers (under MIN_DECODE_TOKENS or
+    MIN_DECODE_SECONDS: their time is mostly overhead) and unknown sizes.
+    """
+    size = model.memory_gb
+    if size is None or tokens < MIN_DECODE_TOKENS or seconds < MIN_DECODE_SECONDS:
+        return
+    stats.observe_bandwidth(backend.name, tokens / seconds * size)
 
 
 def affinity_points(

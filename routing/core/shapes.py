@@ -37,9 +37,12 @@ class SignalDict(TypedDict):
 
 
 class WaitSignalDict(SignalDict):
-    """The estimated wait, and whether it came from timed answers or a guess."""
+    """The estimated wait, and where it came from: "p75" (timed answers),
+    "bandwidth" (a guess at the node's learned memory bandwidth,
+    ``bandwidth_gbps``) or "heuristic" (a guess at the default bandwidth)."""
 
     source: str
+    bandwidth_gbps: float | None
 
 
 class MemorySignalDict(SignalDict):

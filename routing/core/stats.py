@@ -46,6 +46,11 @@ TREND_LATENCY_RATIO = 1.25
 
 # Out-of-memory load failures remembered per backend (the newest ones).
 OOM_REMEMBERED = 8
+# A node's memory bandwidth (GB/s) is learned from decoding speeds: the weight
+# of each new sample, and the range believed (a broken count is not).
+BANDWIDTH_ALPHA = 0.3
+MIN_BANDWIDTH_GBPS = 0.1
+MAX_BANDWIDTH_GBPS = 100_000.0
 
 
 @dataclass(slots=True)
@@ -127,6 +132,8 @@ class LiveStats:
         self._reported: dict[str, int] = {}
         # backend name -> its recent out-of-memory load failures
         self._oom: dict[str, LoadFailures] = {}
+        # backend name -> memory bandwidth (GB/s) learned from decoding speed
+        self._bandwidth: dict[str, float] = {}
 
     @property
     def in_flight_counts(self) -> Mapping[str, int]:
@@ -339,6 +346,23 @@ class LiveStats:
             record.model, record.detail, record.used_gb = model, detail, used_gb
             if total_gb is not None:
                 record.total_gb = total_gb
+
+    def observe_bandwidth(self, backend: str, gbps: float) -> None:
+        """Fold one decoding speed, as GB/s of weights read, into `backend`'s
+        bandwidth (outside MIN/MAX_BANDWIDTH_GBPS: ignored)."""
+        if not MIN_BANDWIDTH_GBPS <= gbps <= MAX_BANDWIDTH_GBPS:  # also NaN
+            return
+        with self._lock:
+            previous = self._bandwidth.get(backend)
+            self._bandwidth[backend] = (
+                gbps
+                if previous is None
+                else previous + BANDWIDTH_ALPHA * (gbps - previous)
+            )
+
+    def bandwidth_gbps(self, backend: str) -> float | None:
+        """`backend`'s memory bandwidth as learned (None: no sample yet)."""
+        return self._bandwidth.get(backend)
 
     def oom_failures(self, backend: str) -> LoadFailures | None:
         """`backend`'s recent out-of-memory load failures (None: none seen)."""

@@ -166,3 +166,17 @@ def test_repeated_out_of_memory_loads_pause_cold_loads_on_that_node(
     assert "CUDA error: out of memory" in excluded["detail"]
     assert ask("k") == "b"
     assert mock_stats(a)["loads_refused"] == 2  # a was not asked to load k
+
+    # A streamed answer's decoding speed teaches b's memory bandwidth, which
+    # the wait guess uses until enough answers were timed.
+    wait = explain("k")["candidates"][0]["fleet"]["estimated_wait"]
+    assert (wait["source"], wait["bandwidth_gbps"]) == ("heuristic", None)
+    _configure(b, chunk_delay_ms=40)
+    words = " ".join(["word"] * 60)
+    stream = sdk.chat.completions.create(
+        model="k", messages=[{"role": "user", "content": words}], stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    wait = explain("k")["candidates"][0]["fleet"]["estimated_wait"]
+    assert wait["source"] == "bandwidth"
+    assert wait["bandwidth_gbps"] > 0

@@ -22,6 +22,7 @@ from routing.core import (
     make_policy,
 )
 from routing.core.decision import Decision
+from routing.core.fleet import observe_decoding
 from routing.core.stats import MIN_LATENCY_SAMPLES
 from routing.explain import render_decision
 
@@ -325,7 +326,32 @@ def test_the_wait_is_guessed_from_model_size_before_enough_samples() -> None:
     wait = only(b, stats)["estimated_wait"]
 
     # One request ahead, 2 s + 1 s per GB.
-    assert wait == {"value": 42.0, "source": "heuristic", "points": -4.2}
+    assert wait == {
+        "value": 42.0,
+        "source": "heuristic",
+        "bandwidth_gbps": None,
+        "points": -4.2,
+    }
+
+
+def test_the_guess_uses_the_nodes_bandwidth_learned_from_decoding_speed() -> None:
+    stats = live()
+    m = model(size_gb=40.0)
+    b = backend("b", m)
+    stats.add_waiting("b", "m")
+    # 400 tokens in 20 s from a 40 GB model: 800 GB/s of weights read, so a
+    # 200-token answer takes 10 s there.
+    observe_decoding(stats, b, m, 400, 20.0)
+    observe_decoding(stats, b, m, 3, 0.01)  # too short to tell: ignored
+
+    wait = only(b, stats)["estimated_wait"]
+
+    assert wait == {
+        "value": 12.0,
+        "source": "bandwidth",
+        "bandwidth_gbps": 800.0,
+        "points": -1.2,
+    }
 
 
 def test_the_wait_uses_the_p75_latency_once_there_are_enough_samples() -> None:
@@ -339,7 +365,12 @@ def test_the_wait_uses_the_p75_latency_once_there_are_enough_samples() -> None:
 
     wait = only(b, stats)["estimated_wait"]
 
-    assert wait == {"value": 45.0, "source": "p75", "points": -4.5}
+    assert wait == {
+        "value": 45.0,
+        "source": "p75",
+        "bandwidth_gbps": None,
+        "points": -4.5,
+    }
     for _ in range(20):
         stats.add_waiting("b", "m")
     assert only(b, stats)["estimated_wait"]["points"] == -25  # the cap
