@@ -52,7 +52,12 @@ from routing.core.capacity import (
     parse_out_of_memory,
 )
 from routing.core.decision import Decision, Outcome, Role, Via
-from routing.core.fleet import evictions_for, learned_concurrency, thermal_state
+from routing.core.fleet import (
+    evictions_for,
+    learned_concurrency,
+    observe_load,
+    thermal_state,
+)
 from routing.core.types import UNLIMITED
 from routing.core.vocabulary import Thermal
 
@@ -464,8 +469,13 @@ class FleetScheduler:
     async def _warm(self, target: Target) -> None:
         backend, model = target.backend.name, target.model.name
         outcome = "failed"
+        started = time.perf_counter()
         try:
             outcome, body = await self._load(target)
+            if outcome == "loaded":
+                # A load-only request: its time is the node's load time.
+                seconds = time.perf_counter() - started
+                observe_load(self.stats, target.backend, target.model, seconds)
             oom = None if outcome == "loaded" else parse_out_of_memory(body)
             if oom is not None:
                 note_out_of_memory(self.stats, target.backend, model, oom)

@@ -475,6 +475,7 @@ def fleet_signals_dict(score: FleetScore) -> FleetSignalsDict:
                 else "bandwidth"
             ),
             "bandwidth_gbps": _round(score.bandwidth_gbps),
+            "load_s": round(score.load_s, 2),
             "points": _penalty(round(score.wait_points, 2)),
         },
         "role_affinity": {

@@ -9,7 +9,7 @@ signal             points (defaults; every number is a FleetPolicy setting)
                    a cold model on a node paused for cold loads is
                    eliminated too (routing/core/capacity.py)
 3 queue depth      - min(30, depth x 6); depth = in flight + waiting
-4 estimated wait   - min(25, depth x p75 latency (s) / 10)
+4 estimated wait   - min(25, (depth x p75 latency (s) + load time) / 10)
 5 role affinity    up to +15: parameter count against the backend's tier
 6 trend            rising +10, stable +5, falling 0
 7 context fit      up to +10: estimated tokens against the loaded window
@@ -78,8 +78,10 @@ class FleetScore:
     queue_points: float
     est_wait_s: float
     wait_from_samples: bool
-    # The node's learned memory bandwidth the guess used (None: the default).
+    # The node's learned memory bandwidth the guess used (None: the default),
+    # and the time to load the model there first (0: hot, or no load timed).
     bandwidth_gbps: float | None
+    load_s: float
     wait_points: float
     parameters_b: float | None
     tier: str
@@ -152,7 +154,9 @@ def score_fleet(
     per_request = (
         p75_ms / 1000 if p75_ms is not None else heuristic_seconds(model, bandwidth)
     )
-    est_wait = depth * per_request
+    load_rate = None if hot else stats.load_gbps(backend.name)
+    load_s = size / load_rate if load_rate else 0.0
+    est_wait = depth * per_request + load_s
     window = (
         model.loaded_context
         if thermal is Thermal.HOT and model.loaded_context is not None
@@ -176,6 +180,7 @@ def score_fleet(
         est_wait_s=est_wait,
         wait_from_samples=p75_ms is not None,
         bandwidth_gbps=None if p75_ms is not None else bandwidth,
+        load_s=load_s,
         wait_points=min(
             policy.wait_penalty_max, est_wait / policy.wait_seconds_per_point
         ),
@@ -410,6 +415,17 @@ def observe_decoding(
     if size is None or tokens < MIN_DECODE_TOKENS or seconds < MIN_DECODE_SECONDS:
         return
     stats.observe_bandwidth(backend.name, tokens / seconds * size)
+
+
+def observe_load(
+    stats: LiveStats, backend: BackendSpec, model: ModelSpec, seconds: float
+) -> None:
+    """Learn how fast `backend` loads models from one load of `model` that
+    took `seconds` (a warm-up; under MIN_DECODE_SECONDS: skipped)."""
+    size = model.memory_gb
+    if size is None or seconds < MIN_DECODE_SECONDS:
+        return
+    stats.observe_load_rate(backend.name, size / seconds)
 
 
 def affinity_points(

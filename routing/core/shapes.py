@@ -43,6 +43,9 @@ class WaitSignalDict(SignalDict):
 
     source: str
     bandwidth_gbps: float | None
+    # Seconds to load the model first, at the node's learned load rate (0:
+    # hot, or no load timed there yet); part of the value.
+    load_s: float
 
 
 class MemorySignalDict(SignalDict):

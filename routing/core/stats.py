@@ -132,8 +132,10 @@ class LiveStats:
         self._reported: dict[str, int] = {}
         # backend name -> its recent out-of-memory load failures
         self._oom: dict[str, LoadFailures] = {}
-        # backend name -> memory bandwidth (GB/s) learned from decoding speed
+        # backend name -> memory bandwidth (GB/s) learned from decoding speed,
+        # and how fast it loads a model (GB/s) learned from warm-ups
         self._bandwidth: dict[str, float] = {}
+        self._load_rate: dict[str, float] = {}
 
     @property
     def in_flight_counts(self) -> Mapping[str, int]:
@@ -350,19 +352,31 @@ class LiveStats:
     def observe_bandwidth(self, backend: str, gbps: float) -> None:
         """Fold one decoding speed, as GB/s of weights read, into `backend`'s
         bandwidth (outside MIN/MAX_BANDWIDTH_GBPS: ignored)."""
-        if not MIN_BANDWIDTH_GBPS <= gbps <= MAX_BANDWIDTH_GBPS:  # also NaN
-            return
-        with self._lock:
-            previous = self._bandwidth.get(backend)
-            self._bandwidth[backend] = (
-                gbps
-                if previous is None
-                else previous + BANDWIDTH_ALPHA * (gbps - previous)
-            )
+        self._fold_rate(self._bandwidth, backend, gbps)
 
     def bandwidth_gbps(self, backend: str) -> float | None:
         """`backend`'s memory bandwidth as learned (None: no sample yet)."""
         return self._bandwidth.get(backend)
+
+    def observe_load_rate(self, backend: str, gbps: float) -> None:
+        """Fold one model load, as GB loaded per second, into `backend`'s load
+        rate (outside MIN/MAX_BANDWIDTH_GBPS: ignored)."""
+        self._fold_rate(self._load_rate, backend, gbps)
+
+    def load_gbps(self, backend: str) -> float | None:
+        """How fast `backend` loads a model, as learned (None: no sample yet)."""
+        return self._load_rate.get(backend)
+
+    def _fold_rate(self, rates: dict[str, float], backend: str, gbps: float) -> None:
+        if not MIN_BANDWIDTH_GBPS <= gbps <= MAX_BANDWIDTH_GBPS:  # also NaN
+            return
+        with self._lock:
+            previous = rates.get(backend)
+            rates[backend] = (
+                gbps
+                if previous is None
+                else previous + BANDWIDTH_ALPHA * (gbps - previous)
+            )
 
     def oom_failures(self, backend: str) -> LoadFailures | None:
         """`backend`'s recent out-of-memory load failures (None: none seen)."""

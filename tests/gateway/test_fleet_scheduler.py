@@ -42,9 +42,10 @@ def _backend(
     model_limit: int | None = None,
     kind: str = "ollama",
     url: str = "http://127.0.0.1:9",
+    size_gb: float | None = None,
 ) -> BackendSpec:
     limit = {} if model_limit is None else {"max_concurrency": model_limit}
-    model = ModelSpec("m", loaded=loaded, **limit)
+    model = ModelSpec("m", loaded=loaded, size_gb=size_gb, **limit)
     return BackendSpec(
         name,
         url,
@@ -362,7 +363,13 @@ async def test_prewarm_loads_the_model_on_the_runner_up_exactly_once(
 ) -> None:
     routes = _routes(
         _backend("winner", capacity=10),
-        _backend("runner-up", capacity=10, loaded=False, url=ollama_node.base_url),
+        _backend(
+            "runner-up",
+            capacity=10,
+            loaded=False,
+            url=ollama_node.base_url,
+            size_gb=4.0,
+        ),
         pre_warm_threshold=3,
     )
     h = Harness(routes)
@@ -383,6 +390,9 @@ async def test_prewarm_loads_the_model_on_the_runner_up_exactly_once(
             ps = (await client.get(f"{ollama_node.base_url}/api/ps")).json()
         assert stats["loads"] == {"m": 1}
         assert stats["requests"] == {"/api/generate": 1}
+        # The warm-up timed the load: 4 GB in 0.3 s or more.
+        rate = h.stats.load_gbps("runner-up")
+        assert rate is not None and 0 < rate <= 4 / 0.3
         assert [entry["name"] for entry in ps["models"]] == ["m"]
         text = h.fleet.metrics.render().decode()
         assert (

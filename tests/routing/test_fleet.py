@@ -22,7 +22,7 @@ from routing.core import (
     make_policy,
 )
 from routing.core.decision import Decision
-from routing.core.fleet import observe_decoding
+from routing.core.fleet import observe_decoding, observe_load
 from routing.core.stats import MIN_LATENCY_SAMPLES
 from routing.explain import render_decision
 
@@ -330,6 +330,7 @@ def test_the_wait_is_guessed_from_model_size_before_enough_samples() -> None:
         "value": 42.0,
         "source": "heuristic",
         "bandwidth_gbps": None,
+        "load_s": 0.0,
         "points": -4.2,
     }
 
@@ -350,8 +351,23 @@ def test_the_guess_uses_the_nodes_bandwidth_learned_from_decoding_speed() -> Non
         "value": 12.0,
         "source": "bandwidth",
         "bandwidth_gbps": 800.0,
+        "load_s": 0.0,
         "points": -1.2,
     }
+
+
+def test_a_cold_model_waits_for_its_load_at_the_nodes_learned_load_rate() -> None:
+    stats = live()
+    cold = model(size_gb=40.0)
+    b = backend("b", cold)
+    # A warm-up loaded a 40 GB model there in 20 s: 2 GB/s.
+    observe_load(stats, b, cold, 20.0)
+
+    wait = only(b, stats)["estimated_wait"]
+    hot = only(backend("b", model(size_gb=40.0, loaded=True)), stats)
+
+    assert (wait["value"], wait["load_s"], wait["points"]) == (20.0, 20.0, -2.0)
+    assert hot["estimated_wait"]["load_s"] == 0.0  # loaded: nothing to wait for
 
 
 def test_the_wait_uses_the_p75_latency_once_there_are_enough_samples() -> None:
@@ -369,6 +385,7 @@ def test_the_wait_uses_the_p75_latency_once_there_are_enough_samples() -> None:
         "value": 45.0,
         "source": "p75",
         "bandwidth_gbps": None,
+        "load_s": 0.0,
         "points": -4.5,
     }
     for _ in range(20):
