@@ -404,6 +404,52 @@ async def test_prewarm_loads_the_model_on_the_runner_up_exactly_once(
         await h.fleet.stop()
 
 
+async def test_a_warm_up_that_fails_for_memory_is_noted_and_never_repeated_there(
+    ollama_node: MockBackendProcess,
+) -> None:
+    async with httpx.AsyncClient() as client:
+        # Another client's 6 GB model fills the node: the load cannot fit.
+        await client.post(
+            f"{ollama_node.base_url}/_mock/config",
+            json={"resident_models": {"other": 6.0}, "oom_loads": "estimate"},
+        )
+    runner_up = _backend(
+        "runner-up", capacity=10, loaded=False, url=ollama_node.base_url, size_gb=4.0
+    )
+    routes = _routes(_backend("winner", capacity=10), runner_up, pre_warm_threshold=3)
+    h = Harness(routes)
+    h.fleet.start()
+    h.session = aiohttp.ClientSession()
+    try:
+        route = _route(routes, "winner", "runner-up")
+        for _ in range(4):
+            h.fleet.after_decision(route, routes)
+            h.begin(route)
+            await _settle()
+        for _ in range(100):
+            if not h.fleet.prewarm.is_running("runner-up", "m"):
+                break
+            await asyncio.sleep(0.05)
+        failures = h.stats.oom_failures("runner-up")
+        assert failures is not None and len(failures.times) == 1
+        assert "requires more system memory (3.7 GiB)" in failures.detail
+        assert h.stats.load_gbps("runner-up") is None  # no load was timed
+        # A second failure pauses cold loads there: no warm-up is tried (a
+        # failed one is not remembered, so without the pause it would be).
+        h.stats.note_oom("runner-up", "m", failures.detail)
+        for _ in range(4):
+            h.fleet.after_decision(route, routes)
+            h.begin(route)
+        await _settle()
+        assert not h.fleet.prewarm.is_running("runner-up", "m")
+        async with httpx.AsyncClient() as client:
+            stats = (await client.get(f"{ollama_node.base_url}/_mock/stats")).json()
+        assert stats["requests"] == {"/api/generate": 1}
+    finally:
+        await h.session.close()
+        await h.fleet.stop()
+
+
 async def test_prewarm_does_nothing_below_the_threshold_or_for_other_kinds(
     ollama_node: MockBackendProcess,
 ) -> None:
