@@ -19,6 +19,7 @@ from backends.models import (
     CAPABILITY_FIELDS,
     HEALTH_FIELDS,
     LOADED_FIELDS,
+    MEMORY_FIELDS,
     SIZE_FIELDS,
     Backend,
     BackendModel,
@@ -116,7 +117,14 @@ class BackendAdmin(BackendAdminBase):
     list_filter = ("status", "kind", "enabled", "is_demo")
     search_fields = ("name", "base_url")
     ordering = ("priority", "name")
-    readonly_fields = (*HEALTH_FIELDS, "latency", "is_demo", "created_at", "updated_at")
+    readonly_fields = (
+        *HEALTH_FIELDS,
+        "latency",
+        "learned_memory",
+        "is_demo",
+        "created_at",
+        "updated_at",
+    )
     actions = (
         "check_health_now",
         "discover_models_now",
@@ -145,8 +153,8 @@ class BackendAdmin(BackendAdminBase):
                     "fields": ("memory_ceiling_gb", "tier"),
                     "description": "What the fleet routing strategy weighs: a "
                     "model that is not loaded and does not fit under the memory "
-                    "ceiling is not sent here; the tier matches model sizes to "
-                    "machines.",
+                    "ceiling (else the memory the server reports) is not sent "
+                    "here; the tier matches model sizes to machines.",
                 },
             ),
         )
@@ -155,12 +163,23 @@ class BackendAdmin(BackendAdminBase):
         return (
             *settings,
             (
+                "Learned capacity",
+                {
+                    "fields": ("learned_memory",),
+                    "description": "What the server last reported, read by "
+                    "health checks. Out-of-memory load failures pause cold loads "
+                    "in the serving process that saw them: see route explain and "
+                    "the dashboard's fleet panel.",
+                },
+            ),
+            (
                 "Health",
                 {
                     # The average latency rounded, as in the list.
                     "fields": tuple(
                         "latency" if name == "avg_latency_ms" else name
                         for name in HEALTH_FIELDS
+                        if name not in MEMORY_FIELDS
                     ),
                     "description": "Updated by health checks.",
                 },
@@ -225,7 +244,18 @@ class BackendAdmin(BackendAdminBase):
         if obj.consecutive_failures:
             failures = f"{obj.consecutive_failures} failed check(s) in a row"
             hover = f"{hover} ({failures})" if hover else failures
-        return render_badge(status.label, STATUS_COLOURS[status], hover)
+        badge = render_badge(status.label, STATUS_COLOURS[status], hover)
+        if not obj.memory_pressure:
+            return badge
+        return format_html(
+            '{}<br><small title="{}">cold loads paused</small>',
+            badge,
+            obj.describe_memory(),
+        )
+
+    @admin.display(description="reported by the server")
+    def learned_memory(self, obj: Backend) -> str:
+        return obj.describe_memory() or "Nothing reported yet."
 
     @admin.display(description="models", ordering="model_count")
     def model_count(self, obj: Backend) -> int:

@@ -24,9 +24,15 @@ half of it, so that a slow or broken version endpoint cannot turn a good probe
 into a timeout: a version that cannot be read keeps the one recorded before.
 Versions are read here only, never on a request.
 
+A good probe also records what the server said of its memory (Ollama's
+/api/ps size_vram sum, llama.cpp's slots, vLLM's KV cache pressure:
+``Backend.note_memory``), which the fleet strategy reads through the snapshot.
+
 A status change is announced to the apps above (``announce_change()``; the
 updates bypass model signals on purpose: a round that only refreshes latency
-and check times must not make every serving process rebuild its snapshot).
+and check times must not make every serving process rebuild its snapshot), and
+so is a memory change worth it (in use moving by half a gigabyte or more,
+pressure, slots).
 """
 
 from __future__ import annotations
@@ -320,8 +326,8 @@ async def _probe(
 ) -> ProbeResult:
     started = time.perf_counter()
     result = await adapter.probe(client, endpoint)
-    if result.status is ProbeStatus.DOWN:
-        return result
+    if result.status is ProbeStatus.DOWN or result.version is not None:
+        return result  # down, or the probe read the version already
     # The round's timeout covers the probe and the version together: the
     # version gets what the probe left, with a margin, and at most half.
     left = min(
@@ -402,6 +408,8 @@ def _record(
                             (row.name, row.server_version, result.version)
                         )
                     row.server_version = result.version
+                if result.memory is not None:
+                    changed |= row.note_memory(result.memory, observation.finished_at)
                 updated.append(row)
                 changed |= row.status != previous
                 if result.loaded_models is not None:

@@ -13,7 +13,7 @@ from django.db import models, router, transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 
-from backends.kinds import MAX_VERSION, Endpoint, LoadedModel
+from backends.kinds import MAX_VERSION, Endpoint, LoadedModel, MemoryReport
 from backends.signals import backends_changed
 from backends.vocabulary import HealthStatus
 from nexus_worker.protocol import MISSED_HEARTBEATS_BEFORE_GONE
@@ -30,6 +30,14 @@ class BackendKind(models.TextChoices):
     RELAY = "relay", "Relay worker"
 
 
+# What the server says of its memory (MemoryReport), recorded by health checks.
+MEMORY_FIELDS = (
+    "memory_total_bytes",
+    "memory_used_bytes",
+    "memory_pressure",
+    "slots",
+    "memory_reported_at",
+)
 # What a health check records on a Backend; operators read it, never write it.
 HEALTH_FIELDS = (
     "status",
@@ -39,7 +47,11 @@ HEALTH_FIELDS = (
     "consecutive_successes",
     "avg_latency_ms",
     "server_version",
+    *MEMORY_FIELDS,
 )
+# Memory in use moving by less than this is stored without announcing a
+# change (it moves with every context a busy model grows).
+MEMORY_SLACK_BYTES = 500_000_000
 # A health result older than this many health intervals no longer counts: the
 # backend is treated as unknown (not routed to) until the next check.
 STALE_AFTER_INTERVALS = 3
@@ -81,7 +93,7 @@ CAPABILITY_HELP = (
     "No: such requests go elsewhere. Yes: preferred for them."
 )
 # Sizes discovery reads for the fleet strategy (an operator may set them too).
-SIZE_FIELDS = ("size_bytes", "parameters_b")
+SIZE_FIELDS = ("size_bytes", "parameters_b", "kv_bytes_per_token")
 DISCOVERED_FIELDS = (*CAPABILITY_FIELDS, *SIZE_FIELDS)
 # Fields discovery may set and an operator may claim (BackendModel.manual_fields).
 OPERATOR_FIELDS = (*DISCOVERED_FIELDS, "enabled")
@@ -255,8 +267,9 @@ class Backend(models.Model):
         null=True,
         blank=True,
         validators=[MinValueValidator(0.1)],
-        help_text="Memory the backend may fill with models (fleet strategy); "
-        "empty: unknown, models are never ruled out for memory.",
+        help_text="Memory the backend may fill with models (fleet strategy), "
+        "overriding what the server reports; empty: what it reports, if it does "
+        "(else unknown: models are never ruled out for memory).",
     )
     tier = models.CharField(
         max_length=8,
@@ -289,6 +302,34 @@ class Backend(models.Model):
         help_text="What the server said it runs, read by the health round (Ollama "
         "/api/version, llama.cpp /props build_info, vLLM /version); empty: not "
         "read yet, or a kind that does not say.",
+    )
+    # What the server last said of its memory (health rounds; read-only).
+    memory_total_bytes = models.PositiveBigIntegerField(
+        "memory reported (bytes)",
+        null=True,
+        blank=True,
+        help_text="The memory models may fill, as the server reports it.",
+    )
+    memory_used_bytes = models.PositiveBigIntegerField(
+        "memory in use (bytes)",
+        null=True,
+        blank=True,
+        help_text="What its loaded models take, listed here or not (Ollama's "
+        "/api/ps size_vram sum).",
+    )
+    memory_pressure = models.BooleanField(
+        default=False,
+        help_text="The server reports memory pressure (vLLM's KV cache nearly "
+        "full): no new model is loaded there until it does not.",
+    )
+    slots = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="Requests the server runs at once, as it reports (llama.cpp's "
+        "total_slots): the models' concurrency when not set by hand.",
+    )
+    memory_reported_at = models.DateTimeField(
+        null=True, blank=True, help_text="When the memory figures were read."
     )
 
     created_at = models.DateTimeField(auto_now_add=True)
@@ -371,6 +412,52 @@ class Backend(models.Model):
             and self.status == HealthStatus.HEALTHY
             and not self.is_health_stale()
         )
+
+    def note_memory(self, report: MemoryReport, now: datetime) -> bool:
+        """Store what the server said of its memory; True if routing must hear.
+
+        Only a change worth a snapshot rebuild is stored: memory in use moving
+        by MEMORY_SLACK_BYTES or more, or any other figure changing; a smaller
+        move keeps the figures (and their time) as they were.
+        """
+        used, before = report.used_bytes, self.memory_used_bytes
+        moved = (used is None) != (before is None) or (
+            used is not None
+            and before is not None
+            and abs(used - before) >= MEMORY_SLACK_BYTES
+        )
+        if not moved and (
+            self.memory_total_bytes,
+            self.memory_pressure,
+            self.slots,
+        ) == (report.total_bytes, report.pressure, report.slots):
+            return False
+        self.memory_total_bytes = report.total_bytes
+        self.memory_used_bytes = used
+        self.memory_pressure = report.pressure
+        self.slots = report.slots
+        self.memory_reported_at = now
+        return True
+
+    def describe_memory(self) -> str:
+        """What the server last reported of its memory, for operators ("": none)."""
+        parts = []
+        if self.memory_used_bytes is not None:
+            used = f"{self.memory_used_bytes / 1e9:.1f} GB in use"
+            if self.memory_total_bytes is not None:
+                used += f" of {self.memory_total_bytes / 1e9:.1f} GB"
+            parts.append(used)
+        elif self.memory_total_bytes is not None:
+            parts.append(f"{self.memory_total_bytes / 1e9:.1f} GB")
+        if self.slots is not None:
+            parts.append(f"{self.slots} slot{'s' if self.slots != 1 else ''}")
+        if self.memory_pressure:
+            parts.append("memory pressure: cold loads paused until it ends")
+        if not parts:
+            return ""
+        when = self.memory_reported_at
+        at = f" (as of {when:%Y-%m-%d %H:%M:%S} UTC)" if when is not None else ""
+        return "; ".join(parts) + at
 
     def health_expires_at(self) -> datetime | None:
         """When the last health result stops counting (None: it never does).
@@ -501,7 +588,16 @@ class BackendModel(models.Model):
         blank=True,
         validators=[MinValueValidator(1)],
         help_text="Requests for this model in flight on this backend at most "
-        "(fleet strategy); empty for the backend's limit only.",
+        "(fleet strategy); empty: what the server's slots or free memory allow "
+        "(see kv_bytes_per_token), else the backend's limit only.",
+    )
+    kv_bytes_per_token = models.PositiveBigIntegerField(
+        "KV cache per token (bytes)",
+        null=True,
+        blank=True,
+        help_text="Memory one token of context takes (Ollama's /api/show "
+        "architecture); with the backend's memory it sets the model's "
+        "concurrency there when none is set by hand. Empty: unknown.",
     )
     vram_bytes = models.PositiveBigIntegerField(
         "memory in use (bytes)",

@@ -260,7 +260,7 @@ def _answer_ps(request: Request, config: MockConfig, memory: NodeMemory) -> byte
             "models": [
                 {**describe_ollama_tag(config, entry["name"]), **entry}
                 for entry in memory.ps(config.context_length)
-                if entry["name"] in config.models
+                if entry["name"] in config.models or entry["name"] in memory.resident
             ]
         }
     )

@@ -12,6 +12,7 @@ from nexus_mock.jobs import MAX_EMBEDDING_DIM
 MAX_CHUNKS = 10_000
 MAX_RECORDED_REQUESTS = 10_000
 MOCK_KINDS = ("openai", "ollama", "vllm", "llamacpp", "anthropic")
+OOM_STYLES = ("estimate", "runner")
 
 
 class ConfigError(ValueError):
@@ -73,12 +74,25 @@ class MockConfig:
     enforce_context: bool = False
     # The version the kind's version endpoint reports (None: the kind's default).
     server_version: str | None = None
+    # Learned capacity (Ollama): models other clients keep loaded (GB each;
+    # listed by /api/ps, taking memory), and loads that do not fit failing with
+    # one of Ollama's out-of-memory errors instead of loading anyway:
+    # "estimate" (its refusal before loading, naming the sizes) or "runner"
+    # (the runner dying in the load: "CUDA error: out of memory"). None: off.
+    resident_models: tuple[tuple[str, float], ...] = ()
+    oom_loads: str | None = None
+    # vLLM's /metrics KV cache usage, 0..1 (None: no /metrics, a 404).
+    kv_cache_usage: float | None = None
 
     @property
     def has_memory(self) -> bool:
         """Whether models load and unload (an Ollama node of a fleet)."""
         return self.kind == "ollama" and bool(
-            self.model_sizes or self.memory_gb is not None or self.load_seconds > 0
+            self.model_sizes
+            or self.memory_gb is not None
+            or self.load_seconds > 0
+            or self.resident_models
+            or self.oom_loads is not None
         )
 
     def size_of(self, model: str) -> float | None:
@@ -114,6 +128,7 @@ class MockConfig:
             for name, value in dataclasses.asdict(self).items()
         }
         values["model_sizes"] = dict(self.model_sizes)
+        values["resident_models"] = dict(self.resident_models)
         return values
 
 
@@ -184,6 +199,14 @@ def _validate_bool(key: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(key, f"{key} must be true or false, not {value!r}.")
     return value
+
+
+def _validate_oom_style(key: str, value: Any) -> str:
+    if value not in OOM_STYLES:
+        raise ConfigError(
+            key, f"{key} must be one of {', '.join(OOM_STYLES)} or null, not {value!r}."
+        )
+    return str(value)
 
 
 def _validate_json_object(key: str, value: Any) -> dict[str, Any]:
@@ -278,4 +301,7 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "keep_alive_seconds": _float_knob(-1, 86_400),
     "enforce_context": _validate_bool,
     "server_version": _optional(_validate_header_text),
+    "resident_models": _validate_model_sizes,
+    "oom_loads": _optional(_validate_oom_style),
+    "kv_cache_usage": _optional(_float_knob(0, 1)),
 }

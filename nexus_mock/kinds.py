@@ -18,10 +18,12 @@ The version each kind reports (Ollama ``/api/version``, vLLM ``/version``,
 llama.cpp ``build_info`` in ``/props``) is ``server_version`` (``--version``),
 else a recent release.
 - ``vllm``: ``GET /health`` (200, empty body, never authenticated), ``GET
-  /version``, and ``max_model_len`` on every ``/v1/models`` entry.
+  /version``, ``max_model_len`` on every ``/v1/models`` entry, and, with
+  ``kv_cache_usage`` set, ``GET /metrics`` with ``vllm:gpu_cache_usage_perc``.
 - ``llamacpp``: ``GET /health`` (``{"status": "ok"}``, never authenticated),
   ``GET /props`` (the first model's slot ``n_ctx``, ``modalities.vision``,
-  ``chat_template_caps.supports_tools``) and ``meta.n_ctx_train`` (four times
+  ``chat_template_caps.supports_tools``, ``total_slots``: ``slots``, at least
+  1), ``GET /slots`` (one entry per slot) and ``meta.n_ctx_train`` (four times
   ``context_length``) on ``/v1/models`` entries. With ``loading`` on, every path
   answers 503 ``{"error": {"code": 503, "message": "Loading model", "type":
   "unavailable_error"}}``, as llama.cpp does while it loads.
@@ -141,13 +143,21 @@ def _answer_llamacpp(request: Request, config: MockConfig) -> bytes | None:
                     "is_processing": False,
                     "params": {"temperature": 0.8, "top_p": 0.95},
                 },
-                "total_slots": 1,
+                "total_slots": max(config.slots, 1),
                 "model_path": f"/models/{model}.gguf",
                 "chat_template": "{{ messages }}",
                 "modalities": {"vision": model in config.vision_models, "audio": False},
                 "chat_template_caps": {"supports_tools": model in config.tool_models},
                 "build_info": config.server_version or LLAMACPP_BUILD,
             }
+        )
+    if request.path == "/slots":
+        _require_get(request)
+        return encode_json(
+            [
+                {"id": slot, "n_ctx": config.context_length, "is_processing": False}
+                for slot in range(max(config.slots, 1))
+            ]
         )
     return None
 
@@ -162,6 +172,15 @@ def _answer_vllm(request: Request, config: MockConfig) -> bytes | None:
     if request.path == "/version":
         _require_get(request)
         return encode_json({"version": config.server_version or VLLM_VERSION})
+    if request.path == "/metrics" and config.kv_cache_usage is not None:
+        _require_get(request)
+        model = config.models[0]
+        return (
+            "# HELP vllm:gpu_cache_usage_perc GPU KV-cache usage. 1 means 100 "
+            "percent usage.\n# TYPE vllm:gpu_cache_usage_perc gauge\n"
+            f'vllm:gpu_cache_usage_perc{{model_name="{model}"}} '
+            f"{config.kv_cache_usage}\n"
+        ).encode()
     return None
 
 
@@ -233,6 +252,9 @@ def _ollama_show(request: Request, config: MockConfig) -> bytes:
                 "general.parameter_count": 8_030_261_248,
                 "llama.context_length": config.context_length,
                 "llama.embedding_length": 4096,
+                "llama.block_count": 32,
+                "llama.attention.head_count": 32,
+                "llama.attention.head_count_kv": 8,
             },
             "capabilities": capabilities,
             "modified_at": _iso(int(time.time())),

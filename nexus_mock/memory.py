@@ -8,9 +8,17 @@ A request for a model that is not loaded waits ``load_seconds`` (one load
 however many requests wait for it) and counts one load. A model that does not
 fit under ``memory_gb`` evicts the least recently used idle models first, as
 Ollama does (when none is idle it loads anyway: the mock does not queue for
-memory). A loaded model stays ``keep_alive`` seconds after its last request
-ended (the request's own ``keep_alive``: seconds or "5m"/"30s"/"1h", 0 unloads
-at once, negative keeps it forever; else ``keep_alive_seconds``).
+memory), unless ``oom_loads`` is set: then the load fails with Ollama's own
+500, "model requires more system memory (X GiB) than is available (Y GiB)"
+(``"estimate"``) or "llama runner process has terminated: CUDA error: out of
+memory" (``"runner"``). A
+loaded model stays ``keep_alive`` seconds after its last request ended (the
+request's own ``keep_alive``: seconds or "5m"/"30s"/"1h", 0 unloads at once,
+negative keeps it forever; else ``keep_alive_seconds``).
+
+``resident`` models (``resident_models``, GB each) are what other clients keep
+loaded there: ``/api/ps`` lists them and they take memory, but no request of
+ours uses them and they are never unloaded.
 """
 
 from __future__ import annotations
@@ -22,7 +30,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from nexus_mock.jobs import ApiError
+from nexus_mock.replies import encode_json
+
 GB = 1_000_000_000
+GIB = 1_073_741_824
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -35,6 +47,17 @@ class LoadedModel:
     expires_at: float  # time.time(); inf: never
     in_use: int = 0
     keep_alive: float = 300.0
+
+
+class LoadRefused(Exception):
+    """A model that does not fit in the node's memory (``oom_loads``)."""
+
+    def as_error(self, *, native: bool) -> ApiError:
+        """Ollama's 500: ``{"error": ...}`` natively, OpenAI's shape on /v1."""
+        message = str(self)
+        if native:
+            return ApiError(500, message, body=encode_json({"error": message}))
+        return ApiError(500, message, error_type="api_error")
 
 
 @dataclass
@@ -51,6 +74,9 @@ class NodeMemory:
     # such as a gateway's warm-ups).
     cold_starts: int = 0
     evictions: int = 0
+    resident: dict[str, float] = field(default_factory=dict)
+    oom_loads: str | None = None
+    refused: int = 0
     _loading: dict[str, asyncio.Future[None]] = field(default_factory=dict)
 
     def preload(self, models: tuple[str, ...]) -> None:
@@ -65,8 +91,10 @@ class NodeMemory:
 
     @property
     def used_gb(self) -> float:
-        """Memory the loaded models take."""
-        return sum(entry.size_gb for entry in self.loaded.values())
+        """Memory the loaded models take (resident ones too)."""
+        return sum(entry.size_gb for entry in self.loaded.values()) + sum(
+            self.resident.values()
+        )
 
     def is_loaded(self, model: str) -> bool:
         """Whether `model` is in memory now (expired models are dropped first)."""
@@ -159,19 +187,32 @@ class NodeMemory:
                 return
             del self.loaded[name]
             self.evictions += 1
+        if self.oom_loads is not None and not self._fits(size_gb):
+            self.refused += 1
+            if self.oom_loads == "runner":
+                raise LoadRefused(
+                    "llama runner process has terminated: CUDA error: out of memory"
+                )
+            available = max((self.ceiling_gb or 0.0) - self.used_gb, 0.0)
+            raise LoadRefused(
+                f"model requires more system memory ({size_gb * GB / GIB:.1f} "
+                f"GiB) than is available ({available * GB / GIB:.1f} GiB)"
+            )
 
     def ps(self, context_length: int) -> list[dict[str, Any]]:
         """Ollama's /api/ps entries (without the tag fields)."""
         self.expire()
+        sizes = {name: entry.size_gb for name, entry in self.loaded.items()}
+        expiries = {name: entry.expires_at for name, entry in self.loaded.items()}
         return [
             {
                 "name": name,
-                "size": int(entry.size_gb * GB),
-                "size_vram": int(entry.size_gb * GB),
-                "expires_at": _iso(entry.expires_at),
+                "size": int(size_gb * GB),
+                "size_vram": int(size_gb * GB),
+                "expires_at": _iso(expiries.get(name, math.inf)),
                 "context_length": context_length,
             }
-            for name, entry in sorted(self.loaded.items())
+            for name, size_gb in sorted({**self.resident, **sizes}.items())
         ]
 
     def as_dict(self) -> dict[str, Any]:
@@ -182,6 +223,7 @@ class NodeMemory:
             "loads": dict(self.loads),
             "cold_starts": self.cold_starts,
             "evictions_total": self.evictions,
+            "loads_refused": self.refused,
             "loaded_models": sorted(self.loaded),
             "memory_used_gb": round(self.used_gb, 3),
         }

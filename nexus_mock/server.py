@@ -26,7 +26,7 @@ from nexus_mock.http_parsing import Request
 from nexus_mock.jobs import ApiError, parse_json_object
 from nexus_mock.kinds import check_bearer
 from nexus_mock.listener import Listener
-from nexus_mock.memory import NodeMemory, parse_keep_alive
+from nexus_mock.memory import LoadRefused, NodeMemory, parse_keep_alive
 from nexus_mock.ollama_api import INFERENCE_PATHS as OLLAMA_INFERENCE_PATHS
 from nexus_mock.ollama_models import (
     MANAGEMENT_PATHS,
@@ -179,8 +179,17 @@ class MockBackend:
         if memory is not None and status == 200:
             wanted = _model_wanted(request)
             if wanted is not None:
+                native = request.path in OLLAMA_INFERENCE_PATHS
                 return self._deliver_loaded(
-                    memory, wanted, conn, reply, headers, config, slotted, prefill
+                    memory,
+                    wanted,
+                    conn,
+                    reply,
+                    headers,
+                    config,
+                    slotted,
+                    native,
+                    prefill,
                 )
         if slotted:
             return self._deliver_in_slot(conn, reply, headers, config, prefill)
@@ -290,14 +299,23 @@ class MockBackend:
         headers: list[Header],
         config: MockConfig,
         slotted: bool,
+        native: bool,
         prefill: float,
     ) -> None:
         """Load the model if it is not (as Ollama's scheduler does), then answer.
 
-        A request that only loads the model (no prompt) takes no slot.
+        A request that only loads the model (no prompt) takes no slot. A load
+        that does not fit (``oom_loads``) answers Ollama's 500 instead.
         """
         model, keep_alive, load_only = wanted
-        await memory.acquire(model, keep_alive, load_only=load_only)
+        try:
+            await memory.acquire(model, keep_alive, load_only=load_only)
+        except LoadRefused as refused:
+            # Ollama's answer, on its native and OpenAI-compatible paths alike.
+            self.stats.responses[200] -= 1
+            self.stats.responses[500] += 1
+            self._send(conn, refused.as_error(native=native), headers)
+            return
         try:
             if slotted and not load_only:
                 await self._deliver_in_slot(conn, reply, headers, config, prefill)
@@ -402,6 +420,10 @@ class MockBackend:
             or _memory_knobs(previous) != _memory_knobs(config)
         ):
             self.memory = _new_memory(config)
+        if self.memory is not None:
+            # Changed in place: the models loaded stay loaded.
+            self.memory.resident = dict(config.resident_models)
+            self.memory.oom_loads = config.oom_loads
         if self.stats.recorded.maxlen != config.record_requests:
             self.stats.recorded = deque(
                 self.stats.recorded, maxlen=config.record_requests

@@ -151,6 +151,11 @@ def _backend_spec(
         health_stale=backend.is_health_stale(now),
         memory_ceiling_gb=backend.memory_ceiling_gb,
         tier=backend.tier,
+        memory_total_gb=_gigabytes(backend.memory_total_bytes),
+        memory_reported_used_gb=_gigabytes(backend.memory_used_bytes),
+        memory_pressure=backend.memory_pressure,
+        slots=backend.slots,
+        memory_reported_at=_epoch(backend.memory_reported_at),
         models=tuple(
             _model_spec(backend, model) for model in _served_models(backend, direct)
         ),
@@ -181,6 +186,7 @@ def _model_spec(backend: Backend, model: BackendModel) -> ModelSpec:
         # disk; other kinds list what they serve, or cannot list at all.
         listed=model.discovered or backend.kind != BackendKind.OLLAMA,
         max_concurrency=model.max_concurrency,
+        kv_bytes_per_token=model.kv_bytes_per_token,
     )
 
 

@@ -12,17 +12,25 @@ What each kind is asked:
 - ``openai``: ``GET /v1/models`` with the key as a bearer token. Context length
   is taken from the model entries when the server adds it (``max_model_len``,
   ``context_length``, ``context_window``, ``max_context_length``).
-- ``vllm``: ``GET /health``, then ``/v1/models`` (context from ``max_model_len``).
+- ``vllm``: ``GET /health``, then ``/v1/models`` (context from ``max_model_len``),
+  then ``/metrics`` (``vllm:gpu_cache_usage_perc``, or ``kv_cache_usage_perc``
+  on newer servers: at PRESSURE_KV_USAGE or above the node reports memory
+  pressure; a server without metrics says nothing).
 - ``ollama``: ``GET /api/ps`` to probe (it also says which models are loaded,
-  with ``size_vram``, ``context_length`` and the keep_alive ``expires_at``);
+  with ``size_vram``, ``context_length`` and the keep_alive ``expires_at``; the
+  ``size_vram`` sum over every loaded model is the memory in use);
   discovery adds ``GET /api/tags`` (installed models and their ``size``) and
   ``POST /api/show`` per model (context length: the model's ``num_ctx``
   parameter if set, else its trained ``*.context_length``; vision and tools
-  from ``capabilities``; ``details.parameter_size``). /api/show runs only in
-  discovery (every few minutes), never in a health round.
+  from ``capabilities``; ``details.parameter_size``; the KV cache per token
+  from the architecture's ``block_count``, ``attention.head_count_kv`` and key
+  and value lengths). /api/show runs only in discovery (every few minutes),
+  never in a health round.
 - ``llamacpp``: ``GET /health``, where ``503 Loading model`` is a loading state
-  rather than a failure; discovery reads ``/v1/models`` and ``/props`` (the
-  slot's ``n_ctx``, ``modalities.vision``, ``chat_template_caps.supports_tools``).
+  rather than a failure, then ``/props`` (``total_slots``, and ``build_info`` as
+  the version; the slot count from ``/slots`` when /props lacks it); discovery
+  reads ``/v1/models`` and ``/props`` (the slot's ``n_ctx``,
+  ``modalities.vision``, ``chat_template_caps.supports_tools``).
 - ``anthropic``: ``GET /v1/models?limit=1`` with ``x-api-key``, the cheapest
   authenticated request; its models come from configuration, not discovery.
 - ``relay``: a worker behind NAT that dialled in; not asked anything (its
@@ -57,6 +65,7 @@ from backends.kinds.base import (
     BackendLoading,
     Endpoint,
     LoadedModel,
+    MemoryReport,
     ModelInfo,
     ProbeFailed,
     ProbeResult,
@@ -90,6 +99,7 @@ __all__ = [
     "BackendLoading",
     "Endpoint",
     "LoadedModel",
+    "MemoryReport",
     "ModelInfo",
     "ProbeFailed",
     "ProbeResult",

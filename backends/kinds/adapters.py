@@ -17,6 +17,7 @@ from backends.kinds.base import (
     BackendLoading,
     Endpoint,
     LoadedModel,
+    MemoryReport,
     ModelInfo,
     ProbeFailed,
     ProbeResult,
@@ -27,6 +28,18 @@ from backends.kinds.base import (
 )
 
 ANTHROPIC_VERSION = "2023-06-01"
+# vLLM's KV cache this full (0..1) is memory pressure: new requests wait or
+# preempt running ones there.
+PRESSURE_KV_USAGE = 0.95
+# Bytes of vLLM's /metrics read at most (a few hundred lines of Prometheus text).
+MAX_METRICS_ANSWER = 512 * 1024
+_KV_USAGE = re.compile(
+    r"^vllm:(?:gpu_cache_usage_perc|kv_cache_usage_perc)(?:\{[^}]*\})? "
+    r"([0-9.eE+-]+)\s*$",
+    re.MULTILINE,
+)
+# The most slots a server is believed to report (more is a broken answer).
+MAX_SLOTS = 4096
 _NUM_CTX = re.compile(r"^\s*num_ctx\s+(\d+)\s*$", re.MULTILINE)
 _LONG_FRACTION = re.compile(r"(\.\d+)")
 
@@ -45,7 +58,27 @@ class VLLMKind(BackendKindAdapter):
         self._check_status(response, "GET", "/health")
         # /health proves the engine is alive; /v1/models that the key works.
         await self._get_json(client, endpoint, "/v1/models")
-        return ProbeResult(ProbeStatus.UP, latency_ms=latency)
+        return ProbeResult(
+            ProbeStatus.UP,
+            latency_ms=latency,
+            memory=await self._read_metrics(client, endpoint),
+        )
+
+    async def _read_metrics(
+        self, client: httpx.AsyncClient, endpoint: Endpoint
+    ) -> MemoryReport | None:
+        """The KV cache usage of ``/metrics`` as memory pressure (None: unread)."""
+        try:
+            text = await self._get_small_text(
+                client, endpoint, "/metrics", MAX_METRICS_ANSWER
+            )
+        except (ProbeFailed, httpx.HTTPError):
+            return None  # metrics disabled or behind another path: not known
+        usages = [float(found) for found in _KV_USAGE.findall(text)]
+        usage = max((u for u in usages if 0.0 <= u <= 1.0), default=None)
+        if usage is None:
+            return None
+        return MemoryReport(pressure=usage >= PRESSURE_KV_USAGE)
 
     async def read_version(self, client: httpx.AsyncClient, endpoint: Endpoint) -> str:
         """``GET /version``: ``{"version": "0.8.5"}``."""
@@ -69,11 +102,42 @@ class LlamaCppKind(BackendKindAdapter):
                 error="loading its model (HTTP 503 from GET /health)",
             )
         self._check_status(response, "GET", "/health")
-        return ProbeResult(ProbeStatus.UP, latency_ms=latency)
+        version, slots = await self._read_slots(client, endpoint)
+        return ProbeResult(
+            ProbeStatus.UP,
+            latency_ms=latency,
+            version=version,
+            memory=None if slots is None else MemoryReport(slots=slots),
+        )
+
+    async def _read_slots(
+        self, client: httpx.AsyncClient, endpoint: Endpoint
+    ) -> tuple[str | None, int | None]:
+        """The version and slot count of ``/props`` (``/slots`` for the count
+        when /props lacks it); None where it could not be read."""
+        try:
+            props = await self._get_small_json(
+                client, endpoint, "/props", MAX_PROPS_ANSWER
+            )
+        except (ProbeFailed, httpx.HTTPError):
+            return None, None
+        if not isinstance(props, dict):
+            return None, None
+        version = version_in(props, "build_info", "/props")
+        slots = positive_int(props.get("total_slots"))
+        if slots is None:
+            try:
+                listed = await self._get_small_json(
+                    client, endpoint, "/slots", MAX_PROPS_ANSWER
+                )
+            except (ProbeFailed, httpx.HTTPError):
+                listed = None
+            slots = len(listed) if isinstance(listed, list) and listed else None
+        return version, slots if slots is None or slots <= MAX_SLOTS else None
 
     async def read_version(self, client: httpx.AsyncClient, endpoint: Endpoint) -> str:
         """``GET /props``: its ``build_info`` ("b5000-1b2c3d4"); "" on builds
-        that do not say."""
+        that do not say (the probe reads it already)."""
         payload = await self._get_small_json(
             client, endpoint, "/props", MAX_PROPS_ANSWER
         )
@@ -139,8 +203,10 @@ class LlamaCppKind(BackendKindAdapter):
 # only in discovery (every few minutes), never in a health round.
 SHOW_CONCURRENCY = 8
 
-_Shown = tuple[int | None, bool | None, bool | None, float | None]
-_UNKNOWN: _Shown = (None, None, None, None)
+_Shown = tuple[int | None, bool | None, bool | None, float | None, int | None]
+_UNKNOWN: _Shown = (None, None, None, None, None)
+# Bytes of one cached key or value element (Ollama's default f16 KV cache).
+KV_ELEMENT_BYTES = 2
 
 
 class OllamaKind(BackendKindAdapter):
@@ -150,11 +216,15 @@ class OllamaKind(BackendKindAdapter):
     async def probe(self, client: httpx.AsyncClient, endpoint: Endpoint) -> ProbeResult:
         payload, latency = await self._get_json(client, endpoint, "/api/ps")
         names = _ollama_names(payload, "/api/ps")
+        details = _ollama_loaded(payload, names)
         return ProbeResult(
             ProbeStatus.UP,
             latency_ms=latency,
             loaded_models=frozenset(names),
-            loaded_details=_ollama_loaded(payload, names),
+            loaded_details=details,
+            memory=MemoryReport(
+                used_bytes=sum(d.vram_bytes or 0 for d in details.values())
+            ),
         )
 
     async def read_version(self, client: httpx.AsyncClient, endpoint: Endpoint) -> str:
@@ -186,8 +256,9 @@ class OllamaKind(BackendKindAdapter):
                 loaded=name in loaded,
                 size_bytes=_byte_count(sizes.get(name)),
                 parameters_b=billions,
+                kv_bytes_per_token=kv,
             )
-            for name, (context, vision, tools, billions) in zip(
+            for name, (context, vision, tools, billions, kv) in zip(
                 names, shown, strict=True
             )
         ]
@@ -206,8 +277,9 @@ class OllamaKind(BackendKindAdapter):
     async def _show(
         self, client: httpx.AsyncClient, endpoint: Endpoint, name: str
     ) -> _Shown | None:
-        """Return (context length, vision, tools, parameters in billions) of one
-        model, None where unknown; None when /api/show failed (not cached)."""
+        """Return (context length, vision, tools, parameters in billions, KV
+        bytes per token) of one model, None where unknown; None when /api/show
+        failed (not cached)."""
         try:
             info, _ = await self._get_json(
                 client, endpoint, "/api/show", method="POST", body={"model": name}
@@ -233,13 +305,14 @@ class OllamaKind(BackendKindAdapter):
                 if key.endswith(".context_length"):
                     context = positive_int(value)
                     break
+        kv = kv_bytes_per_token(model_info) if isinstance(model_info, dict) else None
         capabilities = info.get("capabilities")
         if isinstance(capabilities, list):
             vision = "vision" in capabilities
-            return context, vision, "tools" in capabilities, billions
+            return context, vision, "tools" in capabilities, billions, kv
         # Before Ollama listed capabilities, a vision model had a projector.
         vision_or_none = True if info.get("projector_info") else None
-        return context, vision_or_none, None, billions
+        return context, vision_or_none, None, billions, kv
 
 
 class AnthropicKind(BackendKindAdapter):
@@ -357,6 +430,33 @@ def parse_expiry(value: Any) -> datetime | None:
     if parsed.tzinfo is None or not 2000 <= parsed.year <= 9000:
         return None
     return parsed
+
+
+def kv_bytes_per_token(model_info: Mapping[str, Any]) -> int | None:
+    """The KV cache one token takes, from /api/show's ``model_info``.
+
+    Layers x KV heads x (key + value length) x KV_ELEMENT_BYTES, the
+    architecture's keys (``llama.block_count``, ``llama.attention.head_count_kv``,
+    ``llama.attention.key_length``; a head's length is the embedding length
+    over the head count when not given). None when one is missing.
+    """
+    arch = model_info.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        return None
+
+    def number(key: str) -> int | None:
+        return positive_int(model_info.get(f"{arch}.{key}"))
+
+    layers = number("block_count")
+    heads = number("attention.head_count")
+    kv_heads = number("attention.head_count_kv") or heads
+    width = number("embedding_length")
+    head = width // heads if width and heads else None
+    key = number("attention.key_length") or head
+    value = number("attention.value_length") or head
+    if layers is None or kv_heads is None or key is None or value is None:
+        return None
+    return layers * kv_heads * (key + value) * KV_ELEMENT_BYTES
 
 
 def parse_parameter_size(text: str) -> float | None:

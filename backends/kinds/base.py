@@ -64,6 +64,22 @@ class LoadedModel:
 
 
 @dataclass(frozen=True, slots=True)
+class MemoryReport:
+    """What a server says about its memory and parallelism (None: it did not say).
+
+    ``used_bytes``: what its loaded models take, all of them (Ollama's /api/ps
+    size_vram sum); ``total_bytes``: what they may fill; ``pressure``: it is
+    short of memory (vLLM's KV cache nearly full); ``slots``: requests it runs
+    at once (llama.cpp's total_slots).
+    """
+
+    used_bytes: int | None = None
+    total_bytes: int | None = None
+    pressure: bool = False
+    slots: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ProbeResult:
     """The outcome of one probe of one backend.
 
@@ -73,6 +89,8 @@ class ProbeResult:
     ``loaded_details`` what they said about each of them. ``version`` is the
     server's version as the health round read it: "" for a kind that reports
     none, None when it was not read (the one recorded before stays).
+    ``memory`` is what the server said of its memory (None: nothing, the one
+    recorded before stays).
     """
 
     status: ProbeStatus
@@ -81,6 +99,7 @@ class ProbeResult:
     loaded_models: frozenset[str] | None = None
     loaded_details: Mapping[str, LoadedModel] | None = None
     version: str | None = None
+    memory: MemoryReport | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +114,7 @@ class ModelInfo:
     loaded: bool | None = None
     size_bytes: int | None = None
     parameters_b: float | None = None
+    kv_bytes_per_token: int | None = None
 
 
 class ProbeFailed(Exception):
@@ -200,6 +220,30 @@ class BackendKindAdapter:
 
         Raises ProbeFailed for a longer answer (never read past the limit).
         """
+        body = await self._get_small_body(client, endpoint, path, max_bytes)
+        try:
+            return json.loads(body)
+        except (ValueError, RecursionError):
+            raise ProbeFailed(f"GET {path} did not answer JSON") from None
+
+    async def _get_small_text(
+        self,
+        client: httpx.AsyncClient,
+        endpoint: Endpoint,
+        path: str,
+        max_bytes: int,
+    ) -> str:
+        """GET `path` as text, reading at most `max_bytes` (else ProbeFailed)."""
+        body = await self._get_small_body(client, endpoint, path, max_bytes)
+        return body.decode("utf-8", "replace")
+
+    async def _get_small_body(
+        self,
+        client: httpx.AsyncClient,
+        endpoint: Endpoint,
+        path: str,
+        max_bytes: int,
+    ) -> bytes:
         # Raw bytes, uncompressed: a few compressed bytes cannot expand past
         # the limit before it is checked.
         headers = {**self.headers(endpoint), "accept-encoding": "identity"}
@@ -212,10 +256,7 @@ class BackendKindAdapter:
                 body += chunk
                 if len(body) > max_bytes:
                     raise ProbeFailed(f"GET {path} answered over {max_bytes} bytes")
-        try:
-            return json.loads(body)
-        except (ValueError, RecursionError):
-            raise ProbeFailed(f"GET {path} did not answer JSON") from None
+        return bytes(body)
 
     def _check_status(self, response: httpx.Response, method: str, path: str) -> None:
         status = response.status_code

@@ -10,7 +10,8 @@ The gateway owns one ``FleetScheduler``. The proxy asks it, per request:
    which idle models it unloads for it, if memory is short), so the next
    decisions follow the load; start a warm-up of the model on the runner-up
    when the winner is getting deep (off the request path, through the
-   gateway's HTTP session; never one that would unload a model there);
+   gateway's HTTP session; never one that would unload a model there, nor
+   on a node paused for cold loads);
 3. ``take_slot``: under the fleet strategy, wait in the winner's line when it
    has no free slot (bounded length and time; a request may be moved to a hot
    backend meanwhile by the rebalancer);
@@ -44,8 +45,19 @@ from gateway.fleet.settings import (
 )
 from nexus_lib.service import periodic
 from routing.core import LiveStats, Route, RouterSnapshot, Target
+from routing.core.capacity import (
+    OOM_SCAN_BYTES,
+    cold_load_pause,
+    note_out_of_memory,
+    parse_out_of_memory,
+)
 from routing.core.decision import Decision, Outcome, Role, Via
-from routing.core.fleet import evictions_for, thermal_state
+from routing.core.fleet import (
+    evictions_for,
+    learned_concurrency,
+    observe_load,
+    thermal_state,
+)
 from routing.core.types import UNLIMITED
 from routing.core.vocabulary import Thermal
 
@@ -74,11 +86,18 @@ class PrewarmDict(TypedDict):
     at: float  # epoch seconds
 
 
+class PausedDict(TypedDict):
+    backend: str
+    reason: str
+
+
 class FleetStateDict(TypedDict):
     """What the dashboard shows of one process's fleet scheduler."""
 
     enabled: bool
     lines: list[LineDict]
+    # Backends taking no new cold loads, as this process sees them, and why.
+    paused: list[PausedDict]
     waiting: int
     held: int
     moved_total: int
@@ -201,7 +220,22 @@ class FleetScheduler:
     # Slots and lines ------------------------------------------------------------
 
     def _model_capacity(self, target: Target) -> int:
+        """The model's slots on its backend: the operator's max_concurrency,
+        else what the node's slots or free memory allow (learned_concurrency),
+        else no limit of its own."""
         limit = target.model.max_concurrency
+        if limit is None or limit < 1:
+            routes = self._routes()
+            if routes is None:
+                return UNLIMITED
+            stats = self.stats
+            limit = learned_concurrency(
+                target.backend,
+                target.model,
+                stats,
+                routes.policy.fleet,
+                stats.wall_clock(),
+            )
         return limit if limit is not None and limit > 0 else UNLIMITED
 
     def _can_take(self, target: Target) -> bool:
@@ -424,6 +458,8 @@ class FleetScheduler:
             return
         if self._evictions(runner_up, routes):
             return  # a warm-up never unloads a model the backend has loaded
+        if cold_load_pause(runner_up.backend, self.stats, self.stats.wall_clock()):
+            return  # nor loads one where loads failed for memory
         loop = self._loop
         if loop is None:
             return
@@ -433,8 +469,16 @@ class FleetScheduler:
     async def _warm(self, target: Target) -> None:
         backend, model = target.backend.name, target.model.name
         outcome = "failed"
+        started = time.perf_counter()
         try:
-            outcome = await self._load(target)
+            outcome, body = await self._load(target)
+            if outcome == "loaded":
+                # A load-only request: its time is the node's load time.
+                seconds = time.perf_counter() - started
+                observe_load(self.stats, target.backend, target.model, seconds)
+            oom = None if outcome == "loaded" else parse_out_of_memory(body)
+            if oom is not None:
+                note_out_of_memory(self.stats, target.backend, model, oom)
         except (aiohttp.ClientError, TimeoutError) as error:
             logger.warning("Pre-warming %s on %s failed: %s", model, backend, error)
         finally:
@@ -446,8 +490,11 @@ class FleetScheduler:
             self.prewarm_total += 1
             self.recent_prewarms.appendleft((backend, model, outcome, time.time()))
 
-    async def _load(self, target: Target) -> str:
-        """Ask an Ollama backend to load the model: a generate without a prompt."""
+    async def _load(self, target: Target) -> tuple[str, bytes]:
+        """Ask an Ollama backend to load the model: a generate without a prompt.
+
+        Returns the outcome and, for a failure, the start of the answer.
+        """
         spec = target.backend
         headers = {"content-type": "application/json"}
         if spec.api_key:
@@ -460,8 +507,10 @@ class FleetScheduler:
                 headers=headers,
                 allow_redirects=False,
             ) as response:
-                await response.read()
-                return "loaded" if response.status < 300 else "failed"
+                if response.status < 300:
+                    await response.read()
+                    return "loaded", b""
+                return "failed", await response.content.read(OOM_SCAN_BYTES)
 
     # Rebalance ------------------------------------------------------------------
 
@@ -610,6 +659,7 @@ class FleetScheduler:
                 {"backend": b, "model": m, "waiting": n}
                 for b, m, n in sorted(self.queues.lines())
             ],
+            "paused": self._paused(routes),
             "waiting": self.queues.total_waiting,
             "held": self.held,
             "moved_total": self.moved_total,
@@ -619,6 +669,16 @@ class FleetScheduler:
                 for b, m, o, at in self.recent_prewarms
             ],
         }
+
+    def _paused(self, routes: RouterSnapshot | None) -> list[PausedDict]:
+        if routes is None:
+            return []
+        now = self.stats.wall_clock()
+        return [
+            {"backend": backend.name, "reason": reason}
+            for backend in routes.backends
+            if (reason := cold_load_pause(backend, self.stats, now))
+        ]
 
 
 def _room(in_flight: int, reserved: int, capacity: int) -> int:

@@ -21,6 +21,8 @@ from gateway.exchange import Exchange
 from gateway.metrics import UNKNOWN, GatewayMetrics
 from gateway.proxy.errors import ProxyError
 from gateway.proxy.legs import ProxyExchange
+from routing.core import LiveStats
+from routing.core.fleet import observe_decoding
 from routing.state import GatewayState
 from usage.buffer import UsageBuffer, UsageEvent, UsageOpen, new_event_id, process_id
 from usage.limits.limiter import Limiter
@@ -45,8 +47,11 @@ class Accounting:
         live_usage: LiveUsage,
         access_log: bool,
         open_requests: OpenRequests | None = None,
+        stats: LiveStats | None = None,
     ) -> None:
         self.limiter = limiter
+        # Where decoding speeds teach the fleet strategy each node's bandwidth.
+        self.stats = stats
         self.metrics = metrics
         self.buffer = buffer
         self.live_usage = live_usage
@@ -115,6 +120,8 @@ class Accounting:
         named = exchange.served_model or exchange.requested_model
         self.live_usage.record(event, model=model if named else "")
         self._observe(exchange, model, now, prompt, completion)
+        if reported:
+            self._observe_decoding(exchange, completion, now)
         if self.access_log and access_logger.isEnabledFor(logging.INFO):
             _log_access(exchange, event.latency_ms, prompt, completion)
         return total, cost
@@ -156,6 +163,23 @@ class Accounting:
             None if first_byte is None else first_byte - exchange.started,
         )
         metrics.observe_tokens(model, exchange.backend, prompt, completion)
+
+    def _observe_decoding(
+        self, exchange: ProxyExchange, completion: int, now: float
+    ) -> None:
+        """A streamed answer's speed (reported tokens from its first byte to
+        its end) teaches its node's memory bandwidth (routing.core.fleet)."""
+        first_byte, state, stats = exchange.first_byte, exchange.state, self.stats
+        if not exchange.stream or first_byte is None or state is None or stats is None:
+            return
+        backend = state.routes.backend(exchange.backend)
+        model = (
+            None
+            if backend is None
+            else backend.models_by_name.get(exchange.served_model)
+        )
+        if backend is not None and model is not None:
+            observe_decoding(stats, backend, model, completion, now - first_byte)
 
 
 def _progress_of(exchange: ProxyExchange) -> Progress | None:

@@ -96,6 +96,7 @@ class ProxyApp:
             gateway.live_usage,
             config.access_log,
             gateway.open_requests,
+            gateway.stats,
         )
         upstream = Upstream(
             client=gateway.upstream,

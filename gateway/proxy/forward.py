@@ -39,12 +39,16 @@ from gateway.proxy.replies import (
 )
 from gateway.relay.dispatch import RELAY_KIND, RelayHub, RelayRefused, relay_backend
 from routing.core import LiveStats, Route, Target
+from routing.core.capacity import note_out_of_memory, parse_out_of_memory
 from usage.limits.limiter import Limiter
 from usage.live import LiveUsage
 
 # Stream events kept to estimate tokens when a backend reports no usage; past
 # this many bytes the text is counted as it passes instead.
 KEEP_FOR_ESTIMATE = 256 * 1024
+# Kinds that load a model when a request needs it: their 5xx may be a load
+# that failed for want of memory.
+LOADS_ON_REQUEST = frozenset({"ollama", "llamacpp"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,25 +230,25 @@ class _Tries:
                 )
                 status = response.status
                 error_body = None
-                if shift is not None and overflow_possible(status, response):
-                    try:
-                        error_body = await self._read_error(backend, response)
-                    except TRANSPORT_ERRORS as error:
-                        self._failed(
-                            backend.name, f"{describe(error)} mid-reply", error
-                        )
+                overflow = shift is not None and overflow_possible(status, response)
+                if overflow or (status >= 500 and backend.kind in LOADS_ON_REQUEST):
+                    error_body = await self._read_error_or_fail(backend, response)
+                    if error_body is None:
                         return False
-                    except checks.UpstreamFault as fault:
-                        self._failed(backend.name, fault.detail, fault=fault.code)
-                        return False
-                    if shift.after_overflow(
+                    self._note_out_of_memory(target, status, error_body)
+                if (
+                    overflow
+                    and shift is not None
+                    and error_body is not None
+                    and shift.after_overflow(
                         backend.kind, backend.name, model, context, status, error_body
-                    ):
-                        response.close()
-                        response = None
-                        self.call = exchange.call
-                        leg = self.leg_for(target)
-                        continue
+                    )
+                ):
+                    response.close()
+                    response = None
+                    self.call = exchange.call
+                    leg = self.leg_for(target)
+                    continue
                 break
             if shift is not None:
                 shift.show(exchange.response_headers)
@@ -328,13 +332,31 @@ class _Tries:
             allow_redirects=False,
         )
 
-    async def _read_error(
+    async def _read_error_or_fail(
         self, backend: Any, response: aiohttp.ClientResponse
-    ) -> bytes:
-        """Read an error answer whole (it may be a context overflow)."""
-        async with asyncio.timeout(backend.request_timeout):
-            return await checks.read_capped(
-                response, self.upstream.client.limits.max_reply
+    ) -> bytes | None:
+        """Read an error answer whole (a context overflow, a failed load);
+        None when that failed (counted as the backend's failure)."""
+        try:
+            async with asyncio.timeout(backend.request_timeout):
+                return await checks.read_capped(
+                    response, self.upstream.client.limits.max_reply
+                )
+        except TRANSPORT_ERRORS as error:
+            self._failed(backend.name, f"{describe(error)} mid-reply", error)
+        except checks.UpstreamFault as fault:
+            self._failed(backend.name, fault.detail, fault=fault.code)
+        return None
+
+    def _note_out_of_memory(self, target: Target, status: int, body: bytes) -> None:
+        """A load that failed for want of memory pauses the node's cold loads
+        after a repeat (routing/core/capacity.py)."""
+        if status < 500:
+            return
+        oom = parse_out_of_memory(body)
+        if oom is not None:
+            note_out_of_memory(
+                self.upstream.stats, target.backend, target.model.name, oom
             )
 
     async def _answer(

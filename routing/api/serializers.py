@@ -255,6 +255,7 @@ class ModelSpecSerializer(serializers.Serializer[Any]):
     loaded_context = serializers.IntegerField(allow_null=True)
     parameters_b = serializers.FloatField(allow_null=True)
     max_concurrency = serializers.IntegerField(allow_null=True)
+    kv_bytes_per_token = serializers.IntegerField(allow_null=True)
 
 
 class BackendSpecSerializer(serializers.Serializer[Any]):
@@ -273,6 +274,15 @@ class BackendSpecSerializer(serializers.Serializer[Any]):
     avg_latency_ms = serializers.FloatField(allow_null=True)
     memory_ceiling_gb = serializers.FloatField(allow_null=True)
     memory_used_gb = serializers.FloatField(allow_null=True)
+    memory_total_gb = serializers.FloatField(
+        allow_null=True, help_text="The memory the node last reported (GB)."
+    )
+    memory_reported_used_gb = serializers.FloatField(
+        allow_null=True,
+        help_text="What the node last reported in use, listed models or not (GB).",
+    )
+    memory_pressure = serializers.BooleanField()
+    slots = serializers.IntegerField(allow_null=True)
     tier = serializers.CharField()
     models = ModelSpecSerializer(many=True)
 

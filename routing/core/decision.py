@@ -81,6 +81,7 @@ _SUMMARY_PHRASES: dict[Reason, str] = {
     Reason.NO_JSON_MODE: "without JSON mode",
     Reason.CONTEXT_TOO_SHORT: "with too short a context",
     Reason.NO_MEMORY: "without the memory to load it",
+    Reason.COLD_LOADS_PAUSED: "paused for cold loads",
     Reason.CAPABILITY_UNCONFIRMED: "with capability support unknown",
 }
 
@@ -272,7 +273,9 @@ class Attempt:
                 reasons += (Reason.CAPABILITY_UNCONFIRMED,)
             score = short.get(position)
             if score is not None:
-                reasons += (Reason.NO_MEMORY,)
+                reasons += (
+                    (Reason.COLD_LOADS_PAUSED,) if score.paused else (Reason.NO_MEMORY,)
+                )
             exclusions.append(
                 Exclusion(
                     target=target,
@@ -455,11 +458,24 @@ def fleet_signals_dict(score: FleetScore) -> FleetSignalsDict:
     """Each of the fleet strategy's seven signals: its raw value and its points."""
     return {
         "thermal": {"value": str(score.thermal), "points": score.thermal_points},
-        "memory_fit": {"value": _round(score.fit_ratio), "points": score.fit_points},
+        "memory_fit": {
+            "value": _round(score.fit_ratio),
+            "points": score.fit_points,
+            "limit_gb": _round(score.memory_limit_gb),
+            "source": score.memory_source or None,
+        },
         "queue_depth": {"value": score.depth, "points": _penalty(score.queue_points)},
         "estimated_wait": {
             "value": round(score.est_wait_s, 2),
-            "source": "p75" if score.wait_from_samples else "heuristic",
+            "source": (
+                "p75"
+                if score.wait_from_samples
+                else "heuristic"
+                if score.bandwidth_gbps is None
+                else "bandwidth"
+            ),
+            "bandwidth_gbps": _round(score.bandwidth_gbps),
+            "load_s": round(score.load_s, 2),
             "points": _penalty(round(score.wait_points, 2)),
         },
         "role_affinity": {
@@ -523,21 +539,26 @@ def _describe(
         elif reason is Reason.NO_MEMORY:
             backend = target.backend
             ratio = None if fleet is None else fleet.fit_ratio
+            limit = None if fleet is None else fleet.memory_limit_gb
+            source = "" if fleet is None else fleet.memory_source
             size = target.model.memory_gb
             # What the fleet strategy counted (the probe, plus what this
             # process loaded or expects unloaded since), not only the probe.
             used = (
                 backend.memory_used_gb
-                if ratio is None or size is None or backend.memory_ceiling_gb is None
-                else backend.memory_ceiling_gb - ratio * size
+                if ratio is None or size is None or limit is None
+                else limit - ratio * size
             )
             parts.append(
                 "not loaded, and it does not fit in memory even once the idle "
                 f"models are unloaded (fit ratio "
-                f"{_gb(ratio)}: ceiling {_gb(backend.memory_ceiling_gb)} GB, "
-                f"{_gb(used)} GB in use, model "
+                f"{_gb(ratio)}: {_LIMIT_NAMES.get(source, 'ceiling')} "
+                f"{_gb(limit)} GB, {_gb(used)} GB in use, model "
                 f"{_gb(target.model.memory_gb)} GB)"
             )
+        elif reason is Reason.COLD_LOADS_PAUSED:
+            why = "" if fleet is None else fleet.paused
+            parts.append(f"not loaded, and the node is paused for cold loads: {why}")
         elif reason is Reason.AT_CAPACITY:
             parts.append(
                 f"at max concurrency ({in_flight}/{target.backend.max_concurrency} "
@@ -547,6 +568,13 @@ def _describe(
             parts.append(_DETAILS[reason])
     return "; ".join(parts)
 
+
+# How each source of the memory limit reads in an exclusion's detail.
+_LIMIT_NAMES = {
+    "ceiling": "ceiling",
+    "reported": "memory reported",
+    "oom": "memory learned from an out-of-memory error",
+}
 
 _DETAILS: dict[Reason, str] = {
     Reason.BACKEND_DISABLED: "backend disabled",

@@ -5,9 +5,11 @@ signal             points (defaults; every number is a FleetPolicy setting)
 =================  ========================================================
 1 thermal          hot +50, warm +30, on disk +10, absent 0
 2 memory fit       fit ratio > 2: +20, 1.5-2: +15, 1.2-1.5: +8, 1-1.2: +3;
-                   below 1 a cold model is eliminated; unknown: 0, kept
+                   below 1 a cold model is eliminated; unknown: 0, kept;
+                   a cold model on a node paused for cold loads is
+                   eliminated too (routing/core/capacity.py)
 3 queue depth      - min(30, depth x 6); depth = in flight + waiting
-4 estimated wait   - min(25, depth x p75 latency (s) / 10)
+4 estimated wait   - min(25, (depth x p75 latency (s) + load time) / 10)
 5 role affinity    up to +15: parameter count against the backend's tier
 6 trend            rising +10, stable +5, falling 0
 7 context fit      up to +10: estimated tokens against the loaded window
@@ -23,16 +25,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from routing.core.capacity import cold_load_pause, memory_limit, memory_source
 from routing.core.fleet_policy import FleetPolicy
 from routing.core.stats import LiveStats
 from routing.core.types import BackendSpec, ModelSpec
 from routing.core.vocabulary import Thermal, Trend
 
 # The estimated latency of one request before MIN_LATENCY_SAMPLES answers were
-# timed: a base plus a time per GB of model (decoding reads every weight once
-# per token, so time grows with size; ~200 tokens at ~200 GB/s is ~1 s per GB).
+# timed: a base plus the time to decode HEURISTIC_TOKENS (decoding reads every
+# weight once per token, so time grows with size) at the node's memory
+# bandwidth: learned from its decoding speed (``observe_decoding``), else
+# DEFAULT_BANDWIDTH_GBPS (~200 tokens at ~200 GB/s is ~1 s per GB).
 HEURISTIC_BASE_SECONDS = 2.0
-HEURISTIC_SECONDS_PER_GB = 1.0
+HEURISTIC_TOKENS = 200
+DEFAULT_BANDWIDTH_GBPS = 200.0
+# A decoding speed is learned from streamed answers of at least this many
+# reported tokens, over at least this long.
+MIN_DECODE_TOKENS = 16
+MIN_DECODE_SECONDS = 0.05
 # The guess when the model's size is unknown too.
 HEURISTIC_UNKNOWN_SECONDS = 5.0
 
@@ -51,6 +61,9 @@ SMALL_MODEL_B = 10.0
 # window the request's estimated tokens would fill.
 CONTEXT_FIT: tuple[tuple[float, float], ...] = ((0.5, 1.0), (0.75, 0.6), (1.0, 0.3))
 
+# The most requests at once a node x model is given from its free memory.
+MAX_LEARNED_CONCURRENCY = 64
+
 
 @dataclass(frozen=True, slots=True)
 class FleetScore:
@@ -65,6 +78,10 @@ class FleetScore:
     queue_points: float
     est_wait_s: float
     wait_from_samples: bool
+    # The node's learned memory bandwidth the guess used (None: the default),
+    # and the time to load the model there first (0: hot, or no load timed).
+    bandwidth_gbps: float | None
+    load_s: float
     wait_points: float
     parameters_b: float | None
     tier: str
@@ -74,6 +91,12 @@ class FleetScore:
     context_window: int | None
     tokens: int
     context_points: float
+    # The memory limit read (GB) and where it came from (capacity.memory_source),
+    # and why the node takes no cold load now ("": it does; then ``fits`` is
+    # False for a model that is not hot).
+    memory_limit_gb: float | None = None
+    memory_source: str = ""
+    paused: str = ""
 
     @property
     def total(self) -> float:
@@ -99,33 +122,41 @@ def score_fleet(
 ) -> FleetScore:
     """Score `model` on `backend` for a request of ~`tokens` tokens at wall time `now`.
 
-    ``fits`` is False only for a model that is not hot and whose known size
+    ``fits`` is False for a model that is not hot and whose known size
     exceeds the backend's known memory even once its idle models are unloaded
-    (the memory of models with requests in flight or waiting stays taken): the
+    (the memory of models with requests in flight or waiting stays taken), or
+    when the backend is paused for cold loads (``paused`` says why): the
     router eliminates it. A model that fits only by unloading idle ones gets no
     fit points (its fit ratio, on the memory in use now, is below 1).
     """
     thermal = thermal_state(backend.name, model, stats, policy, now)
     hot = thermal is Thermal.HOT
     size = model.memory_gb or 0.0
+    limit = memory_limit(backend, stats)
     used = memory_in_use(backend, stats, policy, now)
     fit_ratio = memory_fit_ratio(
-        backend, model, None if used is None else used - (size if hot else 0.0)
+        limit, model, None if used is None else used - (size if hot else 0.0)
     )
     # Room once the backend unloads its idle models (what Ollama does).
     room = (
         None
         if hot or fit_ratio is None or fit_ratio >= 1.0
         else memory_fit_ratio(
-            backend,
+            limit,
             model,
             memory_in_use(backend, stats, policy, now, busy_only=True),
         )
     )
+    paused = "" if hot else cold_load_pause(backend, stats, now)
     depth = stats.queue_depth(backend.name, model.name)
     p75_ms = stats.latency_p75_ms(backend.name, model.name)
-    per_request = p75_ms / 1000 if p75_ms is not None else heuristic_seconds(model)
-    est_wait = depth * per_request
+    bandwidth = stats.bandwidth_gbps(backend.name)
+    per_request = (
+        p75_ms / 1000 if p75_ms is not None else heuristic_seconds(model, bandwidth)
+    )
+    load_rate = None if hot else stats.load_gbps(backend.name)
+    load_s = size / load_rate if load_rate else 0.0
+    est_wait = depth * per_request + load_s
     window = (
         model.loaded_context
         if thermal is Thermal.HOT and model.loaded_context is not None
@@ -137,13 +168,19 @@ def score_fleet(
         thermal_points=thermal_points(thermal, policy),
         fit_ratio=fit_ratio,
         fit_points=fit_points(fit_ratio, policy),
-        fits=hot or fit_ratio is None or fit_ratio >= 1.0 or (room or 0.0) >= 1.0,
+        fits=hot
+        or (
+            not paused
+            and (fit_ratio is None or fit_ratio >= 1.0 or (room or 0.0) >= 1.0)
+        ),
         depth=depth,
         queue_points=min(
             policy.queue_penalty_max, depth * policy.queue_points_per_request
         ),
         est_wait_s=est_wait,
         wait_from_samples=p75_ms is not None,
+        bandwidth_gbps=None if p75_ms is not None else bandwidth,
+        load_s=load_s,
         wait_points=min(
             policy.wait_penalty_max, est_wait / policy.wait_seconds_per_point
         ),
@@ -155,6 +192,9 @@ def score_fleet(
         context_window=window,
         tokens=tokens,
         context_points=context_points(tokens, window, policy),
+        memory_limit_gb=limit,
+        memory_source=memory_source(backend, stats),
+        paused=paused,
     )
 
 
@@ -251,9 +291,11 @@ def memory_in_use(
 
     With `busy_only`, only the models with requests in flight or waiting
     there: the rest are idle, and Ollama unloads idle models (least recently
-    used first) to make room for a model it has to load.
+    used first) to make room for a model it has to load. Memory the node
+    reported in use beyond the models listed here (``memory_other_gb``)
+    counts either way: nothing here can tell whether it would be freed.
     """
-    used = 0.0
+    used = backend.memory_other_gb
     for model in believed_loaded(backend, stats, policy, now):
         if busy_only and not stats.queue_depth(backend.name, model.name):
             continue
@@ -277,7 +319,7 @@ def evictions_for(
     memory is unknown. Follows Ollama (and the mock): least recently used
     idle models go first until the new one fits.
     """
-    ceiling, size = backend.memory_ceiling_gb, model.memory_gb
+    ceiling, size = memory_limit(backend, stats), model.memory_gb
     if ceiling is None or size is None:
         return []
     loaded = believed_loaded(backend, stats, policy, now)
@@ -285,7 +327,7 @@ def evictions_for(
         return []
     if any(m.memory_gb is None for m in loaded):
         return []
-    free = ceiling - sum(m.memory_gb or 0.0 for m in loaded)
+    free = ceiling - backend.memory_other_gb - sum(m.memory_gb or 0.0 for m in loaded)
     idle = sorted(
         (m for m in loaded if not stats.queue_depth(backend.name, m.name)),
         key=lambda m: _last_use(backend.name, m, stats),
@@ -319,14 +361,14 @@ def thermal_points(thermal: Thermal, policy: FleetPolicy) -> float:
 
 
 def memory_fit_ratio(
-    backend: BackendSpec, model: ModelSpec, used: float | None
+    ceiling: float | None, model: ModelSpec, used: float | None
 ) -> float | None:
     """(ceiling - used) / model size, or None when any of the three is unknown.
 
     A loaded model's own memory counts as free for it: it needs no more.
-    `used` is what the backend's loaded models take (``memory_in_use``).
+    `ceiling` is the backend's memory limit (``capacity.memory_limit``),
+    `used` what its loaded models take (``memory_in_use``).
     """
-    ceiling = backend.memory_ceiling_gb
     size = model.memory_gb
     if ceiling is None or used is None or size is None or size <= 0:
         return None
@@ -346,12 +388,44 @@ def fit_points(ratio: float | None, policy: FleetPolicy) -> float:
     return float(policy.fit_over_1_points)
 
 
-def heuristic_seconds(model: ModelSpec) -> float:
-    """One request's latency, guessed from the model's size (before samples)."""
+def heuristic_seconds(model: ModelSpec, bandwidth_gbps: float | None = None) -> float:
+    """One request's latency, guessed from the model's size and the node's
+    memory bandwidth (before samples; None: DEFAULT_BANDWIDTH_GBPS)."""
     size = model.memory_gb
     if size is None:
         return HEURISTIC_UNKNOWN_SECONDS
-    return HEURISTIC_BASE_SECONDS + HEURISTIC_SECONDS_PER_GB * size
+    bandwidth = bandwidth_gbps or DEFAULT_BANDWIDTH_GBPS
+    return HEURISTIC_BASE_SECONDS + HEURISTIC_TOKENS * size / bandwidth
+
+
+def observe_decoding(
+    stats: LiveStats,
+    backend: BackendSpec,
+    model: ModelSpec,
+    tokens: int,
+    seconds: float,
+) -> None:
+    """Learn `backend`'s memory bandwidth from one streamed answer: `tokens`
+    decoded in `seconds` read the model's weights once each.
+
+    Skipped for short answers (under MIN_DECODE_TOKENS or
+    MIN_DECODE_SECONDS: their time is mostly overhead) and unknown sizes.
+    """
+    size = model.memory_gb
+    if size is None or tokens < MIN_DECODE_TOKENS or seconds < MIN_DECODE_SECONDS:
+        return
+    stats.observe_bandwidth(backend.name, tokens / seconds * size)
+
+
+def observe_load(
+    stats: LiveStats, backend: BackendSpec, model: ModelSpec, seconds: float
+) -> None:
+    """Learn how fast `backend` loads models from one load of `model` that
+    took `seconds` (a warm-up; under MIN_DECODE_SECONDS: skipped)."""
+    size = model.memory_gb
+    if size is None or seconds < MIN_DECODE_SECONDS:
+        return
+    stats.observe_load_rate(backend.name, size / seconds)
 
 
 def affinity_points(
@@ -392,3 +466,33 @@ def context_points(tokens: int, window: int | None, policy: FleetPolicy) -> floa
         if tokens <= window * share:
             return round(fraction * policy.context_fit_max_points, 2)
     return 0.0
+
+
+def learned_concurrency(
+    backend: BackendSpec,
+    model: ModelSpec,
+    stats: LiveStats,
+    policy: FleetPolicy,
+    now: float,
+) -> int | None:
+    """Requests `model` may run at once on `backend`, as the node's numbers say.
+
+    The node's own slot count when it reports one (llama.cpp). Else, with the
+    node's memory limit, the model's KV cache per token and its context window
+    known: one request, plus one per KV footprint (window x bytes per token)
+    that fits in the memory left once the model is loaded (1 to
+    MAX_LEARNED_CONCURRENCY). None when unknown: no limit but the operator's.
+    """
+    if backend.slots is not None:
+        return backend.slots
+    per_token = model.kv_bytes_per_token
+    window = model.loaded_context or model.context_length
+    limit = memory_limit(backend, stats)
+    used = memory_in_use(backend, stats, policy, now)
+    if per_token is None or window is None or limit is None or used is None:
+        return None
+    hot = thermal_state(backend.name, model, stats, policy, now) is Thermal.HOT
+    free = limit - used - (0.0 if hot else model.memory_gb or 0.0)
+    per_request = per_token * window / 1e9
+    extra = math.floor(max(free, 0.0) / per_request) if per_request > 0 else 0
+    return max(1, min(MAX_LEARNED_CONCURRENCY, 1 + extra))

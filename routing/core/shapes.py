@@ -37,16 +37,31 @@ class SignalDict(TypedDict):
 
 
 class WaitSignalDict(SignalDict):
-    """The estimated wait, and whether it came from timed answers or a guess."""
+    """The estimated wait, and where it came from: "p75" (timed answers),
+    "bandwidth" (a guess at the node's learned memory bandwidth,
+    ``bandwidth_gbps``) or "heuristic" (a guess at the default bandwidth)."""
 
     source: str
+    bandwidth_gbps: float | None
+    # Seconds to load the model first, at the node's learned load rate (0:
+    # hot, or no load timed there yet); part of the value.
+    load_s: float
+
+
+class MemorySignalDict(SignalDict):
+    """The memory fit, with the limit it was read against and its source:
+    "ceiling" (the operator's), "reported" (by the node), "oom" (its last
+    out-of-memory error) or None (unknown)."""
+
+    limit_gb: float | None
+    source: str | None
 
 
 class FleetSignalsDict(TypedDict):
     """The fleet strategy's seven signals of one candidate, and their total."""
 
     thermal: SignalDict
-    memory_fit: SignalDict
+    memory_fit: MemorySignalDict
     queue_depth: SignalDict
     estimated_wait: WaitSignalDict
     role_affinity: SignalDict

@@ -25,6 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TypedDict
 
 from routing.core.types import BackendSpec
@@ -41,6 +42,31 @@ TREND_SLOW_SECONDS = 60.0
 TREND_LOAD_DELTA = 0.5
 # Ratio of recent to older latency that counts as a trend (and its inverse).
 TREND_LATENCY_RATIO = 1.25
+
+
+# Out-of-memory load failures remembered per backend (the newest ones).
+OOM_REMEMBERED = 8
+# A node's memory bandwidth (GB/s) is learned from decoding speeds: the weight
+# of each new sample, and the range believed (a broken count is not).
+BANDWIDTH_ALPHA = 0.3
+MIN_BANDWIDTH_GBPS = 0.1
+MAX_BANDWIDTH_GBPS = 100_000.0
+
+
+@dataclass(slots=True)
+class LoadFailures:
+    """A backend's recent out-of-memory load failures (``LiveStats.note_oom``).
+
+    ``times``: wall clock of each, oldest first. The rest is of the last one:
+    the model, the server's words, the memory the node had reported in use
+    before it (GB), and its memory as the error told (in use + available).
+    """
+
+    times: deque[float]
+    model: str
+    detail: str
+    used_gb: float | None
+    total_gb: float | None
 
 
 class BackendStatsDict(TypedDict):
@@ -104,6 +130,12 @@ class LiveStats:
         # said (a relay worker's pong: every serving process's requests),
         # moved by this process's own requests since.
         self._reported: dict[str, int] = {}
+        # backend name -> its recent out-of-memory load failures
+        self._oom: dict[str, LoadFailures] = {}
+        # backend name -> memory bandwidth (GB/s) learned from decoding speed,
+        # and how fast it loads a model (GB/s) learned from warm-ups
+        self._bandwidth: dict[str, float] = {}
+        self._load_rate: dict[str, float] = {}
 
     @property
     def in_flight_counts(self) -> Mapping[str, int]:
@@ -290,6 +322,70 @@ class LiveStats:
                 self._trend_of(backend).observe_latency(now, latency_ms)
 
     # The fleet strategy's live signals.
+
+    def note_oom(
+        self,
+        backend: str,
+        model: str,
+        detail: str,
+        *,
+        used_gb: float | None = None,
+        total_gb: float | None = None,
+    ) -> None:
+        """`backend` failed to load `model` for want of memory, as of now.
+
+        ``used_gb``: what the node had reported in use; ``total_gb``: its
+        memory as the error told, when it did (kept from an earlier failure
+        otherwise).
+        """
+        with self._lock:
+            record = self._oom.get(backend)
+            if record is None:
+                record = self._oom[backend] = LoadFailures(
+                    deque(maxlen=OOM_REMEMBERED), model, detail, used_gb, total_gb
+                )
+            record.times.append(self.wall_clock())
+            record.model, record.detail, record.used_gb = model, detail, used_gb
+            if total_gb is not None:
+                record.total_gb = total_gb
+
+    def observe_bandwidth(self, backend: str, gbps: float) -> None:
+        """Fold one decoding speed, as GB/s of weights read, into `backend`'s
+        bandwidth (outside MIN/MAX_BANDWIDTH_GBPS: ignored)."""
+        self._fold_rate(self._bandwidth, backend, gbps)
+
+    def bandwidth_gbps(self, backend: str) -> float | None:
+        """`backend`'s memory bandwidth as learned (None: no sample yet)."""
+        return self._bandwidth.get(backend)
+
+    def observe_load_rate(self, backend: str, gbps: float) -> None:
+        """Fold one model load, as GB loaded per second, into `backend`'s load
+        rate (outside MIN/MAX_BANDWIDTH_GBPS: ignored)."""
+        self._fold_rate(self._load_rate, backend, gbps)
+
+    def load_gbps(self, backend: str) -> float | None:
+        """How fast `backend` loads a model, as learned (None: no sample yet)."""
+        return self._load_rate.get(backend)
+
+    def _fold_rate(self, rates: dict[str, float], backend: str, gbps: float) -> None:
+        if not MIN_BANDWIDTH_GBPS <= gbps <= MAX_BANDWIDTH_GBPS:  # also NaN
+            return
+        with self._lock:
+            previous = rates.get(backend)
+            rates[backend] = (
+                gbps
+                if previous is None
+                else previous + BANDWIDTH_ALPHA * (gbps - previous)
+            )
+
+    def oom_failures(self, backend: str) -> LoadFailures | None:
+        """`backend`'s recent out-of-memory load failures (None: none seen)."""
+        return self._oom.get(backend)
+
+    @property
+    def oom_backends(self) -> Mapping[str, LoadFailures]:
+        """Live view of the backends with out-of-memory load failures."""
+        return self._oom
 
     def add_waiting(self, backend: str, model: str) -> None:
         """Count one more request waiting in (backend, model)'s fleet queue."""

@@ -64,6 +64,9 @@ class ModelSpec:
     parameters_b: float | None = None
     listed: bool = True
     max_concurrency: int | None = None
+    # Bytes of KV cache one token of context takes (from the model's
+    # architecture: Ollama's /api/show); None: unknown.
+    kv_bytes_per_token: int | None = None
 
     @property
     def memory_gb(self) -> float | None:
@@ -117,12 +120,29 @@ class BackendSpec:
     models: tuple[ModelSpec, ...] = ()
     id: int | None = None
     health_stale: bool = False
-    # The fleet strategy's: memory it may fill (GB) and its size class
-    # ("large", "medium", "small"; "" when the operator did not say).
+    # The fleet strategy's: memory it may fill (GB; the operator's override of
+    # what the node reports) and its size class ("large", "medium", "small";
+    # "" when the operator did not say).
     memory_ceiling_gb: float | None = None
     tier: str = ""
+    # What the node itself last reported (a health probe, or a relay worker's
+    # report; None: it did not say). ``memory_total_gb``: the memory models may
+    # fill there; ``memory_reported_used_gb``: what its loaded models take,
+    # listed here or not (Ollama's /api/ps size_vram sum);
+    # ``memory_pressure``: it says it is short of memory (vLLM's KV cache
+    # nearly full), so no new model is loaded there; ``slots``: requests it
+    # runs at once (llama.cpp's total_slots); ``memory_reported_at``: when
+    # (wall clock, epoch seconds).
+    memory_total_gb: float | None = None
+    memory_reported_used_gb: float | None = None
+    memory_pressure: bool = False
+    slots: int | None = None
+    memory_reported_at: float | None = None
     # Computed: memory its loaded models take (GB); None when a size is unknown.
     memory_used_gb: float | None = field(default=None, init=False, compare=False)
+    # Computed: memory the node reported in use beyond the models listed here
+    # as loaded (models Nexus does not route to, other programs); 0 unknown.
+    memory_other_gb: float = field(default=0.0, init=False, compare=False)
     # Computed: the models the last probe saw loaded, and every model by name
     # (the fleet strategy looks these up per decision).
     loaded_models: tuple[ModelSpec, ...] = field(
@@ -141,7 +161,11 @@ class BackendSpec:
             status = Health.UNKNOWN
         object.__setattr__(self, "status", status)
         object.__setattr__(self, "models", tuple(self.models))
-        object.__setattr__(self, "memory_used_gb", _memory_used(self.models))
+        used = _memory_used(self.models)
+        object.__setattr__(self, "memory_used_gb", used)
+        reported = self.memory_reported_used_gb
+        if reported is not None and used is not None:
+            object.__setattr__(self, "memory_other_gb", max(reported - used, 0.0))
         object.__setattr__(
             self, "loaded_models", tuple(m for m in self.models if m.loaded)
         )
@@ -151,6 +175,14 @@ class BackendSpec:
         latency = self.avg_latency_ms
         if latency is not None and (math.isnan(latency) or latency < 0):
             object.__setattr__(self, "avg_latency_ms", None)
+
+    @property
+    def memory_limit_gb(self) -> float | None:
+        """The memory models may fill: the operator's ceiling, else what the
+        node reported (None: neither)."""
+        if self.memory_ceiling_gb is not None:
+            return self.memory_ceiling_gb
+        return self.memory_total_gb
 
     @property
     def capacity(self) -> int:

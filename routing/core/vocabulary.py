@@ -58,6 +58,10 @@ class Reason(enum.StrEnum):
     # Fleet strategy only: the model is not loaded here and does not fit in the
     # backend's free memory (memory ceiling minus the models loaded).
     NO_MEMORY = "no_memory"
+    # Fleet strategy only: the model is not loaded here and the node takes no
+    # new cold loads for now (memory pressure or repeated out-of-memory load
+    # failures; routing/core/capacity.py).
+    COLD_LOADS_PAUSED = "cold_loads_paused"
     # Not excluded but deferred: the model's support for a capability the
     # request needs is unknown while another backend confirms it; tried after
     # the confirmed ones.

@@ -184,7 +184,55 @@ async def test_vllm_probe_also_checks_health(fleet: dict[str, KindMock]) -> None
     async with httpx.AsyncClient(timeout=5) as client:
         await get_adapter("vllm").probe(client, endpoint(mock))
     paths = [r["path"] for r in mock.http.get("/_mock/stats").json()["last_requests"]]
-    assert paths == ["/health", "/v1/models"]
+    # /metrics too: the mock has none unless kv_cache_usage is set (a 404).
+    assert paths == ["/health", "/v1/models", "/metrics"]
+
+
+async def test_vllm_reports_memory_pressure_from_its_kv_cache_usage(
+    fleet: dict[str, KindMock],
+) -> None:
+    mock = fleet["vllm"]
+    async with httpx.AsyncClient(timeout=5) as client:
+        without = await get_adapter("vllm").probe(client, endpoint(mock))
+        mock.configure(kv_cache_usage=0.5)
+        relaxed = await get_adapter("vllm").probe(client, endpoint(mock))
+        mock.configure(kv_cache_usage=0.97)
+        pressed = await get_adapter("vllm").probe(client, endpoint(mock))
+
+    assert without.status is ProbeStatus.UP and without.memory is None
+    assert relaxed.memory is not None and not relaxed.memory.pressure
+    assert pressed.memory is not None and pressed.memory.pressure
+
+
+async def test_llamacpp_probe_reports_its_slots_and_version_in_one_read(
+    fleet: dict[str, KindMock],
+) -> None:
+    mock = fleet["llamacpp"]
+    mock.configure(slots=4)
+    async with httpx.AsyncClient(timeout=5) as client:
+        result = await get_adapter("llamacpp").probe(client, endpoint(mock))
+
+    assert result.memory is not None and result.memory.slots == 4
+    assert result.version == "b5000-mock"
+
+
+async def test_ollama_probe_sums_the_memory_of_every_loaded_model(
+    fleet: dict[str, KindMock],
+) -> None:
+    mock = fleet["ollama"]
+    # Another client's 20 GB model beside ours (4 GB), which Nexus does not list.
+    mock.configure(
+        model_sizes={"llama3:8b": 4.0, "llava:7b": 5.0},
+        resident_models={"qwen2.5:32b": 20.0},
+    )
+    async with httpx.AsyncClient(timeout=5) as client:
+        result = await get_adapter("ollama").probe(client, endpoint(mock))
+        models = await get_adapter("ollama").list_models(client, endpoint(mock))
+
+    assert result.loaded_models == {"llama3:8b", "qwen2.5:32b"}
+    assert result.memory is not None and result.memory.used_bytes == 24_000_000_000
+    # Llama 3 8B's KV cache: 32 layers x 8 KV heads x (128 + 128) x 2 bytes.
+    assert {m.kv_bytes_per_token for m in models} == {131_072}
 
 
 async def test_llamacpp_listing_prefers_the_slot_context_over_the_trained_one(

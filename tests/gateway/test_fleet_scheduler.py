@@ -42,9 +42,10 @@ def _backend(
     model_limit: int | None = None,
     kind: str = "ollama",
     url: str = "http://127.0.0.1:9",
+    size_gb: float | None = None,
 ) -> BackendSpec:
     limit = {} if model_limit is None else {"max_concurrency": model_limit}
-    model = ModelSpec("m", loaded=loaded, **limit)
+    model = ModelSpec("m", loaded=loaded, size_gb=size_gb, **limit)
     return BackendSpec(
         name,
         url,
@@ -362,7 +363,13 @@ async def test_prewarm_loads_the_model_on_the_runner_up_exactly_once(
 ) -> None:
     routes = _routes(
         _backend("winner", capacity=10),
-        _backend("runner-up", capacity=10, loaded=False, url=ollama_node.base_url),
+        _backend(
+            "runner-up",
+            capacity=10,
+            loaded=False,
+            url=ollama_node.base_url,
+            size_gb=4.0,
+        ),
         pre_warm_threshold=3,
     )
     h = Harness(routes)
@@ -383,12 +390,61 @@ async def test_prewarm_loads_the_model_on_the_runner_up_exactly_once(
             ps = (await client.get(f"{ollama_node.base_url}/api/ps")).json()
         assert stats["loads"] == {"m": 1}
         assert stats["requests"] == {"/api/generate": 1}
+        # The warm-up timed the load: 4 GB in 0.3 s or more.
+        rate = h.stats.load_gbps("runner-up")
+        assert rate is not None and 0 < rate <= 4 / 0.3
         assert [entry["name"] for entry in ps["models"]] == ["m"]
         text = h.fleet.metrics.render().decode()
         assert (
             'nexus_fleet_prewarm_total{backend="runner-up",model="m",'
             'outcome="loaded"} 1.0' in text
         )
+    finally:
+        await h.session.close()
+        await h.fleet.stop()
+
+
+async def test_a_warm_up_that_fails_for_memory_is_noted_and_never_repeated_there(
+    ollama_node: MockBackendProcess,
+) -> None:
+    async with httpx.AsyncClient() as client:
+        # Another client's 6 GB model fills the node: the load cannot fit.
+        await client.post(
+            f"{ollama_node.base_url}/_mock/config",
+            json={"resident_models": {"other": 6.0}, "oom_loads": "estimate"},
+        )
+    runner_up = _backend(
+        "runner-up", capacity=10, loaded=False, url=ollama_node.base_url, size_gb=4.0
+    )
+    routes = _routes(_backend("winner", capacity=10), runner_up, pre_warm_threshold=3)
+    h = Harness(routes)
+    h.fleet.start()
+    h.session = aiohttp.ClientSession()
+    try:
+        route = _route(routes, "winner", "runner-up")
+        for _ in range(4):
+            h.fleet.after_decision(route, routes)
+            h.begin(route)
+            await _settle()
+        for _ in range(100):
+            if not h.fleet.prewarm.is_running("runner-up", "m"):
+                break
+            await asyncio.sleep(0.05)
+        failures = h.stats.oom_failures("runner-up")
+        assert failures is not None and len(failures.times) == 1
+        assert "requires more system memory (3.7 GiB)" in failures.detail
+        assert h.stats.load_gbps("runner-up") is None  # no load was timed
+        # A second failure pauses cold loads there: no warm-up is tried (a
+        # failed one is not remembered, so without the pause it would be).
+        h.stats.note_oom("runner-up", "m", failures.detail)
+        for _ in range(4):
+            h.fleet.after_decision(route, routes)
+            h.begin(route)
+        await _settle()
+        assert not h.fleet.prewarm.is_running("runner-up", "m")
+        async with httpx.AsyncClient() as client:
+            stats = (await client.get(f"{ollama_node.base_url}/_mock/stats")).json()
+        assert stats["requests"] == {"/api/generate": 1}
     finally:
         await h.session.close()
         await h.fleet.stop()
@@ -472,7 +528,12 @@ async def test_a_cold_model_sent_to_a_full_node_unloads_the_oldest_idle_one() ->
     decision = Router().explain(RequestRequirements(model="x"), routes, h.stats)
     fleet = decision.as_dict()["candidates"][0]["fleet"]  # type: ignore[index]
     assert fleet["thermal"]["value"] == "warm"
-    assert fleet["memory_fit"] == {"value": 0.33, "points": 0}
+    assert fleet["memory_fit"] == {
+        "value": 0.33,
+        "points": 0,
+        "limit_gb": 7.0,
+        "source": "ceiling",
+    }
 
 
 async def test_a_model_in_use_is_never_expected_unloaded() -> None:

@@ -149,3 +149,38 @@ def test_bad_model_sizes_are_refused_at_start(
     )
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_other_clients_models_take_memory_and_a_load_that_cannot_fit_fails_as_ollamas(
+    mock_backend_factory: Factory,
+) -> None:
+    node = _node(mock_backend_factory)
+    httpx.post(
+        f"{node.base_url}/_mock/config",
+        json={"resident_models": {"qwen2.5:7b": 4.0}, "oom_loads": "estimate"},
+    ).raise_for_status()
+    chat = {"model": "big", "messages": [{"role": "user", "content": "hi"}]}
+
+    native = httpx.post(f"{node.base_url}/api/chat", json={**chat, "stream": False})
+    compatible = httpx.post(f"{node.base_url}/v1/chat/completions", json=chat)
+    small = httpx.post(f"{node.base_url}/api/chat", json={**chat, "model": "small"})
+
+    assert _loaded(node) == ["qwen2.5:7b", "small"]  # /api/ps lists both
+    # 5 GB does not fit beside the other client's 4 GB in 8: Ollama's words.
+    assert native.status_code == 500
+    assert native.json() == {
+        "error": "model requires more system memory (4.7 GiB) than is available "
+        "(3.7 GiB)"
+    }
+    assert compatible.status_code == 500
+    assert "requires more system memory" in compatible.json()["error"]["message"]
+    assert small.status_code == 200
+    stats = _stats(node)
+    assert (stats["loads_refused"], stats["memory_used_gb"]) == (2, 6.0)
+    httpx.post(
+        f"{node.base_url}/_mock/config", json={"oom_loads": "runner"}
+    ).raise_for_status()
+    runner = httpx.post(f"{node.base_url}/api/chat", json={**chat, "stream": False})
+    assert runner.json() == {
+        "error": "llama runner process has terminated: CUDA error: out of memory"
+    }

@@ -22,6 +22,7 @@ from routing.core import (
     make_policy,
 )
 from routing.core.decision import Decision
+from routing.core.fleet import observe_decoding, observe_load
 from routing.core.stats import MIN_LATENCY_SAMPLES
 from routing.explain import render_decision
 
@@ -221,7 +222,12 @@ def test_memory_fit_points_follow_the_seeds_table(free_gb: float, points: int) -
 
     fit = only(b)["memory_fit"]
 
-    assert fit == {"value": round(free_gb / 10.0, 2), "points": points}
+    assert fit == {
+        "value": round(free_gb / 10.0, 2),
+        "points": points,
+        "limit_gb": 30.0 + free_gb,
+        "source": "ceiling",
+    }
 
 
 def busy(stats: LiveStats, backend_name: str, model_name: str) -> LiveStats:
@@ -271,7 +277,8 @@ def test_an_idle_loaded_model_is_unloaded_for_a_cold_one_but_free_memory_wins() 
 
     assert both.chosen is not None and both.chosen.backend.name == "roomy"
     assert not both.excluded
-    assert signals(both)["small"]["memory_fit"] == {"value": 0.5, "points": 0}
+    assert signals(both)["small"]["memory_fit"]["value"] == 0.5
+    assert signals(both)["small"]["memory_fit"]["points"] == 0
     assert alone.chosen is not None and alone.chosen.backend.name == "small"
 
 
@@ -289,7 +296,8 @@ def test_unknown_memory_skips_the_signal_and_never_eliminates() -> None:
     )
 
     for b in (unknown_ceiling, unknown_size, unknown_use):
-        assert only(b)["memory_fit"] == {"value": None, "points": 0}
+        fit = only(b)["memory_fit"]
+        assert (fit["value"], fit["points"]) == (None, 0)
 
 
 # Signals 3 and 4: queue depth and estimated wait --------------------------------
@@ -318,7 +326,48 @@ def test_the_wait_is_guessed_from_model_size_before_enough_samples() -> None:
     wait = only(b, stats)["estimated_wait"]
 
     # One request ahead, 2 s + 1 s per GB.
-    assert wait == {"value": 42.0, "source": "heuristic", "points": -4.2}
+    assert wait == {
+        "value": 42.0,
+        "source": "heuristic",
+        "bandwidth_gbps": None,
+        "load_s": 0.0,
+        "points": -4.2,
+    }
+
+
+def test_the_guess_uses_the_nodes_bandwidth_learned_from_decoding_speed() -> None:
+    stats = live()
+    m = model(size_gb=40.0)
+    b = backend("b", m)
+    stats.add_waiting("b", "m")
+    # 400 tokens in 20 s from a 40 GB model: 800 GB/s of weights read, so a
+    # 200-token answer takes 10 s there.
+    observe_decoding(stats, b, m, 400, 20.0)
+    observe_decoding(stats, b, m, 3, 0.01)  # too short to tell: ignored
+
+    wait = only(b, stats)["estimated_wait"]
+
+    assert wait == {
+        "value": 12.0,
+        "source": "bandwidth",
+        "bandwidth_gbps": 800.0,
+        "load_s": 0.0,
+        "points": -1.2,
+    }
+
+
+def test_a_cold_model_waits_for_its_load_at_the_nodes_learned_load_rate() -> None:
+    stats = live()
+    cold = model(size_gb=40.0)
+    b = backend("b", cold)
+    # A warm-up loaded a 40 GB model there in 20 s: 2 GB/s.
+    observe_load(stats, b, cold, 20.0)
+
+    wait = only(b, stats)["estimated_wait"]
+    hot = only(backend("b", model(size_gb=40.0, loaded=True)), stats)
+
+    assert (wait["value"], wait["load_s"], wait["points"]) == (20.0, 20.0, -2.0)
+    assert hot["estimated_wait"]["load_s"] == 0.0  # loaded: nothing to wait for
 
 
 def test_the_wait_uses_the_p75_latency_once_there_are_enough_samples() -> None:
@@ -332,7 +381,13 @@ def test_the_wait_uses_the_p75_latency_once_there_are_enough_samples() -> None:
 
     wait = only(b, stats)["estimated_wait"]
 
-    assert wait == {"value": 45.0, "source": "p75", "points": -4.5}
+    assert wait == {
+        "value": 45.0,
+        "source": "p75",
+        "bandwidth_gbps": None,
+        "load_s": 0.0,
+        "points": -4.5,
+    }
     for _ in range(20):
         stats.add_waiting("b", "m")
     assert only(b, stats)["estimated_wait"]["points"] == -25  # the cap

@@ -34,6 +34,7 @@ from routing.core import (
     Router,
 )
 from routing.core.decision import Decision
+from routing.core.fleet import learned_concurrency
 from routing.models import RoutingPolicy
 from routing.snapshot import build_snapshot
 from routing.versioning import read_config_version
@@ -112,7 +113,12 @@ def test_an_ollama_backends_loaded_model_is_hot_and_the_others_on_disk(
     assert hot["context_fit"]["value"] == {"window": 8192, "tokens": 0}
     assert cold["thermal"] == {"value": "on_disk", "points": 10}
     # 12 GB ceiling, one 4.66 GB model loaded: (12 - 4.66) / 4.66 = 1.57.
-    assert cold["memory_fit"] == {"value": 1.57, "points": 15}
+    assert cold["memory_fit"] == {
+        "value": 1.57,
+        "points": 15,
+        "limit_gb": 12.0,
+        "source": "ceiling",
+    }
 
 
 @pytest.mark.django_db
@@ -195,6 +201,35 @@ def test_llamacpp_and_vllm_models_are_always_hot(mocks: dict[str, KindMock]) -> 
         "llamacpp-1": "hot",
         "vllm-1": "hot",
     }
+
+
+@pytest.mark.django_db
+def test_llamacpp_slots_and_vllm_pressure_reach_the_snapshot_and_the_admin(
+    mocks: dict[str, KindMock], admin_client: Client
+) -> None:
+    mocks["llamacpp"].register("llamacpp-1")
+    mocks["vllm"].register("vllm-1")
+    mocks["llamacpp"].configure(slots=3)
+    mocks["vllm"].configure(kv_cache_usage=0.98)
+    discover_models()
+    check_all()
+
+    routes = build_snapshot()
+    llamacpp, vllm = routes.backend("llamacpp-1"), routes.backend("vllm-1")
+    assert llamacpp is not None and vllm is not None
+    assert (llamacpp.slots, llamacpp.memory_pressure) == (3, False)
+    assert (vllm.slots, vllm.memory_pressure) == (None, True)
+    model = llamacpp.models_by_name["qwen:7b"]
+    stats = LiveStats()
+    policy = routes.policy.fleet
+    assert learned_concurrency(llamacpp, model, stats, policy, 0.0) == 3
+    listing = admin_client.get(reverse("admin:backends_backend_changelist"))
+    assert listing.content.decode().count(">cold loads paused</small>") == 1
+
+    mocks["vllm"].configure(kv_cache_usage=0.2)
+    check_all()
+    relieved = build_snapshot().backend("vllm-1")
+    assert relieved is not None and not relieved.memory_pressure
 
 
 @pytest.mark.django_db

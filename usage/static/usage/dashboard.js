@@ -483,7 +483,10 @@
       $("fleet-summary").textContent =
         fleet.waiting + " waiting, " + fleet.held + " held, " +
         fleet.prewarm_total + " warm-ups, " + fleet.moved_total + " moved" +
-        (fleet.enabled ? "" : " (strategy is not fleet: no lines)");
+        (fleet.enabled ? "" : " (strategy is not fleet: no lines)") +
+        (fleet.paused || []).map(function (pause) {
+          return "; cold loads paused on " + pause.backend + ": " + pause.reason;
+        }).join("");
       fillTable("fleet-lines", fleet.lines.map(function (line) {
         const tr = document.createElement("tr");
         tr.append(cell(line.backend), cell(line.model), cell(String(line.waiting), "num"));
