@@ -283,23 +283,30 @@ class AdmissionGate:
                 ticket.held = taken
                 return
             if taken == FLOW_FULL:
-                raise FlowQueueFull(
-                    f"{settings.flow_capacity} requests of this flow are waiting "
-                    "in the gateway, its flow capacity; retry later."
-                )
+                raise _flow_full(settings.flow_capacity)
             if not self.controller.preempt_below(ticket.criticality):
                 break
+        if critical:  # guaranteed capacity: short of total_capacity critical ones
+            taken = await self.places.take(ticket.flow, True, settings, over=True)
+            if not isinstance(taken, str):
+                ticket.held = taken
+                return
+            if taken == FLOW_FULL:
+                raise _flow_full(settings.flow_capacity)
         where = (
             "every model and serving process" if self.places.shared else "every model"
         )
-        kept = (
-            f"; {settings.critical_reserved} places are kept for critical requests"
-            if settings.critical_reserved and not critical
-            else ""
-        )
+        if critical:
+            why = f"{settings.total_capacity} critical requests wait"
+        elif settings.critical_reserved:
+            why = (
+                f"{settings.total_capacity} requests may wait, "
+                f"{settings.critical_reserved} places of them kept for critical ones"
+            )
+        else:
+            why = f"{settings.total_capacity} requests may wait"
         raise QueueFull(
-            f"The gateway's admission queue is full ({settings.total_capacity} "
-            f"requests may wait over {where}{kept}); retry later."
+            f"The gateway's admission queue is full ({why}, over {where}); retry later."
         )
 
     def _give_back(self, ticket: Ticket) -> None:
@@ -592,6 +599,13 @@ def _pool_from(model: str, routable: Sequence[PreparedTarget], waits: int = 0) -
             if target.capacity != UNLIMITED
         ),
         backends=tuple(target.backend_name for target in routable),
+    )
+
+
+def _flow_full(capacity: int) -> FlowQueueFull:
+    return FlowQueueFull(
+        f"{capacity} requests of this flow are waiting in the gateway, its flow "
+        "capacity; retry later."
     )
 
 

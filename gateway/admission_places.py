@@ -9,6 +9,14 @@ when it stops waiting (sent on, expired, preempted, cancelled). A request
 that goes straight through (bypass, the common case) takes none and costs
 nothing here.
 
+Critical flows have the seed's guaranteed capacity: a critical request is
+refused only when ``total_capacity`` critical requests wait, or its flow's
+``flow_capacity``. When the gateway's queue is full of others, the caller
+first sheds a less critical request waiting in its own process; when there
+is none there, the critical request takes a place ``over`` the total (the
+others' places then keep every new non-critical arrival out until enough
+of them have left).
+
 ``SharedPlaces`` keeps the counts in Redis, through the limiter's connection
 and leases (one round trip per request that waits; a process killed holding
 places loses them when their leases expire, ``LEASE_SECONDS``); while Redis
@@ -33,6 +41,8 @@ FLOW_FULL = "flow"  # flow_capacity of its flow waits
 # One cluster slot for all of them (the script takes places in several at once).
 _TOTAL_KEY = "nx:{admission}:waiting"
 _NON_CRITICAL_KEY = "nx:{admission}:waiting:non-critical"
+_CRITICAL_KEY = "nx:{admission}:waiting:critical"
+_UNCHECKED = -1  # a set a place is taken in without a limit
 
 
 def _flow_key(flow: str) -> str:
@@ -53,7 +63,12 @@ class Places(Protocol):
     shared: bool
 
     async def take(
-        self, flow: str, critical: bool, settings: AdmissionSettings
+        self,
+        flow: str,
+        critical: bool,
+        settings: AdmissionSettings,
+        *,
+        over: bool = False,
     ) -> Held | str: ...
 
     def give_back(self, held: Held) -> None: ...
@@ -67,29 +82,42 @@ class LocalPlaces:
     def __init__(self) -> None:
         self.total = 0
         self.non_critical = 0
+        self.critical = 0
         self.flows: dict[str, int] = {}
 
     async def take(
-        self, flow: str, critical: bool, settings: AdmissionSettings
+        self,
+        flow: str,
+        critical: bool,
+        settings: AdmissionSettings,
+        *,
+        over: bool = False,
     ) -> Held | str:
-        """The places of one more waiting request, or why there is none."""
+        """The places of one more waiting request, or why there is none;
+        `over` (critical only): past a full total, short of total_capacity
+        critical requests."""
+        capacity = settings.total_capacity
         if self.flows.get(flow, 0) >= settings.flow_capacity:
             return FLOW_FULL
-        if self.total >= settings.total_capacity or (
-            not critical
-            and self.non_critical
-            >= settings.total_capacity - settings.critical_reserved
-        ):
-            return QUEUE_FULL
-        self.total += 1
-        if not critical:
+        if critical:
+            if self.critical >= capacity or (not over and self.total >= capacity):
+                return QUEUE_FULL
+            self.critical += 1
+        else:
+            if self.total >= capacity or (
+                self.non_critical >= capacity - settings.critical_reserved
+            ):
+                return QUEUE_FULL
             self.non_critical += 1
+        self.total += 1
         self.flows[flow] = self.flows.get(flow, 0) + 1
         return Held(flow, critical, [])
 
     def give_back(self, held: Held) -> None:
         self.total -= 1
-        if not held.critical:
+        if held.critical:
+            self.critical -= 1
+        else:
             self.non_critical -= 1
         left = self.flows.pop(held.flow) - 1
         if left:
@@ -105,14 +133,24 @@ class SharedPlaces:
         self.limiter = limiter
 
     async def take(
-        self, flow: str, critical: bool, settings: AdmissionSettings
+        self,
+        flow: str,
+        critical: bool,
+        settings: AdmissionSettings,
+        *,
+        over: bool = False,
     ) -> Held | str:
-        """The places of one more waiting request, or why there is none."""
+        """The places of one more waiting request, or why there is none
+        (`over`: as ``LocalPlaces.take``)."""
+        capacity = settings.total_capacity
         keys = [_flow_key(flow), _TOTAL_KEY]
-        limits = [settings.flow_capacity, settings.total_capacity]
-        if not critical:
+        limits = [settings.flow_capacity, _UNCHECKED if over else capacity]
+        if critical:
+            keys.append(_CRITICAL_KEY)
+            limits.append(capacity)
+        else:
             keys.append(_NON_CRITICAL_KEY)
-            limits.append(settings.total_capacity - settings.critical_reserved)
+            limits.append(capacity - settings.critical_reserved)
         leases, full = await self.limiter.acquire_places(keys, limits)
         if full:
             return FLOW_FULL if full == 1 else QUEUE_FULL

@@ -525,7 +525,7 @@ def test_total_capacity_counts_the_requests_waiting_for_every_model(
     assert refused.status_code == 503, refused.text
     error = refused.json()["error"]
     assert error["code"] == "queue_full"
-    assert "2 requests may wait over every model" in error["message"]
+    assert "2 requests may wait, over every model" in error["message"]
     assert refused.headers["retry-after"] == "1"
     wait_until(lambda: server.metric("nexus_admission_stock_level") == 0)
 

@@ -126,7 +126,7 @@ async def _scenario(one: AdmissionGate, two: AdmissionGate) -> None:
     # (the reserved place), and nothing less critical to shed:
     await waiters.admit("c-m", one, _ticket("c", "m"))
     assert isinstance(waiters.error("c-m"), QueueFull)
-    assert "1 places are kept for critical requests" in str(waiters.error("c-m"))
+    assert "1 places of them kept for critical ones" in str(waiters.error("c-m"))
     await waiters.admit("c-n", two, _ticket("c", "n", Criticality.CRITICAL))
     assert waiters.waiting() == ["a-m", "b-n", "c-n"]
     # Full: a critical arrival sheds a less critical request waiting in its
@@ -137,6 +137,17 @@ async def _scenario(one: AdmissionGate, two: AdmissionGate) -> None:
     # Full, and nothing less critical waits: refused.
     await waiters.admit("e-m", one, _ticket("e", "m", Criticality.SHEDDABLE))
     assert isinstance(waiters.error("e-m"), QueueFull)
+    # Critical flows' guaranteed capacity: a critical request is refused only
+    # when 3 critical ones wait. One more sheds the default request (in one
+    # process), or, where its process has nothing to shed, waits over the
+    # total (two processes), and the next sheds it from the other process;
+    # then 3 critical ones wait and the next critical one is refused.
+    await waiters.admit("g-m", one, _ticket("g", "m", Criticality.CRITICAL))
+    await waiters.admit("h-n", two, _ticket("h", "n", Criticality.CRITICAL))
+    assert isinstance(waiters.error("b-n"), Preempted)
+    assert isinstance(waiters.error("h-n"), QueueFull)
+    assert "3 critical requests wait" in str(waiters.error("h-n"))
+    assert waiters.waiting() == ["c-n", "d-m", "g-m"]
 
     # The busy ones end, then the ones they let through: every place and
     # every stock is given back.
@@ -155,8 +166,8 @@ async def _scenario(one: AdmissionGate, two: AdmissionGate) -> None:
         refusals.update(gate.snapshot()["rejections"])
     assert refusals == {
         "flow_queue_full": 1,
-        "queue_full": 2,
-        "preempted": 1,
+        "queue_full": 3,
+        "preempted": 2,
         "client_closed": 2,
     }
 
