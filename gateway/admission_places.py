@@ -43,6 +43,7 @@ _TOTAL_KEY = "nx:{admission}:waiting"
 _NON_CRITICAL_KEY = "nx:{admission}:waiting:non-critical"
 _CRITICAL_KEY = "nx:{admission}:waiting:critical"
 _UNCHECKED = -1  # a set a place is taken in without a limit
+KEY_PATTERN = "nx:{admission}:*"  # every one of them (SCAN's pattern)
 
 
 def _flow_key(flow: str) -> str:

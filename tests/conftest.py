@@ -173,6 +173,36 @@ def _fresh_gateway_state() -> Iterator[None]:
     snapshots.forget()
 
 
+_redis_clients: dict[str, Any] = {}
+
+
+@pytest.fixture(autouse=True)
+def _no_queue_places_left() -> None:
+    """Each test starts with no admission queue places counted in Redis.
+
+    They are gateway-wide keys (``gateway.admission_places``): a server an
+    earlier test stopped hard while requests waited leaves its places counted
+    until their leases run out (60 s), and the next test's gateway would find
+    its queue that much fuller.
+    """
+    url = os.environ.get("REDIS_URL")
+    if not url:
+        return
+    import redis
+
+    from gateway.admission_places import KEY_PATTERN
+
+    client = _redis_clients.get(url)
+    if client is None:
+        client = _redis_clients[url] = redis.Redis.from_url(url, socket_timeout=10)
+    try:
+        keys = list(client.scan_iter(KEY_PATTERN))
+        if keys:
+            client.delete(*keys)
+    except redis.ConnectionError:
+        pass  # Redis is down: the tests that need it say so themselves
+
+
 def start_mock_backend(*args: str, timeout: float = 20.0) -> MockBackendProcess:
     """Start a mock backend on a free port and wait until it accepts requests."""
     return spawn_mock_backend(*args, timeout=timeout, popen=zygote.Popen)

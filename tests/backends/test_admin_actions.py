@@ -148,6 +148,7 @@ def model_form(row: BackendModel, **changes: Any) -> dict[str, Any]:
         # What discovery filled for the fleet strategy, as the form shows it.
         "size_bytes": row.size_bytes or "",
         "parameters_b": row.parameters_b or "",
+        "kv_bytes_per_token": row.kv_bytes_per_token or "",
         "max_concurrency": row.max_concurrency or "",
         "loaded": "on" if row.loaded else "",
         "enabled": "on" if row.enabled else "",

@@ -363,13 +363,16 @@ def test_aliases_and_fallbacks_wait_in_the_pool_of_the_backend_that_serves(
             60,
             "five requests waiting behind the one let through",
         )
-        # Each by the name asked for, all for the model that serves them.
-        for labels, count in (
-            ('target_model="m"', 5),
-            ('model="gone",target_model="m"', 2),
-            ('model="alias",target_model="m"', 2),
-        ):
-            assert server.metric("nexus_admission_queue_length", labels) == count
+        # Each by the name asked for (any of the six may be the one let
+        # through), all for the model that serves them.
+        waiting = {
+            name: server.metric(
+                "nexus_admission_queue_length", f'model="{name}",target_model="m"'
+            )
+            for name in ("m", "alias", "gone")
+        }
+        assert sum(waiting.values()) == 5, waiting
+        assert min(waiting.values()) >= 1, waiting
         await asyncio.to_thread(httpx.post, f"{slotted.base_url}/_mock/release")
         await asyncio.gather(*calls)
 

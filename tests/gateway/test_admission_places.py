@@ -190,6 +190,10 @@ def redis_url() -> Iterator[str]:
     for key in client.scan_iter("nx:{admission}:*"):
         client.delete(key)
     yield settings.REDIS_URL
+    # Nothing left for the next test's gateway (a dead process's places
+    # would count for 60 s).
+    for key in client.scan_iter("nx:{admission}:*"):
+        client.delete(key)
     client.close()
 
 
