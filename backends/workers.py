@@ -511,14 +511,19 @@ def sweep_silent_workers(silent_for: float, keep: Collection[str]) -> list[str]:
     """
     cutoff = timezone.now() - timedelta(seconds=silent_for)
     swept: list[str] = []
-    silent = (
-        Worker.objects.exclude(channel_name="")
-        .exclude(channel_name__in=list(keep))
-        .filter(models.Q(last_seen_at__lt=cutoff) | models.Q(last_seen_at=None))
+    silent = Worker.objects.exclude(channel_name="").filter(
+        models.Q(last_seen_at__lt=cutoff) | models.Q(last_seen_at=None)
     )
-    for pk in list(silent.values_list("pk", flat=True)):
+    # `keep` (a process's every worker) is left out here rather than in the
+    # query: it can be a thousand names, and the silent are usually none.
+    held = set(keep)
+    for pk, channel in list(silent.values_list("pk", "channel_name")):
+        if channel in held:
+            continue
         with transaction.atomic():
-            worker = silent.select_for_update().filter(pk=pk).first()
+            worker = (
+                silent.select_for_update().filter(pk=pk, channel_name=channel).first()
+            )
             if worker is None:
                 continue  # seen meanwhile, or gone already
             worker.channel_name = ""
