@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,8 +29,7 @@ import pytest
 
 from backends.models import Worker
 from nexus_worker import protocol
-from tests import zygote
-from tests.conftest import REPO_ROOT, NexusServer, _free_port, server_env, wait_until
+from tests.conftest import NexusServer, start_nexus_server, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -69,35 +65,11 @@ def _cpu_seconds(pid: int) -> float:
 def counted_server(tmp_path: Path) -> Iterator[tuple[NexusServer, Path]]:
     """Daphne serving Nexus with its database writes counted in a file."""
     count_file = tmp_path / "writes"
-    port = _free_port()
-    code = (
-        "import sys, tests.db_write_counter; from daphne.cli import "
-        "CommandLineInterface; sys.argv = ['daphne', '-b', '127.0.0.1', '-p', "
-        f"'{port}', 'nexus_site.asgi:application']; "
-        "CommandLineInterface.entrypoint()"
+    server = start_nexus_server(
+        before="import tests.db_write_counter",
+        NEXUS_TEST_WRITE_COUNT_FILE=str(count_file),
+        NEXUS_RELAY_HEARTBEAT_SECONDS=str(INTERVAL),
     )
-    env = server_env() | {
-        "NEXUS_TEST_WRITE_COUNT_FILE": str(count_file),
-        "NEXUS_RELAY_HEARTBEAT_SECONDS": str(INTERVAL),
-    }
-    process = zygote.Popen(
-        [sys.executable, "-c", code],
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        bufsize=1,
-    )
-    log: list[str] = []
-    threading.Thread(target=lambda: log.extend(process.stdout), daemon=True).start()
-    server = NexusServer(process, f"http://127.0.0.1:{port}", log)
-    wait_until(
-        lambda: any(f"127.0.0.1:{port}" in line for line in log) or process.poll(),
-        timeout=60,
-        what="the server to listen",
-    )
-    assert process.poll() is None, "".join(log)
     yield server, count_file
     server.stop()
 
