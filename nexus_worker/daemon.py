@@ -61,6 +61,9 @@ REGISTER_TIMEOUT = 10.0
 # of the interval (and at most STATE_TIMEOUT): a pong never waits for it.
 STATE_SHARE = 0.8
 STATE_TIMEOUT = 5.0
+# ...and before register at most this long (a slow server's state comes with
+# the first pongs instead: registering waits for nothing more).
+REGISTER_STATE_TIMEOUT = 1.0
 
 
 @dataclass(frozen=True)
@@ -249,7 +252,7 @@ class Worker:
     async def _register(self, ws: aiohttp.ClientWebSocketResponse) -> float:
         """Send register, wait for register_ack; return the heartbeat interval."""
         await self._list_models()
-        await self._read_state(STATE_TIMEOUT)
+        await self._read_state(REGISTER_STATE_TIMEOUT)
         await self._send(
             Register(
                 name=self.config.name,
@@ -419,8 +422,8 @@ class Worker:
             await self._read_state(timeout)
 
     async def _read_state(self, timeout: float) -> None:
-        """Update self.state from the backend (unknown if it does not answer
-        in time: a state that old would mislead)."""
+        """Update self.state from the backend (unknown but for the memory if
+        it does not answer in time: an old state would mislead)."""
         assert self._backend is not None
         memory = self.config.memory_gb
         memory_bytes = (
