@@ -451,9 +451,15 @@ class Gateway:
 
     async def _write_relay_states(self) -> None:
         """Store what relay workers' heartbeats reported that changed."""
-        changes = self.relay.registry.take_changes()
+        registry = self.relay.registry
+        changes = registry.take_changes()
         if changes:
-            await self.relay_guard.churn.run(record_worker_states, changes)
+            try:
+                await self.relay_guard.churn.run(record_worker_states, changes)
+            except Exception:
+                for worker_id in changes:  # written at the next round
+                    registry.rewrite(worker_id)
+                raise
 
     async def _write_relay_seen(self) -> None:
         """Note this process's relay workers' heartbeats in the database, all
