@@ -857,3 +857,36 @@ async def test_a_second_sigterm_stops_at_once(
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+async def test_a_llamacpp_backend_reports_its_slots_and_every_model_loaded(
+    gateway: FakeGateway, start_worker: Any
+) -> None:
+    """llama.cpp's /slots (a list, each slot busy or not): the worker says how
+    many there are and are busy, and that the model it serves is loaded."""
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "qwen"}]})
+
+    async def slots(request: web.Request) -> web.Response:
+        busy = [{"id": 0, "is_processing": True}, {"id": 1, "is_processing": False}]
+        return web.json_response(busy + [{"id": 2, "is_processing": False}])
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/slots", slots)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        start_worker(backend=f"http://127.0.0.1:{port}", backend_kind="openai")
+        peer = await gateway.next_peer()
+        register = await peer.register()
+        assert register.state is not None
+        assert (register.state.slots, register.state.busy_slots) == (3, 1)
+        assert register.state.loaded is not None
+        assert [model.name for model in register.state.loaded] == ["qwen"]
+    finally:
+        await runner.cleanup()
