@@ -30,7 +30,7 @@ PYTEST := $(BIN)/python -m pytest -p tests.worker_isolation -p tests.file_order 
 	--dist loadfile --no-loadscope-reorder
 
 .PHONY: run test lint lint-then-embedded test-embedded test-production test-tools setup-tools \
-	smoke-pythons test-clients-oldest bench bench-peers soak
+	smoke-pythons test-clients-oldest bench bench-heartbeats bench-peers soak
 
 run: $(VENV)/.installed
 	$(BIN)/python manage.py nexus_run
@@ -68,6 +68,19 @@ BENCH := env DATABASE_URL=$(BENCH_DATABASE_URL) REDIS_URL=$(BENCH_REDIS_URL) \
 	SECRET_KEY=bench-only-not-secret ALLOWED_HOSTS=127.0.0.1,localhost
 bench: $(VENV)/.installed-dev test-tools
 	$(BENCH) $(BIN)/python -m tests.bench $(BENCH_ARGS)
+
+# 1,000 simulated relay workers heartbeating for 60 s against one serving
+# process (production mode), then the same with no heartbeat due: its CPU and
+# database writes, appended to bench-results/relay-heartbeats.txt.
+HEARTBEATS := NEXUS_HEARTBEAT_BENCH_SECONDS=60 \
+	NEXUS_HEARTBEAT_BENCH_REPORT=$(CURDIR)/bench-results/relay-heartbeats.txt
+bench-heartbeats: $(VENV)/.installed-dev test-tools
+	@mkdir -p bench-results
+	-$(HEARTBEATS) $(MAKE) --no-print-directory test-production TEST_WORKERS=1 \
+		PYTEST_ARGS="tests/gateway/test_relay_heartbeat_cost.py -q"
+	-$(HEARTBEATS) NEXUS_HEARTBEAT_BENCH_INTERVAL=300 $(MAKE) --no-print-directory \
+		test-production TEST_WORKERS=1 PYTEST_ARGS="tests/gateway/test_relay_heartbeat_cost.py -q"
+	@tail -n 2 bench-results/relay-heartbeats.txt
 
 # Not a test: one serving process through backend restarts, breaker openings,
 # client aborts, Redis and PostgreSQL outages and the hostile backend's faults,

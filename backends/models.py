@@ -65,18 +65,18 @@ EXPIRY_SLACK = timedelta(seconds=60)
 def health_stale_after(kind: str = "") -> timedelta:
     """How old a backend's last health result may be before it stops counting.
 
-    A relay worker's heartbeat is its health check (``see_worker``): its
-    result lasts at least until the worker would be Gone for missed
-    heartbeats, or every worker went stale between two of its pings when
-    NEXUS_RELAY_HEARTBEAT_SECONDS was over the health interval (60 s
-    heartbeats made relay backends unroutable 30 s after they connected).
+    A relay worker's heartbeats are its health check, written every
+    NEXUS_RELAY_SEEN_WRITE_SECONDS (``see_workers``): its result lasts that
+    long plus until the worker would be Gone for missed heartbeats, or every
+    worker went stale between two writes (60 s heartbeats made relay
+    backends unroutable 30 s after they connected).
     """
     seconds = STALE_AFTER_INTERVALS * settings.NEXUS_HEALTH_INTERVAL
     if kind == BackendKind.RELAY:
         seconds = max(
             seconds,
-            (MISSED_HEARTBEATS_BEFORE_GONE + 1)
-            * settings.NEXUS_RELAY_HEARTBEAT_SECONDS,
+            (MISSED_HEARTBEATS_BEFORE_GONE + 1) * settings.NEXUS_RELAY_HEARTBEAT_SECONDS
+            + settings.NEXUS_RELAY_SEEN_WRITE_SECONDS,
         )
     return timedelta(seconds=seconds)
 

@@ -15,8 +15,8 @@ import hashlib
 import hmac
 import logging
 import secrets
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from channels.layers import get_channel_layer
@@ -24,7 +24,7 @@ from django.core.exceptions import ValidationError
 from django.db import models, transaction
 from django.utils import timezone
 
-from backends.kinds import ModelInfo
+from backends.kinds import LoadedModel, ModelInfo
 from backends.models import Backend, BackendKind, BackendModel, HealthStatus
 from backends.worker_models import (
     MAX_REFUSED_KEPT,
@@ -379,35 +379,103 @@ def _apply_models(
     return Registration(worker.pk, backend.name, served, refused)
 
 
-def see_worker(worker_id: int, channel_name: str) -> bool:
-    """Note a heartbeat (no config change); return whether the worker may stay.
+@dataclass(frozen=True, slots=True)
+class WorkerState:
+    """What a worker's local backend reported, as the database keeps it.
 
-    False when its secret was revoked or another connection took its place.
+    ``loaded`` None: the backend does not say (left as recorded). ``memory_gb``
+    (the worker's --memory-gb) becomes the relay backend's memory ceiling,
+    ``max_concurrency`` (its max concurrency within the backend's slots) its
+    max concurrency; None leaves either as it is.
     """
+
+    loaded: frozenset[str] | None = None
+    details: Mapping[str, LoadedModel] = field(default_factory=dict)
+    memory_gb: float | None = None
+    max_concurrency: int | None = None
+
+
+def record_worker_states(states: Mapping[int, WorkerState]) -> None:
+    """Store what workers' backends report (by worker id) in the fields a
+    health round fills for a direct backend; announce what routing reads."""
+    changed = False
+    with transaction.atomic():
+        rows = Backend.objects.filter(worker__pk__in=list(states)).values_list(
+            "worker__pk", "pk", "memory_ceiling_gb", "max_concurrency"
+        )
+        for worker_pk, backend_pk, memory, capacity in rows:
+            state = states[worker_pk]
+            if state.loaded is not None:
+                changed |= BackendModel.objects.filter(
+                    backend_id=backend_pk
+                ).set_loaded(state.loaded, state.details)
+            update: dict[str, object] = {}
+            if state.memory_gb is not None and state.memory_gb != memory:
+                update["memory_ceiling_gb"] = state.memory_gb
+            if state.max_concurrency is not None and state.max_concurrency != capacity:
+                update["max_concurrency"] = state.max_concurrency
+            if update:
+                Backend.objects.filter(pk=backend_pk).update(**update)
+                changed = True
+        if changed:
+            Backend.objects.announce_change()
+
+
+def see_workers(channels: Mapping[int, str]) -> set[int]:
+    """Note the heartbeats of the workers connected here (worker id -> its
+    consumer's channel), all at once; return those that may not stay.
+
+    A worker may not stay when its secret was revoked (or it was deleted) or
+    another connection took its place. A few statements whatever the number
+    of workers: this runs every NEXUS_RELAY_SEEN_WRITE_SECONDS, not per
+    heartbeat.
+    """
+    if not channels:
+        return set()
     now = timezone.now()
-    active = Worker.objects.filter(pk=worker_id, is_active=True)
-    seen = active.filter(channel_name=channel_name).update(last_seen_at=now)
-    if not seen:
+    rows = Worker.objects.filter(pk__in=list(channels)).values_list(
+        "pk", "is_active", "channel_name"
+    )
+    ours: list[int] = []
+    swept: list[int] = []
+    lost = set(channels)
+    for pk, active, channel in rows:
+        if active and channel == channels[pk]:
+            ours.append(pk)
+        elif active and not channel:
+            swept.append(pk)
+        else:
+            continue
+        lost.discard(pk)
+    announce = False
+    if ours:
+        Worker.objects.filter(
+            pk__in=ours, channel_name__in=[channels[pk] for pk in ours]
+        ).update(last_seen_at=now)
+    for pk in swept:
         # Another serving process swept it (this one was silent: stalled, or
         # its database slow): its socket is alive here, so it is ours again.
-        seen = active.filter(channel_name="").update(
-            channel_name=channel_name, last_seen_at=now
-        )
-        if seen:
-            Backend.objects.announce_change()
-    if seen:
-        # A heartbeat is this backend's health check: it keeps the result
-        # fresh, and brings back a backend marked unhealthy or unknown (after
-        # an undrain, a breaker opening) while its worker is connected.
-        live = Backend.objects.filter(worker__pk=worker_id).exclude(
-            status=HealthStatus.DRAINING
-        )
-        live.filter(status=HealthStatus.HEALTHY).update(last_check_at=now)
-        if live.exclude(status=HealthStatus.HEALTHY).update(
-            status=HealthStatus.HEALTHY, last_check_at=now, last_error=""
+        if Worker.objects.filter(pk=pk, is_active=True, channel_name="").update(
+            channel_name=channels[pk], last_seen_at=now
         ):
-            Backend.objects.announce_change()
-    return bool(seen)
+            ours.append(pk)
+            announce = True
+        else:
+            lost.add(pk)
+    # A heartbeat is these backends' health check: it keeps the result
+    # fresh, and brings back a backend marked unhealthy or unknown (after an
+    # undrain, a breaker opening) while its worker is connected.
+    live = Backend.objects.filter(worker__pk__in=ours).exclude(
+        status=HealthStatus.DRAINING
+    )
+    live.filter(status=HealthStatus.HEALTHY).update(last_check_at=now)
+    if live.exclude(status=HealthStatus.HEALTHY).update(
+        status=HealthStatus.HEALTHY, last_check_at=now, last_error=""
+    ):
+        announce = True
+    if announce:
+        Backend.objects.announce_change()
+    return lost
 
 
 def drain_worker(worker_id: int) -> None:
@@ -433,8 +501,8 @@ def forget_worker(worker_id: int, channel_name: str, reason: str) -> None:
 def sweep_silent_workers(silent_for: float, keep: Collection[str]) -> list[str]:
     """Make Gone the workers whose heartbeats stopped reaching the database.
 
-    The serving process holding a worker's socket notes each heartbeat
-    (``see_worker``); one that died (SIGKILL, a lost machine) notes nothing
+    The serving process holding a worker's socket notes its heartbeats
+    (``see_workers``, every NEXUS_RELAY_SEEN_WRITE_SECONDS); one that died (SIGKILL, a lost machine) notes nothing
     and tells no one. Every serving process sweeps, now and then, the
     workers not seen for `silent_for` seconds, except those whose socket it
     holds itself (`keep`: their own heartbeats judge them). Returns the
@@ -443,14 +511,19 @@ def sweep_silent_workers(silent_for: float, keep: Collection[str]) -> list[str]:
     """
     cutoff = timezone.now() - timedelta(seconds=silent_for)
     swept: list[str] = []
-    silent = (
-        Worker.objects.exclude(channel_name="")
-        .exclude(channel_name__in=list(keep))
-        .filter(models.Q(last_seen_at__lt=cutoff) | models.Q(last_seen_at=None))
+    silent = Worker.objects.exclude(channel_name="").filter(
+        models.Q(last_seen_at__lt=cutoff) | models.Q(last_seen_at=None)
     )
-    for pk in list(silent.values_list("pk", flat=True)):
+    # `keep` (a process's every worker) is left out here rather than in the
+    # query: it can be a thousand names, and the silent are usually none.
+    held = set(keep)
+    for pk, channel in list(silent.values_list("pk", "channel_name")):
+        if channel in held:
+            continue
         with transaction.atomic():
-            worker = silent.select_for_update().filter(pk=pk).first()
+            worker = (
+                silent.select_for_update().filter(pk=pk, channel_name=channel).first()
+            )
             if worker is None:
                 continue  # seen meanwhile, or gone already
             worker.channel_name = ""

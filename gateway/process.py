@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from channels.db import database_sync_to_async
 from django.conf import settings
 
-from backends.workers import sweep_silent_workers
+from backends.workers import record_worker_states, see_workers, sweep_silent_workers
 from gateway.admission import AdmissionGate
 from gateway.admission_places import LocalPlaces, Places, SharedPlaces
 from gateway.breaker import BREAKER_GROUP, BreakerSettings, CircuitBreaker
@@ -74,6 +74,8 @@ GAUGE_REFRESH_SECONDS = 1.0
 # socket, is Gone.
 RELAY_SILENCE_HEARTBEATS = 3
 RELAY_SILENCE_MIN_SECONDS = 10.0
+# What relay workers report that changed is written this often, all together.
+RELAY_STATE_WRITE_SECONDS = 1.0
 # A drain period of 0 refuses to wait for requests in flight, not for the usage
 # to be handed on: stopping the services may take at least this long.
 STOP_SECONDS_MIN = 5.0
@@ -375,6 +377,20 @@ class Gateway:
             ),
             _listener(LOAD_GROUP, self.relay.on_load_message, "relay-load-listen"),
             periodic(
+                "relay-states",
+                RELAY_STATE_WRITE_SECONDS,
+                self._write_relay_states,
+                error="Could not store relay workers' states",
+                log=logger.warning,
+            ),
+            periodic(
+                "relay-seen",
+                lambda: settings.NEXUS_RELAY_SEEN_WRITE_SECONDS,
+                self._write_relay_seen,
+                error="Could not note relay workers' heartbeats",
+                log=logger.warning,
+            ),
+            periodic(
                 "relay-sweep",
                 lambda: settings.NEXUS_RELAY_HEARTBEAT_SECONDS,
                 self._sweep_workers,
@@ -435,16 +451,39 @@ class Gateway:
     async def _sweep_workers(self) -> None:
         """Make Gone the relay workers of a serving process that died.
 
-        Every heartbeat, workers not seen for 3 heartbeats (at least 10 s) and
-        not connected here are Gone (backends.workers.sweep_silent_workers):
-        within 4 heartbeats of their process's death (20 s by default), rather
-        than when their health result goes stale (3 health intervals).
+        Every heartbeat, workers not seen for a liveness write period and 3
+        heartbeats (at least 10 s) and not connected here are Gone
+        (backends.workers.sweep_silent_workers): within that and a heartbeat
+        of their process's death (50 s by default), rather than when their
+        health result goes stale.
         """
         interval = settings.NEXUS_RELAY_HEARTBEAT_SECONDS
         await database_sync_to_async(sweep_silent_workers)(
-            max(RELAY_SILENCE_HEARTBEATS * interval, RELAY_SILENCE_MIN_SECONDS),
+            max(RELAY_SILENCE_HEARTBEATS * interval, RELAY_SILENCE_MIN_SECONDS)
+            + settings.NEXUS_RELAY_SEEN_WRITE_SECONDS,
             list(self.relay.links),
         )
+
+    async def _write_relay_states(self) -> None:
+        """Store what relay workers' heartbeats reported that changed."""
+        registry = self.relay.registry
+        changes = registry.take_changes()
+        if changes:
+            try:
+                await self.relay_guard.churn.run(record_worker_states, changes)
+            except Exception:
+                for worker_id in changes:  # written at the next round
+                    registry.rewrite(worker_id)
+                raise
+
+    async def _write_relay_seen(self) -> None:
+        """Note this process's relay workers' heartbeats in the database, all
+        together; close those that may not stay (revoked, or connected
+        elsewhere)."""
+        registry = self.relay.registry
+        self.relay.republish_loads()
+        lost = await self.relay_guard.churn.run(see_workers, registry.channels())
+        await registry.lose(lost)
 
     def _reconciliation(self, limiter: LocalLimiter) -> Service:
         """Raise this process's budget counters to the rolled-up spend (embedded)."""

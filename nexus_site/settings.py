@@ -552,6 +552,13 @@ NEXUS_HEALTH_INTERVAL = _bounded_float("NEXUS_HEALTH_INTERVAL", 10.0, 0.1, 86_40
 NEXUS_RELAY_HEARTBEAT_SECONDS = _bounded_float(
     "NEXUS_RELAY_HEARTBEAT_SECONDS", 5.0, 0.05, 300
 )
+# Heartbeats are held in memory; a serving process writes its workers' liveness
+# (last seen, health freshness) to the database this often, all in one go
+# (what they report is written when it changes). Another process makes a
+# worker Gone this long plus 3 heartbeats after its serving process went silent.
+NEXUS_RELAY_SEEN_WRITE_SECONDS = _bounded_float(
+    "NEXUS_RELAY_SEEN_WRITE_SECONDS", 30.0, 0.05, 3600
+)
 # What one relay worker may cost a serving process (gateway/relay/limits.py).
 # Frames and bytes per second per connection: over them its socket is not read
 # until they allow (bursts of twice the rate, and at least one 16 MiB frame);

@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
+from datetime import datetime
 from typing import Any
 
 import aiohttp
 
-from nexus_worker.protocol import MAX_MODEL_NAME, Request
+from nexus_worker.protocol import (
+    MAX_EXPIRES_IN,
+    MAX_LOADED_MODELS,
+    MAX_MEMORY_BYTES,
+    MAX_MODEL_NAME,
+    BackendState,
+    LoadedModel,
+    Request,
+)
 
 logger = logging.getLogger("nexus.worker")
 
@@ -97,7 +107,39 @@ class LocalBackend:
             )
         return [name for name in names if 0 < len(name) <= MAX_MODEL_NAME][:MAX_MODELS]
 
+    async def read_state(
+        self, models: list[str], memory_bytes: int | None = None
+    ) -> BackendState:
+        """What the backend says of itself now, read as the gateway's health
+        round reads a direct backend: Ollama's loaded models from /api/ps,
+        llama.cpp's slots from /slots (it runs every model it lists). What
+        cannot be read is None (unknown); `memory_bytes` is passed through.
+        """
+        loaded: tuple[LoadedModel, ...] | None = None
+        slots = busy = None
+        try:
+            if self.kind == "ollama":
+                loaded = _ollama_loaded(await self._get_json("/api/ps"))
+            elif self.kind == "openai":
+                slots, busy = _llamacpp_slots(await self._get_json_any("/slots"))
+                if slots is not None:
+                    loaded = tuple(LoadedModel(name) for name in models)
+        except BackendError as exc:
+            logger.debug("cannot read the local backend's state: %s", exc)
+        return BackendState(
+            loaded=None if loaded is None else loaded[:MAX_LOADED_MODELS],
+            memory_bytes=memory_bytes,
+            slots=slots,
+            busy_slots=busy,
+        )
+
     async def _get_json(self, path: str) -> dict[str, Any]:
+        data = await self._get_json_any(path)
+        if not isinstance(data, dict):
+            raise BackendError(f"GET {path} is not a JSON object")
+        return data
+
+    async def _get_json_any(self, path: str) -> Any:
         try:
             async with self.session.get(
                 self.base_url + path,
@@ -113,12 +155,9 @@ class LocalBackend:
         if len(raw) > MAX_LISTING_BYTES:
             raise BackendError(f"GET {path} is over {MAX_LISTING_BYTES} bytes")
         try:
-            data = json.loads(raw)
-        except ValueError:
+            return json.loads(raw)
+        except (ValueError, RecursionError):
             raise BackendError(f"GET {path} is not JSON") from None
-        if not isinstance(data, dict):
-            raise BackendError(f"GET {path} is not a JSON object")
-        return data
 
     async def post(self, request: Request) -> aiohttp.ClientResponse:
         """Send the gateway's request to the backend; return the response head.
@@ -163,3 +202,63 @@ async def iter_body(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
             yield data
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise BackendError(f"the backend's response broke off: {exc!r}") from None
+
+
+def _ollama_loaded(payload: dict[str, Any]) -> tuple[LoadedModel, ...]:
+    """/api/ps's models: name, size_vram, context_length, expires_at."""
+    entries = payload.get("models")
+    if not isinstance(entries, list):
+        raise BackendError("GET /api/ps has no model list")
+    now = time.time()
+    loaded: dict[str, LoadedModel] = {}
+    for entry in entries:
+        if not isinstance(entry, dict):
+            continue
+        name = entry.get("name") or entry.get("model")
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_MODEL_NAME:
+            continue
+        loaded.setdefault(
+            name,
+            LoadedModel(
+                name=name,
+                vram_bytes=_bounded(entry.get("size_vram"), MAX_MEMORY_BYTES),
+                context_length=_bounded(entry.get("context_length"), 2**31 - 1),
+                expires_in=_seconds_until(entry.get("expires_at"), now),
+            ),
+        )
+    return tuple(loaded.values())
+
+
+def _llamacpp_slots(payload: Any) -> tuple[int | None, int | None]:
+    """(slots, busy slots) from llama.cpp's /slots; (None, None) otherwise."""
+    if not isinstance(payload, list) or not payload:
+        return None, None
+    slots = [slot for slot in payload if isinstance(slot, dict)]
+    busy = sum(1 for slot in slots if slot.get("is_processing") is True)
+    return min(len(slots), 10_000), min(busy, 10_000)
+
+
+def _bounded(value: Any, most: int) -> int | None:
+    """A positive integer up to `most`, else None."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value if 0 < value <= most else None
+
+
+def _seconds_until(value: Any, now: float) -> float | None:
+    """Seconds from `now` to an RFC 3339 time (Ollama writes nanoseconds);
+    None when unreadable, or beyond MAX_EXPIRES_IN (keep_alive -1: never)."""
+    if not isinstance(value, str) or len(value) > 64:
+        return None
+    head, dot, tail = value.partition(".")
+    if dot:  # Python reads up to microseconds: drop the further digits
+        digits = len(tail) - len(tail.lstrip("0123456789"))
+        value = f"{head}.{tail[: min(digits, 6)]}{tail[digits:]}"
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    if moment.tzinfo is None or moment.year < 2000:  # Ollama's zero time
+        return None
+    left = moment.timestamp() - now
+    return max(left, 0.0) if left <= MAX_EXPIRES_IN else None

@@ -86,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default %(default)s).",
     )
     parser.add_argument(
+        "--memory-gb",
+        type=_positive_float,
+        default=None,
+        help="Memory the local server's models may fill (GB), for the gateway's "
+        "fleet scheduling; default: unknown, models are never ruled out for it.",
+    )
+    parser.add_argument(
         "--log-level",
         default="INFO",
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -117,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         models_refresh_secs=options.models_refresh,
         drain_timeout_secs=options.drain_timeout,
         backend_timeout_secs=options.backend_timeout,
+        memory_gb=options.memory_gb,
     )
     try:
         worker = Worker(config)

@@ -29,9 +29,11 @@ from nexus_worker.protocol import (
     ERROR_DUPLICATE_REQUEST,
     ERROR_ENDPOINT_NOT_ALLOWED,
     MAX_FRAME_BYTES,
+    MAX_MEMORY_BYTES,
     MISSED_HEARTBEATS_BEFORE_GONE,
     RELAY_ENDPOINTS,
     SECRET_HEADER,
+    BackendState,
     Cancel,
     CloseCode,
     Error,
@@ -55,6 +57,13 @@ logger = logging.getLogger("nexus.worker")
 
 CONNECT_TIMEOUT = 15.0
 REGISTER_TIMEOUT = 10.0
+# The backend's state is read once a heartbeat, each read within this share
+# of the interval (and at most STATE_TIMEOUT): a pong never waits for it.
+STATE_SHARE = 0.8
+STATE_TIMEOUT = 5.0
+# ...and before register at most this long (a slow server's state comes with
+# the first pongs instead: registering waits for nothing more).
+REGISTER_STATE_TIMEOUT = 1.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,8 @@ class WorkerConfig:
     backoff_first_secs: float = 1.0
     backoff_limit_secs: float = 30.0
     backoff_jitter_secs: float = 0.5
+    # What the backend's models may fill, told to the gateway (None: unknown).
+    memory_gb: float | None = None
 
 
 class SecretRejected(Exception):
@@ -114,6 +125,8 @@ class Worker:
             config.backoff_jitter_secs,
         )
         self.models: list[str] = []
+        # The backend's state as last read (sent with register and each pong).
+        self.state: BackendState | None = None
         self.draining = False
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._ws: aiohttp.ClientWebSocketResponse | None = None
@@ -222,20 +235,24 @@ class Worker:
                 return
             logger.info("connected to %s", self.url)
             self._ws = ws
-            refresher = None
+            chores: list[asyncio.Task[None]] = []
             try:
                 heartbeat = await self._register(ws)
-                refresher = asyncio.create_task(self._refresh_periodically())
+                chores.append(asyncio.create_task(self._refresh_periodically()))
+                chores.append(
+                    asyncio.create_task(self._read_state_periodically(heartbeat))
+                )
                 await self._receive_loop(ws, heartbeat)
             finally:
                 self._ws = None
-                if refresher is not None:
-                    refresher.cancel()
+                for chore in chores:
+                    chore.cancel()
                 await self._cancel_all()
 
     async def _register(self, ws: aiohttp.ClientWebSocketResponse) -> float:
         """Send register, wait for register_ack; return the heartbeat interval."""
         await self._list_models()
+        await self._read_state(REGISTER_STATE_TIMEOUT)
         await self._send(
             Register(
                 name=self.config.name,
@@ -244,6 +261,7 @@ class Worker:
                 load=self.load,
                 backend_kind=self._backend_kind(),
                 version=_version(),
+                state=self.state,
             )
         )
         message = await self._receive(ws, REGISTER_TIMEOUT)
@@ -318,7 +336,8 @@ class Worker:
         if isinstance(message, Request):
             self._start_request(message)
         elif isinstance(message, Ping):
-            self._spawn(self._send(Pong(timestamp=message.timestamp, load=self.load)))
+            pong = Pong(timestamp=message.timestamp, load=self.load, state=self.state)
+            self._spawn(self._send(pong))
         elif isinstance(message, Cancel):
             task = self._tasks.get(message.request_id)
             if task is not None:
@@ -394,6 +413,27 @@ class Worker:
             await self._send_if_connected(
                 ModelsUpdate(models=self.models, load=self.load)
             )
+
+    async def _read_state_periodically(self, heartbeat: float) -> None:
+        """Read the backend's state once a heartbeat, for the next pong."""
+        timeout = min(heartbeat * STATE_SHARE, STATE_TIMEOUT)
+        while True:
+            await asyncio.sleep(heartbeat)
+            await self._read_state(timeout)
+
+    async def _read_state(self, timeout: float) -> None:
+        """Update self.state from the backend (unknown but for the memory if
+        it does not answer in time: an old state would mislead)."""
+        assert self._backend is not None
+        memory = self.config.memory_gb
+        memory_bytes = (
+            None if memory is None else min(int(memory * 1e9), MAX_MEMORY_BYTES)
+        )
+        try:
+            async with asyncio.timeout(timeout):
+                self.state = await self._backend.read_state(self.models, memory_bytes)
+        except TimeoutError:
+            self.state = BackendState(memory_bytes=memory_bytes)
 
     async def _list_models(self) -> None:
         """Update self.models from the backend; keep the last list if it fails."""

@@ -18,6 +18,12 @@ response that is not streamed, or one that failed, comes whole in
 comes as chunks followed by ``response_complete`` with ``body`` null as well: a
 null body always means "the body is the chunks sent before".
 
+``register`` and ``pong`` may carry ``state``: what the worker's local model
+server reports of itself (the models it has loaded, with their memory, context
+window and keep_alive; the memory it may fill; its parallel slots), read by the
+worker with the probes the gateway's health round uses for a direct backend.
+An older worker sends none and an older gateway ignores it (extra fields are).
+
 An ``error`` from the worker with a request_id fails that request (codes below:
 ``draining``, ``at_capacity``, ``endpoint_not_allowed``, ``response_too_large``
 after some chunks, ...). Without a request_id and with code ``draining`` it says
@@ -144,6 +150,41 @@ _MAX_HEADER_NAME = 256
 _MAX_HEADER_VALUE = 8192
 _MAX_LOAD = 1_000_000
 _MAX_CONCURRENCY = 10_000
+# A backend state's bounds: models loaded at once, bytes of memory (1 PB, as
+# the health round's sizes), a context window, a keep_alive (a year: longer
+# means "never" and is sent as none), parallel slots.
+MAX_LOADED_MODELS = 64
+MAX_MEMORY_BYTES = 10**15
+_MAX_CONTEXT = 2**31 - 1
+MAX_EXPIRES_IN = 366 * 24 * 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """One model the worker's backend has in memory (None: it did not say)."""
+
+    name: str
+    vram_bytes: int | None = None
+    context_length: int | None = None
+    # Seconds until the backend unloads it (Ollama's keep_alive), from when
+    # the worker read it: relative, so that the two clocks need not agree.
+    expires_in: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BackendState:
+    """What the worker's local backend reports of itself (None: unknown).
+
+    ``loaded`` None means the backend does not say what it has loaded (an
+    empty tuple: nothing is loaded). ``memory_bytes`` is what its models may
+    fill (the worker's ``--memory-gb``); ``slots`` and ``busy_slots`` its
+    parallel slots and how many are busy (llama.cpp's /slots).
+    """
+
+    loaded: tuple[LoadedModel, ...] | None = None
+    memory_bytes: int | None = None
+    slots: int | None = None
+    busy_slots: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +199,7 @@ class Register:
     protocol_version: int = PROTOCOL_VERSION
     backend_kind: str | None = None
     version: str | None = None
+    state: BackendState | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,11 +233,13 @@ class ResponseComplete:
 
 @dataclass(frozen=True, slots=True)
 class Pong:
-    """Worker -> server: answer to ping, with the requests in flight."""
+    """Worker -> server: answer to ping, with the requests in flight and
+    (newer workers) its backend's state."""
 
     type: ClassVar[str] = "pong"
     load: int
     timestamp: float | None = None
+    state: BackendState | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,11 +336,23 @@ Message = (
 def encode(message: Message) -> str:
     """Return ``message`` as one JSON text frame (optional fields left out when None)."""
     data: dict[str, Any] = {"type": message.type}
-    for item in fields(message):
-        value = getattr(message, item.name)
-        if value is not None or item.name in _NULLABLE_KEPT:
-            data[item.name] = value
+    data.update(_as_json(message, _NULLABLE_KEPT))
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+def _as_json(value: Any, kept: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """A message's (or a nested record's) fields as JSON values, None left out
+    except for the fields in `kept`."""
+    data: dict[str, Any] = {}
+    for item in fields(value):
+        field_value = getattr(value, item.name)
+        if isinstance(field_value, BackendState):
+            field_value = _as_json(field_value)
+        elif isinstance(field_value, tuple):
+            field_value = [_as_json(entry) for entry in field_value]
+        if field_value is not None or item.name in kept:
+            data[item.name] = field_value
+    return data
 
 
 # Fields the spec shows as present-but-null rather than absent.
@@ -515,6 +571,64 @@ def _headers(value: Any) -> dict[str, str]:
     return {check_name(key): check_value(item) for key, item in value.items()}
 
 
+def _record(cls: type, checks: dict[str, Any]) -> Any:
+    """Check a JSON object into `cls` (unknown members ignored: a newer peer)."""
+
+    required = {item.name for item in fields(cls) if item.default is MISSING}
+
+    def check(value: Any) -> Any:
+        if not isinstance(value, dict):
+            raise ProtocolError("not an object")
+        values: dict[str, Any] = {}
+        for name, field_check in checks.items():
+            if name in value:
+                try:
+                    values[name] = field_check(value[name])
+                except ProtocolError as exc:
+                    raise ProtocolError(f"{name}: {exc}") from None
+            elif name in required:
+                raise ProtocolError(f"missing field {name!r}")
+        return cls(**values)
+
+    return check
+
+
+_BYTES = _optional(_integer(1, MAX_MEMORY_BYTES))
+_LOADED_MODEL = _record(
+    LoadedModel,
+    {
+        "name": _text(MAX_MODEL_NAME, min_len=1),
+        "vram_bytes": _BYTES,
+        "context_length": _optional(_integer(1, _MAX_CONTEXT)),
+        "expires_in": _optional(_number(0.0, MAX_EXPIRES_IN)),
+    },
+)
+
+
+def _loaded(value: Any) -> tuple[LoadedModel, ...]:
+    if not isinstance(value, list):
+        raise ProtocolError("not a list")
+    if len(value) > MAX_LOADED_MODELS:
+        raise ProtocolError(f"more than {MAX_LOADED_MODELS} models")
+    models: dict[str, LoadedModel] = {}
+    for entry in value:
+        model = _LOADED_MODEL(entry)
+        models.setdefault(model.name, model)  # a name twice: the first counts
+    return tuple(models.values())
+
+
+_SLOTS = _optional(_integer(0, _MAX_CONCURRENCY))
+_STATE = _optional(
+    _record(
+        BackendState,
+        {
+            "loaded": _optional(_loaded),
+            "memory_bytes": _BYTES,
+            "slots": _SLOTS,
+            "busy_slots": _SLOTS,
+        },
+    )
+)
 _ID = _text(_MAX_ID, min_len=1)
 _LOAD = _integer(0, _MAX_LOAD)
 _VERSION = _integer(0, 1_000_000)
@@ -530,6 +644,7 @@ _CHECKS: dict[type, dict[str, Any]] = {
         "protocol_version": _VERSION,
         "backend_kind": _optional(_text(_MAX_SHORT)),
         "version": _optional(_text(_MAX_SHORT)),
+        "state": _STATE,
     },
     ModelsUpdate: {"models": _models, "load": _LOAD},
     ResponseChunk: {"request_id": _ID, "chunk": _BODY},
@@ -539,7 +654,7 @@ _CHECKS: dict[type, dict[str, Any]] = {
         "headers": _headers,
         "body": _optional(_BODY),
     },
-    Pong: {"timestamp": _optional(_TIMESTAMP), "load": _LOAD},
+    Pong: {"timestamp": _optional(_TIMESTAMP), "load": _LOAD, "state": _STATE},
     Error: {
         "message": _text(_MAX_MESSAGE),
         "request_id": _optional(_ID),

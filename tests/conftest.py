@@ -340,8 +340,11 @@ def mock_stats(mock: MockBackendProcess) -> dict[str, Any]:
     return stats
 
 
-def start_nexus_server(**extra_env: str) -> NexusServer:
+def start_nexus_server(*, before: str = "", **extra_env: str) -> NexusServer:
     """Start Daphne serving Nexus on a free port; return it once it answers.
+
+    `before` is Python code the server runs first (test tooling, such as
+    tests/db_write_counter.py).
 
     The port is free when picked but may be taken before Daphne binds it (by
     another test's server or an outgoing connection): Daphne then exits with a
@@ -350,30 +353,29 @@ def start_nexus_server(**extra_env: str) -> NexusServer:
     mistaken for it.
     """
     for _ in range(3):
-        server = _start_daphne(server_env() | extra_env)
+        server = _start_daphne(server_env() | extra_env, before)
         if server is not None:
             return server
     raise RuntimeError("Nexus server did not start: no free port after 3 tries")
 
 
-def _start_daphne(env: dict[str, str]) -> NexusServer | None:
+def _start_daphne(env: dict[str, str], before: str = "") -> NexusServer | None:
     import threading
     import time
 
     import httpx
 
     port = _free_port()
+    daphne = ["-b", "127.0.0.1", "-p", str(port), "nexus_site.asgi:application"]
+    command = [sys.executable, "-m", "daphne", *daphne]
+    if before:
+        code = (
+            f"import sys\n{before}\nfrom daphne.cli import CommandLineInterface\n"
+            f"sys.argv = {['daphne', *daphne]!r}\nCommandLineInterface.entrypoint()"
+        )
+        command = [sys.executable, "-c", code]
     process = zygote.Popen(
-        [
-            sys.executable,
-            "-m",
-            "daphne",
-            "-b",
-            "127.0.0.1",
-            "-p",
-            str(port),
-            "nexus_site.asgi:application",
-        ],
+        command,
         cwd=REPO_ROOT,
         env=env,
         stdout=subprocess.PIPE,

@@ -56,7 +56,6 @@ from backends.workers import (
     drain_worker,
     forget_worker,
     register_worker,
-    see_worker,
     update_worker_models,
 )
 from gateway.relay.dispatch import (
@@ -132,6 +131,13 @@ def _reading(scope: dict[str, Any]) -> dict[str, Any]:
 
 def _nothing() -> None:
     pass
+
+
+def _load(message: protocol.Register | protocol.Pong) -> int:
+    """A worker's load: its requests in flight, or its backend's busy slots
+    when more (clients of its own)."""
+    busy = message.state.busy_slots if message.state is not None else None
+    return max(message.load, busy or 0)
 
 
 class WorkerConsumer(AsyncWebsocketConsumer):
@@ -225,6 +231,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.hub.detach(self.channel_name)
         if self.registered:
             self.hub.report_load(self.backend_name, None, self.channel_name)
+            if self.worker_id is not None:
+                self.hub.registry.leave(self.worker_id, self.channel_name)
         routes, self.routes = self.routes, {}
         for request_id, route in routes.items():
             self._pass_on(request_id, route, ("gone", "worker gone"))
@@ -385,7 +393,9 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             # unasked ones would each cost a message to all of them.
             if self.unanswered:
                 self.unanswered = 0
-                self.hub.report_load(self.backend_name, message.load)
+                assert self.worker_id is not None
+                self.hub.registry.note(self.worker_id, message.state)
+                self.hub.report_load(self.backend_name, _load(message))
         elif isinstance(message, protocol.ModelsUpdate):
             await self._update_models(message)
         else:
@@ -411,6 +421,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         update = await self.guard.churn.run(
             update_worker_models, self.worker_id, message.models
         )
+        self.hub.registry.rewrite(self.worker_id)
         await self._tell_refused(update)
 
     async def _update_later(self, wait: float) -> None:
@@ -443,8 +454,15 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             return
         self.registered = True
         self.max_concurrency = message.max_concurrency
-        self.hub.report_load(self.backend_name, message.load)
+        self.hub.report_load(self.backend_name, _load(message))
         self.hub.attach(self.channel_name, self)
+        self.hub.registry.join(
+            self.worker_id,
+            self.channel_name,
+            message.max_concurrency,
+            self._lost,
+            message.state,
+        )
         if previous and self.channel_layer is not None:
             # The same worker reconnected before its old socket was seen gone.
             with contextlib.suppress(Exception):
@@ -466,6 +484,11 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             message.max_concurrency,
         )
         self._tasks.append(asyncio.get_running_loop().create_task(self._heartbeat()))
+
+    async def _lost(self) -> None:
+        """The database says this worker may not stay: revoked, or connected
+        again elsewhere (``backends.workers.see_workers``)."""
+        await self._close(protocol.CloseCode.AUTH_FAILED)
 
     async def _tell_refused(self, accepted: Registration) -> None:
         """Tell the worker which of its models it is not sent (its log shows
@@ -528,11 +551,10 @@ class WorkerConsumer(AsyncWebsocketConsumer):
 
         Pings sent, not time since the last pong, make it Gone: a serving
         process that stalled (a busy machine, a slow database) sent no pings
-        meanwhile, and must not blame its workers for its own silence. The
-        ping goes out before the database is told of the heartbeat, so a slow
-        database does not delay it either.
+        meanwhile, and must not blame its workers for its own silence. A
+        heartbeat costs no database work: the pongs go to the hub's registry
+        (gateway/relay/registry.py), which the database hears from now and then.
         """
-        assert self.worker_id is not None
         while True:
             await asyncio.sleep(self.interval)
             if self.unanswered >= protocol.MISSED_HEARTBEATS_BEFORE_GONE:
@@ -545,12 +567,6 @@ class WorkerConsumer(AsyncWebsocketConsumer):
                 return
             self.unanswered += 1
             await self._send(protocol.Ping(timestamp=time.time()))
-            may_stay = await database_sync_to_async(see_worker)(
-                self.worker_id, self.channel_name
-            )
-            if not may_stay:
-                await self._close(protocol.CloseCode.AUTH_FAILED)
-                return
 
     async def _send(self, message: protocol.Message) -> None:
         if not self._closing:

@@ -38,6 +38,7 @@ import aiohttp
 from channels.layers import get_channel_layer
 from multidict import CIMultiDict
 
+from gateway.relay.registry import WorkerRegistry
 from nexus_lib.service import TaskService
 from nexus_worker import protocol
 from routing.core import BackendSpec, Health, LiveStats, Target
@@ -238,6 +239,10 @@ class RelayHub:
         # The gateway's current state: its relay backends and the channels of
         # the consumers holding their workers' sockets (read per request).
         self.state = state
+        # This process's workers and what their heartbeats report.
+        self.registry = WorkerRegistry()
+        # The load last published for each worker connected here.
+        self._published: dict[str, int] = {}
         self.max_reply = max_reply  # a whole (non-stream) reply, in bytes
         # A stream's chunks delivered and not read (its client is slow).
         self.max_unread = max_unread
@@ -319,22 +324,51 @@ class RelayHub:
     ) -> None:
         """A worker connected here said how many requests it has in flight
         (None: it went away, from its consumer's `gone_channel`); every
-        serving process's router hears of it."""
+        serving process's router hears of it (the others when it changed:
+        ``republish_loads`` tells them all now and then)."""
         self._apply_load(backend, load, gone_channel)
+        if load is not None and self._published.get(backend) == load:
+            return
+        if load is None:
+            self._published.pop(backend, None)
+        else:
+            self._published[backend] = load
+        message: dict[str, Any] = {"type": LOAD_EVENT, "backend": backend, "load": load}
+        if gone_channel:
+            message["gone_channel"] = gone_channel
+        self._publish(message)
+
+    def republish_loads(self) -> None:
+        """Tell every process again the loads of the workers connected here,
+        in one message (a process that started since heard only changes)."""
+        if self._published:
+            loads = [[backend, load] for backend, load in self._published.items()]
+            self._publish({"type": LOAD_EVENT, "loads": loads})
+
+    def _publish(self, message: dict[str, Any]) -> None:
         if self._layer is not None:
-            task = asyncio.get_running_loop().create_task(
-                self._publish_load(backend, load, gone_channel)
-            )
+            task = asyncio.get_running_loop().create_task(self._publish_load(message))
             self._publishing.add(task)
             task.add_done_callback(self._publishing.discard)
 
     def on_load_message(self, message: dict[str, Any]) -> None:
-        """A message of LOAD_GROUP: a worker's load, from whichever process
-        holds its socket (this one's own come back too: the same numbers)."""
+        """A message of LOAD_GROUP: a worker's load, or (``loads``) several,
+        from whichever process holds their sockets (this one's own come back
+        too: the same numbers)."""
         backend, load = message.get("backend"), message.get("load")
         gone = message.get("gone_channel")
         if isinstance(backend, str) and (load is None or isinstance(load, int)):
             self._apply_load(backend, load, gone if isinstance(gone, str) else "")
+        loads = message.get("loads")
+        if isinstance(loads, list):
+            for entry in loads[:MAX_GONE]:
+                if (
+                    isinstance(entry, list)
+                    and len(entry) == 2
+                    and isinstance(entry[0], str)
+                    and isinstance(entry[1], int)
+                ):
+                    self._apply_load(entry[0], entry[1], "")
 
     def _apply_load(self, backend: str, load: int | None, gone_channel: str) -> None:
         if load is None:
@@ -359,19 +393,12 @@ class RelayHub:
         process's snapshot may still list it for a moment)."""
         return channel in self._gone
 
-    async def _publish_load(
-        self, backend: str, load: int | None, gone_channel: str
-    ) -> None:
-        message: dict[str, Any] = {"type": LOAD_EVENT, "backend": backend, "load": load}
-        if gone_channel:
-            message["gone_channel"] = gone_channel
+    async def _publish_load(self, message: dict[str, Any]) -> None:
         try:
             async with asyncio.timeout(5.0):
                 await self._layer.group_send(LOAD_GROUP, message)
         except Exception:
-            logger.warning(
-                "Could not pass on relay worker %s's load", backend, exc_info=True
-            )
+            logger.warning("Could not pass on relay workers' load", exc_info=True)
 
     def deliver(self, request_id: str, event: Event) -> None:
         """Hand an event of a worker's answer to a request of this process."""

@@ -68,8 +68,10 @@ from routing.core.fleet import FleetScore, score_fleet
 from routing.core.requirements import RequestRequirements
 from routing.core.stats import LiveStats
 from routing.core.strategies import (
+    RELAY_KIND,
     pick_priority_only,
     pick_random,
+    pick_rotating,
     pick_round_robin,
     pick_smart,
 )
@@ -409,6 +411,9 @@ class Router:
             index = 0
         elif strategy is Strategy.SMART or strategy is Strategy.FLEET:
             index = pick_smart(served.totals)
+            tied = _tied_relay_workers(served, index)
+            if len(tied) > 1:
+                index = pick_rotating(index, tied, self._turn(served.model, take_turn))
         elif strategy is Strategy.ROUND_ROBIN:
             index = pick_round_robin(
                 len(survivors), self._turn(served.model, take_turn)
@@ -502,3 +507,19 @@ def _context_detail(mismatched: list[Attempt], missing: list[str]) -> str:
     known = [c for c in contexts if c is not None]
     largest = f"; the longest context is {max(known)}" if known else ""
     return f"the request is about {tokens} tokens{largest}"
+
+
+def _tied_relay_workers(attempt: Attempt, index: int) -> list[int]:
+    """The relay workers scored as high as the chosen candidate, of its
+    priority (which breaks ties first), when it is one of them."""
+    survivors, totals = attempt.survivors, attempt.totals
+    best = survivors[index]
+    if best.target.backend.kind != RELAY_KIND:
+        return []
+    return [
+        position
+        for position, prepared in enumerate(survivors)
+        if totals[position] == totals[index]
+        and prepared.priority == best.priority
+        and prepared.target.backend.kind == RELAY_KIND
+    ]

@@ -409,9 +409,17 @@ class LiveStats:
         return self._waiting
 
     def queue_depth(self, backend: str, model: str) -> int:
-        """Requests in flight plus waiting for `model` on `backend`."""
+        """Requests in flight plus waiting for `model` on `backend`.
+
+        A backend that reports its own load (a relay worker: every serving
+        process's requests, or its busy slots) counts at least that many in
+        flight, whatever model they are for: they hold its memory and slots.
+        """
         key = (backend, model)
-        return self._in_flight_models.get(key, 0) + self._waiting.get(key, 0)
+        waiting = self._waiting.get(key, 0)
+        here = self._in_flight_models.get(key, 0) + waiting
+        reported = self._reported.get(backend)
+        return here if reported is None else max(here, reported + waiting)
 
     def mark_hot(self, backend: str, model: str) -> None:
         """Record that `backend` has `model` loaded as of now.

@@ -17,6 +17,19 @@ def pick_smart(totals: Sequence[float]) -> int:
     return totals.index(max(totals))
 
 
+# Backends of this kind (relay workers) share a tie in turn (see pick_rotating).
+RELAY_KIND = "relay"
+
+
+def pick_rotating(index: int, tied: Sequence[int], turn: int) -> int:
+    """Return `index`, or, when it is among `tied` (more than one), the tied
+    candidate whose turn it is: least-loaded dispatch among equal workers
+    with round-robin ties, as the relay seed's dispatcher does."""
+    if len(tied) > 1 and index in tied:
+        return tied[turn % len(tied)]
+    return index
+
+
 def pick_round_robin(count: int, turn: int) -> int:
     """Return the candidate whose turn it is."""
     return turn % count

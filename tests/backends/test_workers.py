@@ -19,8 +19,15 @@ from django.utils import timezone
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
+from backends.kinds import LoadedModel
 from backends.models import Backend, BackendModel, HealthStatus, Worker
-from backends.workers import register_worker, see_worker, sweep_silent_workers
+from backends.workers import (
+    WorkerState,
+    record_worker_states,
+    register_worker,
+    see_workers,
+    sweep_silent_workers,
+)
 from nexus_worker import protocol
 from tests.factories import BackendFactory, StaffUserFactory
 
@@ -142,13 +149,13 @@ def test_a_heartbeat_brings_an_undrained_worker_back() -> None:
     register_worker(worker.pk, "chan-1", "10.0.0.5", ["m"], 1)
     backends = Backend.objects.filter(name="gpu-1")
     backends.drain()
-    assert see_worker(worker.pk, "chan-1")
+    assert see_workers({worker.pk: "chan-1"}) == set()
     assert backends.get().status == HealthStatus.DRAINING  # stays drained
     backends.undrain()
     assert backends.get().status == HealthStatus.UNKNOWN
-    assert see_worker(worker.pk, "chan-1")
+    assert see_workers({worker.pk: "chan-1"}) == set()
     assert backends.get().status == HealthStatus.HEALTHY
-    assert not see_worker(worker.pk, "an-old-connection")
+    assert see_workers({worker.pk: "an-old-connection"}) == {worker.pk}
 
 
 def test_a_sweep_makes_silent_workers_gone_and_a_heartbeat_claims_one_back() -> None:
@@ -167,12 +174,55 @@ def test_a_sweep_makes_silent_workers_gone_and_a_heartbeat_claims_one_back() -> 
 
     # Its process had only stalled: the next heartbeat there claims it back.
     dead = Worker.objects.get(name="dead")
-    assert see_worker(dead.pk, "chan-dead")
+    assert see_workers({dead.pk: "chan-dead"}) == set()
     assert Worker.objects.get(name="dead").channel_name == "chan-dead"
     assert Backend.objects.get(name="dead").status == HealthStatus.HEALTHY
     # A connection that took its place elsewhere is not taken back.
     register_worker(dead.pk, "chan-new", "10.0.0.6", ["m"], 1)
-    assert not see_worker(dead.pk, "chan-dead")
+    assert see_workers({dead.pk: "chan-dead"}) == {dead.pk}
+
+
+def test_heartbeats_of_many_workers_are_noted_in_a_few_statements(
+    django_assert_max_num_queries: Any,
+) -> None:
+    channels = {}
+    for index in range(30):
+        worker, _ = Worker.objects.create_worker(f"gpu-{index}")
+        register_worker(worker.pk, f"chan-{index}", "10.0.0.5", ["m"], 1)
+        channels[worker.pk] = f"chan-{index}"
+    revoked = Worker.objects.get(name="gpu-3")
+    Worker.objects.filter(pk=revoked.pk).revoke()
+    before = timezone.now()
+    with django_assert_max_num_queries(5):
+        lost = see_workers(channels)
+    assert lost == {revoked.pk}
+    assert Worker.objects.filter(last_seen_at__gte=before).count() == 29
+
+
+def test_a_workers_reported_state_lands_where_a_health_round_puts_it() -> None:
+    worker, _ = Worker.objects.create_worker("gpu-1")
+    register_worker(worker.pk, "chan-1", "10.0.0.5", ["a", "b"], 8)
+    expires = timezone.now() + timedelta(minutes=5)
+    state = WorkerState(
+        loaded=frozenset({"a"}),
+        details={
+            "a": LoadedModel(
+                vram_bytes=5 * 10**9, context_length=4096, expires_at=expires
+            )
+        },
+        memory_gb=24.0,
+        max_concurrency=2,
+    )
+    record_worker_states({worker.pk: state})
+    backend = Backend.objects.get(name="gpu-1")
+    assert (backend.memory_ceiling_gb, backend.max_concurrency) == (24.0, 2)
+    a, b = BackendModel.objects.filter(backend=backend).order_by("name")
+    assert (a.loaded, a.vram_bytes, a.loaded_context_length) == (True, 5 * 10**9, 4096)
+    assert a.expires_at == expires
+    assert not b.loaded
+    # Unknown (an older worker, a server that does not say) changes nothing.
+    record_worker_states({worker.pk: WorkerState()})
+    assert BackendModel.objects.get(backend=backend, name="a").loaded
 
 
 def test_protocol_and_database_agree_on_model_name_lengths() -> None:

@@ -126,6 +126,8 @@ def test_the_relay_stops_first_and_the_upstream_client_last() -> None:
     assert stopped == [
         "relay",
         "relay-sweep",
+        "relay-seen",
+        "relay-states",
         "relay-load-listen",
         "gauges",
         "usage-listen",

@@ -42,6 +42,11 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 MODEL = "llama3:8b"
 HEARTBEAT = "1.0"  # seconds: Gone after 3 missed (a loaded machine starves workers)
+# Liveness reaches the database every heartbeat here (30 s by default).
+RELAY_ENV = {
+    "NEXUS_RELAY_HEARTBEAT_SECONDS": HEARTBEAT,
+    "NEXUS_RELAY_SEEN_WRITE_SECONDS": HEARTBEAT,
+}
 wait_for = functools.partial(wait_until, timeout=15.0)
 
 
@@ -142,7 +147,7 @@ def relay(
     """Start a server; a worker's name names its mock, secret and backend."""
     if settings.NEXUS_USAGE_TRANSPORT == "redis":
         clear_usage_stream()
-    server = nexus_server_factory(NEXUS_RELAY_HEARTBEAT_SECONDS=HEARTBEAT)
+    server = nexus_server_factory(**RELAY_ENV)
     _, key = ApiKey.objects.create_key("relay-tests")
 
     def start(
@@ -300,7 +305,7 @@ def test_a_frame_nested_100000_deep_leaves_no_ghost_worker(
     relay.start("gpu-b")
     servers = [relay.server]
     if settings.REDIS_URL:  # the worker's process and another one
-        servers.append(nexus_server_factory(NEXUS_RELAY_HEARTBEAT_SECONDS=HEARTBEAT))
+        servers.append(nexus_server_factory(**RELAY_ENV))
     _, secret = Worker.objects.create_worker("gpu-a")
     deep = '{"type":"pong","load":0,"x":' + "[" * 100_000 + "]" * 100_000 + "}"
 
@@ -570,7 +575,7 @@ def test_worker_on_one_serving_process_serves_requests_at_another(
     nexus_server_factory: Callable[..., NexusServer],
 ) -> None:
     mock, _ = relay.start("gpu-a", "--chunks", "8")
-    other = nexus_server_factory(NEXUS_RELAY_HEARTBEAT_SECONDS=HEARTBEAT)
+    other = nexus_server_factory(**RELAY_ENV)
     wait_until_live(other)
     sdk = _sdk(other, relay.key)
     reply = sdk.chat.completions.create(
@@ -625,7 +630,7 @@ def test_every_serving_process_routes_by_the_load_workers_report(
     has none in flight there: the worker's pongs reach every process."""
     mock_a, _ = relay.start("gpu-a", "--latency-ms", "5000")
     mock_b, _ = relay.start("gpu-b")
-    other = nexus_server_factory(NEXUS_RELAY_HEARTBEAT_SECONDS=HEARTBEAT)
+    other = nexus_server_factory(**RELAY_ENV)
     wait_until_live(other)
     wait_routable(other, "gpu-b")
     sdk = _sdk(relay.server, relay.key)
@@ -653,7 +658,7 @@ def test_workers_of_a_killed_serving_process_are_gone_everywhere_soon(
     nexus_server_factory: Callable[..., NexusServer],
 ) -> None:
     relay.start("gpu-a")
-    other = nexus_server_factory(NEXUS_RELAY_HEARTBEAT_SECONDS=HEARTBEAT)
+    other = nexus_server_factory(**RELAY_ENV)
     wait_until_live(other)
     wait_routable(other, "gpu-a")
     relay.server.process.send_signal(signal.SIGKILL)  # it tells no one

@@ -104,7 +104,9 @@ def relay(
         name: Worker.objects.create_worker(name)[1] for name in ("gpu-1", "gpu-ollama")
     }
     _, key = ApiKey.objects.create_key("relay-worker-e2e")
-    server = nexus_server_factory(NEXUS_RELAY_HEARTBEAT_SECONDS="1")
+    server = nexus_server_factory(
+        NEXUS_RELAY_HEARTBEAT_SECONDS="1", NEXUS_RELAY_SEEN_WRITE_SECONDS="1"
+    )
     relay = Relay(server, local_backend, key, secrets)
     yield relay
     for worker in relay.workers:

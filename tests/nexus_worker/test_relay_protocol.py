@@ -345,3 +345,78 @@ def test_big_frames_of_few_values_decode() -> None:
     )
     frame = encode(ResponseComplete(request_id="r", status=200, body=body))
     assert decode(frame) == ResponseComplete(request_id="r", status=200, body=body)
+
+
+STATE = protocol.BackendState(
+    loaded=(
+        protocol.LoadedModel("a", vram_bytes=5 * 10**9, context_length=8192),
+        protocol.LoadedModel("b", expires_in=299.5),
+    ),
+    memory_bytes=24 * 10**9,
+    slots=4,
+    busy_slots=1,
+)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        Pong(load=1, timestamp=2.0, state=STATE),
+        Pong(load=0, state=protocol.BackendState()),
+        Register(name="gpu", models=["a", "b"], max_concurrency=4, state=STATE),
+    ],
+    ids=["pong", "pong with nothing known", "register"],
+)
+def test_a_backend_state_round_trips(message: protocol.Message) -> None:
+    assert decode(encode(message)) == message
+
+
+def test_an_older_worker_without_a_state_still_decodes_and_an_older_gateway_skips_it() -> (
+    None
+):
+    assert decode('{"type":"pong","load":2,"timestamp":1.0}') == Pong(
+        load=2, timestamp=1.0
+    )
+    # What an older gateway does with a newer worker's pong: a known type's
+    # extra fields are ignored (shown by a field neither side knows).
+    frame = json.loads(encode(Pong(load=0, state=STATE)))
+    assert decode(json.dumps({**frame, "from_the_future": {"x": 1}})) == Pong(
+        load=0, state=STATE
+    )
+    state = {"loaded": [{"name": "a", "size_on_mars": 3}], "gpu_temperature": 80}
+    assert decode(json.dumps({"type": "pong", "load": 0, "state": state})) == Pong(
+        load=0, state=protocol.BackendState(loaded=(protocol.LoadedModel("a"),))
+    )
+
+
+@pytest.mark.parametrize(
+    ("state", "says"),
+    [
+        ({"loaded": [{"name": f"m{i}"} for i in range(65)]}, "more than 64 models"),
+        ({"memory_bytes": 10**15 + 1}, "memory_bytes: 1000000000000001 is not in"),
+        ({"loaded": [{"name": "a", "vram_bytes": 10**18}]}, "vram_bytes"),
+        ({"loaded": [{"name": "a", "vram_bytes": -1}]}, "vram_bytes"),
+        ({"loaded": [{"name": ""}]}, "name: empty"),
+        ({"loaded": [{"vram_bytes": 1}]}, "missing field 'name'"),
+        ({"loaded": [{"name": "a", "expires_in": 1e300}]}, "expires_in"),
+        ({"slots": 10_001}, "slots"),
+        ({"busy_slots": True}, "busy_slots: not an integer"),
+        ({"loaded": {"a": 1}}, "loaded: not a list"),
+        ([], "state: not an object"),
+    ],
+)
+def test_a_hostile_state_is_refused_with_a_clear_error(
+    state: object, says: str
+) -> None:
+    """A worker cannot claim a petabyte, a thousand models loaded, or a
+    negative size: the frame is dropped (and logged by the consumer)."""
+    with pytest.raises(ProtocolError) as caught:
+        decode(json.dumps({"type": "pong", "load": 0, "state": state}))
+    assert says in str(caught.value)
+
+
+def test_a_model_named_twice_counts_once() -> None:
+    state = {"loaded": [{"name": "a", "vram_bytes": 1}, {"name": "a", "vram_bytes": 2}]}
+    pong = decode(json.dumps({"type": "pong", "load": 0, "state": state}))
+    assert isinstance(pong, Pong) and pong.state is not None
+    assert pong.state.loaded == (protocol.LoadedModel("a", vram_bytes=1),)

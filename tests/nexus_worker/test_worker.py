@@ -297,6 +297,41 @@ async def test_an_ollama_backend_is_listed_by_its_tags_and_served_natively(
     assert complete.status == 200
 
 
+def _heard(pong: Pong) -> tuple[float | None, int]:
+    return pong.timestamp, pong.load
+
+
+async def test_register_and_pongs_carry_what_the_backend_has_loaded(
+    gateway: FakeGateway, start_worker: Any, mock_backend_factory: Any
+) -> None:
+    """The worker reads its Ollama's /api/ps, as the gateway's health round
+    reads a direct backend's, and says what it read with its register and
+    then every pong (with the memory it was told, as bytes)."""
+    node = mock_backend_factory(
+        "--kind", "ollama", "--model", "a:4", "--model", "b:2", "--loaded-models", "a"
+    )
+    start_worker(backend=node.base_url, backend_kind="ollama", memory_gb=24.0)
+    peer = await gateway.next_peer()
+    register = await peer.register(heartbeat_interval=0.2)
+    assert register.state is not None
+    assert register.state.memory_bytes == 24 * 10**9
+    assert register.state.loaded is not None
+    (loaded,) = register.state.loaded
+    assert (loaded.name, loaded.vram_bytes) == ("a", 4 * 10**9)
+    assert loaded.expires_in is not None and 0 < loaded.expires_in <= 300
+    # b is loaded now: a later pong says so.
+    await _mock_post(node, "/api/generate", {"model": "b", "prompt": ""})
+    for attempt in range(100):
+        await peer.send(Ping(timestamp=float(attempt)))
+        pong = await peer.expect(Pong)
+        assert pong.state is not None and pong.state.loaded is not None
+        if {model.name for model in pong.state.loaded} == {"a", "b"}:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("no pong said b was loaded")
+
+
 async def test_pong_echoes_the_timestamp_with_the_live_load(
     gateway: FakeGateway, start_worker: Any, backend: MockBackendProcess
 ) -> None:
@@ -305,11 +340,11 @@ async def test_pong_echoes_the_timestamp_with_the_live_load(
     peer = await gateway.next_peer()
     await peer.register()
     await peer.send(Ping(timestamp=1700000000.25))
-    assert await peer.expect(Pong) == Pong(timestamp=1700000000.25, load=0)
+    assert _heard(await peer.expect(Pong)) == (1700000000.25, 0)
     await peer.send(chat_request("r1", stream=True))
     await peer.expect(ResponseChunk)
     await peer.send(Ping(timestamp=2.0))
-    assert await peer.expect(Pong) == Pong(timestamp=2.0, load=1)
+    assert _heard(await peer.expect(Pong)) == (2.0, 1)
     assert worker.load == 1
 
 
@@ -774,7 +809,7 @@ async def test_a_malformed_request_fails_by_its_id_and_the_socket_stays_up(
     assert "request.body: not a string" in error.message
     await peer.ws.send_str('{"type": "gossip"}')  # unknown: ignored
     await peer.send(Ping(timestamp=4.0))
-    assert await peer.expect(Pong) == Pong(timestamp=4.0, load=0)
+    assert _heard(await peer.expect(Pong)) == (4.0, 0)
 
 
 async def test_a_repeated_graceful_shutdown_does_not_cut_requests_in_flight(
@@ -822,3 +857,36 @@ async def test_a_second_sigterm_stops_at_once(
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+async def test_a_llamacpp_backend_reports_its_slots_and_every_model_loaded(
+    gateway: FakeGateway, start_worker: Any
+) -> None:
+    """llama.cpp's /slots (a list, each slot busy or not): the worker says how
+    many there are and are busy, and that the model it serves is loaded."""
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "qwen"}]})
+
+    async def slots(request: web.Request) -> web.Response:
+        busy = [{"id": 0, "is_processing": True}, {"id": 1, "is_processing": False}]
+        return web.json_response(busy + [{"id": 2, "is_processing": False}])
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/slots", slots)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        start_worker(backend=f"http://127.0.0.1:{port}", backend_kind="openai")
+        peer = await gateway.next_peer()
+        register = await peer.register()
+        assert register.state is not None
+        assert (register.state.slots, register.state.busy_slots) == (3, 1)
+        assert register.state.loaded is not None
+        assert [model.name for model in register.state.loaded] == ["qwen"]
+    finally:
+        await runner.cleanup()
