@@ -384,9 +384,12 @@ class WorkerState:
     """What a worker's local backend reported, as the database keeps it.
 
     ``loaded`` None: the backend does not say (left as recorded). ``memory_gb``
-    (the worker's --memory-gb) becomes the relay backend's memory ceiling,
-    ``max_concurrency`` (its max concurrency within the backend's slots) its
-    max concurrency; None leaves either as it is.
+    (the worker's --memory-gb) becomes the memory the relay backend reports
+    (``memory_total_bytes``, beside what its loaded models take: the learned
+    capacity a health round fills for a direct backend; an operator's
+    ``memory_ceiling_gb`` still overrides it), ``max_concurrency`` (its max
+    concurrency within the backend's slots) its max concurrency and its
+    reported slots; None leaves either as it is.
     """
 
     loaded: frozenset[str] | None = None
@@ -401,24 +404,43 @@ def record_worker_states(states: Mapping[int, WorkerState]) -> None:
     changed = False
     with transaction.atomic():
         rows = Backend.objects.filter(worker__pk__in=list(states)).values_list(
-            "worker__pk", "pk", "memory_ceiling_gb", "max_concurrency"
+            "worker__pk",
+            "pk",
+            "memory_total_bytes",
+            "memory_used_bytes",
+            "max_concurrency",
         )
-        for worker_pk, backend_pk, memory, capacity in rows:
+        for worker_pk, backend_pk, total, used, capacity in rows:
             state = states[worker_pk]
             if state.loaded is not None:
                 changed |= BackendModel.objects.filter(
                     backend_id=backend_pk
                 ).set_loaded(state.loaded, state.details)
             update: dict[str, object] = {}
-            if state.memory_gb is not None and state.memory_gb != memory:
-                update["memory_ceiling_gb"] = state.memory_gb
+            if state.memory_gb is not None:
+                reported = (round(state.memory_gb * 1e9), _used_bytes(state))
+                if reported != (total, used):
+                    update["memory_total_bytes"], update["memory_used_bytes"] = reported
+                    update["memory_reported_at"] = timezone.now()
             if state.max_concurrency is not None and state.max_concurrency != capacity:
-                update["max_concurrency"] = state.max_concurrency
+                update["max_concurrency"] = update["slots"] = state.max_concurrency
             if update:
                 Backend.objects.filter(pk=backend_pk).update(**update)
                 changed = True
         if changed:
             Backend.objects.announce_change()
+
+
+def _used_bytes(state: WorkerState) -> int | None:
+    """What the worker's loaded models take (None: a size is unknown)."""
+    if state.loaded is None:
+        return None
+    sizes = [
+        state.details[name].vram_bytes for name in state.loaded if name in state.details
+    ]
+    if len(sizes) != len(state.loaded) or None in sizes:
+        return None
+    return sum(size or 0 for size in sizes)
 
 
 def see_workers(channels: Mapping[int, str]) -> set[int]:

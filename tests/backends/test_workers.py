@@ -215,7 +215,14 @@ def test_a_workers_reported_state_lands_where_a_health_round_puts_it() -> None:
     )
     record_worker_states({worker.pk: state})
     backend = Backend.objects.get(name="gpu-1")
-    assert (backend.memory_ceiling_gb, backend.max_concurrency) == (24.0, 2)
+    # Where a health round puts a server's report; the operator's
+    # memory_ceiling_gb (an override) is left alone.
+    assert (backend.memory_total_bytes, backend.memory_used_bytes) == (
+        24 * 10**9,
+        5 * 10**9,
+    )
+    assert backend.memory_ceiling_gb is None
+    assert (backend.slots, backend.max_concurrency) == (2, 2)
     a, b = BackendModel.objects.filter(backend=backend).order_by("name")
     assert (a.loaded, a.vram_bytes, a.loaded_context_length) == (True, 5 * 10**9, 4096)
     assert a.expires_at == expires

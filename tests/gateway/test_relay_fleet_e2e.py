@@ -139,7 +139,11 @@ def test_a_model_unloaded_at_the_worker_is_cold_in_the_database_soon(
     wait_until(lambda: _loaded_at("gpu-relay"), what="the worker's loaded model")
     row = BackendModel.objects.get(backend__name="gpu-relay", name="m")
     assert row.vram_bytes == 4 * 10**9
-    assert Backend.objects.get(name="gpu-relay").memory_ceiling_gb == 16.0
+    relay = Backend.objects.get(name="gpu-relay")
+    assert (relay.memory_total_bytes, relay.memory_used_bytes) == (
+        16 * 10**9,
+        4 * 10**9,
+    )
     # keep_alive 0 unloads it at once (as Ollama does).
     httpx.post(
         f"{node.base_url}/api/generate",
