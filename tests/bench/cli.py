@@ -8,9 +8,10 @@ import os
 import shutil
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from django.conf import settings
 from django.core.management import call_command
@@ -253,83 +254,93 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _admission(options: argparse.Namespace) -> int:
+def _with_mocks(
+    options: argparse.Namespace,
+    name: str,
+    run: Callable[[dict[str, str], Callable[..., Any], Path], dict[str, Any]],
+    report: Callable[[dict[str, Any]], str],
+) -> int:
+    """Run a benchmark that starts mock backends and Nexus servers: the
+    database migrated, `run` given the children's environment, the mock
+    spawner and a log directory; its results in `name`.json and a report."""
     from nexus_mock import spawn_mock_backend
+
+    ensure_database()
+    call_command("migrate", interactive=False, verbosity=0)
+    logs = options.output / f"{name}-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    try:
+        results = run(child_environment(), spawn_mock_backend, logs)
+    except BenchError as error:
+        sys.stderr.write(f"The benchmark failed: {error}\n")
+        return 1
+    (options.output / f"{name}.json").write_text(json.dumps(results, indent=2))
+    sys.stdout.write(report(results) + "\n")
+    return 0
+
+
+def _admission(options: argparse.Namespace) -> int:
     from tests.bench.admission import (
         format_admission_report,
         run_admission_benchmark,
     )
 
-    ensure_database()
-    call_command("migrate", interactive=False, verbosity=0)
-    logs = options.output / "admission-logs"
-    logs.mkdir(parents=True, exist_ok=True)
     seconds = max(10.0, 3.0 * options.duration)
-    try:
-        results = run_admission_benchmark(
-            child_environment(), spawn_mock_backend, logs, seconds, _progress
-        )
-    except BenchError as error:
-        sys.stderr.write(f"The benchmark failed: {error}\n")
-        return 1
-    (options.output / "admission.json").write_text(json.dumps(results, indent=2))
-    sys.stdout.write(format_admission_report(results) + "\n")
-    return 0
+    return _with_mocks(
+        options,
+        "admission",
+        lambda env, spawn, logs: run_admission_benchmark(
+            env, spawn, logs, seconds, _progress
+        ),
+        format_admission_report,
+    )
 
 
 def _fleet(options: argparse.Namespace) -> int:
-    from nexus_mock import spawn_mock_backend
     from tests.bench.fleet import format_fleet_report, run_fleet_benchmark
 
-    ensure_database()
-    call_command("migrate", interactive=False, verbosity=0)
-    logs = options.output / "fleet-logs"
-    logs.mkdir(parents=True, exist_ok=True)
     strategies = tuple(
         s.strip() for s in options.fleet_strategies.split(",") if s.strip()
     )
-    try:
-        results = run_fleet_benchmark(
-            child_environment(),
-            spawn_mock_backend,
-            logs,
-            options.fleet_requests,
-            _progress,
-            strategies,
-        )
-    except BenchError as error:
-        sys.stderr.write(f"The benchmark failed: {error}\n")
-        return 1
-    (options.output / "fleet.json").write_text(json.dumps(results, indent=2))
-    sys.stdout.write(format_fleet_report(results) + "\n")
-    return 0
+    return _with_mocks(
+        options,
+        "fleet",
+        lambda env, spawn, logs: run_fleet_benchmark(
+            env, spawn, logs, options.fleet_requests, _progress, strategies
+        ),
+        format_fleet_report,
+    )
 
 
 def _fleet_variants(options: argparse.Namespace) -> int:
-    from nexus_mock import spawn_mock_backend
     from tests.bench.fleet_variants import (
         format_fleet_variants_report,
         run_fleet_variants,
     )
 
-    ensure_database()
-    call_command("migrate", interactive=False, verbosity=0)
-    logs = options.output / "fleet-logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    try:
-        results = run_fleet_variants(
-            child_environment(),
-            spawn_mock_backend,
-            logs,
-            options.fleet_requests,
-            _progress,
-        )
-    except BenchError as error:
-        sys.stderr.write(f"The benchmark failed: {error}\n")
-        return 1
-    (options.output / "fleet-variants.json").write_text(json.dumps(results, indent=2))
-    sys.stdout.write(format_fleet_variants_report(results) + "\n")
-    return 0
+    return _with_mocks(
+        options,
+        "fleet-variants",
+        lambda env, spawn, logs: run_fleet_variants(
+            env, spawn, logs, options.fleet_requests, _progress
+        ),
+        format_fleet_variants_report,
+    )
+
+
+def _limits(options: argparse.Namespace) -> int:
+    from tests.bench.limits import format_limits_report, run_limits_benchmark
+
+    seconds = max(6.0, 3.0 * options.duration)
+    profile = options.output if options.profile else None
+    return _with_mocks(
+        options,
+        "limits",
+        lambda env, spawn, logs: run_limits_benchmark(
+            env, spawn, logs, seconds, options.wrk, _progress, profile
+        ),
+        format_limits_report,
+    )
 
 
 def _relay(options: argparse.Namespace) -> int:
@@ -346,33 +357,6 @@ def _relay(options: argparse.Namespace) -> int:
         return 1
     (options.output / "relay.json").write_text(json.dumps(results, indent=2))
     sys.stdout.write(format_relay_report(results) + "\n")
-    return 0
-
-
-def _limits(options: argparse.Namespace) -> int:
-    from nexus_mock import spawn_mock_backend
-    from tests.bench.limits import format_limits_report, run_limits_benchmark
-
-    ensure_database()
-    call_command("migrate", interactive=False, verbosity=0)
-    logs = options.output / "limits-logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    seconds = max(6.0, 3.0 * options.duration)
-    try:
-        results = run_limits_benchmark(
-            child_environment(),
-            spawn_mock_backend,
-            logs,
-            seconds,
-            options.wrk,
-            _progress,
-            options.output if options.profile else None,
-        )
-    except BenchError as error:
-        sys.stderr.write(f"The benchmark failed: {error}\n")
-        return 1
-    (options.output / "limits.json").write_text(json.dumps(results, indent=2))
-    sys.stdout.write(format_limits_report(results) + "\n")
     return 0
 
 
