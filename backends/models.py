@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from backends.kinds import MAX_VERSION, Endpoint, LoadedModel, MemoryReport
 from backends.signals import backends_changed
-from backends.vocabulary import HealthStatus
+from backends.vocabulary import EXPIRY_SLACK, HealthStatus
 from nexus_worker.protocol import MISSED_HEARTBEATS_BEFORE_GONE
 
 
@@ -55,11 +55,6 @@ MEMORY_SLACK_BYTES = 500_000_000
 # A health result older than this many health intervals no longer counts: the
 # backend is treated as unknown (not routed to) until the next check.
 STALE_AFTER_INTERVALS = 3
-
-
-# A keep_alive expiry moving forward by less than this is stored without
-# announcing a change (it moves with every request to a busy model).
-EXPIRY_SLACK = timedelta(seconds=60)
 
 
 def health_stale_after(kind: str = "") -> timedelta:

@@ -16,7 +16,7 @@ import hmac
 import logging
 import secrets
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 from channels.layers import get_channel_layer
@@ -24,8 +24,9 @@ from django.core.exceptions import ValidationError
 from django.db import models, transaction
 from django.utils import timezone
 
-from backends.kinds import LoadedModel, ModelInfo
+from backends.kinds import ModelInfo
 from backends.models import Backend, BackendKind, BackendModel, HealthStatus
+from backends.vocabulary import WorkerState
 from backends.worker_models import (
     MAX_REFUSED_KEPT,
     ModelRules,
@@ -377,25 +378,6 @@ def _apply_models(
         worker.refused_models = kept
         worker.save(update_fields=("refused_models",))
     return Registration(worker.pk, backend.name, served, refused)
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerState:
-    """What a worker's local backend reported, as the database keeps it.
-
-    ``loaded`` None: the backend does not say (left as recorded). ``memory_gb``
-    (the worker's --memory-gb) becomes the memory the relay backend reports
-    (``memory_total_bytes``, beside what its loaded models take: the learned
-    capacity a health round fills for a direct backend; an operator's
-    ``memory_ceiling_gb`` still overrides it), ``max_concurrency`` (its max
-    concurrency within the backend's slots) its max concurrency and its
-    reported slots; None leaves either as it is.
-    """
-
-    loaded: frozenset[str] | None = None
-    details: Mapping[str, LoadedModel] = field(default_factory=dict)
-    memory_gb: float | None = None
-    max_concurrency: int | None = None
 
 
 def record_worker_states(states: Mapping[int, WorkerState]) -> None:

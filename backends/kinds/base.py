@@ -9,10 +9,11 @@ import ssl
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any, ClassVar
 
 import httpx
+
+from backends.vocabulary import LoadedModel
 
 _CONTEXT_KEYS = (
     "max_model_len",
@@ -52,15 +53,6 @@ class ProbeStatus(enum.StrEnum):
     # Alive but not ready (llama.cpp loading its model): neither a success nor
     # a failure for the health state machine.
     LOADING = "loading"
-
-
-@dataclass(frozen=True, slots=True)
-class LoadedModel:
-    """What a backend says about one model in its memory (None: it did not say)."""
-
-    vram_bytes: int | None = None
-    context_length: int | None = None
-    expires_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -440,6 +440,9 @@ class WorkerConsumer(AsyncWebsocketConsumer):
 
     async def _register(self, message: protocol.Register) -> None:
         assert self.worker_id is not None
+        # Once the database has it, a snapshot may route to this channel
+        # before this consumer attaches below: such a request waits for it.
+        self.hub.arriving(self.channel_name)
         try:
             registration, previous = await self.guard.churn.run(
                 register_worker,
@@ -450,8 +453,12 @@ class WorkerConsumer(AsyncWebsocketConsumer):
                 message.max_concurrency,
             )
         except Worker.DoesNotExist:
+            self.hub.not_arriving(self.channel_name)
             await self._close(protocol.CloseCode.AUTH_FAILED)
             return
+        except BaseException:
+            self.hub.not_arriving(self.channel_name)
+            raise
         self.registered = True
         self.max_concurrency = message.max_concurrency
         self.hub.report_load(self.backend_name, _load(message))

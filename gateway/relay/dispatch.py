@@ -28,6 +28,7 @@ client went away) sends a cancel to the worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -232,6 +233,9 @@ class RelayHub:
     ) -> None:
         # Consumers holding a worker's socket in this process, by channel name.
         self.links: dict[str, WorkerLink] = {}
+        # Consumers here whose worker is registering: the database (and so a
+        # snapshot) may name their channel a moment before they attach.
+        self._arriving: dict[str, asyncio.Event] = {}
         # Where the workers' pongs go: the router scores by them, here and
         # (over LOAD_GROUP) in every other serving process; requeued requests
         # count in flight there too.
@@ -313,8 +317,20 @@ class RelayHub:
 
     # The consumer's side -----------------------------------------------------
 
+    def arriving(self, channel: str) -> None:
+        """A consumer here is registering its worker: a request for its
+        channel waits for it to attach (``attach``, or ``not_arriving``)."""
+        self._arriving[channel] = asyncio.Event()
+
+    def not_arriving(self, channel: str) -> None:
+        """The registration failed: whoever waits for the channel goes on."""
+        event = self._arriving.pop(channel, None)
+        if event is not None:
+            event.set()
+
     def attach(self, channel: str, link: WorkerLink) -> None:
         self.links[channel] = link
+        self.not_arriving(channel)
 
     def detach(self, channel: str) -> None:
         self.links.pop(channel, None)
@@ -526,6 +542,13 @@ class RelayHub:
     ) -> RelayResponse | str:
         """One worker's answer up to its first byte, or why it gave none."""
         link = self.links.get(call.channel)
+        arriving = self._arriving.get(call.channel) if link is None else None
+        if arriving is not None:
+            # Registered in the database, not attached yet (a busy process).
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.accept_timeout):
+                    await arriving.wait()
+            link = self.links.get(call.channel)
         remote = link is None
         if remote:
             if self._layer is None:

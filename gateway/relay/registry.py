@@ -25,9 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from backends.kinds import LoadedModel
-from backends.models import EXPIRY_SLACK
-from backends.workers import WorkerState
+from backends.vocabulary import EXPIRY_SLACK, LoadedModel, WorkerState
 from nexus_worker import protocol
 
 # A keep_alive computed again from a worker's relative "expires in" differs

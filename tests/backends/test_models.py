@@ -208,20 +208,27 @@ def test_a_health_result_older_than_three_intervals_is_stale(settings) -> None:
 def test_a_relay_workers_health_lasts_as_long_as_its_heartbeats_allow(settings) -> None:
     """Its heartbeat is its health check: with 60 s heartbeats and a 10 s
     health interval, a connected worker went stale (unroutable) 30 s after each
-    ping; it now stays fresh until it would be Gone (3 missed + 1)."""
+    ping; it now stays fresh until it would be Gone (3 missed + 1), plus the
+    period at which its liveness reaches the database."""
     settings.NEXUS_HEALTH_INTERVAL = 10.0
     settings.NEXUS_RELAY_HEARTBEAT_SECONDS = 60.0
+    settings.NEXUS_RELAY_SEEN_WRITE_SECONDS = 30.0
     now = timezone.now()
     worker = BackendFactory(
         kind=BackendKind.RELAY, last_check_at=now - timedelta(seconds=59)
     )
     assert not worker.is_health_stale(now)
-    worker.last_check_at = now - timedelta(seconds=241)
+    worker.last_check_at = now - timedelta(seconds=269)
+    assert not worker.is_health_stale(now)
+    worker.last_check_at = now - timedelta(seconds=271)
     assert worker.is_health_stale(now)
-    # Short heartbeats: the health interval's 30 s still holds.
+    # Short heartbeats written often: the health interval's 30 s still holds.
     settings.NEXUS_RELAY_HEARTBEAT_SECONDS = 2.0
+    settings.NEXUS_RELAY_SEEN_WRITE_SECONDS = 1.0
     worker.last_check_at = now - timedelta(seconds=29)
     assert not worker.is_health_stale(now)
+    worker.last_check_at = now - timedelta(seconds=31)
+    assert worker.is_health_stale(now)
     # Other kinds keep three health intervals.
     settings.NEXUS_RELAY_HEARTBEAT_SECONDS = 60.0
     other = BackendFactory(last_check_at=now - timedelta(seconds=59))
