@@ -40,7 +40,8 @@ OOM_SCAN_BYTES = 4096
 MAX_DETAIL = 200
 _GB_PER_UNIT = {"gib": 1.073741824, "gb": 1.0, "mib": 0.001048576, "mb": 0.001}
 
-# The servers' own words (tests/fixtures/oom_errors.json has real examples):
+# The servers' own words (real examples recorded in
+# tests/fixtures/out_of_memory/errors.json):
 # Ollama's refusal before a load ("model requires more system memory (5.3
 # GiB) than is available (3.3 GiB)"), its runner dying in a load ("llama
 # runner process has terminated: CUDA error: out of memory", "... error
