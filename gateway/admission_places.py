@@ -27,7 +27,7 @@ local: one serving process, or processes that share no Redis).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from routing.admission.settings import AdmissionSettings
 
@@ -38,24 +38,40 @@ if TYPE_CHECKING:
 QUEUE_FULL = "queue"  # total_capacity (or its non-critical part) waits
 FLOW_FULL = "flow"  # flow_capacity of its flow waits
 
-# One cluster slot for all of them (the script takes places in several at once).
-_TOTAL_KEY = "nx:{admission}:waiting"
-_NON_CRITICAL_KEY = "nx:{admission}:waiting:non-critical"
-_CRITICAL_KEY = "nx:{admission}:waiting:critical"
-_UNCHECKED = -1  # a set a place is taken in without a limit
+# The counts a waiting request takes a place in: its flow's, the total, and
+# the critical or the non-critical one. In Redis each is a sorted set of
+# leases under one cluster slot (the script takes places in several at once).
+_PREFIX = "nx:{admission}:waiting"
 KEY_PATTERN = "nx:{admission}:*"  # every one of them (SCAN's pattern)
+_UNCHECKED = -1  # a count a place is taken in without a limit
 
 
-def _flow_key(flow: str) -> str:
-    return f"nx:{{admission}}:waiting:flow:{flow}"
+def _counts(
+    flow: str, critical: bool, settings: AdmissionSettings, over: bool
+) -> list[tuple[str, int]]:
+    """The counts (names) a request of `flow` takes a place in, each with its
+    limit, the flow's first; `over` (critical only): the total unchecked."""
+    capacity = settings.total_capacity
+    level = (
+        ("critical", capacity)
+        if critical
+        else ("non-critical", capacity - settings.critical_reserved)
+    )
+    return [
+        (f"flow:{flow}", settings.flow_capacity),
+        ("total", _UNCHECKED if over else capacity),
+        level,
+    ]
 
 
-class Held(NamedTuple):
-    """The places one waiting request holds (given back once)."""
+def _why(full: int) -> str:
+    """Why there is no place, from the index of the first full count."""
+    return FLOW_FULL if full == 0 else QUEUE_FULL
 
-    flow: str
-    critical: bool
-    leases: list[str]
+
+# The places one waiting request holds (given back once): the names of its
+# counts here, its leases in Redis.
+Held = list[str]
 
 
 class Places(Protocol):
@@ -81,10 +97,7 @@ class LocalPlaces:
     shared = False
 
     def __init__(self) -> None:
-        self.total = 0
-        self.non_critical = 0
-        self.critical = 0
-        self.flows: dict[str, int] = {}
+        self.counts: dict[str, int] = {}  # only those above 0
 
     async def take(
         self,
@@ -97,32 +110,21 @@ class LocalPlaces:
         """The places of one more waiting request, or why there is none;
         `over` (critical only): past a full total, short of total_capacity
         critical requests."""
-        capacity = settings.total_capacity
-        if self.flows.get(flow, 0) >= settings.flow_capacity:
-            return FLOW_FULL
-        if critical:
-            if self.critical >= capacity or (not over and self.total >= capacity):
-                return QUEUE_FULL
-            self.critical += 1
-        else:
-            if self.total >= capacity or (
-                self.non_critical >= capacity - settings.critical_reserved
-            ):
-                return QUEUE_FULL
-            self.non_critical += 1
-        self.total += 1
-        self.flows[flow] = self.flows.get(flow, 0) + 1
-        return Held(flow, critical, [])
+        wanted = _counts(flow, critical, settings, over)
+        counts = self.counts
+        for index, (name, limit) in enumerate(wanted):
+            if limit != _UNCHECKED and counts.get(name, 0) >= limit:
+                return _why(index)
+        for name, _ in wanted:
+            counts[name] = counts.get(name, 0) + 1
+        return [name for name, _ in wanted]
 
     def give_back(self, held: Held) -> None:
-        self.total -= 1
-        if held.critical:
-            self.critical -= 1
-        else:
-            self.non_critical -= 1
-        left = self.flows.pop(held.flow) - 1
-        if left:
-            self.flows[held.flow] = left
+        counts = self.counts
+        for name in held:
+            left = counts.pop(name) - 1
+            if left:
+                counts[name] = left
 
 
 class SharedPlaces:
@@ -143,20 +145,13 @@ class SharedPlaces:
     ) -> Held | str:
         """The places of one more waiting request, or why there is none
         (`over`: as ``LocalPlaces.take``)."""
-        capacity = settings.total_capacity
-        keys = [_flow_key(flow), _TOTAL_KEY]
-        limits = [settings.flow_capacity, _UNCHECKED if over else capacity]
-        if critical:
-            keys.append(_CRITICAL_KEY)
-            limits.append(capacity)
-        else:
-            keys.append(_NON_CRITICAL_KEY)
-            limits.append(capacity - settings.critical_reserved)
-        leases, full = await self.limiter.acquire_places(keys, limits)
-        if full:
-            return FLOW_FULL if full == 1 else QUEUE_FULL
-        return Held(flow, critical, leases)
+        wanted = _counts(flow, critical, settings, over)
+        leases, full = await self.limiter.acquire_places(
+            [f"{_PREFIX}:{name}" for name, _ in wanted],
+            [limit for _, limit in wanted],
+        )
+        return _why(full - 1) if full else leases
 
     def give_back(self, held: Held) -> None:
-        if held.leases:
-            self.limiter.release_places(held.leases)
+        if held:
+            self.limiter.release_places(held)
