@@ -8,7 +8,7 @@ the queue, stock and band gauges from the controller, off the request path.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -128,9 +128,9 @@ class AdmissionMetrics:
             registry=registry,
         )
         self._bypass_children: dict[tuple[str, str], Any] = {}
-        self._queue_length_seen: set[tuple[str, str, str]] = set()
-        self._stock_seen: set[tuple[str, str]] = set()
-        self._stock_tokens_seen: set[str] = set()
+        self._queue_length_seen: set[tuple[str, ...]] = set()
+        self._stock_seen: set[tuple[str, ...]] = set()
+        self._stock_tokens_seen: set[tuple[str, ...]] = set()
 
     def admission_bypass(self, model: str, target: str) -> None:
         """Count a request that went straight through (the hot path: cached)."""
@@ -173,36 +173,40 @@ class AdmissionMetrics:
         for ticket in waiting:
             key = (ticket.model, ticket.pool_key, ticket.flow or "-")
             lengths[key] = lengths.get(key, 0) + 1
-        for key in self._queue_length_seen - lengths.keys():
-            self.admission_queue_length.labels(*key).set(0)
-        for key, length in lengths.items():
-            self.admission_queue_length.labels(*key).set(length)
-        self._queue_length_seen = set(lengths)
+        self._queue_length_seen = _set_series(
+            self.admission_queue_length, lengths, self._queue_length_seen
+        )
         stock: dict[tuple[str, str], int] = {}
-        stock_tokens: dict[str, float] = {}
+        stock_tokens: dict[tuple[str], int] = {}
         flows = 0
         for pool in pools:
             flows += pool.queue.active_flows
             name = pool.key
             for model, count in pool.stock_by_model.items():
                 stock[model, name] = stock.get((model, name), 0) + count
-            if pool.stock_tokens or name in self._stock_tokens_seen:
-                stock_tokens[name] = pool.stock_tokens
+            if pool.stock_tokens:
+                stock_tokens[name,] = round(pool.stock_tokens)
             self.admission_lower.labels(name).set(pool.band.lower)
             self.admission_upper.labels(name).set(pool.band.upper)
             self.admission_watermark.labels(name).set(pool.band.watermark)
-        for pair in self._stock_seen - stock.keys():
-            self.admission_stock.labels(*pair).set(0)
-        for pair, count in stock.items():
-            self.admission_stock.labels(*pair).set(count)
-        self._stock_seen = set(stock)
-        for name in self._stock_tokens_seen - stock_tokens.keys():
-            self.admission_stock_tokens.labels(name).set(0)
-        for name, tokens in stock_tokens.items():
-            self.admission_stock_tokens.labels(name).set(round(tokens))
-        self._stock_tokens_seen = {name for name, t in stock_tokens.items() if t}
+        self._stock_seen = _set_series(self.admission_stock, stock, self._stock_seen)
+        self._stock_tokens_seen = _set_series(
+            self.admission_stock_tokens, stock_tokens, self._stock_tokens_seen
+        )
         self.admission_active_flows.set(flows)
         if dequeue_attempts > 0:
             self.admission_dequeue_attempts.inc(dequeue_attempts)
         if dequeue_successes > 0:
             self.admission_dequeue_successes.inc(dequeue_successes)
+
+
+def _set_series(
+    gauge: Gauge, values: Mapping[Any, int], seen: set[tuple[str, ...]]
+) -> set[tuple[str, ...]]:
+    """Set one series of `gauge` per key (its label values) of `values`, and
+    those of `seen` that are gone to 0; return the keys set now."""
+    for key in seen - values.keys():
+        gauge.labels(*key).set(0)
+    for key, value in values.items():
+        gauge.labels(*key).set(value)
+    return set(values)
