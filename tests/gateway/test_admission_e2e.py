@@ -39,11 +39,19 @@ def _configure(**admission: Any) -> None:
     policy.save()
 
 
-def _backend(mock: MockBackendProcess, name: str = "slotted") -> None:
+def _backend(
+    mock: MockBackendProcess,
+    name: str = "slotted",
+    model: str = "m",
+    max_concurrency: int | None = None,
+) -> None:
     backend = Backend.objects.create(
-        name=name, base_url=mock.base_url, status=HealthStatus.HEALTHY
+        name=name,
+        base_url=mock.base_url,
+        status=HealthStatus.HEALTHY,
+        max_concurrency=max_concurrency,
     )
-    BackendModel.objects.create(backend=backend, name="m")
+    BackendModel.objects.create(backend=backend, name=model)
 
 
 def _client(server: NexusServer, key: str, timeout: float = 30) -> openai.AsyncOpenAI:
@@ -469,13 +477,7 @@ def _held_backend(
     holding every request until released."""
     mock = mock_backend_factory("--models", model, "--name", model, "--slots", "4")
     httpx.post(f"{mock.base_url}/_mock/hold", json={"first": 100})
-    backend = Backend.objects.create(
-        name=model,
-        base_url=mock.base_url,
-        status=HealthStatus.HEALTHY,
-        max_concurrency=1,
-    )
-    BackendModel.objects.create(backend=backend, name=model)
+    _backend(mock, model, model, max_concurrency=1)
     return mock
 
 
