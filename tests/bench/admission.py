@@ -25,7 +25,7 @@ from django.db import transaction
 
 from backends.models import Backend, BackendModel, HealthStatus
 from routing.models import RoutingPolicy
-from tests.bench.processes import TargetSpec, start_target
+from tests.bench.processes import start_daphne
 from usage.models import ApiKey
 
 MODEL = "nexus-bench-admission"
@@ -236,14 +236,7 @@ def run_admission_benchmark(
             for label, enabled, max_concurrency in RUNS:
                 _set_admission(enabled, max_concurrency)
                 progress(f"admission {label}: tenant B alone, then beside A's flood")
-                server = start_target(
-                    TargetSpec("daphne", "daphne"),
-                    env,
-                    Path.cwd(),
-                    logs,
-                    (),
-                    ("/health/ready", {}),
-                )
+                server = start_daphne(env, logs)
                 try:
                     results[label] = asyncio.run(
                         _scenario(server.url, key_a, key_b, seconds)

@@ -27,7 +27,7 @@ from django.db import connection, transaction
 from backends.discovery import discover_models
 from backends.models import Backend, HealthStatus
 from routing.models import RoutingPolicy
-from tests.bench.processes import TargetSpec, start_target
+from tests.bench.processes import start_daphne
 from usage.models import ApiKey
 
 # (model, size in GB, share of requests)
@@ -213,14 +213,7 @@ def run_fleet_benchmark(
             with _rows([m.base_url for m in mocks]) as key:
                 discover_models()
                 _set_strategy(strategy)
-                server = start_target(
-                    TargetSpec("daphne", "daphne"),
-                    env,
-                    Path.cwd(),
-                    logs,
-                    (),
-                    ("/health/ready", {}),
-                )
+                server = start_daphne(env, logs)
                 try:
                     with _discovering():
                         outcome = asyncio.run(_run(server.url, key, plan))

@@ -47,7 +47,7 @@ from tests.bench.fleet import (
     _set_strategy,
     _workload,
 )
-from tests.bench.processes import TargetSpec, start_target
+from tests.bench.processes import start_daphne
 from usage.models import ApiKey
 
 JOINING = "fleet-large"
@@ -66,17 +66,6 @@ SIZE_RUNS = (
     ("tokens, default watermark", "tokens", None),
     ("tokens, watermark 5,600", "tokens", 5600),
 )
-
-
-def _server(env: dict[str, str], logs: Path) -> Any:
-    return start_target(
-        TargetSpec("daphne", "daphne"),
-        env,
-        Path.cwd(),
-        logs,
-        (),
-        ("/health/ready", {}),
-    )
 
 
 def _join_later(at: float, started: float, stop: threading.Event) -> threading.Thread:
@@ -113,7 +102,7 @@ def run_join(
             Backend.objects.filter(name=JOINING).update(enabled=False)
             discover_models()
             _set_strategy("fleet")
-            server = _server(env, logs)
+            server = start_daphne(env, logs)
             stop = threading.Event()
             try:
                 with _discovering():
@@ -277,7 +266,7 @@ def run_sizes(
         try:
             with _size_rows([m.base_url for m in mocks]) as key:
                 _set_stock_unit(unit, watermark_tokens)
-                server = _server(env, logs)
+                server = start_daphne(env, logs)
                 try:
                     results = asyncio.run(_send_sizes(server.url, key, plan))
                 finally:

@@ -38,7 +38,7 @@ from tests.bench.clients import (
     start_wrk,
     write_wrk_script,
 )
-from tests.bench.processes import TargetSpec, start_target
+from tests.bench.processes import start_daphne
 from tests.bench.profiles import record_profile
 from usage.models import ApiKey, ModelPrice
 
@@ -116,14 +116,7 @@ def run_limits_benchmark(
     results: dict[str, Any] = {"limits_backend": settings.NEXUS_LIMITS_BACKEND}
     try:
         with _rows(mock.base_url) as keys:
-            server = start_target(
-                TargetSpec("daphne", "daphne"),
-                env,
-                Path.cwd(),
-                logs,
-                (),
-                ("/health/ready", {}),
-            )
+            server = start_daphne(env, logs)
             try:
                 endpoints = {name: _endpoint(server.url, keys[name]) for name in KEYS}
                 # Warm up: the first requests load the configuration and the

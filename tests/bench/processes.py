@@ -321,6 +321,14 @@ def target_commands(
     )
 
 
+def start_daphne(env: dict[str, str], logs: Path) -> ProcessGroup:
+    """One Daphne serving process in the working directory, on no pinned
+    CPUs, ready when /health/ready answers: the scenario benchmarks' gateway."""
+    return start_target(
+        TargetSpec("daphne", "daphne"), env, Path.cwd(), logs, (), ("/health/ready", {})
+    )
+
+
 def start_target(
     spec: TargetSpec,
     env: dict[str, str],
