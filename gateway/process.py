@@ -42,6 +42,7 @@ from gateway.fleet.scheduler import FleetScheduler
 from gateway.holder import SnapshotHolder
 from gateway.metrics import GatewayMetrics, MetricsEndpoint, Network, parse_networks
 from gateway.relay.dispatch import LOAD_GROUP, RelayHub
+from gateway.relay.heartbeats import HeartbeatClock
 from gateway.relay.limits import RelayGuard
 from nexus_lib.groups import listen_to_group
 from nexus_lib.service import (
@@ -258,6 +259,10 @@ class Gateway:
             # call; the worker may run ahead of it by a few times that.
             max_unread=4 * config.max_unsent_bytes,
             state=self.snapshots.peek,
+            heartbeats=HeartbeatClock(
+                settings.NEXUS_RELAY_HEARTBEAT_SECONDS,
+                settings.NEXUS_RELAY_HEARTBEATS_PER_SECOND,
+            ),
         )
         # What each worker may cost this process (its consumers share it).
         self.relay_guard = RelayGuard()

@@ -552,6 +552,12 @@ NEXUS_HEALTH_INTERVAL = _bounded_float("NEXUS_HEALTH_INTERVAL", 10.0, 0.1, 86_40
 NEXUS_RELAY_HEARTBEAT_SECONDS = _bounded_float(
     "NEXUS_RELAY_HEARTBEAT_SECONDS", 5.0, 0.05, 300
 )
+# ...and no more pings than this a second per serving process: with more
+# workers than NEXUS_RELAY_HEARTBEAT_SECONDS x this connected to it, the
+# interval stretches, up to 4 heartbeats (gateway/relay/heartbeats.py).
+NEXUS_RELAY_HEARTBEATS_PER_SECOND = _bounded_float(
+    "NEXUS_RELAY_HEARTBEATS_PER_SECOND", 50.0, 1.0, 100_000
+)
 # Heartbeats are held in memory; a serving process writes its workers' liveness
 # (last seen, health freshness) to the database this often, all in one go
 # (what they report is written when it changes). Another process makes a

@@ -23,6 +23,7 @@ import aiohttp
 from nexus_worker.backend import BackendError, LocalBackend
 from nexus_worker.forwarding import forward
 from nexus_worker.protocol import (
+    DEFAULT_HEARTBEAT_SECONDS,
     ERROR_AT_CAPACITY,
     ERROR_BAD_MESSAGE,
     ERROR_DRAINING,
@@ -127,6 +128,8 @@ class Worker:
         self.models: list[str] = []
         # The backend's state as last read (sent with register and each pong).
         self.state: BackendState | None = None
+        # Seconds between the gateway's pings (register_ack, then each ping).
+        self.heartbeat = DEFAULT_HEARTBEAT_SECONDS
         self.draining = False
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._ws: aiohttp.ClientWebSocketResponse | None = None
@@ -282,8 +285,11 @@ class Worker:
         # The gateway pings every interval and gives up on a worker that left
         # MISSED_HEARTBEATS_BEFORE_GONE pings unanswered; this side gives up
         # two intervals later than that (a busy gateway's pings come late).
-        silence_limit = heartbeat * (MISSED_HEARTBEATS_BEFORE_GONE + 2)
+        # A gateway with many workers stretches the interval and says so in
+        # its pings.
+        self.heartbeat = heartbeat
         while True:
+            silence_limit = self.heartbeat * (MISSED_HEARTBEATS_BEFORE_GONE + 2)
             try:
                 message = await self._receive(ws, silence_limit)
             except ProtocolError as exc:
@@ -336,6 +342,8 @@ class Worker:
         if isinstance(message, Request):
             self._start_request(message)
         elif isinstance(message, Ping):
+            if message.interval is not None:
+                self.heartbeat = message.interval
             pong = Pong(timestamp=message.timestamp, load=self.load, state=self.state)
             self._spawn(self._send(pong))
         elif isinstance(message, Cancel):

@@ -288,10 +288,17 @@ class Cancel:
 
 @dataclass(frozen=True, slots=True)
 class Ping:
-    """Server -> worker: heartbeat probe."""
+    """Server -> worker: heartbeat probe.
+
+    ``interval``: the seconds until the next ping at most, when the gateway
+    stretched it past register_ack's ``heartbeat_interval`` (it does so with
+    many workers: gateway/relay/heartbeats.py); the worker's patience with a
+    silent gateway follows it. Older gateways do not send it.
+    """
 
     type: ClassVar[str] = "ping"
     timestamp: float
+    interval: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -676,7 +683,7 @@ _CHECKS: dict[type, dict[str, Any]] = {
         "is_streaming": _boolean,
     },
     Cancel: {"request_id": _ID, "reason": _text(_MAX_MESSAGE)},
-    Ping: {"timestamp": _TIMESTAMP},
+    Ping: {"timestamp": _TIMESTAMP, "interval": _optional(_number(0.01, 3600.0))},
     GracefulShutdown: {
         "reason": _optional(_text(_MAX_MESSAGE)),
         "timeout_secs": _optional(_number(0.0, 7 * 24 * 3600.0)),

@@ -10,8 +10,8 @@ details), takes its ``register``, makes it a ``relay`` backend
   ``start_request``) or from any other over the channel layer
   (``relay.request`` events to this consumer's channel), and sends each piece
   of the worker's answer back to the process that asked, in order;
-* pings every heartbeat interval; a worker that leaves 3 pings unanswered
-  is Gone (socket closed, backend unhealthy, its requests fail over);
+* pings at the heartbeat clock's turns (gateway/relay/heartbeats.py); a
+  worker that leaves 3 pings unanswered is Gone (socket closed, backend unhealthy, its requests fail over);
 * obeys the admin and API over the channel layer: close (revoked, 4001),
   drain (graceful_shutdown), refresh (models_refresh).
 
@@ -44,7 +44,6 @@ from urllib.parse import parse_qs
 from channels.consumer import get_handler_name
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
-from django.conf import settings
 
 from backends.worker_models import describe_refusals
 from backends.workers import (
@@ -157,7 +156,6 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         self.worker_id: int | None = None
         self.backend_name = ""
         self.registered = False
-        self.interval = float(settings.NEXUS_RELAY_HEARTBEAT_SECONDS)
         # Pings sent since the worker's last pong (3 unanswered: Gone).
         self.unanswered = 0
         self.max_concurrency = 1
@@ -229,6 +227,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         for task in self._tasks:
             task.cancel()
         self.hub.detach(self.channel_name)
+        self.hub.heartbeats.leave(self)
         if self.registered:
             self.hub.report_load(self.backend_name, None, self.channel_name)
             if self.worker_id is not None:
@@ -480,7 +479,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             protocol.RegisterAck(
                 worker_id=str(registration.worker_id),
                 models=list(registration.models),
-                heartbeat_interval=self.interval,
+                heartbeat_interval=self.hub.heartbeats.join(self),
             )
         )
         await self._tell_refused(registration)
@@ -490,7 +489,6 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             len(registration.models),
             message.max_concurrency,
         )
-        self._tasks.append(asyncio.get_running_loop().create_task(self._heartbeat()))
 
     async def _lost(self) -> None:
         """The database says this worker may not stay: revoked, or connected
@@ -553,8 +551,10 @@ class WorkerConsumer(AsyncWebsocketConsumer):
 
     # Heartbeats ------------------------------------------------------------------
 
-    async def _heartbeat(self) -> None:
-        """Ping every interval; a worker that left 3 pings unanswered is Gone.
+    async def beat(self, interval: float) -> None:
+        """The heartbeat clock's turn (gateway/relay/heartbeats.py): ping the
+        worker, saying when the next ping comes at most; a worker that left 3
+        pings unanswered is Gone.
 
         Pings sent, not time since the last pong, make it Gone: a serving
         process that stalled (a busy machine, a slow database) sent no pings
@@ -562,18 +562,20 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         heartbeat costs no database work: the pongs go to the hub's registry
         (gateway/relay/registry.py), which the database hears from now and then.
         """
-        while True:
-            await asyncio.sleep(self.interval)
-            if self.unanswered >= protocol.MISSED_HEARTBEATS_BEFORE_GONE:
-                logger.warning(
-                    "Relay worker %s missed %d heartbeats: gone",
-                    self.backend_name,
-                    self.unanswered,
-                )
-                await self._close(protocol.CloseCode.NORMAL)
-                return
-            self.unanswered += 1
-            await self._send(protocol.Ping(timestamp=time.time()))
+        if self._closing:
+            self.hub.heartbeats.leave(self)
+            return
+        if self.unanswered >= protocol.MISSED_HEARTBEATS_BEFORE_GONE:
+            logger.warning(
+                "Relay worker %s missed %d heartbeats: gone",
+                self.backend_name,
+                self.unanswered,
+            )
+            self.hub.heartbeats.leave(self)
+            await self._close(protocol.CloseCode.NORMAL)
+            return
+        self.unanswered += 1
+        await self._send(protocol.Ping(timestamp=time.time(), interval=interval))
 
     async def _send(self, message: protocol.Message) -> None:
         if not self._closing:

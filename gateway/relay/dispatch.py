@@ -39,6 +39,7 @@ import aiohttp
 from channels.layers import get_channel_layer
 from multidict import CIMultiDict
 
+from gateway.relay.heartbeats import DEFAULT_HEARTBEATS_PER_SECOND, HeartbeatClock
 from gateway.relay.registry import WorkerRegistry
 from nexus_lib.service import TaskService
 from nexus_worker import protocol
@@ -230,6 +231,7 @@ class RelayHub:
         max_reply: int = 32 * 1024 * 1024,
         max_unread: int = 4 * 1024 * 1024,
         state: Callable[[], GatewayState | None] = lambda: None,
+        heartbeats: HeartbeatClock | None = None,
     ) -> None:
         # Consumers holding a worker's socket in this process, by channel name.
         self.links: dict[str, WorkerLink] = {}
@@ -245,6 +247,12 @@ class RelayHub:
         self.state = state
         # This process's workers and what their heartbeats report.
         self.registry = WorkerRegistry()
+        # What pings them (their consumers join it once registered).
+        if heartbeats is None:
+            heartbeats = HeartbeatClock(
+                protocol.DEFAULT_HEARTBEAT_SECONDS, DEFAULT_HEARTBEATS_PER_SECOND
+            )
+        self.heartbeats = heartbeats
         # The load last published for each worker connected here.
         self._published: dict[str, int] = {}
         self.max_reply = max_reply  # a whole (non-stream) reply, in bytes
@@ -266,8 +274,10 @@ class RelayHub:
     # Lifecycle -------------------------------------------------------------
 
     def start(self) -> None:
-        """Run the reply channel (``run()``) in a task on the running loop."""
+        """Run the reply channel (``run()``) and the heartbeat clock in tasks
+        on the running loop."""
         self._replies.start()
+        self.heartbeats.start()
 
     async def run(self) -> None:
         """Open this process's reply channel and pass on what comes to it.
@@ -313,6 +323,7 @@ class RelayHub:
         for result in results:
             if isinstance(result, BaseException):
                 logger.warning("A relay worker did not leave cleanly: %r", result)
+        await self.heartbeats.stop()
         await self._replies.stop()
 
     # The consumer's side -----------------------------------------------------

@@ -4,9 +4,11 @@ A real Daphne serving Nexus (its database writes counted by a wrapper
 installed in it before it starts: tests/db_write_counter.py) and 1,000
 simulated workers in this process, each a real WebSocket that registers with
 a backend state (one model loaded, its memory, the box's memory) and answers
-every ping with a pong carrying the same state, as ``nexus-worker`` does. The
-serving process's CPU time comes from /proc; its database writes (INSERT,
-UPDATE, DELETE statements) from the counter.
+every ping with a pong carrying the same state, as ``nexus-worker`` does.
+The serving process pings them at its heartbeat clock's pace
+(gateway/relay/heartbeats.py: 1,000 workers stretch the 5 s interval to 20 s,
+50 pings a second). The serving process's CPU time comes from /proc; its
+database writes (INSERT, UPDATE, DELETE statements) from the counter.
 
 The issue's bound: 60 s of heartbeats cost under 5 % of one core and fewer
 than 100 database writes. The suite runs NEXUS_HEARTBEAT_BENCH_SECONDS (6 s
@@ -28,6 +30,7 @@ import aiohttp
 import pytest
 
 from backends.models import Worker
+from gateway.relay.heartbeats import DEFAULT_HEARTBEATS_PER_SECOND, STRETCH
 from nexus_worker import protocol
 from tests.conftest import NexusServer, start_nexus_server, wait_until
 
@@ -38,13 +41,15 @@ SECONDS = float(os.environ.get("NEXUS_HEARTBEAT_BENCH_SECONDS", "6"))
 # Another heartbeat interval (300: none in the run) measures what 1,000
 # connected workers cost the process besides their heartbeats.
 INTERVAL = int(os.environ.get("NEXUS_HEARTBEAT_BENCH_INTERVAL", "5"))
-# The bounds, for 60 s. The full run measured 9 % (embedded) and 13 %
-# (production) of a core for the whole process on this 2-core machine at load
-# 5 to 10, 1.7 % of it with no heartbeat due: the 5 % is not met there. The
+# The bounds, for 60 s. Pinged every 5 s (200 pings a second), the
+# full run measured 9 % (embedded) and 13 % (production) of a core for the
+# whole process on this 2-core machine; with the heartbeat clock's 50 a second
+# 4.8 % (production, load 3.9), 1.6 % of it with no heartbeat due. The
 # suite's short run, beside the rest of the suite, holds the process to 25 %:
 # a snapshot rebuild or database work per heartbeat (three writes each, as
 # before) costs several times that; the writes are held to the bound.
 CPU_SHARE = 0.05 if SECONDS >= 60 else 0.25
+PINGS_PER_SECOND = DEFAULT_HEARTBEATS_PER_SECOND
 WRITES_PER_MINUTE = 100
 # Workers connecting at once while they register.
 CONNECTING = 25
@@ -165,6 +170,10 @@ async def _quiet(count_file: Path, seconds: float = 3.0) -> None:
             return
 
 
+# 1,000 registrations (a database transaction each) before the measurement:
+# on a machine loaded by the rest of the suite they once outlasted the
+# suite's 240 s.
+@pytest.mark.timeout(600)
 def test_a_thousand_workers_heartbeating_cost_little_cpu_and_few_writes(
     counted_server: tuple[NexusServer, Path],
 ) -> None:
@@ -196,10 +205,12 @@ def test_a_thousand_workers_heartbeating_cost_little_cpu_and_few_writes(
             file.write(f"{time.strftime('%F %T')} load {os.getloadavg()[0]:.1f}: ")
             file.write(f"interval {INTERVAL} s, {summary}\n")
     assert result["dead"] == 0, f"a worker's socket closed; {summary}"
-    # Every worker answered about every heartbeat (5 s) of the run.
-    assert (
-        INTERVAL != 5 or result["pongs"] >= WORKERS * (int(SECONDS // 5) or 1) * 0.9
-    ), summary
+    # Every worker was pinged and answered about once an interval: 1,000
+    # workers stretch the 5 s interval to 20 s (50 pings a second).
+    interval = min(max(INTERVAL, WORKERS / PINGS_PER_SECOND), STRETCH * INTERVAL)
+    if interval < 60:
+        assert result["pongs"] >= 0.8 * WORKERS * seconds / interval, summary
+        assert result["pongs"] <= 1.2 * WORKERS * seconds / interval + 100, summary
     assert result["cpu_seconds"] < CPU_SHARE * seconds, summary
     # At least the liveness writes of one period, however short the run.
     assert result["writes"] < max(WRITES_PER_MINUTE * seconds / 60, 10), summary

@@ -58,6 +58,7 @@ EVERY_MESSAGE = [
     ),
     Cancel(request_id="r4", reason="client disconnected"),
     Ping(timestamp=1700000000.0),
+    Ping(timestamp=1700000000.0, interval=20.0),
     GracefulShutdown(reason="maintenance", timeout_secs=30.0),
     GracefulShutdown(),
     ModelsRefresh(),

@@ -550,6 +550,27 @@ async def test_a_silent_gateway_is_left_and_dialled_again(
     assert first.closed.is_set()
 
 
+async def test_a_gateway_that_stretches_its_interval_is_not_left(
+    gateway: FakeGateway, start_worker: Any
+) -> None:
+    """A gateway with many workers pings less often than its register_ack
+    said, and says so in its pings: the worker waits for them (5 of the
+    stretched intervals) instead of dialling again after 5 of the ack's."""
+    start_worker()
+    peer = await gateway.next_peer()
+    await peer.register(heartbeat_interval=0.05)
+    await peer.send(Ping(timestamp=1.0, interval=0.4))
+    await peer.expect(Pong)
+    await asyncio.sleep(0.6)  # 12 of the ack's intervals, 1.5 of the ping's
+    await peer.send(Ping(timestamp=2.0, interval=0.4))
+    assert (await peer.expect(Pong)).timestamp == 2.0
+    assert not peer.closed.is_set()
+    # Silent for 5 of the stretched intervals: then it gives up.
+    second = await gateway.next_peer()
+    await second.register()
+    assert peer.closed.is_set()
+
+
 @pytest.mark.parametrize("refuse_with_403", [False, True])
 async def test_a_rejected_secret_is_logged_and_retried_with_backoff(
     gateway: FakeGateway,
