@@ -245,17 +245,20 @@ class BackendAdmin(BackendAdminBase):
             failures = f"{obj.consecutive_failures} failed check(s) in a row"
             hover = f"{hover} ({failures})" if hover else failures
         badge = render_badge(status.label, STATUS_COLOURS[status], hover)
-        if not obj.memory_pressure:
+        paused = live_views.cold_load_pause(obj.name)
+        if not paused and not obj.memory_pressure:
             return badge
         return format_html(
             '{}<br><small title="{}">cold loads paused</small>',
             badge,
-            obj.describe_memory(),
+            paused or obj.describe_memory(),
         )
 
     @admin.display(description="reported by the server")
     def learned_memory(self, obj: Backend) -> str:
-        return obj.describe_memory() or "Nothing reported yet."
+        text = obj.describe_memory() or "Nothing reported yet."
+        paused = live_views.cold_load_pause(obj.name)
+        return f"{text} Cold loads paused: {paused}." if paused else text
 
     @admin.display(description="models", ordering="model_count")
     def model_count(self, obj: Backend) -> int:

@@ -20,6 +20,12 @@ requests should not each pay for finding out:
 3. after the time it is tried again by the next request routed there; a good
    answer from it also takes it out at once.
 
+A model load that failed for want of memory (``out_of_memory()``, from the
+proxy and the fleet's warm-ups) is noted in ``LiveStats`` the same way
+(routing/core/capacity.py: repeated, it pauses the node's cold loads) and
+announced on the same group, so every serving process pauses the node, and
+the admin, served by any of them, shows it.
+
 When every candidate of a model is in the cache, the router keeps the one that
 failed longest ago rather than refuse the request untried: a server that came
 back is found at once, and a model served only by one flaky backend still gets
@@ -48,7 +54,8 @@ import aiohttp
 from channels.layers import get_channel_layer
 
 from gateway.breaker import BREAKER_GROUP, PUBLISH_TIMEOUT
-from routing.core import LiveStats
+from routing.core import BackendSpec, LiveStats
+from routing.core.capacity import OutOfMemory, note_out_of_memory
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +74,31 @@ _CONNECTION_ERRNOS = frozenset(
 )
 
 
+FAILED_EVENT = "error_cache.failed"
+OUT_OF_MEMORY_EVENT = "error_cache.out_of_memory"
+# An error's text kept with an out-of-memory announcement.
+_MAX_DETAIL = 500
+
+
 class ErrorCachedEvent(TypedDict):
     """The message sent to BREAKER_GROUP when a process caches a failure."""
 
-    type: str  # always "error_cache.failed"
+    type: str  # FAILED_EVENT
     backend: str
     seconds: float  # relative: monotonic clocks differ between processes
     origin: str  # the sending cache, which ignores its own messages
+
+
+class OutOfMemoryEvent(TypedDict):
+    """The message sent to BREAKER_GROUP when a load failed for want of memory."""
+
+    type: str  # OUT_OF_MEMORY_EVENT
+    backend: str
+    model: str
+    detail: str
+    used_gb: float | None
+    total_gb: float | None
+    origin: str
 
 
 def is_connection_failure(error: BaseException) -> bool:
@@ -198,13 +223,29 @@ class ErrorCache:
         )
         self._announce(
             {
-                "type": "error_cache.failed",
+                "type": FAILED_EVENT,
                 "backend": backend_name,
                 "seconds": self.seconds,
                 "origin": self.origin,
             }
         )
         return True
+
+    def out_of_memory(self, backend: BackendSpec, model: str, oom: OutOfMemory) -> None:
+        """`backend` could not load `model` for want of memory: note it here
+        and in every other serving process (see the module docstring)."""
+        used_gb, total_gb = note_out_of_memory(self.stats, backend, model, oom)
+        self._announce(
+            {
+                "type": OUT_OF_MEMORY_EVENT,
+                "backend": backend.name,
+                "model": model,
+                "detail": oom.detail[:_MAX_DETAIL],
+                "used_gb": used_gb,
+                "total_gb": total_gb,
+                "origin": self.origin,
+            }
+        )
 
     def record_success(self, backend_name: str) -> None:
         """The backend answered: new requests may go there again at once."""
@@ -219,10 +260,14 @@ class ErrorCache:
     # Other processes' failures.
 
     def on_message(self, message: dict[str, Any]) -> None:
-        """Handle a message of BREAKER_GROUP (another process cached a failure)."""
-        if message.get("type") != "error_cache.failed" or self.seconds <= 0:
-            return
+        """Handle a message of BREAKER_GROUP (another process cached a
+        failure, or saw a load fail for want of memory)."""
         if message.get("origin") == self.origin:
+            return
+        if message.get("type") == OUT_OF_MEMORY_EVENT:
+            self._on_out_of_memory(message)
+            return
+        if message.get("type") != FAILED_EVENT or self.seconds <= 0:
             return
         try:
             backend_name = str(message["backend"])
@@ -233,9 +278,27 @@ class ErrorCache:
         if 0 < seconds <= 3600:
             self.stats.fail_connection(backend_name, self.stats.clock() + seconds)
 
+    def _on_out_of_memory(self, message: dict[str, Any]) -> None:
+        backend, model, detail = (
+            message.get(k) for k in ("backend", "model", "detail")
+        )
+        used_gb, total_gb = message.get("used_gb"), message.get("total_gb")
+        if not (
+            isinstance(backend, str)
+            and isinstance(model, str)
+            and isinstance(detail, str)
+            and all(_is_gb(value) for value in (used_gb, total_gb))
+        ):
+            logger.warning("Ignoring a malformed out-of-memory message: %r", message)
+            return
+        self.stats.note_oom(
+            backend, model, detail[:_MAX_DETAIL], used_gb=used_gb, total_gb=total_gb
+        )
+        self.stats.mark_evicted(backend, model)
+
     # Announcing, off the request path.
 
-    def _announce(self, event: ErrorCachedEvent) -> None:
+    def _announce(self, event: ErrorCachedEvent | OutOfMemoryEvent) -> None:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -244,7 +307,7 @@ class ErrorCache:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _publish(self, event: ErrorCachedEvent) -> None:
+    async def _publish(self, event: ErrorCachedEvent | OutOfMemoryEvent) -> None:
         layer = get_channel_layer()
         if layer is None:
             return
@@ -252,7 +315,7 @@ class ErrorCache:
             async with asyncio.timeout(PUBLISH_TIMEOUT):
                 await layer.group_send(BREAKER_GROUP, event)
         except Exception:
-            logger.warning("Could not announce a connection failure", exc_info=True)
+            logger.warning("Could not announce a backend's failure", exc_info=True)
 
     def start(self) -> None:
         """Nothing to start: announcements run as failures happen."""
@@ -261,3 +324,12 @@ class ErrorCache:
         """Wait for pending announcements (shutdown)."""
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
+
+
+def _is_gb(value: object) -> bool:
+    """None, or a plausible number of GB (a node of up to 1 PB)."""
+    return value is None or (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and 0 <= value <= 1e6
+    )

@@ -285,6 +285,7 @@ class Gateway:
             session=lambda: self.upstream.session,
             routes=self._current_routes,
             release_lease=self.limiter.release_backend,
+            out_of_memory=self.error_cache.out_of_memory,
         )
         self.metrics_endpoint = MetricsEndpoint(
             self.metrics,

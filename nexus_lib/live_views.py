@@ -29,3 +29,23 @@ def learned_context(
     """The context limit this process learned for `model` on `backend`."""
     lookup = _learned_context
     return None if lookup is None else lookup(backend, model, context_length)
+
+
+# backend name -> why this process pauses its cold loads ("": it does not).
+ColdLoadPause = Callable[[str], str]
+
+_cold_load_pause: ColdLoadPause | None = None
+
+
+def provide_cold_load_pause(lookup: ColdLoadPause | None) -> None:
+    """Where cold_load_pause() asks (None: nowhere)."""
+    global _cold_load_pause
+    _cold_load_pause = lookup
+
+
+def cold_load_pause(backend: str) -> str:
+    """Why the serving process pauses new cold loads on `backend` ("": it
+    does not, or nothing is known here): repeated out-of-memory load failures
+    (every serving process hears of them) or the node's memory pressure."""
+    lookup = _cold_load_pause
+    return "" if lookup is None else lookup(backend)

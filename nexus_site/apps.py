@@ -23,6 +23,7 @@ class NexusSiteConfig(AppConfig):
         apps.get_app_config("authtoken").verbose_name = "Management API"
         # The admin shows what this serving process learned (nexus_lib.live_views).
         live_views.provide_learned_context(_learned_context)
+        live_views.provide_cold_load_pause(_cold_load_pause)
 
 
 def _learned_context(
@@ -31,6 +32,12 @@ def _learned_context(
     from gateway.process import current_gateway
 
     return current_gateway().context_limits.peek(backend, model, context_length)
+
+
+def _cold_load_pause(backend: str) -> str:
+    from gateway.process import current_gateway
+
+    return current_gateway().fleet.cold_load_pause(backend)
 
 
 class NexusAdminConfig(admin_apps.AdminConfig):

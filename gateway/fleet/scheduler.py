@@ -44,9 +44,10 @@ from gateway.fleet.settings import (
     FleetSettings,
 )
 from nexus_lib.service import periodic
-from routing.core import LiveStats, Route, RouterSnapshot, Target
+from routing.core import BackendSpec, LiveStats, Route, RouterSnapshot, Target
 from routing.core.capacity import (
     OOM_SCAN_BYTES,
+    OutOfMemory,
     cold_load_pause,
     note_out_of_memory,
     parse_out_of_memory,
@@ -67,6 +68,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _PRIMARY_ROLES = (Role.REQUESTED, Role.ALIAS)
+# Where a failed warm-up's out-of-memory error goes: (backend, model, error).
+OutOfMemoryNote = Callable[[BackendSpec, str, OutOfMemory], object]
 T = TypeVar("T")
 
 
@@ -134,9 +137,15 @@ class FleetScheduler:
         session: Callable[[], aiohttp.ClientSession],
         routes: Callable[[], RouterSnapshot | None],
         release_lease: Callable[[str, str], None] = lambda backend, lease: None,
+        out_of_memory: OutOfMemoryNote | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stats = stats
+        # A warm-up that failed for want of memory (the gateway's error
+        # cache notes it in every serving process).
+        self._out_of_memory: OutOfMemoryNote = out_of_memory or (
+            lambda backend, model, oom: note_out_of_memory(stats, backend, model, oom)
+        )
         self._release_lease = release_lease
         self.metrics = metrics
         self._session = session
@@ -478,7 +487,7 @@ class FleetScheduler:
                 observe_load(self.stats, target.backend, target.model, seconds)
             oom = None if outcome == "loaded" else parse_out_of_memory(body)
             if oom is not None:
-                note_out_of_memory(self.stats, target.backend, model, oom)
+                self._out_of_memory(target.backend, model, oom)
         except (aiohttp.ClientError, TimeoutError) as error:
             logger.warning("Pre-warming %s on %s failed: %s", model, backend, error)
         finally:
@@ -669,6 +678,15 @@ class FleetScheduler:
                 for b, m, o, at in self.recent_prewarms
             ],
         }
+
+    def cold_load_pause(self, backend_name: str) -> str:
+        """Why the backend takes no new cold loads now ("": it does, or this
+        process does not route to it)."""
+        routes = self._routes()
+        backend = None if routes is None else routes.backend(backend_name)
+        if backend is None:
+            return ""
+        return cold_load_pause(backend, self.stats, self.stats.wall_clock())
 
     def _paused(self, routes: RouterSnapshot | None) -> list[PausedDict]:
         if routes is None:

@@ -39,7 +39,7 @@ from gateway.proxy.replies import (
 )
 from gateway.relay.dispatch import RELAY_KIND, RelayHub, RelayRefused, relay_backend
 from routing.core import LiveStats, Route, Target
-from routing.core.capacity import note_out_of_memory, parse_out_of_memory
+from routing.core.capacity import parse_out_of_memory
 from usage.limits.limiter import Limiter
 from usage.live import LiveUsage
 
@@ -355,8 +355,8 @@ class _Tries:
             return
         oom = parse_out_of_memory(body)
         if oom is not None:
-            note_out_of_memory(
-                self.upstream.stats, target.backend, target.model.name, oom
+            self.upstream.error_cache.out_of_memory(
+                target.backend, target.model.name, oom
             )
 
     async def _answer(

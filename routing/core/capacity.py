@@ -105,8 +105,9 @@ def _gigabytes(number: str, unit: str) -> float:
 
 def note_out_of_memory(
     stats: LiveStats, backend: BackendSpec, model: str, error: OutOfMemory
-) -> None:
-    """Record that `backend` could not load `model` (see the module docstring).
+) -> tuple[float | None, float | None]:
+    """Record that `backend` could not load `model` (see the module docstring);
+    return the GB the node had in use and its memory, as far as known.
 
     The model is not loaded there (whatever sending the request for it made
     this process expect). The memory the node has is learned from the error
@@ -121,6 +122,7 @@ def note_out_of_memory(
         total = round(used + error.available_gb, 3)
     stats.note_oom(backend.name, model, error.detail, used_gb=used, total_gb=total)
     stats.mark_evicted(backend.name, model)
+    return used, total
 
 
 def memory_limit(backend: BackendSpec, stats: LiveStats) -> float | None:

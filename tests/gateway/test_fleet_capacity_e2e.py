@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.test import Client
 from django.urls import reverse
@@ -26,7 +27,7 @@ from routing.core import LiveStats, RequestRequirements, Router
 from routing.core.decision import Decision
 from routing.models import RoutingPolicy
 from routing.snapshot import build_snapshot
-from tests.conftest import MockBackendProcess, NexusServer, mock_stats
+from tests.conftest import MockBackendProcess, NexusServer, mock_stats, wait_until
 from usage.models import ApiKey
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -105,6 +106,73 @@ def test_memory_another_client_takes_on_a_node_moves_the_fleets_choice(
     assert again.chosen is not None and again.chosen.backend.name == "a"
 
 
+def _admin_page(server: NexusServer, path: str, username: str, password: str) -> str:
+    """An admin page as a signed-in operator's browser gets it from `server`."""
+    with httpx.Client(base_url=server.base_url, timeout=10) as browser:
+        browser.get("/admin/login/")
+        signed_in = browser.post(
+            "/admin/login/",
+            data={
+                "username": username,
+                "password": password,
+                "csrfmiddlewaretoken": browser.cookies["csrftoken"],
+                "next": path,
+            },
+            headers={"Referer": f"{server.base_url}/admin/login/"},
+        )
+        assert signed_in.status_code == 302, signed_in.text[:500]
+        page = browser.get(path)
+        assert page.status_code == 200
+        return page.text
+
+
+@pytest.mark.skipif(
+    not settings.REDIS_URL, reason="serving processes share news through Redis"
+)
+def test_out_of_memory_failures_seen_by_one_serving_process_pause_the_node_in_all(
+    mock_backend_factory: Factory,
+    nexus_server_factory: Callable[..., NexusServer],
+) -> None:
+    a = _node(mock_backend_factory, "a", 10, "m", "n", "k")
+    b = _node(mock_backend_factory, "b", 40, "m", "n", "k")
+    _configure(a, resident_models={"other:7b": 5.0}, oom_loads="runner")
+    for name, mock, priority in (("a", a, 0), ("b", b, 5)):
+        backend = Backend.objects.create(
+            name=name,
+            base_url=mock.base_url,
+            kind="ollama",
+            priority=priority,
+            status=HealthStatus.HEALTHY,
+        )
+        for model in ("m", "n", "k"):
+            BackendModel.objects.create(
+                backend=backend, name=model, size_bytes=8 * GB, discovered=True
+            )
+    _fleet_policy()
+    _, key = ApiKey.objects.create_key("capacity")
+    get_user_model().objects.create_superuser("oom-ops", password="oom-pw")
+    first, second = nexus_server_factory(), nexus_server_factory()
+    sdk = openai.OpenAI(base_url=f"{first.base_url}/v1", api_key=key, max_retries=0)
+    for model in ("m", "n"):  # both fail to load on a, and go to b
+        sdk.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert mock_stats(a)["loads_refused"] == 2
+
+    # The other serving process heard of both: it pauses a too.
+    def paused_there() -> bool:
+        page = _admin_page(second, "/admin/backends/backend/", "oom-ops", "oom-pw")
+        return "cold loads paused" in page
+
+    wait_until(paused_there, 15, "the second process to pause a")
+    other = openai.OpenAI(base_url=f"{second.base_url}/v1", api_key=key, max_retries=0)
+    reply = other.chat.completions.with_raw_response.create(
+        model="k", messages=[{"role": "user", "content": "hi"}]
+    )
+    assert reply.headers["x-nexus-backend"] == "b"
+    assert mock_stats(a)["loads_refused"] == 2  # a was not asked to load k
+
+
 def test_repeated_out_of_memory_loads_pause_cold_loads_on_that_node(
     mock_backend_factory: Factory,
     nexus_server_factory: Callable[..., NexusServer],
@@ -166,6 +234,16 @@ def test_repeated_out_of_memory_loads_pause_cold_loads_on_that_node(
     assert "CUDA error: out of memory" in excluded["detail"]
     assert ask("k") == "b"
     assert mock_stats(a)["loads_refused"] == 2  # a was not asked to load k
+
+    # The admin, served by the same process, shows the pause on the list.
+    staff.set_password("capacity-pw")
+    staff.is_superuser = True
+    staff.save()
+    page = _admin_page(
+        server, "/admin/backends/backend/", "capacity-ops", "capacity-pw"
+    )
+    assert page.count("cold loads paused") == 1
+    assert "2 out-of-memory load failures" in page
 
     # A streamed answer's decoding speed teaches b's memory bandwidth, which
     # the wait guess uses until enough answers were timed.
