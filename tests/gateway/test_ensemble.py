@@ -9,7 +9,9 @@ which backend should win and what the client should read.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,8 +34,10 @@ from tests.conftest import (
     mock_stats,
     start_mock_backend,
     start_nexus_server,
+    wait_until,
 )
-from usage.models import ApiKey, UsageRecord
+from usage.lost import LOST_ERROR, reconcile_lost_usage
+from usage.models import ApiKey, OpenRequest, UsageRecord
 from usage.stream import clear_usage_stream, drain_usage_stream
 
 SHIPS_TO_REDIS = settings.NEXUS_USAGE_TRANSPORT == "redis"
@@ -583,3 +587,59 @@ def test_loading_and_counting_tokens_know_ensembles(gateway: Gateway) -> None:
     with pytest.raises(ollama.ResponseError) as caught:
         gateway.ollama().chat(model="moe-nothing:1b", messages=[])
     assert caught.value.status_code == 404
+
+
+def test_a_killed_process_leaves_its_steps_recorded_lost_in_one_ensemble(
+    gateway: Gateway, django_db_blocker: Any
+) -> None:
+    """kill -9 of the serving process while three answers are asked for: the
+    reconciled records of the steps still share the ensemble's id."""
+    for mock in gateway.mocks.values():
+        httpx.post(
+            f"{mock.base_url}/_mock/config", json={"latency_ms": 30_000}, timeout=5
+        ).raise_for_status()
+    doomed = start_nexus_server(
+        NEXUS_BREAKER_FAILURES="1000000",
+        NEXUS_USAGE_FLUSH_INTERVAL="0.1",
+        NEXUS_USAGE_PROGRESS_INTERVAL="0.2",
+    )
+    request_id = "ensemble-killed"
+
+    def ask() -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(
+                f"{doomed.base_url}/v1/chat/completions",
+                headers={
+                    "authorization": f"Bearer {gateway.key}",
+                    "x-request-id": request_id,
+                },
+                json={
+                    "model": f"moe-{MODEL}",
+                    "messages": [{"role": "user", "content": "hi"}],
+                },
+                timeout=30,
+            )
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    try:
+        with django_db_blocker.unblock():
+
+            def opened() -> bool:
+                if SHIPS_TO_REDIS:
+                    drain_usage_stream()
+                rows = OpenRequest.objects.filter(request_id=request_id)
+                return rows.count() == 3
+
+            wait_until(opened, what="the three answers to be open")
+            doomed.process.kill()
+            doomed.process.wait(timeout=10)
+            reconcile_lost_usage(lost_after=0)
+            records = list(UsageRecord.objects.filter(request_id=request_id))
+    finally:
+        doomed.stop()
+        asking.join(timeout=35)
+    assert len(records) == 3
+    assert all(r.reconciled and r.error == LOST_ERROR for r in records)
+    (ensemble_id,) = {r.ensemble_id for r in records}
+    assert ensemble_id
