@@ -144,6 +144,9 @@ def gateway(django_db_setup: None, django_db_blocker: Any) -> Iterator[Gateway]:
                 "budget": ApiKey.objects.create_key(
                     "ensemble-budget", budget_tokens=60, budget_period="day"
                 )[1],
+                "stream-budget": ApiKey.objects.create_key(
+                    "ensemble-stream-budget", budget_tokens=60, budget_period="day"
+                )[1],
             }
         server = start_nexus_server(NEXUS_BREAKER_FAILURES="1000000")
         yield Gateway(server, mocks, key, keys)
@@ -467,6 +470,44 @@ def test_the_budget_is_charged_for_every_step(gateway: Gateway) -> None:
     with pytest.raises(openai.RateLimitError) as caught:
         client.chat.completions.create(model=MODEL, messages=messages)  # type: ignore[arg-type]
     assert caught.value.code == "budget_exceeded"
+
+
+def test_the_streamed_refinement_is_cut_when_the_budget_runs_out(
+    gateway: Gateway, django_db_blocker: Any
+) -> None:
+    """The last step streams under the same budget meter as any stream,
+    counting what the earlier steps spent: past the key's budget of 60 tokens
+    it is cut after the event that crossed, with the budget's error."""
+    for mock in gateway.mocks.values():
+        httpx.post(
+            f"{mock.base_url}/_mock/config", json={"chunks": 40}, timeout=5
+        ).raise_for_status()
+    question = "A long stream on a small budget. prefer:alpha"
+    with httpx.stream(
+        "POST",
+        f"{gateway.server.base_url}/v1/chat/completions",
+        headers={"authorization": f"Bearer {gateway.keys['stream-budget']}"},
+        json={
+            "model": f"moe-{MODEL}",
+            "messages": [{"role": "user", "content": question}],
+            "stream": True,
+        },
+        timeout=20,
+    ) as answer:
+        assert answer.status_code == 200
+        body = answer.read().decode()
+        ensemble_id = answer.headers["x-nexus-ensemble-id"]
+    events = [json.loads(e[6:]) for e in body.split("\n\n") if e.startswith("data: {")]
+    *chunks, last = events
+    assert last["error"]["code"] == "budget_exceeded"
+    assert last["error"]["type"] == "insufficient_quota"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text and len(text) < len(refined_by("alpha", question))
+    records = ensemble_records(ensemble_id, 7, django_db_blocker)
+    (cut,) = [r for r in records if r.error == "budget_exceeded"]
+    assert cut.streamed and cut.status == 200 and cut.backend == "alpha"
+    # The meter counted the cut stream as relayed: at least a token an event.
+    assert cut.completion_tokens >= len(chunks) - 1
 
 
 def _fail_refinements(gateway: Gateway, *names: str) -> None:

@@ -40,6 +40,7 @@ from gateway.proxy.ensemble.delivery import Collected, FinalAnswer, reply_text
 from gateway.proxy.ensemble.plans import EnsemblePlan, plan_for
 from gateway.proxy.errors import ProxyError, routing_error
 from gateway.proxy.forward import Upstream, forward
+from gateway.proxy.limits import BudgetMeter
 from gateway.proxy.legs import ProxyExchange
 from gateway.proxy.relays import Send
 from gateway.proxy.surfaces import OPENAI, Surface
@@ -280,11 +281,37 @@ class Ensembles:
         the targets after the first are its retries. Returns what failed and
         its status."""
         step = final.step = self._step_exchange(plan, exchange, request)
+        step.meter = self._meter(plan, exchange, step)
         placement = Placement(order[0], tuple(order[1:]))
         failure = await self._forward(
             plan, step, placement, final, plan.policy.step_timeout_seconds, final
         )
         return failure or final.failure, step.status
+
+    def _meter(
+        self, plan: EnsemblePlan, exchange: ProxyExchange, step: ProxyExchange
+    ) -> BudgetMeter | None:
+        """The budget meter of the streamed last step, as a budgeted stream of
+        any request has (pipeline._check_key): counted on top of what the
+        earlier steps spent, against the ensemble's one ticket."""
+        ticket, policy, state = exchange.limit_ticket, exchange.policy, exchange.state
+        if (
+            not step.stream
+            or ticket is None
+            or policy is None
+            or not policy.has_budget
+            or state is None
+        ):
+            return None
+        prompt = step.requirements.estimated_tokens if step.requirements else 0
+        return BudgetMeter(
+            self.accounting.limiter,
+            ticket,
+            state.prices,
+            plan.base,
+            prompt,
+            spent=(plan.tokens, plan.nanos),
+        )
 
     def _step_exchange(
         self, plan: EnsemblePlan, exchange: ProxyExchange, request: dict[str, Any]
