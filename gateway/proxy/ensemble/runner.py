@@ -40,8 +40,8 @@ from gateway.proxy.ensemble.delivery import Collected, FinalAnswer, reply_text
 from gateway.proxy.ensemble.plans import EnsemblePlan, plan_for
 from gateway.proxy.errors import ProxyError, routing_error
 from gateway.proxy.forward import Upstream, forward
-from gateway.proxy.limits import BudgetMeter
 from gateway.proxy.legs import ProxyExchange
+from gateway.proxy.limits import BudgetMeter
 from gateway.proxy.relays import Send
 from gateway.proxy.surfaces import OPENAI, Surface
 from routing.core import (
