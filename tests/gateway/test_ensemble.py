@@ -14,7 +14,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anthropic
@@ -26,7 +26,9 @@ from django.conf import settings
 from django.core.management import call_command
 
 from backends.models import Backend, BackendModel, HealthStatus
-from gateway.proxy.ensemble import prompts
+from gateway.proxy.ensemble import listed_ensembles, prompts
+from routing.core import BackendSpec, ModelSpec, RouterSnapshot
+from routing.core.ensemble_policy import EnsemblePolicy
 from routing.models import Alias, RoutingPolicy
 from tests.conftest import (
     MockBackendProcess,
@@ -684,3 +686,50 @@ def test_a_killed_process_leaves_its_steps_recorded_lost_in_one_ensemble(
     assert all(r.reconciled and r.error == LOST_ERROR for r in records)
     (ensemble_id,) = {r.ensemble_id for r in records}
     assert ensemble_id
+
+
+def test_model_lists_show_an_ensemble_for_models_with_two_backends(
+    gateway: Gateway,
+) -> None:
+    """What Open WebUI and the SDKs list is what they offer: moe-llama3:8b (three
+    backends), not moe-solo:1b (one backend: no other opinion), for keys
+    allowed both the ensemble and its model."""
+    listed = {m.id: m for m in gateway.openai().models.list()}
+    assert listed[f"moe-{MODEL}"].owned_by == f"ensemble:{MODEL}"
+    assert "moe-solo:1b" not in listed and "moe-broken:1b" not in listed
+    tags = {m.model for m in gateway.ollama().list().models}
+    assert {MODEL, f"moe-{MODEL}"} <= tags and "moe-solo:1b" not in tags
+    shown = gateway.ollama().show(f"moe-{MODEL}")
+    assert "tools" not in (shown.capabilities or [])
+    # A listed name answers.
+    reply = gateway.ollama().chat(
+        model=f"moe-{MODEL}", messages=[{"role": "user", "content": "listed"}]
+    )
+    assert "refined" in (reply.message.content or "")
+    models = gateway.openai(gateway.keys["moe-and-plain"]).models.retrieve(
+        f"moe-{MODEL}"
+    )
+    assert models.id == f"moe-{MODEL}"
+    for key in ("plain-only", "moe-only"):
+        ids = {m.id for m in gateway.openai(gateway.keys[key]).models.list()}
+        assert f"moe-{MODEL}" not in ids, key
+        with pytest.raises(openai.NotFoundError):
+            gateway.openai(gateway.keys[key]).models.retrieve(f"moe-{MODEL}")
+    anthropic_ids = {m.id for m in gateway.anthropic().models.list()}
+    assert f"moe-{MODEL}" in anthropic_ids
+
+
+def test_one_opinion_lists_no_ensembles() -> None:
+    policy = EnsemblePolicy(opinions=1)
+    backends = [
+        BackendSpec(
+            name, f"http://{name}", status="healthy", models=(ModelSpec(MODEL),)
+        )
+        for name in ("a", "b")
+    ]
+    routes = RouterSnapshot.build(backends=backends)
+    assert listed_ensembles(routes) == {f"moe-{MODEL}": MODEL}
+    one = RouterSnapshot.build(
+        backends=backends, policy=replace(routes.policy, ensemble=policy)
+    )
+    assert listed_ensembles(one) == {}
