@@ -15,6 +15,14 @@ between progress lines holds for it. Once the operation is over, model discovery
 that backend and this process's snapshot is rebuilt before the answer ends,
 so the client's next ``/api/tags`` or chat sees the change.
 
+A client that leaves before the answer ends (Ctrl-C on ``ollama pull``) ends
+the request to the backend at once, as leaving Ollama itself does: Ollama
+stops the download and keeps the layers it has, so pulling again resumes.
+Nothing of the request is left running in Nexus; discovery still runs for
+the backend, in the background. Ollama's model files (``/api/blobs``, for
+``/api/create``) go to the backend chosen the same way:
+gateway/proxy/model_blobs.py.
+
 Every refusal is in Ollama's error shape (``{"error": "..."}``, rendered by
 the caller): 403 for a key without the permission (or no key), 404 for a
 backend name that does not exist or no Ollama backend at all, 400 for a
@@ -48,6 +56,7 @@ from gateway.proxy.replies import TRANSPORT_ERRORS, describe
 from gateway.proxy.sse import LineSplitter
 from routing.core import BackendSpec
 from routing.state import GatewayState
+from usage.limits.policy import KeyPolicy
 
 if TYPE_CHECKING:
     from gateway.process import Gateway
@@ -70,10 +79,13 @@ MAX_PROGRESS_LINE = 1024 * 1024
 BACKEND_HEADER = b"x-nexus-backend"
 BACKEND_PARAM = "backend"
 OLLAMA_KIND = "ollama"
+RELAY_KIND = "relay"  # backends.models.BackendKind.RELAY
 # How long the answer's end waits for discovery and the snapshot rebuild; the
 # operation is done by then, so a slow discovery only delays seeing it.
 DISCOVERY_WAIT_SECONDS = 60.0
 _MAX_NAME = 200
+# Status recorded (in the log) when the client left before the answer ended.
+CLIENT_CLOSED = 499
 
 
 class ModelManagement:
@@ -84,6 +96,9 @@ class ModelManagement:
         config = gateway.config
         self.max_body = config.max_body_bytes
         self.body_timeout = config.client_body_timeout
+        # Discoveries after an operation whose client left (see
+        # _relay_watching_client): kept until done.
+        self._discovering: set[asyncio.Task[None]] = set()
 
     async def serve(
         self,
@@ -98,26 +113,8 @@ class ModelManagement:
         path = exchange.path
         if method != MANAGEMENT_METHODS[path]:
             raise method_not_allowed(method, path)
-        if self.gateway.draining:
-            exchange.response_headers += ((b"connection", b"close"),)
-            raise ProxyError(
-                503,
-                "This Nexus server is shutting down; retry the request.",
-                error_type="server_error",
-                code="shutting_down",
-            )
-        policy = exchange.policy
-        if policy is None or not policy.can_manage_models:
-            raise ProxyError(
-                403,
-                f"This key may not manage models ({path}): it needs the "
-                "can_manage_models permission (the admin's key page, the API's "
-                "keys, manage_models in the config file, or `manage.py "
-                "nexus_create_key --manage-models`).",
-                error_type="permission_error",
-                code="model_management_forbidden",
-            )
-        backend = choose_backend(state, _named_backend(exchange, query))
+        policy = check_may_manage(exchange, self.gateway.draining)
+        backend = choose_backend(state, named_backend(exchange, query))
         raw = await read_body(receive, self.max_body, self.body_timeout)
         payload = parse_object(raw)
         # A key limited to some models manages only those (a pull, a copy's
@@ -128,7 +125,9 @@ class ModelManagement:
         if collapse:
             raw = json.dumps({**payload, "stream": True}).encode()
         started = time.perf_counter()
-        status = await self._relay(exchange, backend, raw, send, collapse)
+        status = await self._relay_watching_client(
+            exchange, backend, raw, receive, send, collapse
+        )
         logger.info(
             "Model management by %s on %s: %s %s -> %s in %.1f s",
             exchange.key_prefix or "anonymous",
@@ -138,6 +137,43 @@ class ModelManagement:
             status,
             time.perf_counter() - started,
         )
+
+    async def _relay_watching_client(
+        self,
+        exchange: ProxyExchange,
+        backend: BackendSpec,
+        raw: bytes,
+        receive: Any,
+        send: Send,
+        collapse: bool,
+    ) -> int:
+        """``_relay``, ended at once when the client leaves (Ctrl-C on
+        ``ollama pull``): the backend's connection is closed, so the backend
+        sees its client go, as when Ollama is asked directly (Ollama then stops
+        the pull and keeps the parts it has: pulling again resumes). Discovery
+        still runs for the backend, in the background, so that whatever the
+        operation changed before it ended is served."""
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.get_running_loop().create_task(
+            _cancel_on_disconnect(receive, task, exchange)
+        )
+        try:
+            return await self._relay(exchange, backend, raw, send, collapse)
+        except asyncio.CancelledError:
+            if not exchange.client_gone:
+                raise
+            task.uncancel()
+            self._rediscover_later(backend)
+            return CLIENT_CLOSED
+        finally:
+            watcher.cancel()
+
+    def _rediscover_later(self, backend: BackendSpec) -> None:
+        """Run ``_rediscover`` in a task of its own (the request is over)."""
+        task = asyncio.get_running_loop().create_task(self._rediscover(backend))
+        self._discovering.add(task)
+        task.add_done_callback(self._discovering.discard)
 
     async def _relay(
         self,
@@ -168,9 +204,9 @@ class ModelManagement:
                 timeout=upstream.timeout(backend.request_timeout),
             )
         except TimeoutError:
-            raise _unreachable(backend, "timed out", 504) from None
+            raise unreachable(backend, "timed out", 504) from None
         except TRANSPORT_ERRORS as error:
-            raise _unreachable(backend, describe(error), 502) from None
+            raise unreachable(backend, describe(error), 502) from None
         async with response:
             if collapse and response.status < 400:
                 return await self._answer_once(exchange, backend, response, send)
@@ -321,6 +357,30 @@ def _broke(backend: BackendSpec, detail: str, status: int) -> tuple[int, bytes]:
     return status, json.dumps({"error": message}).encode()
 
 
+def check_may_manage(exchange: ProxyExchange, draining: bool) -> KeyPolicy:
+    """The key's policy, if it may manage models now (ProxyError if not)."""
+    if draining:
+        exchange.response_headers += ((b"connection", b"close"),)
+        raise ProxyError(
+            503,
+            "This Nexus server is shutting down; retry the request.",
+            error_type="server_error",
+            code="shutting_down",
+        )
+    policy = exchange.policy
+    if policy is None or not policy.can_manage_models:
+        raise ProxyError(
+            403,
+            f"This key may not manage models ({exchange.path}): it needs the "
+            "can_manage_models permission (the admin's key page, the API's "
+            "keys, manage_models in the config file, or `manage.py "
+            "nexus_create_key --manage-models`).",
+            error_type="permission_error",
+            code="model_management_forbidden",
+        )
+    return policy
+
+
 def choose_backend(state: GatewayState, name: str | None) -> BackendSpec:
     """The backend a management request goes to (ProxyError if none fits)."""
     routes = state.routes
@@ -331,6 +391,19 @@ def choose_backend(state: GatewayState, name: str | None) -> BackendSpec:
                 404,
                 f"There is no backend named '{name}'.",
                 code="backend_not_found",
+            )
+        if backend.kind == RELAY_KIND:
+            raise ProxyError(
+                501,
+                f"The backend '{name}' is served through a relay worker, which "
+                "forwards inference only: its wire protocol carries POST "
+                "requests to the inference endpoints, and the worker's owner "
+                "has not given the gateway the right to change the models on "
+                "that machine. Run ollama pull, push, copy, create or delete "
+                "on the worker's machine; the worker reports its new models "
+                "within a minute (its --models-refresh).",
+                error_type="server_error",
+                code="management_not_relayed",
             )
         if backend.kind != OLLAMA_KIND:
             raise ProxyError(
@@ -359,7 +432,7 @@ def choose_backend(state: GatewayState, name: str | None) -> BackendSpec:
     return ollamas[0]
 
 
-def _named_backend(exchange: ProxyExchange, query: bytes) -> str | None:
+def named_backend(exchange: ProxyExchange, query: bytes) -> str | None:
     """The backend named in the query or the header (400 if they disagree)."""
     from_query = parse_qs(query.decode("latin-1")).get(BACKEND_PARAM)
     named = {value.strip() for value in from_query or ()}
@@ -395,13 +468,24 @@ def _model_of(payload: dict[str, Any]) -> str:
     return model[:_MAX_NAME] if isinstance(model, str) else "?"
 
 
-def _unreachable(backend: BackendSpec, detail: str, status: int) -> ProxyError:
+def unreachable(backend: BackendSpec, detail: str, status: int) -> ProxyError:
     return ProxyError(
         status,
         f"The backend {backend.name} did not answer: {detail}.",
         error_type="server_error",
         code="upstream_timeout" if status == 504 else "upstream_unavailable",
     )
+
+
+async def _cancel_on_disconnect(
+    receive: Any, task: asyncio.Task[Any], exchange: ProxyExchange
+) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            exchange.client_gone = True
+            task.cancel()
+            return
 
 
 async def _stays_unread(unsent: Any, max_unsent: int, stall_seconds: float) -> bool:
