@@ -15,8 +15,8 @@ body to a temporary file before the application runs, the file is read on in
 nexus_site/servers/daphne_limits.py); under the other servers the body goes
 on as it arrives. It may be up to ``NEXUS_MAX_BLOB_BYTES`` (413) and must
 reach the backend within ``NEXUS_BLOB_TIMEOUT`` (504). A relay backend
-cannot take one (nor any management: ``choose_backend`` answers 501); its
-worker's frames carry text of at most 16 MiB anyway.
+cannot take one: its worker's frames carry text of at most 16 MiB
+(nexus_worker/protocol.py), so such a request gets a 501 saying so.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from gateway.exchange import Headers
 from gateway.proxy.bodies import ClientGone, Receive, too_large
 from gateway.proxy.errors import ProxyError, method_not_allowed
 from gateway.proxy.legs import ProxyExchange
-from gateway.proxy.model_management import (
+from gateway.proxy.model_backends import (
+    RELAY_KIND,
     check_may_manage,
     choose_backend,
     named_backend,
@@ -131,6 +132,16 @@ class ModelBlobs:
         backend = choose_backend(
             state, named_backend(exchange, scope.get("query_string", b""))
         )
+        if backend.kind == RELAY_KIND:
+            raise ProxyError(
+                501,
+                f"The backend '{backend.name}' is served through a relay worker, "
+                "which cannot carry model files (its frames are text of at most "
+                "16 MiB): create the model on the worker's machine, or name a "
+                "backend Nexus reaches directly.",
+                error_type="server_error",
+                code="blob_not_relayed",
+            )
         transport = (scope.get("extensions") or {}).get("nexus.transport") or {}
         upload = _Upload(
             transport.get("body_file"),

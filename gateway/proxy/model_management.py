@@ -13,7 +13,9 @@ the backend as a stream all the same, and answered with its last line once
 it ends (a 500 if that is an error, as Ollama does), so that the same bound
 between progress lines holds for it. Once the operation is over, model discovery runs for
 that backend and this process's snapshot is rebuilt before the answer ends,
-so the client's next ``/api/tags`` or chat sees the change.
+so the client's next ``/api/tags`` or chat sees the change. An Ollama server
+behind a relay worker is managed through it when its owner allows it
+(gateway/proxy/model_relay.py).
 
 A client that leaves before the answer ends (Ctrl-C on ``ollama pull``) ends
 the request to the backend at once, as leaving Ollama itself does: Ollama
@@ -41,22 +43,29 @@ import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs
 
 import aiohttp
 
 from gateway.exchange import Headers
-from gateway.model_discovery import discover_backend
+from gateway.model_discovery import discover_backend, read_version
 from gateway.proxy.bodies import parse_object, read_body
-from gateway.proxy.errors import ProxyError, method_not_allowed
+from gateway.proxy.errors import method_not_allowed
 from gateway.proxy.legs import ProxyExchange
 from gateway.proxy.limits import check_model
+from gateway.proxy.model_backends import (
+    RELAY_KIND,
+    check_may_manage,
+    choose_backend,
+    named_backend,
+    unreachable,
+)
+from gateway.proxy.model_relay import open_through_relay
 from gateway.proxy.relays import STALL_POLL_SECONDS, Send
 from gateway.proxy.replies import TRANSPORT_ERRORS, describe
 from gateway.proxy.sse import LineSplitter
+from gateway.relay.dispatch import RelayResponse
 from routing.core import BackendSpec
 from routing.state import GatewayState
-from usage.limits.policy import KeyPolicy
 
 if TYPE_CHECKING:
     from gateway.process import Gateway
@@ -76,10 +85,9 @@ MANAGEMENT_METHODS = {
 # pull is bounded by the time between progress lines, not by its length.
 PROGRESS_PATHS = frozenset({"/api/pull", "/api/push", "/api/create"})
 MAX_PROGRESS_LINE = 1024 * 1024
-BACKEND_HEADER = b"x-nexus-backend"
-BACKEND_PARAM = "backend"
-OLLAMA_KIND = "ollama"
-RELAY_KIND = "relay"  # backends.models.BackendKind.RELAY
+NDJSON = "application/x-ndjson"
+# A backend's answer: aiohttp's, or a relay worker's read the same way.
+Response = aiohttp.ClientResponse | RelayResponse
 # How long the answer's end waits for discovery and the snapshot rebuild; the
 # operation is done by then, so a slow discovery only delays seeing it.
 DISCOVERY_WAIT_SECONDS = 60.0
@@ -125,15 +133,16 @@ class ModelManagement:
         if collapse:
             raw = json.dumps({**payload, "stream": True}).encode()
         started = time.perf_counter()
+        model = _model_of(payload)
         status = await self._relay_watching_client(
-            exchange, backend, raw, receive, send, collapse
+            exchange, backend, raw, model, receive, send, collapse
         )
         logger.info(
             "Model management by %s on %s: %s %s -> %s in %.1f s",
             exchange.key_prefix or "anonymous",
             backend.name,
             path,
-            _model_of(payload),
+            model,
             status,
             time.perf_counter() - started,
         )
@@ -143,6 +152,7 @@ class ModelManagement:
         exchange: ProxyExchange,
         backend: BackendSpec,
         raw: bytes,
+        model: str,
         receive: Any,
         send: Send,
         collapse: bool,
@@ -159,7 +169,7 @@ class ModelManagement:
             _cancel_on_disconnect(receive, task, exchange)
         )
         try:
-            return await self._relay(exchange, backend, raw, send, collapse)
+            return await self._relay(exchange, backend, raw, model, send, collapse)
         except asyncio.CancelledError:
             if not exchange.client_gone:
                 raise
@@ -171,7 +181,9 @@ class ModelManagement:
 
     def _rediscover_later(self, backend: BackendSpec) -> None:
         """Run ``_rediscover`` in a task of its own (the request is over)."""
-        task = asyncio.get_running_loop().create_task(self._rediscover(backend))
+        task = asyncio.get_running_loop().create_task(
+            self._rediscover(backend, ask=True)
+        )
         self._discovering.add(task)
         task.add_done_callback(self._discovering.discard)
 
@@ -180,13 +192,30 @@ class ModelManagement:
         exchange: ProxyExchange,
         backend: BackendSpec,
         raw: bytes,
+        model: str,
         send: Send,
         collapse: bool,
     ) -> int:
         """Send the request on; relay the answer as it comes (or only its last
         line, when `collapse`); return the status the client got."""
-        upstream = self.gateway.upstream
         path = exchange.path
+        if backend.kind == RELAY_KIND:
+            relayed = await open_through_relay(
+                self.gateway.relay,
+                exchange,
+                backend,
+                MANAGEMENT_METHODS[path],
+                raw,
+                model,
+                path in PROGRESS_PATHS,
+            )
+            try:
+                return await self._answer_with(
+                    exchange, backend, relayed, send, collapse
+                )
+            finally:
+                relayed.close()
+        upstream = self.gateway.upstream
         url = backend.base_url.removesuffix("/").removesuffix("/v1") + path
         headers = {
             "content-type": "application/json",
@@ -208,16 +237,27 @@ class ModelManagement:
         except TRANSPORT_ERRORS as error:
             raise unreachable(backend, describe(error), 502) from None
         async with response:
-            if collapse and response.status < 400:
-                return await self._answer_once(exchange, backend, response, send)
-            await self._answer(exchange, backend, response, send)
+            return await self._answer_with(exchange, backend, response, send, collapse)
+
+    async def _answer_with(
+        self,
+        exchange: ProxyExchange,
+        backend: BackendSpec,
+        response: Response,
+        send: Send,
+        collapse: bool,
+    ) -> int:
+        """Answer the client with the backend's response; return its status."""
+        if collapse and response.status < 400:
+            return await self._answer_once(exchange, backend, response, send)
+        await self._answer(exchange, backend, response, send)
         return response.status
 
     async def _answer_once(
         self,
         exchange: ProxyExchange,
         backend: BackendSpec,
-        response: aiohttp.ClientResponse,
+        response: Response,
         send: Send,
     ) -> int:
         """Read the backend's progress to its end; answer its last line alone.
@@ -244,10 +284,12 @@ class ModelManagement:
         self,
         exchange: ProxyExchange,
         backend: BackendSpec,
-        response: aiohttp.ClientResponse,
+        response: Response,
         send: Send,
     ) -> None:
         content_type = response.headers.get("Content-Type", "application/json")
+        if isinstance(response, RelayResponse) and response.status < 400:
+            content_type = NDJSON  # a relayed stream is headed as SSE
         response_headers: Headers = [
             (b"content-type", content_type.encode("latin-1")),
             (b"cache-control", b"no-cache"),
@@ -277,7 +319,7 @@ class ModelManagement:
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def _pass_body(
-        self, exchange: ProxyExchange, response: aiohttp.ClientResponse, send: Send
+        self, exchange: ProxyExchange, response: Response, send: Send
     ) -> str:
         """Relay the backend's body chunk by chunk; return why it broke ("": it
         ended). A client that leaves ``max_unsent`` bytes unread for
@@ -305,13 +347,25 @@ class ModelManagement:
             return describe(error)
         return ""
 
-    async def _rediscover(self, backend: BackendSpec) -> None:
-        """List the backend's models now and serve with them before answering."""
+    async def _rediscover(self, backend: BackendSpec, *, ask: bool = False) -> None:
+        """List the backend's models now and serve with them before answering.
+
+        A relay worker has reported its models before its answer ended (or,
+        when `ask`, is asked to): the configuration version now is served,
+        which has them unless the worker's changes were coalesced into a
+        later one (gateway/proxy/model_relay.py).
+        """
         if backend.id is None:
             return
         try:
             async with asyncio.timeout(DISCOVERY_WAIT_SECONDS):
-                version = await asyncio.to_thread(discover_backend, backend.id)
+                if backend.kind != RELAY_KIND:
+                    version = await asyncio.to_thread(discover_backend, backend.id)
+                elif ask:
+                    await self.gateway.relay.refresh_models(backend.name)
+                    return
+                else:
+                    version = await asyncio.to_thread(read_version)
                 await self.gateway.snapshots.catch_up(version)
         except Exception:
             logger.warning(
@@ -322,9 +376,7 @@ class ModelManagement:
             )
 
 
-async def _last_line(
-    backend: BackendSpec, response: aiohttp.ClientResponse
-) -> tuple[int, bytes]:
+async def _last_line(backend: BackendSpec, response: Response) -> tuple[int, bytes]:
     """The status and body that a stream's last line makes (bounded lines)."""
     splitter = LineSplitter()
     last = b""
@@ -357,104 +409,6 @@ def _broke(backend: BackendSpec, detail: str, status: int) -> tuple[int, bytes]:
     return status, json.dumps({"error": message}).encode()
 
 
-def check_may_manage(exchange: ProxyExchange, draining: bool) -> KeyPolicy:
-    """The key's policy, if it may manage models now (ProxyError if not)."""
-    if draining:
-        exchange.response_headers += ((b"connection", b"close"),)
-        raise ProxyError(
-            503,
-            "This Nexus server is shutting down; retry the request.",
-            error_type="server_error",
-            code="shutting_down",
-        )
-    policy = exchange.policy
-    if policy is None or not policy.can_manage_models:
-        raise ProxyError(
-            403,
-            f"This key may not manage models ({exchange.path}): it needs the "
-            "can_manage_models permission (the admin's key page, the API's "
-            "keys, manage_models in the config file, or `manage.py "
-            "nexus_create_key --manage-models`).",
-            error_type="permission_error",
-            code="model_management_forbidden",
-        )
-    return policy
-
-
-def choose_backend(state: GatewayState, name: str | None) -> BackendSpec:
-    """The backend a management request goes to (ProxyError if none fits)."""
-    routes = state.routes
-    if name is not None:
-        backend = routes.backends_by_name.get(name)
-        if backend is None:
-            raise ProxyError(
-                404,
-                f"There is no backend named '{name}'.",
-                code="backend_not_found",
-            )
-        if backend.kind == RELAY_KIND:
-            raise ProxyError(
-                501,
-                f"The backend '{name}' is served through a relay worker, which "
-                "forwards inference only: its wire protocol carries POST "
-                "requests to the inference endpoints, and the worker's owner "
-                "has not given the gateway the right to change the models on "
-                "that machine. Run ollama pull, push, copy, create or delete "
-                "on the worker's machine; the worker reports its new models "
-                "within a minute (its --models-refresh).",
-                error_type="server_error",
-                code="management_not_relayed",
-            )
-        if backend.kind != OLLAMA_KIND:
-            raise ProxyError(
-                400,
-                f"The backend '{name}' is not an Ollama server (its kind is "
-                f"{backend.kind}): only Ollama backends pull, push, copy, create "
-                "and delete models.",
-                code="not_an_ollama_backend",
-            )
-        return backend
-    ollamas = [b for b in routes.backends if b.kind == OLLAMA_KIND and b.enabled]
-    if not ollamas:
-        raise ProxyError(
-            404,
-            "There is no enabled Ollama backend to manage models on.",
-            code="backend_not_found",
-        )
-    if len(ollamas) > 1:
-        names = ", ".join(sorted(b.name for b in ollamas))
-        raise ProxyError(
-            400,
-            f"There are {len(ollamas)} Ollama backends ({names}): name one with "
-            "the query parameter ?backend=NAME or the header x-nexus-backend.",
-            code="backend_ambiguous",
-        )
-    return ollamas[0]
-
-
-def named_backend(exchange: ProxyExchange, query: bytes) -> str | None:
-    """The backend named in the query or the header (400 if they disagree)."""
-    from_query = parse_qs(query.decode("latin-1")).get(BACKEND_PARAM)
-    named = {value.strip() for value in from_query or ()}
-    for header, value in exchange.request_headers:
-        if header == BACKEND_HEADER:
-            named.add(value.decode("latin-1").strip())
-    named.discard("")
-    if len(named) > 1:
-        raise ProxyError(
-            400,
-            "Name one backend: the query and the x-nexus-backend header name "
-            "different ones.",
-            code="backend_ambiguous",
-        )
-    name = named.pop() if named else None
-    if name is not None and len(name) > _MAX_NAME:
-        raise ProxyError(
-            404, "There is no backend by that name.", code="backend_not_found"
-        )
-    return name
-
-
 def _models_named(payload: dict[str, Any]) -> list[str]:
     return [
         value
@@ -466,15 +420,6 @@ def _models_named(payload: dict[str, Any]) -> list[str]:
 def _model_of(payload: dict[str, Any]) -> str:
     model = payload.get("model") or payload.get("name") or payload.get("source")
     return model[:_MAX_NAME] if isinstance(model, str) else "?"
-
-
-def unreachable(backend: BackendSpec, detail: str, status: int) -> ProxyError:
-    return ProxyError(
-        status,
-        f"The backend {backend.name} did not answer: {detail}.",
-        error_type="server_error",
-        code="upstream_timeout" if status == 504 else "upstream_unavailable",
-    )
 
 
 async def _cancel_on_disconnect(

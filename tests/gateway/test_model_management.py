@@ -27,7 +27,7 @@ from django.core.management import call_command
 
 from backends.models import Backend, BackendModel, HealthStatus
 from gateway.proxy.errors import ProxyError
-from gateway.proxy.model_management import choose_backend
+from gateway.proxy.model_backends import choose_backend
 from routing.core import BackendSpec, RouterSnapshot
 from routing.state import GatewayState
 from tests.conftest import (
@@ -451,14 +451,15 @@ def test_model_file_refusals_are_in_ollamas_shape(
     assert mock_stats(gateway.olla1)["blob_bytes"] == 0
 
 
-def test_management_of_a_relay_backend_says_why_it_is_not_served(
+def test_management_of_a_relay_backend_without_its_worker_is_a_502(
     gateway: Gateway,
 ) -> None:
+    # Served through its worker (tests/gateway/test_model_management_relay.py);
+    # this one has none connected.
     with pytest.raises(ollama.ResponseError) as caught:
         gateway.on("far").pull("qwen3:0.6b")
-    assert caught.value.status_code == 501
-    assert "relay worker" in caught.value.error
-    assert "on the worker's machine" in caught.value.error
+    assert caught.value.status_code == 502
+    assert "worker not connected" in caught.value.error
 
 
 def test_a_client_leaving_mid_pull_ends_it_at_the_backend_and_discovery_runs(
