@@ -44,8 +44,6 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
-
 from gateway.exchange import Headers
 from gateway.model_discovery import discover_backend, read_version
 from gateway.proxy.bodies import parse_object, read_body
@@ -59,10 +57,10 @@ from gateway.proxy.model_backends import (
     named_backend,
     unreachable,
 )
+from gateway.proxy.model_progress import Response, last_line
 from gateway.proxy.model_relay import open_through_relay
 from gateway.proxy.relays import STALL_POLL_SECONDS, Send
 from gateway.proxy.replies import TRANSPORT_ERRORS, describe
-from gateway.proxy.sse import LineSplitter
 from gateway.relay.dispatch import RelayResponse
 from routing.core import BackendSpec
 from routing.state import GatewayState
@@ -84,10 +82,7 @@ MANAGEMENT_METHODS = {
 # the client wants one answer (the ollama client's default), so that a long
 # pull is bounded by the time between progress lines, not by its length.
 PROGRESS_PATHS = frozenset({"/api/pull", "/api/push", "/api/create"})
-MAX_PROGRESS_LINE = 1024 * 1024
 NDJSON = "application/x-ndjson"
-# A backend's answer: aiohttp's, or a relay worker's read the same way.
-Response = aiohttp.ClientResponse | RelayResponse
 # How long the answer's end waits for discovery and the snapshot rebuild; the
 # operation is done by then, so a slow discovery only delays seeing it.
 DISCOVERY_WAIT_SECONDS = 60.0
@@ -265,7 +260,7 @@ class ModelManagement:
         As Ollama answers a request without a stream: the final status, or
         a 500 with the error that ended it.
         """
-        status, body = await _last_line(backend, response)
+        status, body = await last_line(backend, response)
         if status < 400 and exchange.path != "/api/push":
             await self._rediscover(backend)
         headers: Headers = [
@@ -374,39 +369,6 @@ class ModelManagement:
                 backend.name,
                 exc_info=True,
             )
-
-
-async def _last_line(backend: BackendSpec, response: Response) -> tuple[int, bytes]:
-    """The status and body that a stream's last line makes (bounded lines)."""
-    splitter = LineSplitter()
-    last = b""
-    try:
-        async for data in response.content.iter_any():
-            for line in splitter.feed(data):
-                if line.strip():
-                    last = line
-            if splitter.pending_size > MAX_PROGRESS_LINE:
-                return _broke(backend, "a progress line over 1 MiB", 502)
-        rest = splitter.rest()
-        if rest.strip():
-            last = rest
-    except TimeoutError:
-        return _broke(backend, "no progress within its request timeout", 504)
-    except TRANSPORT_ERRORS as error:
-        return _broke(backend, describe(error), 502)
-    try:
-        final = json.loads(last)
-    except ValueError:
-        return _broke(backend, "its answer ended without a status line", 502)
-    if not isinstance(final, dict):
-        return _broke(backend, "its last line is not a JSON object", 502)
-    body = json.dumps(final).encode()
-    return (500 if "error" in final else 200), body
-
-
-def _broke(backend: BackendSpec, detail: str, status: int) -> tuple[int, bytes]:
-    message = f"Nexus: the backend {backend.name} broke off: {detail}."
-    return status, json.dumps({"error": message}).encode()
 
 
 def _models_named(payload: dict[str, Any]) -> list[str]:
