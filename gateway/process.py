@@ -108,6 +108,10 @@ class GatewayConfig:
     # A body still arriving this long after the head gets a 408 (the servers
     # that hand the application the head first: uvicorn, granian).
     client_body_timeout: float = 120.0
+    # An Ollama model file (/api/blobs/<digest>): its size, and the time it
+    # may take to arrive and to reach the backend.
+    max_blob_bytes: int = 256 * 1024**3
+    blob_timeout: float = 3600.0
     connect_timeout: float = 5.0
     max_connections: int = 1000
     max_reply_bytes: int = 32 * 1024 * 1024
@@ -143,6 +147,8 @@ class GatewayConfig:
             auth_required=settings.NEXUS_AUTH_REQUIRED,
             max_body_bytes=settings.NEXUS_MAX_BODY_BYTES,
             client_body_timeout=settings.NEXUS_CLIENT_BODY_TIMEOUT,
+            max_blob_bytes=settings.NEXUS_MAX_BLOB_BYTES,
+            blob_timeout=settings.NEXUS_BLOB_TIMEOUT,
             connect_timeout=settings.NEXUS_UPSTREAM_CONNECT_TIMEOUT,
             max_connections=settings.NEXUS_UPSTREAM_MAX_CONNECTIONS,
             max_reply_bytes=settings.NEXUS_UPSTREAM_MAX_REPLY_BYTES,

@@ -9,6 +9,11 @@ and ``DELETE /api/delete`` answer 200 with an empty body. Errors are
 model the node does not have (the source of a copy or a create, what is
 pushed or deleted), 405 for the wrong method.
 
+``HEAD /api/blobs/<digest>`` answers 200 when the node has that model file,
+404 when not; ``POST`` stores it (201; 200 if it was there already; 400 when
+the body's SHA-256 is not the digest), and a create's ``files`` must name
+stored ones (400). Only the digests are kept, never the bytes.
+
 Pulling any name succeeds (the mock is its own registry). The node's model
 list changes only once the operation is over (a pull's or create's stream
 fully sent), which ``ManagedModels.after`` says; the server applies it, and
@@ -18,7 +23,7 @@ fully sent), which ``ManagedModels.after`` says; the server applies it, and
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,8 +59,11 @@ class ManagedModels:
     content_type: str = NDJSON_CONTENT_TYPE
 
 
-def answer_management(request: Request, models: Sequence[str]) -> ManagedModels:
-    """Answer a management request against the node's `models`.
+def answer_management(
+    request: Request, models: Sequence[str], blobs: Collection[str] = ()
+) -> ManagedModels:
+    """Answer a management request against the node's `models` (and the model
+    files it holds, `blobs`).
 
     Raises ApiError (Ollama's shape) for a refused request.
     """
@@ -86,7 +94,7 @@ def answer_management(request: Request, models: Sequence[str]) -> ManagedModels:
         lines = _push_lines(model)
         after = None
     else:
-        lines = _create_lines(payload, models)
+        lines = _create_lines(payload, models, blobs)
         after = models if model in models else (*models, model)
     if after is not None:
         after = tuple(after)
@@ -154,7 +162,9 @@ def _push_lines(model: str) -> tuple[bytes, ...]:
     )
 
 
-def _create_lines(payload: dict[str, Any], models: Sequence[str]) -> tuple[bytes, ...]:
+def _create_lines(
+    payload: dict[str, Any], models: Sequence[str], blobs: Collection[str]
+) -> tuple[bytes, ...]:
     base = payload.get("from")
     files = payload.get("files")
     if base is None and not files:
@@ -166,9 +176,34 @@ def _create_lines(payload: dict[str, Any], models: Sequence[str]) -> tuple[bytes
             raise ollama_error(404, f"model '{base}' not found")
     if files is not None and not isinstance(files, dict):
         raise ollama_error(400, "files must be an object of file names to digests")
+    for digest in (files or {}).values():
+        if digest not in blobs:
+            raise ollama_error(400, f"blob {digest} not found")
     lines = [_line(status="using existing layer " + _digest(str(base or files)))]
     for key in ("system", "template", "parameters", "license", "messages"):
         if payload.get(key):
             lines.append(_line(status="creating new layer " + _digest(key)))
     lines += [_line(status="writing manifest"), _line(status="success")]
     return tuple(lines)
+
+
+BLOBS_PREFIX = "/api/blobs/"
+
+
+def answer_blob(request: Request, blobs: set[str]) -> tuple[int, bytes]:
+    """Answer ``HEAD`` or ``POST /api/blobs/<digest>``; a stored file's digest
+    goes into `blobs`. Raises ApiError (Ollama's shape) for a refused one."""
+    digest = request.path[len(BLOBS_PREFIX) :].replace("sha256-", "sha256:", 1)
+    if request.method not in ("HEAD", "POST"):
+        raise ollama_error(405, "405 method not allowed")
+    if not digest.startswith("sha256:") or len(digest) != 71:
+        raise ollama_error(400, "invalid digest format")
+    if request.method == "HEAD":
+        return (200 if digest in blobs else 404), b""
+    if digest in blobs:
+        return 200, b""
+    got = "sha256:" + hashlib.sha256(request.body).hexdigest()
+    if got != digest:
+        raise ollama_error(400, f"digest mismatch, expected {digest!r}, got {got!r}")
+    blobs.add(digest)
+    return 201, b""

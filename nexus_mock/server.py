@@ -29,8 +29,10 @@ from nexus_mock.listener import Listener
 from nexus_mock.memory import LoadRefused, NodeMemory, parse_keep_alive
 from nexus_mock.ollama_api import INFERENCE_PATHS as OLLAMA_INFERENCE_PATHS
 from nexus_mock.ollama_models import (
+    BLOBS_PREFIX,
     MANAGEMENT_PATHS,
     ManagedModels,
+    answer_blob,
     answer_management,
 )
 from nexus_mock.protocol import Header, HttpConnection
@@ -57,6 +59,8 @@ class MockBackend:
         self._background: set[asyncio.Task[None]] = set()
         self._answers = Answers(self.stats, self._started)
         self.slots = Slots(self.stats)
+        # Digests of the Ollama model files uploaded (/api/blobs).
+        self.blobs: set[str] = set()
         self.memory: NodeMemory | None = None
         self._apply_config(config)
 
@@ -160,6 +164,9 @@ class MockBackend:
             headers = [*headers, ("X-Mock-Request-Id", request_id)]
         if config.kind == "ollama" and request.path in MANAGEMENT_PATHS:
             return self._manage(request, conn, headers, record)
+        if config.kind == "ollama" and request.path.startswith(BLOBS_PREFIX):
+            self._blob(request, conn, headers, record)
+            return None
         reply: bytes | Stream | ApiError
         try:
             reply = self._answers.answer(request, config, self.memory)
@@ -217,7 +224,7 @@ class MockBackend:
         config = self.config
         try:
             check_bearer(request, config, ollama=True)
-            managed = answer_management(request, config.models)
+            managed = answer_management(request, config.models, self.blobs)
         except ApiError as error:
             self._count(record, error.status)
             self._send(conn, error, headers)
@@ -228,6 +235,26 @@ class MockBackend:
             conn.send(200, managed.body, headers)
             return None
         return self._deliver_managed(conn, managed, headers, config)
+
+    def _blob(
+        self,
+        request: Request,
+        conn: HttpConnection,
+        headers: list[Header],
+        record: RecordedRequest | None,
+    ) -> None:
+        """Answer whether the node has a model file, or store one."""
+        try:
+            check_bearer(request, self.config, ollama=True)
+            status, body = answer_blob(request, self.blobs)
+        except ApiError as error:
+            self._count(record, error.status)
+            self._send(conn, error, headers)
+            return
+        self._count(record, status)
+        if request.method == "POST":
+            self.stats.blob_bytes += len(request.body)
+        conn.send(status, body, headers)
 
     async def _deliver_managed(
         self,

@@ -42,6 +42,7 @@ class MockStats:
     dropped_streams: int = 0
     injected_failures: int = 0
     context_overflows: int = 0
+    blob_bytes: int = 0  # of Ollama model files received (/api/blobs)
     recorded: deque[RecordedRequest] = field(default_factory=deque)
     in_flight: int = 0
     open_connections: int = 0
@@ -73,6 +74,7 @@ class MockStats:
         self.dropped_streams = 0
         self.injected_failures = 0
         self.context_overflows = 0
+        self.blob_bytes = 0
         self.peak_busy_slots = self.busy_slots
         self.peak_waiting_for_slot = self.waiting_for_slot
         self.peak_outstanding = self.busy_slots + self.waiting_for_slot
@@ -90,6 +92,7 @@ class MockStats:
             "dropped_streams": self.dropped_streams,
             "injected_failures": self.injected_failures,
             "context_overflows": self.context_overflows,
+            "blob_bytes": self.blob_bytes,
             "busy_slots": self.busy_slots,
             "waiting_for_slot": self.waiting_for_slot,
             "peak_busy_slots": self.peak_busy_slots,

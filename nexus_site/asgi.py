@@ -25,7 +25,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter
 from django.urls import re_path
 
 from gateway.process import Gateway, install_gateway
-from gateway.proxy import OLLAMA_PATHS, ProxyApp
+from gateway.proxy import OLLAMA_PATHS, ProxyApp, is_ollama_blob
 from gateway.proxy.surfaces import near_miss
 from gateway.relay.consumer import WorkerConsumer
 from nexus_site.servers import serving
@@ -62,7 +62,12 @@ class NexusApplication:
         kind = scope["type"]
         if kind == "http":
             path = scope["path"]
-            if path.startswith("/v1/") or path == "/v1" or path in OLLAMA_PATHS:
+            if (
+                path.startswith("/v1/")
+                or path == "/v1"
+                or path in OLLAMA_PATHS
+                or is_ollama_blob(path)
+            ):
                 await self.proxy(scope, receive, send)
                 return
             if near_miss(path) is not None:

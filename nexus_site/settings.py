@@ -478,6 +478,13 @@ NEXUS_CLIENT_HEADER_TIMEOUT = _bounded_float(
 NEXUS_CLIENT_BODY_TIMEOUT = _bounded_float(
     "NEXUS_CLIENT_BODY_TIMEOUT", 120.0, 0.1, 86_400
 )
+# An Ollama model file uploaded to /api/blobs/<digest> (keys that may manage
+# models only): its size, and the seconds it may take to arrive and to go on
+# to the backend (gateway/proxy/model_management.py).
+NEXUS_MAX_BLOB_BYTES = _bounded_int(
+    "NEXUS_MAX_BLOB_BYTES", 256 * 1024**3, 1024 * 1024, 16 * 1024**4
+)
+NEXUS_BLOB_TIMEOUT = _bounded_float("NEXUS_BLOB_TIMEOUT", 3600.0, 1.0, 7 * 86_400)
 # The shared upstream HTTP client of each serving process.
 NEXUS_UPSTREAM_CONNECT_TIMEOUT = _bounded_float(
     "NEXUS_UPSTREAM_CONNECT_TIMEOUT", 5.0, 0.01, 600

@@ -172,7 +172,8 @@ class LocalBackend:
         }
         headers.update(self._auth_headers())
         try:
-            return await self.session.post(
+            return await self.session.request(
+                request.method,
                 self.base_url + request.endpoint,
                 data=request.body.encode(),
                 headers=headers,

@@ -93,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
         "fleet scheduling; default: unknown, models are never ruled out for it.",
     )
     parser.add_argument(
+        "--allow-model-management",
+        action="store_true",
+        help="Let the gateway pull, push, copy, create and delete models on the "
+        "local Ollama server, for its keys that may manage models (default: "
+        "inference only).",
+    )
+    parser.add_argument(
         "--log-level",
         default="INFO",
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -125,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         drain_timeout_secs=options.drain_timeout,
         backend_timeout_secs=options.backend_timeout,
         memory_gb=options.memory_gb,
+        allow_model_management=options.allow_model_management,
     )
     try:
         worker = Worker(config)

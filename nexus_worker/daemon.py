@@ -29,6 +29,8 @@ from nexus_worker.protocol import (
     ERROR_DRAINING,
     ERROR_DUPLICATE_REQUEST,
     ERROR_ENDPOINT_NOT_ALLOWED,
+    ERROR_MANAGEMENT_NOT_ALLOWED,
+    MANAGEMENT_ENDPOINTS,
     MAX_FRAME_BYTES,
     MAX_MEMORY_BYTES,
     MISSED_HEARTBEATS_BEFORE_GONE,
@@ -86,6 +88,9 @@ class WorkerConfig:
     backoff_jitter_secs: float = 0.5
     # What the backend's models may fill, told to the gateway (None: unknown).
     memory_gb: float | None = None
+    # Whether the gateway may pull, push, copy, create and delete models on the
+    # local (Ollama) server: the machine's owner's choice, off by default.
+    allow_model_management: bool = False
 
 
 class SecretRejected(Exception):
@@ -381,7 +386,11 @@ class Worker:
 
     def _refusal(self, request: Request) -> tuple[str, str] | None:
         """Return (code, message) if this request must not reach the backend."""
-        if request.method != "POST" or request.endpoint not in RELAY_ENDPOINTS:
+        if MANAGEMENT_ENDPOINTS.get(request.endpoint) == request.method:
+            refusal = self._management_refusal()
+            if refusal is not None:
+                return ERROR_MANAGEMENT_NOT_ALLOWED, refusal
+        elif request.method != "POST" or request.endpoint not in RELAY_ENDPOINTS:
             endpoint = f"{request.method} {request.endpoint[:100]}"
             return ERROR_ENDPOINT_NOT_ALLOWED, f"{endpoint} is not forwarded here"
 
@@ -393,6 +402,21 @@ class Worker:
             return ERROR_AT_CAPACITY, f"the worker is at {self.load} requests"
         return None
 
+    def _management_refusal(self) -> str | None:
+        """Why this worker does not take model management (None: it does)."""
+        if not self.config.allow_model_management:
+            return (
+                "this worker does not manage models: its owner did not start "
+                "it with --allow-model-management"
+            )
+        kind = self._backend.kind if self._backend is not None else "auto"
+        if kind != "ollama":
+            return (
+                f"this worker's local server is not Ollama (it speaks {kind}): "
+                "only Ollama pulls, pushes, copies, creates and deletes models"
+            )
+        return None
+
     def _forget(self, request_id: str, task: asyncio.Task[None]) -> None:
         self._tasks.pop(request_id, None)
         if not task.cancelled() and task.exception() is not None:
@@ -401,7 +425,17 @@ class Worker:
     async def _serve_request(self, request: Request) -> None:
         try:
             assert self._backend is not None
-            await forward(self._backend, request, self._send)
+            if request.endpoint in MANAGEMENT_ENDPOINTS:
+                # The models changed (or may have): the gateway hears before
+                # the answer ends, not at the next periodic refresh.
+                await forward(
+                    self._backend,
+                    request,
+                    self._send,
+                    lambda: self._refresh_models(always=False),
+                )
+            else:
+                await forward(self._backend, request, self._send)
         except ConnectionError:
             logger.info(
                 "request %s: the gateway connection is gone", request.request_id

@@ -41,10 +41,19 @@ MAX_RESPONSE_BYTES = 32 * 1024 * 1024
 TOO_LARGE = f"the local backend's response is over {MAX_RESPONSE_BYTES} bytes"
 
 Send = Callable[[Message], Awaitable[None]]
+# Run before the answer's last frame (model management: re-list the models,
+# so that the gateway has the new list when the answer ends).
+BeforeEnd = Callable[[], Awaitable[None]]
 
 
-async def forward(backend: LocalBackend, request: Request, send: Send) -> None:
-    """Serve ``request`` from ``backend``, sending every frame with ``send``.
+async def forward(
+    backend: LocalBackend,
+    request: Request,
+    send: Send,
+    before_end: BeforeEnd | None = None,
+) -> None:
+    """Serve ``request`` from ``backend``, sending every frame with ``send``
+    (``before_end`` runs before response_complete, if given).
 
     Cancelling the task that runs this closes the backend connection at once.
     """
@@ -57,16 +66,19 @@ async def forward(backend: LocalBackend, request: Request, send: Send) -> None:
         return
     try:
         if request.is_streaming and 200 <= response.status < 300:
-            await _relay_stream(request_id, response, send)
+            await _relay_stream(request_id, response, send, before_end)
         else:
-            await _relay_whole(request_id, response, send)
+            await _relay_whole(request_id, response, send, before_end)
     finally:
         # Unread (cancelled, cut off): this closes the backend connection.
         response.close()
 
 
 async def _relay_stream(
-    request_id: str, response: aiohttp.ClientResponse, send: Send
+    request_id: str,
+    response: aiohttp.ClientResponse,
+    send: Send,
+    before_end: BeforeEnd | None,
 ) -> None:
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     received = 0
@@ -88,6 +100,8 @@ async def _relay_stream(
         )
         return
     await _send_chunks(request_id, decoder.decode(b"", final=True), send)
+    if before_end is not None:
+        await before_end()
     await send(
         ResponseComplete(
             request_id=request_id,
@@ -99,7 +113,10 @@ async def _relay_stream(
 
 
 async def _relay_whole(
-    request_id: str, response: aiohttp.ClientResponse, send: Send
+    request_id: str,
+    response: aiohttp.ClientResponse,
+    send: Send,
+    before_end: BeforeEnd | None,
 ) -> None:
     body = bytearray()
     try:
@@ -116,6 +133,8 @@ async def _relay_whole(
     if not inline:
         # Too big for one frame: the body goes as chunks (see the protocol).
         await _send_chunks(request_id, text, send)
+    if before_end is not None:
+        await before_end()
     await send(
         ResponseComplete(
             request_id=request_id,

@@ -87,6 +87,17 @@ RELAY_ENDPOINTS = frozenset(
     }
 )
 
+# Ollama's model management, and the method each takes: forwarded only by a
+# worker whose owner allowed it (``--allow-model-management``), to an Ollama
+# server; any other worker refuses it with ERROR_MANAGEMENT_NOT_ALLOWED.
+MANAGEMENT_ENDPOINTS = {
+    "/api/pull": "POST",
+    "/api/push": "POST",
+    "/api/copy": "POST",
+    "/api/create": "POST",
+    "/api/delete": "DELETE",
+}
+
 # Error codes a worker sends in ``error.code`` (request-scoped when it has a
 # request_id: that request fails).
 ERROR_DRAINING = "draining"
@@ -96,6 +107,7 @@ ERROR_DUPLICATE_REQUEST = "duplicate_request"
 ERROR_BACKEND_UNAVAILABLE = "backend_unavailable"
 ERROR_RESPONSE_TOO_LARGE = "response_too_large"
 ERROR_BAD_MESSAGE = "bad_message"
+ERROR_MANAGEMENT_NOT_ALLOWED = "management_not_allowed"
 
 
 class CloseCode(IntEnum):

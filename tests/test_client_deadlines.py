@@ -12,25 +12,31 @@ tests/test_daphne_limits.py.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
 from django.core.management import call_command
 
+from backends.models import Backend, HealthStatus
 from nexus_mock import MockBackendProcess
 from nexus_site.servers.serving import server_commands
 from tests.conftest import (
     HEAD_OF_MEGABYTES,
     REPO_ROOT,
     _free_port,
+    mock_stats,
     send_a_head_of_megabytes,
     server_env,
+    start_mock_backend,
+    wait_until,
 )
 from usage.models import ApiKey
 
@@ -197,3 +203,43 @@ def test_django_pages_bound_a_body_too(served: Served, path: str) -> None:
         status, body = _response(_read_until_closed(sock))
     assert status == 413
     assert body["error"]["code"] == "request_too_large"
+
+
+def test_a_model_file_goes_on_as_it_arrives(
+    served: Served, django_db_blocker: Any
+) -> None:
+    """An Ollama model file (over the body limit, a file's own) is passed to
+    the backend as the server hands it over, with a length or chunked."""
+    mock = start_mock_backend("--kind", "ollama", "--models", "m", "--name", "files")
+    name = f"files-{served.server}"
+    try:
+        with django_db_blocker.unblock():
+            Backend.objects.create(
+                name=name,
+                base_url=mock.base_url,
+                kind="ollama",
+                status=HealthStatus.HEALTHY,
+            )
+            _, key = ApiKey.objects.create_key(f"ops-{name}", can_manage_models=True)
+        data = bytes(range(256)) * (3 * MAX_BODY // 256)
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        url = f"http://127.0.0.1:{served.port}/api/blobs/{digest}?backend={name}"
+        headers = {"authorization": f"Bearer {key}"}
+
+        def chunked() -> Iterator[bytes]:
+            for start in range(0, len(data), 65536):
+                yield data[start : start + 65536]
+
+        def stored() -> bool:
+            answer = httpx.post(url, content=chunked(), headers=headers, timeout=10)
+            # 401/404 until this server's configuration has the key and backend.
+            assert answer.status_code in (201, 401, 404), answer.text
+            return answer.status_code == 201
+
+        wait_until(stored, what="the upload to reach the backend")
+        assert mock_stats(mock)["blob_bytes"] == len(data)
+        again = httpx.post(url, content=data, headers=headers, timeout=10)
+        assert again.status_code == 200  # the backend has it
+        assert httpx.head(url, headers=headers, timeout=10).status_code == 200
+    finally:
+        mock.stop()

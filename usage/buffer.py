@@ -128,6 +128,9 @@ class UsageOpen:
     total_tokens: int = 0
     cost_nanos: int = 0
     status: int = 0  # the status sent so far (0: no answer yet)
+    # The multiple-opinions ensemble it is a step of ("" for any other
+    # request): a step recorded lost is still linked to its ensemble.
+    ensemble_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -277,6 +277,7 @@ def _to_open(item: UsageOpen, now: datetime) -> OpenRequest:
         cost_nanos=_count(item.cost_nanos),
         status=min(max(int(item.status), 0), _MAX_STATUS),
         streamed=bool(item.streamed),
+        ensemble_id=_clip("ensemble_id", item.ensemble_id),
         created_at=datetime.fromtimestamp(item.created_at, tz=UTC),
         seen_at=now,
     )

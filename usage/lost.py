@@ -92,5 +92,6 @@ def _lost_record(row: OpenRequest) -> UsageRecord:
         error=LOST_ERROR,
         is_error=True,
         created_at=row.created_at,
+        ensemble_id=row.ensemble_id,
         reconciled=True,
     )

@@ -275,13 +275,21 @@ class FleetScheduler:
         backend where the model is hot (moved by the rebalancer). Raises
         QueueFull or QueueTimeout; a cancelled wait leaves the line at once.
         """
+        placed = await self.place(route.target, route.retry_targets, routes)
+        return route if placed is None else placed
+
+    async def place(
+        self, target: Target, retry_targets: tuple[Target, ...], routes: RouterSnapshot
+    ) -> Placement | None:
+        """``take_slot`` for a request sent to `target` (then `retry_targets`)
+        without a route of its own (an ensemble's step): None when it may go
+        at once, else where it runs once its line let it through."""
         settings = self.settings_for(routes)
-        target = route.target
         backend, model = target.backend.name, target.model.name
         if not settings.enabled:
-            return route
+            return None
         if not self.queues.waiting_on(backend) and self._can_take(target):
-            return route
+            return None
         loop = asyncio.get_running_loop()
         waiter = Waiter(backend, model, self._clock(), loop.create_future())
         if not self.queues.join(waiter, settings.queue_length):
@@ -315,9 +323,9 @@ class FleetScheduler:
             self.note_sent(placed, routes)  # moved by the rebalancer
         if placed.backend.name == backend:
             if waiter.lease is None:
-                return route
-            return Placement(route.target, route.retry_targets, waiter.lease)
-        rest = (target, *route.retry_targets)
+                return None
+            return Placement(target, retry_targets, waiter.lease)
+        rest = (target, *retry_targets)
         return Placement(
             placed, tuple(t for t in rest if t.backend.name != placed.backend.name)
         )

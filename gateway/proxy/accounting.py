@@ -71,6 +71,7 @@ class Accounting:
             exchange.requested_model,
             exchange.stream,
             time.time(),
+            ensemble_id=exchange.ensemble_id,
         )
         self.open_requests.open(opened, exchange)
 

@@ -47,6 +47,7 @@ from gateway.proxy.errors import (
 )
 from gateway.proxy.forward import Upstream
 from gateway.proxy.legs import Call, ProxyExchange
+from gateway.proxy.model_blobs import ModelBlobs
 from gateway.proxy.model_management import ModelManagement
 from gateway.proxy.models_list import ModelsList
 from gateway.proxy.ollama_catalog import OllamaCatalog
@@ -61,6 +62,7 @@ from gateway.proxy.surfaces import (
     OLLAMA_VERSION,
     OPENAI,
     Surface,
+    is_ollama_blob,
     near_miss,
 )
 from routing.core import RequestRequirements, RoutingError
@@ -112,6 +114,7 @@ class ProxyApp:
         )
         self.pipeline = Pipeline(gateway, upstream, self.accounting)
         self.management = ModelManagement(gateway)
+        self.blobs = ModelBlobs(gateway)
 
     async def __call__(
         self, scope: dict[str, Any], receive: Receive, send: Send
@@ -151,13 +154,16 @@ class ProxyApp:
             abort=_transport_hook(scope, "abort"),
         )
         try:
-            if path in OLLAMA_MANAGEMENT_PATHS:
+            if path in OLLAMA_MANAGEMENT_PATHS or is_ollama_blob(path):
                 state = exchange.state = await self._gateway_state()
                 self._identify(exchange, state, authorization, surface)
                 query = scope.get("query_string", b"")
-                await self.management.serve(
-                    exchange, state, method, query, receive, send
-                )
+                if path in OLLAMA_MANAGEMENT_PATHS:
+                    await self.management.serve(
+                        exchange, state, method, query, receive, send
+                    )
+                else:
+                    await self.blobs.serve(exchange, state, scope, receive, send)
                 return
             if path in OLLAMA_INFO_PATHS:
                 await self._ollama_info(
@@ -485,7 +491,11 @@ def _endpoint_of(path: str, anthropic_client: bool) -> tuple[str, Surface]:
     if endpoint is None and (meant := near_miss(path)) is not None:
         # Not served under this spelling; refused in the shape of the path meant.
         return "", _endpoint_of(meant, anthropic_client)[1]
-    if path in OLLAMA_INFO_PATHS or path in OLLAMA_MANAGEMENT_PATHS:
+    if (
+        path in OLLAMA_INFO_PATHS
+        or path in OLLAMA_MANAGEMENT_PATHS
+        or is_ollama_blob(path)
+    ):
         surface = _OLLAMA
     elif anthropic_client and endpoint is None:
         # Anthropic's SDK lists models at the same path (its Models API):

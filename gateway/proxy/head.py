@@ -11,11 +11,17 @@ an upload without a valid key or over the limit costs its sender, not us.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from gateway.proxy.errors import ProxyError, unauthorized
-from gateway.proxy.surfaces import COUNT_TOKENS_PATH, ENDPOINTS, OPENAI, Surface
+from gateway.proxy.surfaces import (
+    COUNT_TOKENS_PATH,
+    ENDPOINTS,
+    OPENAI,
+    Surface,
+    is_ollama_blob,
+)
 
 # POST paths of the gateway that need a client key, with the surface whose
 # error shape they answer in: every surface's inference endpoints.
@@ -25,9 +31,21 @@ KEYED_UPLOAD_PATHS: dict[str, Surface] = {
 }
 
 
+# Ollama's error shape: an upload of a model file (/api/blobs/<digest>).
+_OLLAMA = ENDPOINTS["/api/chat"][1]
+
+
 def surface_of(path: bytes) -> Surface:
     """The surface whose error shape an upload to `path` is answered in."""
-    return KEYED_UPLOAD_PATHS.get(path.partition(b"?")[0].decode("latin-1"), OPENAI)
+    name = path.partition(b"?")[0].decode("latin-1")
+    return _OLLAMA if is_ollama_blob(name) else KEYED_UPLOAD_PATHS.get(name, OPENAI)
+
+
+def is_blob_upload(method: bytes, path: bytes) -> bool:
+    """Whether the request uploads one of Ollama's model files."""
+    return method == b"POST" and is_ollama_blob(
+        path.partition(b"?")[0].decode("latin-1")
+    )
 
 
 def find_key_prefix(keys: Mapping[str, str], authorization: bytes | None) -> str | None:
@@ -79,6 +97,8 @@ def refuse_head(
     *,
     auth_required: bool,
     max_body: int,
+    max_blob: int = 0,
+    may_manage: Callable[[str], bool] | None = None,
 ) -> tuple[ProxyError, Surface] | None:
     """Return the error a request must get from its head alone, or None.
 
@@ -86,8 +106,12 @@ def refuse_head(
     None while the serving process has no configuration yet (the proxy decides
     then). A key (``Authorization: Bearer``, or ``x-api-key`` where the
     surface takes it) is checked only on the gateway's keyed upload paths; the
-    size on every path.
+    size on every path. An upload of an Ollama model file may be up to
+    `max_blob` bytes, and only with a key that `may_manage` models (a
+    multi-GB file is refused before it costs a byte of disk).
     """
+    if is_blob_upload(head.method, head.path):
+        return _refuse_blob(head, keys, max_blob, may_manage)
     surface = KEYED_UPLOAD_PATHS.get(head.path.partition(b"?")[0].decode("latin-1"))
     if (
         surface is not None
@@ -104,3 +128,34 @@ def refuse_head(
     if length is not None and length > max_body:
         return too_large(max_body), surface or OPENAI
     return None
+
+
+def _refuse_blob(
+    head: RequestHead,
+    keys: Mapping[str, str] | None,
+    max_blob: int,
+    may_manage: Callable[[str], bool] | None,
+) -> tuple[ProxyError, Surface] | None:
+    if keys is not None:
+        prefix = find_key_prefix(keys, head.authorization)
+        if prefix is None:
+            return missing_key(), _OLLAMA
+        if may_manage is not None and not may_manage(prefix):
+            return blob_forbidden(), _OLLAMA
+    length = head.content_length
+    if length is not None and length > max_blob:
+        return too_large(max_blob), _OLLAMA
+    return None
+
+
+def blob_forbidden() -> ProxyError:
+    """The 403 for a model file uploaded with a key that may not manage models."""
+    return ProxyError(
+        403,
+        "This key may not manage models (/api/blobs): it needs the "
+        "can_manage_models permission (the admin's key page, the API's keys, "
+        "manage_models in the config file, or `manage.py nexus_create_key "
+        "--manage-models`).",
+        error_type="permission_error",
+        code="model_management_forbidden",
+    )

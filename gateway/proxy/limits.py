@@ -242,7 +242,16 @@ class BudgetMeter:
     protocol (``sse.counted_events``, ``LegStream.feed_counted``).
     """
 
-    __slots__ = ("chars", "events", "limiter", "price", "prices", "prompt", "ticket")
+    __slots__ = (
+        "chars",
+        "events",
+        "limiter",
+        "price",
+        "prices",
+        "prompt",
+        "spent",
+        "ticket",
+    )
 
     def __init__(
         self,
@@ -251,12 +260,16 @@ class BudgetMeter:
         prices: Mapping[str, Price],
         model: str,
         prompt: int,
+        spent: tuple[int, int] = (0, 0),
     ) -> None:
         self.limiter = limiter
         self.ticket = ticket
         self.prices = prices
         self.price = prices.get(model, FREE)
         self.prompt = prompt
+        # Tokens and nano-USD the ticket already paid for before this stream
+        # (an ensemble's earlier steps): the stream is counted on top of them.
+        self.spent = spent
         self.chars = 0
         self.events = 0  # events that carried text
 
@@ -295,7 +308,11 @@ class BudgetMeter:
 
     def _usage(self, chars: int, events: int) -> tuple[int, int]:
         completion = max(-(-chars // 4), events)
-        return self.prompt + completion, self.price.cost(self.prompt, completion)
+        tokens, nanos = self.spent
+        return (
+            tokens + self.prompt + completion,
+            nanos + self.price.cost(self.prompt, completion),
+        )
 
     def _is_over(self, chars: int, events: int) -> bool:
         tokens, nanos = self._usage(chars, events)

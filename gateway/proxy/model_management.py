@@ -13,7 +13,17 @@ the backend as a stream all the same, and answered with its last line once
 it ends (a 500 if that is an error, as Ollama does), so that the same bound
 between progress lines holds for it. Once the operation is over, model discovery runs for
 that backend and this process's snapshot is rebuilt before the answer ends,
-so the client's next ``/api/tags`` or chat sees the change.
+so the client's next ``/api/tags`` or chat sees the change. An Ollama server
+behind a relay worker is managed through it when its owner allows it
+(gateway/proxy/model_relay.py).
+
+A client that leaves before the answer ends (Ctrl-C on ``ollama pull``) ends
+the request to the backend at once, as leaving Ollama itself does: Ollama
+stops the download and keeps the layers it has, so pulling again resumes.
+Nothing of the request is left running in Nexus; discovery still runs for
+the backend, in the background. Ollama's model files (``/api/blobs``, for
+``/api/create``) go to the backend chosen the same way:
+gateway/proxy/model_blobs.py.
 
 Every refusal is in Ollama's error shape (``{"error": "..."}``, rendered by
 the caller): 403 for a key without the permission (or no key), 404 for a
@@ -33,19 +43,25 @@ import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs
-
-import aiohttp
 
 from gateway.exchange import Headers
-from gateway.model_discovery import discover_backend
+from gateway.model_discovery import discover_backend, read_version
 from gateway.proxy.bodies import parse_object, read_body
-from gateway.proxy.errors import ProxyError, method_not_allowed
+from gateway.proxy.errors import method_not_allowed
 from gateway.proxy.legs import ProxyExchange
 from gateway.proxy.limits import check_model
+from gateway.proxy.model_backends import (
+    RELAY_KIND,
+    check_may_manage,
+    choose_backend,
+    named_backend,
+    unreachable,
+)
+from gateway.proxy.model_progress import Response, last_line
+from gateway.proxy.model_relay import open_through_relay
 from gateway.proxy.relays import STALL_POLL_SECONDS, Send
 from gateway.proxy.replies import TRANSPORT_ERRORS, describe
-from gateway.proxy.sse import LineSplitter
+from gateway.relay.dispatch import RelayResponse
 from routing.core import BackendSpec
 from routing.state import GatewayState
 
@@ -66,14 +82,13 @@ MANAGEMENT_METHODS = {
 # the client wants one answer (the ollama client's default), so that a long
 # pull is bounded by the time between progress lines, not by its length.
 PROGRESS_PATHS = frozenset({"/api/pull", "/api/push", "/api/create"})
-MAX_PROGRESS_LINE = 1024 * 1024
-BACKEND_HEADER = b"x-nexus-backend"
-BACKEND_PARAM = "backend"
-OLLAMA_KIND = "ollama"
+NDJSON = "application/x-ndjson"
 # How long the answer's end waits for discovery and the snapshot rebuild; the
 # operation is done by then, so a slow discovery only delays seeing it.
 DISCOVERY_WAIT_SECONDS = 60.0
 _MAX_NAME = 200
+# Status recorded (in the log) when the client left before the answer ended.
+CLIENT_CLOSED = 499
 
 
 class ModelManagement:
@@ -84,6 +99,9 @@ class ModelManagement:
         config = gateway.config
         self.max_body = config.max_body_bytes
         self.body_timeout = config.client_body_timeout
+        # Discoveries after an operation whose client left (see
+        # _relay_watching_client): kept until done.
+        self._discovering: set[asyncio.Task[None]] = set()
 
     async def serve(
         self,
@@ -98,26 +116,8 @@ class ModelManagement:
         path = exchange.path
         if method != MANAGEMENT_METHODS[path]:
             raise method_not_allowed(method, path)
-        if self.gateway.draining:
-            exchange.response_headers += ((b"connection", b"close"),)
-            raise ProxyError(
-                503,
-                "This Nexus server is shutting down; retry the request.",
-                error_type="server_error",
-                code="shutting_down",
-            )
-        policy = exchange.policy
-        if policy is None or not policy.can_manage_models:
-            raise ProxyError(
-                403,
-                f"This key may not manage models ({path}): it needs the "
-                "can_manage_models permission (the admin's key page, the API's "
-                "keys, manage_models in the config file, or `manage.py "
-                "nexus_create_key --manage-models`).",
-                error_type="permission_error",
-                code="model_management_forbidden",
-            )
-        backend = choose_backend(state, _named_backend(exchange, query))
+        policy = check_may_manage(exchange, self.gateway.draining)
+        backend = choose_backend(state, named_backend(exchange, query))
         raw = await read_body(receive, self.max_body, self.body_timeout)
         payload = parse_object(raw)
         # A key limited to some models manages only those (a pull, a copy's
@@ -128,29 +128,89 @@ class ModelManagement:
         if collapse:
             raw = json.dumps({**payload, "stream": True}).encode()
         started = time.perf_counter()
-        status = await self._relay(exchange, backend, raw, send, collapse)
+        model = _model_of(payload)
+        status = await self._relay_watching_client(
+            exchange, backend, raw, model, receive, send, collapse
+        )
         logger.info(
             "Model management by %s on %s: %s %s -> %s in %.1f s",
             exchange.key_prefix or "anonymous",
             backend.name,
             path,
-            _model_of(payload),
+            model,
             status,
             time.perf_counter() - started,
         )
+
+    async def _relay_watching_client(
+        self,
+        exchange: ProxyExchange,
+        backend: BackendSpec,
+        raw: bytes,
+        model: str,
+        receive: Any,
+        send: Send,
+        collapse: bool,
+    ) -> int:
+        """``_relay``, ended at once when the client leaves (Ctrl-C on
+        ``ollama pull``): the backend's connection is closed, so the backend
+        sees its client go, as when Ollama is asked directly (Ollama then stops
+        the pull and keeps the parts it has: pulling again resumes). Discovery
+        still runs for the backend, in the background, so that whatever the
+        operation changed before it ended is served."""
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.get_running_loop().create_task(
+            _cancel_on_disconnect(receive, task, exchange)
+        )
+        try:
+            return await self._relay(exchange, backend, raw, model, send, collapse)
+        except asyncio.CancelledError:
+            if not exchange.client_gone:
+                raise
+            task.uncancel()
+            self._rediscover_later(backend)
+            return CLIENT_CLOSED
+        finally:
+            watcher.cancel()
+
+    def _rediscover_later(self, backend: BackendSpec) -> None:
+        """Run ``_rediscover`` in a task of its own (the request is over)."""
+        task = asyncio.get_running_loop().create_task(
+            self._rediscover(backend, ask=True)
+        )
+        self._discovering.add(task)
+        task.add_done_callback(self._discovering.discard)
 
     async def _relay(
         self,
         exchange: ProxyExchange,
         backend: BackendSpec,
         raw: bytes,
+        model: str,
         send: Send,
         collapse: bool,
     ) -> int:
         """Send the request on; relay the answer as it comes (or only its last
         line, when `collapse`); return the status the client got."""
-        upstream = self.gateway.upstream
         path = exchange.path
+        if backend.kind == RELAY_KIND:
+            relayed = await open_through_relay(
+                self.gateway.relay,
+                exchange,
+                backend,
+                MANAGEMENT_METHODS[path],
+                raw,
+                model,
+                path in PROGRESS_PATHS,
+            )
+            try:
+                return await self._answer_with(
+                    exchange, backend, relayed, send, collapse
+                )
+            finally:
+                relayed.close()
+        upstream = self.gateway.upstream
         url = backend.base_url.removesuffix("/").removesuffix("/v1") + path
         headers = {
             "content-type": "application/json",
@@ -168,20 +228,31 @@ class ModelManagement:
                 timeout=upstream.timeout(backend.request_timeout),
             )
         except TimeoutError:
-            raise _unreachable(backend, "timed out", 504) from None
+            raise unreachable(backend, "timed out", 504) from None
         except TRANSPORT_ERRORS as error:
-            raise _unreachable(backend, describe(error), 502) from None
+            raise unreachable(backend, describe(error), 502) from None
         async with response:
-            if collapse and response.status < 400:
-                return await self._answer_once(exchange, backend, response, send)
-            await self._answer(exchange, backend, response, send)
+            return await self._answer_with(exchange, backend, response, send, collapse)
+
+    async def _answer_with(
+        self,
+        exchange: ProxyExchange,
+        backend: BackendSpec,
+        response: Response,
+        send: Send,
+        collapse: bool,
+    ) -> int:
+        """Answer the client with the backend's response; return its status."""
+        if collapse and response.status < 400:
+            return await self._answer_once(exchange, backend, response, send)
+        await self._answer(exchange, backend, response, send)
         return response.status
 
     async def _answer_once(
         self,
         exchange: ProxyExchange,
         backend: BackendSpec,
-        response: aiohttp.ClientResponse,
+        response: Response,
         send: Send,
     ) -> int:
         """Read the backend's progress to its end; answer its last line alone.
@@ -189,7 +260,7 @@ class ModelManagement:
         As Ollama answers a request without a stream: the final status, or
         a 500 with the error that ended it.
         """
-        status, body = await _last_line(backend, response)
+        status, body = await last_line(backend, response)
         if status < 400 and exchange.path != "/api/push":
             await self._rediscover(backend)
         headers: Headers = [
@@ -208,10 +279,12 @@ class ModelManagement:
         self,
         exchange: ProxyExchange,
         backend: BackendSpec,
-        response: aiohttp.ClientResponse,
+        response: Response,
         send: Send,
     ) -> None:
         content_type = response.headers.get("Content-Type", "application/json")
+        if isinstance(response, RelayResponse) and response.status < 400:
+            content_type = NDJSON  # a relayed stream is headed as SSE
         response_headers: Headers = [
             (b"content-type", content_type.encode("latin-1")),
             (b"cache-control", b"no-cache"),
@@ -241,7 +314,7 @@ class ModelManagement:
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def _pass_body(
-        self, exchange: ProxyExchange, response: aiohttp.ClientResponse, send: Send
+        self, exchange: ProxyExchange, response: Response, send: Send
     ) -> str:
         """Relay the backend's body chunk by chunk; return why it broke ("": it
         ended). A client that leaves ``max_unsent`` bytes unread for
@@ -269,13 +342,25 @@ class ModelManagement:
             return describe(error)
         return ""
 
-    async def _rediscover(self, backend: BackendSpec) -> None:
-        """List the backend's models now and serve with them before answering."""
+    async def _rediscover(self, backend: BackendSpec, *, ask: bool = False) -> None:
+        """List the backend's models now and serve with them before answering.
+
+        A relay worker has reported its models before its answer ended (or,
+        when `ask`, is asked to): the configuration version now is served,
+        which has them unless the worker's changes were coalesced into a
+        later one (gateway/proxy/model_relay.py).
+        """
         if backend.id is None:
             return
         try:
             async with asyncio.timeout(DISCOVERY_WAIT_SECONDS):
-                version = await asyncio.to_thread(discover_backend, backend.id)
+                if backend.kind != RELAY_KIND:
+                    version = await asyncio.to_thread(discover_backend, backend.id)
+                elif ask:
+                    await self.gateway.relay.refresh_models(backend.name)
+                    return
+                else:
+                    version = await asyncio.to_thread(read_version)
                 await self.gateway.snapshots.catch_up(version)
         except Exception:
             logger.warning(
@@ -284,102 +369,6 @@ class ModelManagement:
                 backend.name,
                 exc_info=True,
             )
-
-
-async def _last_line(
-    backend: BackendSpec, response: aiohttp.ClientResponse
-) -> tuple[int, bytes]:
-    """The status and body that a stream's last line makes (bounded lines)."""
-    splitter = LineSplitter()
-    last = b""
-    try:
-        async for data in response.content.iter_any():
-            for line in splitter.feed(data):
-                if line.strip():
-                    last = line
-            if splitter.pending_size > MAX_PROGRESS_LINE:
-                return _broke(backend, "a progress line over 1 MiB", 502)
-        rest = splitter.rest()
-        if rest.strip():
-            last = rest
-    except TimeoutError:
-        return _broke(backend, "no progress within its request timeout", 504)
-    except TRANSPORT_ERRORS as error:
-        return _broke(backend, describe(error), 502)
-    try:
-        final = json.loads(last)
-    except ValueError:
-        return _broke(backend, "its answer ended without a status line", 502)
-    if not isinstance(final, dict):
-        return _broke(backend, "its last line is not a JSON object", 502)
-    body = json.dumps(final).encode()
-    return (500 if "error" in final else 200), body
-
-
-def _broke(backend: BackendSpec, detail: str, status: int) -> tuple[int, bytes]:
-    message = f"Nexus: the backend {backend.name} broke off: {detail}."
-    return status, json.dumps({"error": message}).encode()
-
-
-def choose_backend(state: GatewayState, name: str | None) -> BackendSpec:
-    """The backend a management request goes to (ProxyError if none fits)."""
-    routes = state.routes
-    if name is not None:
-        backend = routes.backends_by_name.get(name)
-        if backend is None:
-            raise ProxyError(
-                404,
-                f"There is no backend named '{name}'.",
-                code="backend_not_found",
-            )
-        if backend.kind != OLLAMA_KIND:
-            raise ProxyError(
-                400,
-                f"The backend '{name}' is not an Ollama server (its kind is "
-                f"{backend.kind}): only Ollama backends pull, push, copy, create "
-                "and delete models.",
-                code="not_an_ollama_backend",
-            )
-        return backend
-    ollamas = [b for b in routes.backends if b.kind == OLLAMA_KIND and b.enabled]
-    if not ollamas:
-        raise ProxyError(
-            404,
-            "There is no enabled Ollama backend to manage models on.",
-            code="backend_not_found",
-        )
-    if len(ollamas) > 1:
-        names = ", ".join(sorted(b.name for b in ollamas))
-        raise ProxyError(
-            400,
-            f"There are {len(ollamas)} Ollama backends ({names}): name one with "
-            "the query parameter ?backend=NAME or the header x-nexus-backend.",
-            code="backend_ambiguous",
-        )
-    return ollamas[0]
-
-
-def _named_backend(exchange: ProxyExchange, query: bytes) -> str | None:
-    """The backend named in the query or the header (400 if they disagree)."""
-    from_query = parse_qs(query.decode("latin-1")).get(BACKEND_PARAM)
-    named = {value.strip() for value in from_query or ()}
-    for header, value in exchange.request_headers:
-        if header == BACKEND_HEADER:
-            named.add(value.decode("latin-1").strip())
-    named.discard("")
-    if len(named) > 1:
-        raise ProxyError(
-            400,
-            "Name one backend: the query and the x-nexus-backend header name "
-            "different ones.",
-            code="backend_ambiguous",
-        )
-    name = named.pop() if named else None
-    if name is not None and len(name) > _MAX_NAME:
-        raise ProxyError(
-            404, "There is no backend by that name.", code="backend_not_found"
-        )
-    return name
 
 
 def _models_named(payload: dict[str, Any]) -> list[str]:
@@ -395,13 +384,15 @@ def _model_of(payload: dict[str, Any]) -> str:
     return model[:_MAX_NAME] if isinstance(model, str) else "?"
 
 
-def _unreachable(backend: BackendSpec, detail: str, status: int) -> ProxyError:
-    return ProxyError(
-        status,
-        f"The backend {backend.name} did not answer: {detail}.",
-        error_type="server_error",
-        code="upstream_timeout" if status == 504 else "upstream_unavailable",
-    )
+async def _cancel_on_disconnect(
+    receive: Any, task: asyncio.Task[Any], exchange: ProxyExchange
+) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            exchange.client_gone = True
+            task.cancel()
+            return
 
 
 async def _stays_unread(unsent: Any, max_unsent: int, stall_seconds: float) -> bool:

@@ -2,7 +2,9 @@
 in Anthropic's (Models API) for Anthropic clients.
 
 A key with an allow-list sees only the models and aliases it may use; each
-key's OpenAI list is serialised once per snapshot.
+key's OpenAI list is serialised once per snapshot. Multiple-opinions names
+(``moe-<model>``, gateway/proxy/ensemble/) are listed for every model two
+healthy backends or more serve, for keys allowed both names.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qs
 
+from gateway.proxy.ensemble.plans import listed_ensembles
 from gateway.proxy.errors import ProxyError
 from routing.core import RouterSnapshot
 from usage.limits.policy import KeyPolicy
@@ -28,6 +31,8 @@ class ModelsList:
     def __init__(self) -> None:
         self._snapshot: RouterSnapshot | None = None
         self._entries: dict[str, dict[str, Any]] = {}
+        # Listed moe- names -> their base model (allowed both, or not listed).
+        self._bases: dict[str, str] = {}
         self._body = b""
         # Key prefix -> its filtered list, for keys with an allow-list.
         self._bodies: dict[str, bytes] = {}
@@ -41,7 +46,7 @@ class ModelsList:
             data = [
                 entry
                 for name, entry in self._entries.items()
-                if _is_allowed(policy, snapshot, name)
+                if self._allows(policy, snapshot, name)
             ]
             body = json.dumps({"object": "list", "data": data}).encode()
             if len(self._bodies) < 10_000:
@@ -73,7 +78,7 @@ class ModelsList:
             for name in self._entries
             if policy is None
             or not policy.allowed_models
-            or _is_allowed(policy, snapshot, name)
+            or self._allows(policy, snapshot, name)
         )
         if before_id is not None:
             ids = [name for name in ids if name < before_id]
@@ -107,7 +112,13 @@ class ModelsList:
         """Listed in this snapshot, and the key may use it."""
         self._refresh(snapshot)
         return model_id in self._entries and (
-            policy is None or _is_allowed(policy, snapshot, model_id)
+            policy is None or self._allows(policy, snapshot, model_id)
+        )
+
+    def _allows(self, policy: KeyPolicy, snapshot: RouterSnapshot, name: str) -> bool:
+        base = self._bases.get(name)
+        return _is_allowed(policy, snapshot, name) and (
+            base is None or _is_allowed(policy, snapshot, base)
         )
 
     def _anthropic_entry(self, name: str) -> dict[str, Any]:
@@ -147,6 +158,20 @@ class ModelsList:
                     "created": created,
                     "owned_by": f"alias:{target}",
                 }
+        # Ensembles of the models listed above (ensemble.listed_ensembles).
+        bases = {
+            moe: base
+            for moe, base in sorted(listed_ensembles(snapshot).items())
+            if moe not in entries
+        }
+        for moe, base in bases.items():
+            entries[moe] = {
+                "id": moe,
+                "object": "model",
+                "created": created,
+                "owned_by": f"ensemble:{base}",
+            }
+        self._bases = bases
         self._entries = entries
         self._body = json.dumps(
             {"object": "list", "data": list(entries.values())}

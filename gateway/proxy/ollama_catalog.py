@@ -6,7 +6,9 @@ alias; ``/api/ps`` the models that are ready to answer without loading (those
 an Ollama backend reported loaded, and every model of the other kinds, which
 keep theirs loaded); ``/api/show`` a model's context length (the smallest over
 its healthy backends) and capabilities (``tools`` / ``vision`` when any of them
-has it). Bodies are built once per snapshot.
+has it). Multiple-opinions names (``moe-<model>``) are listed and shown as
+in ``/v1/models`` (gateway/proxy/models_list.py), without ``tools`` (an
+ensemble answers in text). Bodies are built once per snapshot.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import time
 from typing import Any
 
+from gateway.proxy.ensemble.plans import listed_ensembles
 from gateway.proxy.limits import is_model_allowed
 from routing.core import RouterSnapshot
 from routing.core.types import ModelRoutes
@@ -43,6 +46,8 @@ class OllamaCatalog:
         self._show: dict[str, bytes] = {}
         self._entries: dict[str, dict[str, Any]] = {}
         self._running: list[dict[str, Any]] = []
+        # Listed moe- names -> their base model (allowed both, or not listed).
+        self._bases: dict[str, str] = {}
         # Key prefix -> (tags, ps) filtered by its allow-list, once per snapshot.
         self._filtered: dict[str, tuple[bytes, bytes]] = {}
 
@@ -64,9 +69,15 @@ class OllamaCatalog:
         """The ``/api/show`` body of a model or alias, None when unknown (or
         outside the key's allow-list: a key learns nothing beyond it)."""
         self._refresh(snapshot)
-        if policy is not None and not is_model_allowed(policy, snapshot, model):
+        if policy is not None and not self._allows(policy, snapshot, model):
             return None
         return self._show.get(model)
+
+    def _allows(self, policy: KeyPolicy, snapshot: RouterSnapshot, name: str) -> bool:
+        base = self._bases.get(name)
+        return is_model_allowed(policy, snapshot, name) and (
+            base is None or is_model_allowed(policy, snapshot, base)
+        )
 
     def _for_key(
         self, snapshot: RouterSnapshot, policy: KeyPolicy
@@ -76,7 +87,7 @@ class OllamaCatalog:
             tags = [
                 entry
                 for name, entry in self._entries.items()
-                if is_model_allowed(policy, snapshot, name)
+                if self._allows(policy, snapshot, name)
             ]
             running = [
                 entry
@@ -109,6 +120,16 @@ class OllamaCatalog:
                 routes = snapshot.routes.get(target)
                 if routes is not None and routes.backend_names:
                     shows[alias] = _show(routes, modified)
+        bases = {
+            moe: base
+            for moe, base in sorted(listed_ensembles(snapshot).items())
+            if moe not in entries
+        }
+        for moe, base in bases.items():
+            entries[moe] = _tag(moe, modified)
+            shown = _show(served[base], modified)
+            shown["capabilities"] = [c for c in shown["capabilities"] if c != "tools"]
+            shows[moe] = shown
         expires = _iso(now + 24 * 3600)
         running = [
             {
@@ -124,6 +145,7 @@ class OllamaCatalog:
         self._ps = json.dumps({"models": running}).encode()
         self._show = {name: json.dumps(body).encode() for name, body in shows.items()}
         self._entries = entries
+        self._bases = bases
         self._running = running
         self._filtered = {}
         self._snapshot = snapshot

@@ -226,8 +226,8 @@ class Pipeline:
         The rate-limit headers go onto the answer's headers (or the
         refusal's); a budgeted stream gets a meter that may cut it short.
         An ensemble needs the key to allow its base model too, and takes
-        the limits once for all its steps (no meter: its steps end on their
-        own).
+        the limits once for all its steps (its streamed last step gets its
+        meter from the ensemble, gateway/proxy/ensemble/runner.py).
         """
         gateway = self.gateway
         metrics = gateway.metrics

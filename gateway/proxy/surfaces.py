@@ -314,6 +314,16 @@ OLLAMA_INFO_PATHS: dict[str, tuple[str, ...]] = {
 OLLAMA_MANAGEMENT_PATHS = frozenset(
     {"/api/pull", "/api/push", "/api/create", "/api/delete", "/api/copy"}
 )
+# Ollama's model files (``HEAD``/``POST /api/blobs/<digest>``), uploaded for
+# ``/api/create`` under the same rules as model management.
+OLLAMA_BLOBS_PREFIX = "/api/blobs/"
+
+
+def is_ollama_blob(path: str) -> bool:
+    """Whether `path` names one of Ollama's model files (a blob)."""
+    return path.startswith(OLLAMA_BLOBS_PREFIX) and len(path) > len(OLLAMA_BLOBS_PREFIX)
+
+
 # The Ollama API version Nexus answers as (what its native surface imitates).
 OLLAMA_VERSION = b'{"version":"0.9.0"}'
 # Every path of Ollama's API that the gateway answers (the ASGI wiring's list).

@@ -53,6 +53,7 @@ MAX_ATTEMPTS = 3
 # Channel-layer event types (consumer <-> requesting process).
 REQUEST_EVENT = "relay.request"
 CANCEL_EVENT = "relay.cancel"
+REFRESH_EVENT = "relay.refresh"  # backends.workers.REFRESH_EVENT
 REPLY_EVENT = "relay.reply"
 # Every serving process hears each worker's pong load on this group.
 LOAD_GROUP = "nexus.relay.load"
@@ -458,8 +459,14 @@ class RelayHub:
         body: bytes,
         headers: Mapping[str, str],
         stream: bool,
+        *,
+        method: str = "POST",
+        requeue: bool = True,
     ) -> RelayResponse:
         """Send the request to the target's worker; return once it answers.
+
+        Without `requeue`, only the target's worker is asked (Ollama model
+        management names the machine it changes).
 
         A stream returns at its first chunk, a whole reply when complete.
         Raises RelayUnavailable when no worker (of at most MAX_ATTEMPTS)
@@ -503,6 +510,7 @@ class RelayHub:
                         model=target.model.name,
                         endpoint=endpoint,
                         body=text,
+                        method=method,
                         headers=frame_headers,
                         is_streaming=stream,
                     )
@@ -533,7 +541,7 @@ class RelayHub:
             if on_close is not None:
                 on_close()
                 on_close = None
-            if len(tried) >= MAX_ATTEMPTS:
+            if not requeue or len(tried) >= MAX_ATTEMPTS:
                 break
             other = _next_worker(
                 backends, channels, stats, target.model.name, tried, self.is_gone
@@ -643,6 +651,13 @@ class RelayHub:
         )
         call.finished = True
         self.finish(call, cancel=True)
+
+    async def refresh_models(self, backend_name: str) -> None:
+        """Ask `backend_name`'s worker to list its models again and report them."""
+        state = self.state()
+        channel = state.relay_channels.get(backend_name) if state else None
+        if channel and self._layer is not None:
+            await self._layer.send(channel, {"type": REFRESH_EVENT})
 
     def finish(self, call: RelayCall, cancel: bool) -> None:
         """Forget a call; tell its worker to stop when it has not ended."""

@@ -11,6 +11,12 @@ byte resets. So under Daphne:
   and a ``Content-Length`` over ``NEXUS_MAX_BODY_BYTES`` its 413, in the
   error shape of the path's surface (OpenAI's, Anthropic's on /v1/messages),
   and the connection is closed without reading the body.
+* **Ollama model files** (``POST /api/blobs/<digest>``) are refused at the
+  headers without a key that may manage models, or over
+  ``NEXUS_MAX_BLOB_BYTES``, and have ``NEXUS_BLOB_TIMEOUT`` to arrive. Their
+  body is not handed to the application in memory (Daphne would queue all of
+  it): the application gets the spooled file (``nexus.transport``'s
+  ``body_file``) and streams it on.
 * **While the body arrives**, a body sent without a length (chunked) is
   counted and refused with a 413 once it passes the limit. Until then Twisted
   spools it to an (unlinked) temporary file in ``TMPDIR``, not to memory, as
@@ -54,7 +60,13 @@ from django.conf import settings
 from gateway.process import Gateway
 from gateway.proxy import ProxyApp
 from gateway.proxy.errors import ProxyError
-from gateway.proxy.head import RequestHead, refuse_head, surface_of, too_large
+from gateway.proxy.head import (
+    RequestHead,
+    is_blob_upload,
+    refuse_head,
+    surface_of,
+    too_large,
+)
 from gateway.proxy.surfaces import OPENAI, Surface
 from nexus_site.servers.unsent import (
     MemoryRelease,
@@ -70,6 +82,7 @@ _DEADLINE = "_nexus_deadline"
 _REFUSED = "_nexus_refused"
 _RECEIVED = "_nexus_received"
 _UNREAD = "_nexus_unread"
+_BLOB = "_nexus_blob"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +95,9 @@ class ClientLimits:
     # And how slowly it may read a response (see watch_unread below).
     max_unsent: int = 1024 * 1024
     stall_seconds: float = 10.0
+    # An Ollama model file (POST /api/blobs/<digest>): its size and deadline.
+    max_blob: int = 256 * 1024**3
+    blob_timeout: float = 3600.0
 
     @classmethod
     def from_settings(cls) -> ClientLimits:
@@ -91,7 +107,30 @@ class ClientLimits:
             body_timeout=settings.NEXUS_CLIENT_BODY_TIMEOUT,
             max_unsent=settings.NEXUS_STREAM_MAX_UNSENT_BYTES,
             stall_seconds=settings.NEXUS_STREAM_STALL_SECONDS,
+            max_blob=settings.NEXUS_MAX_BLOB_BYTES,
+            blob_timeout=settings.NEXUS_BLOB_TIMEOUT,
         )
+
+
+class _SpooledBody:
+    """What Daphne reads of an uploaded model file: nothing (see
+    ``install_daphne_limits``). The file Twisted spooled the body to is
+    handed to the application instead, and closed with this."""
+
+    closed = False
+
+    def __init__(self, spooled: Any) -> None:
+        self.spooled = spooled
+
+    def read(self, *args: Any) -> bytes:
+        return b""
+
+    def seek(self, *args: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+        self.spooled.close()
 
 
 class _Discard:
@@ -258,18 +297,28 @@ def install_daphne_limits(
             authorization=authorization[0] if authorization else None,
             api_key=api_key[0] if api_key else None,
         )
+        policies = None if state is None else state.policies
+
+        def may_manage(prefix: str) -> bool:
+            policy = None if policies is None else policies.get(prefix)
+            return policy is not None and policy.can_manage_models
+
         refusal = refuse_head(
             head,
             None if state is None else state.keys,
             auth_required=gateway.config.auth_required,
             max_body=limits.max_body,
+            max_blob=limits.max_blob,
+            may_manage=may_manage,
         )
         if refusal is not None:
             refuse(self, *refusal)
             return
         setattr(self, _RECEIVED, 0)
         got_length(self, length)
-        arm(channel, limits.body_timeout, "body")
+        blob = is_blob_upload(head.method, head.path)
+        setattr(self, _BLOB, blob)
+        arm(channel, limits.blob_timeout if blob else limits.body_timeout, "body")
 
     WebRequest.gotLength = got_length_or_refuse
 
@@ -280,9 +329,10 @@ def install_daphne_limits(
             return
         received = getattr(self, _RECEIVED, 0) + len(data)
         setattr(self, _RECEIVED, received)
-        if received > limits.max_body:  # sent without a length (chunked)
+        limit = limits.max_blob if getattr(self, _BLOB, False) else limits.max_body
+        if received > limit:  # sent without a length (chunked)
             path = getattr(self.channel, "_path", b"")
-            refuse(self, too_large(limits.max_body), surface_of(path))
+            refuse(self, too_large(limit), surface_of(path))
             return
         handle_content_chunk(self, data)
 
@@ -303,10 +353,18 @@ def install_daphne_limits(
 
     def create_application_with_probe(self: Any, protocol: Any, scope: Any) -> Any:
         extensions = scope.setdefault("extensions", {})
-        extensions["nexus.transport"] = {
+        transport = extensions["nexus.transport"] = {
             "unsent_bytes": functools.partial(unsent_bytes, protocol),
             "abort": functools.partial(abort_connection, protocol, release),
         }
+        if getattr(protocol, _BLOB, False) and scope.get("type") == "http":
+            # Daphne would put the whole body in the application's queue, in
+            # memory, before it runs: a model file of gigabytes. The proxy
+            # streams it from the spooled file instead (body_file), and Daphne
+            # reads an empty body; the file is closed with the request.
+            stand_in = _SpooledBody(protocol.content)
+            protocol.content = stand_in
+            transport["body_file"] = stand_in.spooled
         return create_application(self, protocol, scope)
 
     Server.create_application = create_application_with_probe

@@ -9,10 +9,12 @@ which backend should win and what the client should read.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anthropic
@@ -24,7 +26,9 @@ from django.conf import settings
 from django.core.management import call_command
 
 from backends.models import Backend, BackendModel, HealthStatus
-from gateway.proxy.ensemble import prompts
+from gateway.proxy.ensemble import listed_ensembles, prompts
+from routing.core import BackendSpec, ModelSpec, RouterSnapshot
+from routing.core.ensemble_policy import EnsemblePolicy
 from routing.models import Alias, RoutingPolicy
 from tests.conftest import (
     MockBackendProcess,
@@ -32,8 +36,10 @@ from tests.conftest import (
     mock_stats,
     start_mock_backend,
     start_nexus_server,
+    wait_until,
 )
-from usage.models import ApiKey, UsageRecord
+from usage.lost import LOST_ERROR, reconcile_lost_usage
+from usage.models import ApiKey, OpenRequest, UsageRecord
 from usage.stream import clear_usage_stream, drain_usage_stream
 
 SHIPS_TO_REDIS = settings.NEXUS_USAGE_TRANSPORT == "redis"
@@ -139,6 +145,9 @@ def gateway(django_db_setup: None, django_db_blocker: Any) -> Iterator[Gateway]:
                 )[1],
                 "budget": ApiKey.objects.create_key(
                     "ensemble-budget", budget_tokens=60, budget_period="day"
+                )[1],
+                "stream-budget": ApiKey.objects.create_key(
+                    "ensemble-stream-budget", budget_tokens=60, budget_period="day"
                 )[1],
             }
         server = start_nexus_server(NEXUS_BREAKER_FAILURES="1000000")
@@ -465,6 +474,44 @@ def test_the_budget_is_charged_for_every_step(gateway: Gateway) -> None:
     assert caught.value.code == "budget_exceeded"
 
 
+def test_the_streamed_refinement_is_cut_when_the_budget_runs_out(
+    gateway: Gateway, django_db_blocker: Any
+) -> None:
+    """The last step streams under the same budget meter as any stream,
+    counting what the earlier steps spent: past the key's budget of 60 tokens
+    it is cut after the event that crossed, with the budget's error."""
+    for mock in gateway.mocks.values():
+        httpx.post(
+            f"{mock.base_url}/_mock/config", json={"chunks": 40}, timeout=5
+        ).raise_for_status()
+    question = "A long stream on a small budget. prefer:alpha"
+    with httpx.stream(
+        "POST",
+        f"{gateway.server.base_url}/v1/chat/completions",
+        headers={"authorization": f"Bearer {gateway.keys['stream-budget']}"},
+        json={
+            "model": f"moe-{MODEL}",
+            "messages": [{"role": "user", "content": question}],
+            "stream": True,
+        },
+        timeout=20,
+    ) as answer:
+        assert answer.status_code == 200
+        body = answer.read().decode()
+        ensemble_id = answer.headers["x-nexus-ensemble-id"]
+    events = [json.loads(e[6:]) for e in body.split("\n\n") if e.startswith("data: {")]
+    *chunks, last = events
+    assert last["error"]["code"] == "budget_exceeded"
+    assert last["error"]["type"] == "insufficient_quota"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text and len(text) < len(refined_by("alpha", question))
+    records = ensemble_records(ensemble_id, 7, django_db_blocker)
+    (cut,) = [r for r in records if r.error == "budget_exceeded"]
+    assert cut.streamed and cut.status == 200 and cut.backend == "alpha"
+    # The meter counted the cut stream as relayed: at least a token an event.
+    assert cut.completion_tokens >= len(chunks) - 1
+
+
 def _fail_refinements(gateway: Gateway, *names: str) -> None:
     for name in names:
         httpx.post(
@@ -583,3 +630,106 @@ def test_loading_and_counting_tokens_know_ensembles(gateway: Gateway) -> None:
     with pytest.raises(ollama.ResponseError) as caught:
         gateway.ollama().chat(model="moe-nothing:1b", messages=[])
     assert caught.value.status_code == 404
+
+
+def test_a_killed_process_leaves_its_steps_recorded_lost_in_one_ensemble(
+    gateway: Gateway, django_db_blocker: Any
+) -> None:
+    """kill -9 of the serving process while three answers are asked for: the
+    reconciled records of the steps still share the ensemble's id."""
+    for mock in gateway.mocks.values():
+        httpx.post(
+            f"{mock.base_url}/_mock/config", json={"latency_ms": 30_000}, timeout=5
+        ).raise_for_status()
+    doomed = start_nexus_server(
+        NEXUS_BREAKER_FAILURES="1000000",
+        NEXUS_USAGE_FLUSH_INTERVAL="0.1",
+        NEXUS_USAGE_PROGRESS_INTERVAL="0.2",
+    )
+    request_id = "ensemble-killed"
+
+    def ask() -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(
+                f"{doomed.base_url}/v1/chat/completions",
+                headers={
+                    "authorization": f"Bearer {gateway.key}",
+                    "x-request-id": request_id,
+                },
+                json={
+                    "model": f"moe-{MODEL}",
+                    "messages": [{"role": "user", "content": "hi"}],
+                },
+                timeout=30,
+            )
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    try:
+        with django_db_blocker.unblock():
+
+            def opened() -> bool:
+                if SHIPS_TO_REDIS:
+                    drain_usage_stream()
+                rows = OpenRequest.objects.filter(request_id=request_id)
+                return rows.count() == 3
+
+            wait_until(opened, what="the three answers to be open")
+            doomed.process.kill()
+            doomed.process.wait(timeout=10)
+            reconcile_lost_usage(lost_after=0)
+            records = list(UsageRecord.objects.filter(request_id=request_id))
+    finally:
+        doomed.stop()
+        asking.join(timeout=35)
+    assert len(records) == 3
+    assert all(r.reconciled and r.error == LOST_ERROR for r in records)
+    (ensemble_id,) = {r.ensemble_id for r in records}
+    assert ensemble_id
+
+
+def test_model_lists_show_an_ensemble_for_models_with_two_backends(
+    gateway: Gateway,
+) -> None:
+    """What Open WebUI and the SDKs list is what they offer: moe-llama3:8b (three
+    backends), not moe-solo:1b (one backend: no other opinion), for keys
+    allowed both the ensemble and its model."""
+    listed = {m.id: m for m in gateway.openai().models.list()}
+    assert listed[f"moe-{MODEL}"].owned_by == f"ensemble:{MODEL}"
+    assert "moe-solo:1b" not in listed and "moe-broken:1b" not in listed
+    tags = {m.model for m in gateway.ollama().list().models}
+    assert {MODEL, f"moe-{MODEL}"} <= tags and "moe-solo:1b" not in tags
+    shown = gateway.ollama().show(f"moe-{MODEL}")
+    assert "tools" not in (shown.capabilities or [])
+    # A listed name answers.
+    reply = gateway.ollama().chat(
+        model=f"moe-{MODEL}", messages=[{"role": "user", "content": "listed"}]
+    )
+    assert "refined" in (reply.message.content or "")
+    models = gateway.openai(gateway.keys["moe-and-plain"]).models.retrieve(
+        f"moe-{MODEL}"
+    )
+    assert models.id == f"moe-{MODEL}"
+    for key in ("plain-only", "moe-only"):
+        ids = {m.id for m in gateway.openai(gateway.keys[key]).models.list()}
+        assert f"moe-{MODEL}" not in ids, key
+        with pytest.raises(openai.NotFoundError):
+            gateway.openai(gateway.keys[key]).models.retrieve(f"moe-{MODEL}")
+    anthropic_ids = {m.id for m in gateway.anthropic().models.list()}
+    assert f"moe-{MODEL}" in anthropic_ids
+
+
+def test_one_opinion_lists_no_ensembles() -> None:
+    policy = EnsemblePolicy(opinions=1)
+    backends = [
+        BackendSpec(
+            name, f"http://{name}", status="healthy", models=(ModelSpec(MODEL),)
+        )
+        for name in ("a", "b")
+    ]
+    routes = RouterSnapshot.build(backends=backends)
+    assert listed_ensembles(routes) == {f"moe-{MODEL}": MODEL}
+    one = RouterSnapshot.build(
+        backends=backends, policy=replace(routes.policy, ensemble=policy)
+    )
+    assert listed_ensembles(one) == {}

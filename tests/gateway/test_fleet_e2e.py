@@ -158,7 +158,10 @@ def test_a_deep_queue_warms_the_model_on_the_runner_up_once(
     mock_backend_factory: Factory,
     nexus_server_factory: Callable[..., NexusServer],
 ) -> None:
-    busy = _node(mock_backend_factory, "busy", "--latency-ms", "1500")
+    busy = mock_backend_factory(
+        "--kind", "ollama", "--name", "busy", "--models", "m,other",
+        "--latency-ms", "1500",
+    )  # fmt: skip
     spare = _node(
         mock_backend_factory,
         "spare",
@@ -334,3 +337,43 @@ def test_without_a_hold_the_answer_is_immediate(
     with pytest.raises(openai.InternalServerError):
         client.chat.completions.create(model="m", messages=MESSAGES)
     assert server.metric("nexus_fleet_hold_total") == 0
+
+
+def test_an_ensemble_step_waits_in_the_line_of_a_busy_backend(
+    mock_backend_factory: Factory,
+    nexus_server_factory: Callable[..., NexusServer],
+) -> None:
+    """Under fleet a backend at its limit stays a candidate because the request
+    waits there: an ensemble's step does too, rather than losing its opinion."""
+    busy = mock_backend_factory(
+        "--kind", "ollama", "--name", "busy", "--models", "m,other",
+        "--latency-ms", "1500",
+    )  # fmt: skip
+    free = _node(mock_backend_factory, "free")
+    _backend(busy, "busy", max_concurrency=1)
+    BackendModel.objects.create(
+        backend=Backend.objects.get(name="busy"), name="other", loaded=True
+    )
+    _backend(free, "free", max_concurrency=1)
+    _policy(ensemble_opinions=2, ensemble_step_timeout_seconds=30)
+    _, key = ApiKey.objects.create_key("fleet")
+    server = nexus_server_factory()
+
+    async def scenario() -> tuple[Any, Any]:
+        client = _client(server, key)
+        # The only backend serving "other" is busy with it for 1.5 s.
+        running = asyncio.create_task(
+            client.chat.completions.create(model="other", messages=MESSAGES)
+        )
+        await asyncio.to_thread(wait_until, lambda: mock_stats(busy)["in_flight"] == 1)
+        raw = await client.chat.completions.with_raw_response.create(
+            model="moe-m", messages=MESSAGES
+        )
+        return raw, await running
+
+    raw, _ = asyncio.run(scenario())
+    verdict = raw.headers["x-nexus-ensemble"]
+    assert "opinions=2 of 2; answered=2" in verdict
+    assert "critiques=2" in verdict
+    asked = [r["body"] for r in mock_stats(busy)["last_requests"]]
+    assert sum('"model": "m"' in b or '"model":"m"' in b for b in asked) >= 2

@@ -11,9 +11,13 @@ choice rules answer 400/404 with the reason.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,7 +27,7 @@ from django.core.management import call_command
 
 from backends.models import Backend, BackendModel, HealthStatus
 from gateway.proxy.errors import ProxyError
-from gateway.proxy.model_management import choose_backend
+from gateway.proxy.model_backends import choose_backend
 from routing.core import BackendSpec, RouterSnapshot
 from routing.state import GatewayState
 from tests.conftest import (
@@ -40,6 +44,7 @@ NATIVE = "llama3:8b"
 # Lines of the mock's pull stream, and the pause it makes between them.
 PULL_LINES = 9
 LINE_DELAY_MS = 300
+MAX_BLOB = 20 * 1024 * 1024
 
 
 @dataclass
@@ -101,12 +106,24 @@ def gateway(django_db_setup: None, django_db_blocker: Any) -> Iterator[Gateway]:
             BackendModel.objects.create(
                 backend=backend, name=NATIVE if kind == "ollama" else "mistral:7b"
             )
+        Backend.objects.create(
+            name="far",
+            base_url="relay://far",
+            kind="relay",
+            status=HealthStatus.HEALTHY,
+        )
         _, manager = ApiKey.objects.create_key("ops", can_manage_models=True)
         _, user = ApiKey.objects.create_key("app")
         _, scoped = ApiKey.objects.create_key(
             "llama-ops", can_manage_models=True, allowed_models="llama3*"
         )
-    server = start_nexus_server(NEXUS_BREAKER_FAILURES="1000000")
+    # Bodies of 1 MiB at most, model files of 20 MiB: a file goes by its own
+    # limit (and is streamed on, not read whole).
+    server = start_nexus_server(
+        NEXUS_BREAKER_FAILURES="1000000",
+        NEXUS_MAX_BODY_BYTES=str(1024 * 1024),
+        NEXUS_MAX_BLOB_BYTES=str(MAX_BLOB),
+    )
     try:
         yield Gateway(server, olla1, olla2, oa, manager, user, scoped)
     finally:
@@ -336,3 +353,179 @@ def _listening(mock: MockBackendProcess) -> bool:
         return httpx.get(f"{mock.base_url}/_mock/config", timeout=5).is_success
     except httpx.TransportError:
         return False
+
+
+# --- model files (/api/blobs) and clients leaving --------------------------------
+
+
+def _model_file(tmp_path: Path, size: int, seed: bytes) -> tuple[Path, str]:
+    path = tmp_path / f"{seed.decode()}.gguf"
+    block = hashlib.sha256(seed).digest() * 2048  # 64 KiB
+    path.write_bytes((block * (size // len(block) + 1))[:size])
+    return path, "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _blob(
+    gateway: Gateway,
+    method: str,
+    digest: str,
+    key: str | None = None,
+    backend: str = "olla1",
+    **kw: Any,
+) -> httpx.Response:
+    return httpx.request(
+        method,
+        f"{gateway.server.base_url}/api/blobs/{digest}?backend={backend}",
+        headers={"Authorization": f"Bearer {key or gateway.manager}"},
+        timeout=60,
+        **kw,
+    )
+
+
+def test_a_model_file_uploads_and_creates_a_model_through_the_ollama_client(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    """ollama create from a GGUF: the file (over the 1 MiB body limit) goes to
+    the chosen backend, then the create that names it."""
+    path, _ = _model_file(tmp_path, 3 * 1024 * 1024 + 5, b"weights")
+    client = gateway.on("olla1")
+    digest = client.create_blob(path)
+    assert _blob(gateway, "HEAD", digest).status_code == 200
+    assert mock_stats(gateway.olla1)["blob_bytes"] == path.stat().st_size
+    done = client.create("mine:gguf", files={"model.gguf": digest})
+    assert done.status == "success"
+    assert "mine:gguf" in gateway.listed()
+    # The other backend has no such file: its own 404, and its create refuses.
+    assert _blob(gateway, "HEAD", digest, backend="olla2").status_code == 404
+    with pytest.raises(ollama.ResponseError) as caught:
+        gateway.on("olla2").create("theirs:gguf", files={"model.gguf": digest})
+    assert caught.value.status_code == 400 and "not found" in caught.value.error
+    client.delete("mine:gguf")
+
+
+def test_the_async_client_streams_a_model_file_without_a_length(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    path, expected = _model_file(tmp_path, 2 * 1024 * 1024, b"chunked")
+
+    async def upload() -> str:
+        client = ollama.AsyncClient(
+            host=gateway.server.base_url,
+            headers={
+                "Authorization": f"Bearer {gateway.manager}",
+                "x-nexus-backend": "olla2",
+            },
+            timeout=30,
+        )
+        return await client.create_blob(path)  # chunked: no content-length
+
+    assert asyncio.run(upload()) == expected
+    assert mock_stats(gateway.olla2)["blob_bytes"] == 2 * 1024 * 1024
+
+
+def test_model_file_refusals_are_in_ollamas_shape(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    path, digest = _model_file(tmp_path, 1024, b"small")
+    wrong = _blob(gateway, "POST", "sha256:" + "0" * 64, content=path.read_bytes())
+    assert wrong.status_code == 400
+    assert "digest mismatch" in wrong.json()["error"]  # the backend's, passed on
+    user = _blob(gateway, "POST", digest, key=gateway.user, content=b"x" * 1024)
+    assert user.status_code == 403
+    assert "can_manage_models" in user.json()["error"]
+    anonymous = httpx.post(
+        f"{gateway.server.base_url}/api/blobs/{digest}", content=b"x", timeout=30
+    )
+    assert anonymous.status_code == 401 and "error" in anonymous.json()
+    big = _blob(gateway, "POST", digest, content=b"x" * (MAX_BLOB + 1))
+    assert big.status_code == 413 and str(MAX_BLOB) in big.json()["error"]
+    bad = _blob(gateway, "HEAD", "md5:abc")
+    assert bad.status_code == 400
+    far = httpx.post(
+        f"{gateway.server.base_url}/api/blobs/{digest}?backend=far",
+        headers={"Authorization": f"Bearer {gateway.manager}"},
+        content=path.read_bytes(),
+        timeout=30,
+    )
+    assert far.status_code == 501 and "relay worker" in far.json()["error"]
+    assert mock_stats(gateway.olla1)["blob_bytes"] == 0
+
+
+def test_management_of_a_relay_backend_without_its_worker_is_a_502(
+    gateway: Gateway,
+) -> None:
+    # Served through its worker (tests/gateway/test_model_management_relay.py);
+    # this one has none connected.
+    with pytest.raises(ollama.ResponseError) as caught:
+        gateway.on("far").pull("qwen3:0.6b")
+    assert caught.value.status_code == 502
+    assert "worker not connected" in caught.value.error
+
+
+def test_a_client_leaving_mid_pull_ends_it_at_the_backend_and_discovery_runs(
+    gateway: Gateway,
+) -> None:
+    """Ctrl-C on `ollama pull`: the backend sees its client go at once (Ollama
+    then stops the download), and the backend's models are listed again."""
+    httpx.post(
+        f"{gateway.olla1.base_url}/_mock/config",
+        json={"chunk_delay_ms": 500},
+        timeout=5,
+    )
+    left = time.monotonic()
+    with httpx.stream(
+        "POST",
+        f"{gateway.server.base_url}/api/pull?backend=olla1",
+        json={"model": "left:7b"},
+        headers={"Authorization": f"Bearer {gateway.manager}"},
+        timeout=30,
+    ) as answer:
+        lines = answer.iter_lines()
+        assert json.loads(next(lines))["status"] == "pulling manifest"
+        left = time.monotonic()
+    # The whole pull would take 4 s more; the backend's client went at once.
+    wait_until(
+        lambda: mock_stats(gateway.olla1)["client_disconnects"] == 1,
+        timeout=3,
+        what="the backend to see its client go",
+    )
+    assert time.monotonic() - left < 3
+    assert mock_stats(gateway.olla1)["in_flight"] == 0
+    wait_until(
+        lambda: mock_stats(gateway.olla1)["requests"].get("/api/tags", 0) >= 1,
+        what="discovery of olla1 after the pull ended",
+    )
+    assert "left:7b" not in gateway.listed()
+
+
+def test_a_model_file_is_streamed_on_not_held_in_memory(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    """Under Daphne the body is spooled to disk; the gateway reads it on from
+    there. Held in memory, a 30 MiB file would raise the process's peak."""
+    server = start_nexus_server(NEXUS_MAX_BLOB_BYTES=str(64 * 1024 * 1024))
+    try:
+        path, digest = _model_file(tmp_path, 30 * 1024 * 1024, b"memory")
+        headers = {
+            "Authorization": f"Bearer {gateway.manager}",
+            "x-nexus-backend": "olla2",
+        }
+        url = f"{server.base_url}/api/blobs/{digest}"
+        assert httpx.head(url, headers=headers, timeout=30).status_code == 404
+        before = _peak_rss(server)
+        with path.open("rb") as body:
+            assert (
+                httpx.post(url, headers=headers, content=body, timeout=60).status_code
+                == 201
+            )
+        grown = _peak_rss(server) - before
+    finally:
+        server.stop()
+    assert mock_stats(gateway.olla2)["blob_bytes"] == 30 * 1024 * 1024
+    assert grown < 12 * 1024 * 1024, grown
+
+
+def _peak_rss(server: NexusServer) -> int:
+    status = Path(f"/proc/{server.process.pid}/status").read_text()
+    (line,) = [line for line in status.splitlines() if line.startswith("VmHWM:")]
+    return int(line.split()[1]) * 1024

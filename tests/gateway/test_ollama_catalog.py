@@ -34,7 +34,20 @@ def fleet() -> RouterSnapshot:
 
 def test_tags_list_served_models_and_aliases_as_the_client_reads_them():
     tags = ollama.ListResponse(**json.loads(OllamaCatalog().tags(fleet())))
-    assert [m.model for m in tags.models] == ["llama3:8b", "qwen:7b", "gpt-4"]
+    assert [m.model for m in tags.models] == [
+        "llama3:8b",
+        "qwen:7b",
+        "gpt-4",
+        "moe-llama3:8b",  # two backends serve llama3:8b
+    ]
+
+
+def test_an_ensembles_show_is_its_models_without_tools():
+    shown = ollama.ShowResponse(
+        **json.loads(OllamaCatalog().show(fleet(), "moe-llama3:8b"))
+    )
+    assert shown.capabilities == ["completion", "vision"]
+    assert OllamaCatalog().show(fleet(), "moe-qwen:7b") is None
 
 
 def test_ps_lists_models_ready_without_loading():

@@ -333,6 +333,8 @@ def test_models_list_has_served_models_and_aliases(gateway: Gateway) -> None:
         "limited:1b": "mock-a-limited",
         "claude-3-haiku": "anthropic-1",
         "gpt-4": "alias:llava:7b",
+        # Two backends serve llama3:8b: its multiple-opinions name is listed.
+        "moe-llama3:8b": "ensemble:llama3:8b",
     }  # down-model's only backend is unhealthy
     assert gateway.sdk().models.retrieve("gpt-4").owned_by == "alias:llava:7b"
     with pytest.raises(openai.NotFoundError):

@@ -8,6 +8,7 @@ arrives when.
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -230,3 +231,19 @@ def test_beat_reconciles_lost_usage_in_both_modes() -> None:
     entry = settings.CELERY_BEAT_SCHEDULE["reconcile-lost-usage"]
     assert entry["task"] == "usage.tasks.reconcile_lost_usage"
     assert entry["schedule"] <= settings.NEXUS_USAGE_LOST_AFTER
+
+
+def test_a_lost_ensemble_step_keeps_its_ensemble_id() -> None:
+    step, plain = new_event_id(), new_event_id()
+    opened = _open(step, ensemble_id="ens-1234")
+    # Through the Redis stream's (and the spill's) encoding as well.
+    (decoded,) = decode_events(encode_events([opened]))
+    assert decoded == opened
+    _flush(decoded, _open(plain))
+    _flush(dataclasses.replace(opened, backend="gpu-1", total_tokens=5))
+    _silence(31)
+
+    assert reconcile_lost_usage(lost_after=30) == 2
+
+    assert UsageRecord.objects.get(event_id=step).ensemble_id == "ens-1234"
+    assert UsageRecord.objects.get(event_id=plain).ensemble_id == ""

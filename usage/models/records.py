@@ -149,6 +149,13 @@ class OpenRequest(models.Model):
         default=0, help_text="Status sent so far (0: no answer yet)."
     )
     streamed = models.BooleanField(default=False)
+    ensemble_id = models.CharField(
+        "ensemble",
+        max_length=32,
+        blank=True,
+        default="",
+        help_text="The multiple-opinions ensemble it is a step of, if any.",
+    )
     created_at = models.DateTimeField(help_text="When the request was admitted.")
     seen_at = models.DateTimeField(
         db_index=True, help_text="When its process was last heard of."

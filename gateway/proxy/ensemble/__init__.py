@@ -13,7 +13,14 @@ from gateway.proxy.ensemble.plans import (
     EnsemblePlan,
     base_requirements,
     ensemble_name,
+    listed_ensembles,
 )
 from gateway.proxy.ensemble.runner import Ensembles
 
-__all__ = ["EnsemblePlan", "Ensembles", "base_requirements", "ensemble_name"]
+__all__ = [
+    "EnsemblePlan",
+    "Ensembles",
+    "base_requirements",
+    "ensemble_name",
+    "listed_ensembles",
+]

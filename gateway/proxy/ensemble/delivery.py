@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gateway.protocols.base import StreamTranslator, loads
+from gateway.protocols.base import BUDGET, StreamTranslator, loads
 from gateway.protocols.openai import error_message
 from gateway.proxy import sse
 from gateway.proxy.legs import ProxyExchange
@@ -168,8 +168,12 @@ class FinalAnswer:
             if chunk is None:
                 continue
             if "error" in chunk and not chunk.get("choices"):
-                reason = error_message(chunk) or "the backend failed"
-                out += writer.fail(f"The refined answer broke off: {reason}")
+                if _error_code(chunk) == BUDGET:
+                    # Cut by the key's budget meter: the client's own error.
+                    out += writer.fail(error_message(chunk) or BUDGET, BUDGET)
+                else:
+                    reason = error_message(chunk) or "the backend failed"
+                    out += writer.fail(f"The refined answer broke off: {reason}")
                 ended = True
                 break
             chunk["model"] = self.model
@@ -240,6 +244,12 @@ def _chunks_of(reply: dict[str, Any]) -> list[dict[str, Any]]:
     if isinstance(usage, dict):
         chunks.append({**base, "choices": [], "usage": usage})
     return chunks
+
+
+def _error_code(chunk: dict[str, Any]) -> str:
+    error = chunk.get("error")
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else ""
 
 
 def _error_of(status: int, body: bytes) -> str:

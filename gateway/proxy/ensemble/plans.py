@@ -15,7 +15,11 @@ from gateway.proxy.errors import bad_request
 from gateway.proxy.legs import ProxyExchange
 from gateway.proxy.surfaces import OPENAI, Inbound, translation_error
 from routing.core import RequestRequirements, RouterSnapshot
-from routing.core.ensemble_policy import EnsemblePolicy, ensemble_base
+from routing.core.ensemble_policy import (
+    ENSEMBLE_PREFIX,
+    EnsemblePolicy,
+    ensemble_base,
+)
 from routing.state import GatewayState
 from usage.buffer import new_event_id
 
@@ -101,6 +105,27 @@ def ensemble_name(routes: RouterSnapshot, name: str) -> str | None:
             return None
         name = target
     return name if ensemble_base(name) is not None else None
+
+
+def listed_ensembles(routes: RouterSnapshot) -> dict[str, str]:
+    """The ``moe-`` names the model lists show, each with its base model.
+
+    One for each model served by at least two healthy backends (one backend
+    has no other opinion to give), when the policy asks for two opinions or
+    more; never a name that is a model or an alias of its own.
+    """
+    if routes.policy.ensemble.opinions < 2:
+        return {}
+    listed = {}
+    for name, served in routes.routes.items():
+        moe = ENSEMBLE_PREFIX + name
+        if (
+            len(set(served.backend_names)) >= 2
+            and moe not in routes.routes
+            and moe not in routes.aliases
+        ):
+            listed[moe] = name
+    return listed
 
 
 def base_requirements(

@@ -19,9 +19,11 @@ With one backend there is nothing to compare: its answer is the answer,
 streamed as it comes. With one answer (the others failed), that answer.
 
 Every step is an OpenAI chat request sent by ``forward`` (retries aside: a
-step is pinned to its backend) and recorded by the accounting against the
-caller's key with the ensemble's id; the key's limits were taken once, for
-all the steps, and are settled with their sum (``finish``).
+step is pinned to its backend; under the fleet strategy it waits in that
+backend's line first, as a plain request does) and recorded by the
+accounting against the caller's key with the ensemble's id; the key's
+limits were taken once, for all the steps, and are settled with their sum
+(``finish``), the streamed last step metered against the budget meanwhile.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gateway.exchange import Exchange
+from gateway.fleet.errors import FleetRefusal
 from gateway.fleet.scheduler import Placement
 from gateway.protocols.base import dumps
 from gateway.proxy.accounting import Accounting
@@ -41,6 +44,7 @@ from gateway.proxy.ensemble.plans import EnsemblePlan, plan_for
 from gateway.proxy.errors import ProxyError, routing_error
 from gateway.proxy.forward import Upstream, forward
 from gateway.proxy.legs import ProxyExchange
+from gateway.proxy.limits import BudgetMeter
 from gateway.proxy.relays import Send
 from gateway.proxy.surfaces import OPENAI, Surface
 from routing.core import (
@@ -58,6 +62,8 @@ ENSEMBLE_HEADER = b"x-nexus-ensemble"
 ENSEMBLE_ID_HEADER = b"x-nexus-ensemble-id"
 CHAT_PATH = "/v1/chat/completions"
 CLIENT_CLOSED = 499
+# Usage of a step no backend saw (the fleet's line refused it): nothing.
+_NOTHING_BILLED = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
 
 
 @dataclass(slots=True)
@@ -259,7 +265,7 @@ class Ensembles:
         sink = Collected()
         step = self._step_exchange(plan, exchange, request)
         failure = await self._forward(
-            plan, step, Placement(target, ()), sink, plan.policy.step_timeout_seconds
+            plan, step, (target,), sink, plan.policy.step_timeout_seconds
         )
         if failure:
             return _Step(target, None, failure, step.status)
@@ -280,11 +286,36 @@ class Ensembles:
         the targets after the first are its retries. Returns what failed and
         its status."""
         step = final.step = self._step_exchange(plan, exchange, request)
-        placement = Placement(order[0], tuple(order[1:]))
+        step.meter = self._meter(plan, exchange, step)
         failure = await self._forward(
-            plan, step, placement, final, plan.policy.step_timeout_seconds, final
+            plan, step, tuple(order), final, plan.policy.step_timeout_seconds, final
         )
         return failure or final.failure, step.status
+
+    def _meter(
+        self, plan: EnsemblePlan, exchange: ProxyExchange, step: ProxyExchange
+    ) -> BudgetMeter | None:
+        """The budget meter of the streamed last step, as a budgeted stream of
+        any request has (pipeline._check_key): counted on top of what the
+        earlier steps spent, against the ensemble's one ticket."""
+        ticket, policy, state = exchange.limit_ticket, exchange.policy, exchange.state
+        if (
+            not step.stream
+            or ticket is None
+            or policy is None
+            or not policy.has_budget
+            or state is None
+        ):
+            return None
+        prompt = step.requirements.estimated_tokens if step.requirements else 0
+        return BudgetMeter(
+            self.accounting.limiter,
+            ticket,
+            state.prices,
+            plan.base,
+            prompt,
+            spent=(plan.tokens, plan.nanos),
+        )
 
     def _step_exchange(
         self, plan: EnsemblePlan, exchange: ProxyExchange, request: dict[str, Any]
@@ -313,15 +344,19 @@ class Ensembles:
         self,
         plan: EnsemblePlan,
         step: ProxyExchange,
-        placement: Placement,
+        targets: tuple[Target, ...],
         sink: Send,
         timeout: float,
         final: FinalAnswer | None = None,
     ) -> str:
         """Send one step through the gateway's forwarding; record it.
 
-        Returns why it failed ("" if the backend answered; the answer may
-        still be an error, which the sink holds).
+        The first of `targets` is its backend, the others its retries. Under
+        the fleet strategy the step waits in that backend's line for a slot,
+        as a plain request does (the router kept a backend at its limit as a
+        candidate for that), within the step's timeout. Returns why it failed
+        ("" if the backend answered; the answer may still be an error, which
+        the sink holds).
         """
         self.accounting.open(step)
         plan.steps_run += 1
@@ -333,7 +368,13 @@ class Ensembles:
                 if final is not None:
                     # The refined answer may stream for longer than a step.
                     final.on_start = lambda: timer.reschedule(None)
+                placement = await self._slot(targets, step)
                 await forward(self.upstream, step, placement, sink)
+        except FleetRefusal as error:
+            step.status = 503
+            step.error = error.code
+            step.usage = _NOTHING_BILLED
+            failure = error.message
         except ProxyError as error:
             step.status = error.status
             step.error = error.code or error.error_type
@@ -352,6 +393,22 @@ class Ensembles:
             plan.tokens += tokens
             plan.nanos += nanos
         return failure
+
+    async def _slot(
+        self, targets: tuple[Target, ...], step: ProxyExchange
+    ) -> Placement:
+        """Where the step runs: its backend once the fleet's line lets it in
+        (at once outside the fleet strategy), or where the line moved it."""
+        target, retries = targets[0], targets[1:]
+        state = step.state
+        if state is None:
+            return Placement(target, retries)
+        fleet = self.gateway.fleet
+        routes = state.routes
+        if fleet.settings_for(routes).enabled:
+            fleet.note_sent(target, routes)  # as after_decision does
+        placed = await fleet.place(target, retries, routes)
+        return Placement(target, retries) if placed is None else placed
 
 
 def _opinion_targets(route: Route, opinions: int) -> list[Target]:
