@@ -11,7 +11,6 @@ a reply is written is ``nexus_mock.server``'s concern.
 from __future__ import annotations
 
 import dataclasses
-
 import hmac
 import itertools
 import random
