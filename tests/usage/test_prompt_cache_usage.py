@@ -54,7 +54,7 @@ def test_the_usage_api_and_command_show_cached_tokens() -> None:
     out = StringIO()
     call_command("nexus_usage", "--since", "all", stdout=out)
     header, _, claude, *_ = out.getvalue().splitlines()[1:]
-    assert "cached" in header and "cache writes" in header
+    assert "cached" in header and "cache-write" in header
     assert claude.split()[:6] == ["claude", "2", "0", "200", "80", "10"]
 
 

@@ -23,7 +23,7 @@ COLUMNS = (
     ("errors", "errors"),
     ("prompt_tokens", "prompt"),
     ("cache_read_tokens", "cached"),
-    ("cache_write_tokens", "cache writes"),
+    ("cache_write_tokens", "cache-write"),
     ("completion_tokens", "completion"),
     ("total_tokens", "total"),
 )
@@ -32,7 +32,7 @@ COLUMNS = (
 class Command(DatabaseCommand):
     help = (
         "Print requests, errors, tokens and cost per model, backend or client key, "
-        "from the rolled-up usage. Cached and cache writes are the prompt tokens "
+        "from the rolled-up usage. Cached and cache-write are the prompt tokens "
         "a backend read from or wrote to its prompt cache. Estimated is the share "
         "of tokens Nexus estimated because the backend reported none."
     )
