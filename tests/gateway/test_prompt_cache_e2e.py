@@ -1,7 +1,7 @@
 """Prompt caching through real parts: breakpoints in, cached tokens out.
 
-One Nexus server (Daphne) and four mocks (Anthropic, OpenAI, llama.cpp and
-Ollama kinds) serve the module; the official ``anthropic`` and ``openai``
+One Nexus server (Daphne) and five mocks (Anthropic, OpenAI, vLLM, llama.cpp
+and Ollama kinds) serve the module; the official ``anthropic`` and ``openai``
 clients send. The mocks record the bodies they got, and report cached prompt
 tokens when their ``cached_tokens`` / ``cache_write_tokens`` knobs are set.
 """
@@ -34,6 +34,7 @@ from usage.stream import clear_usage_stream, drain_usage_stream
 SHIPS_TO_REDIS = settings.NEXUS_USAGE_TRANSPORT == "redis"
 UPSTREAM_KEY = "sk-ant-upstream"
 CLAUDE, GPT, LLAMA, QWEN = "claude-pc", "gpt-pc", "llama-pc", "qwen-pc"
+VLLM = "vllm-pc"
 HOUR = {"type": "ephemeral", "ttl": "1h"}
 SYSTEM = [
     {"type": "text", "text": "You are terse."},
@@ -130,7 +131,13 @@ def setup(django_db_setup: None, django_db_blocker: Any) -> Iterator[Setup]:
     _blocker = django_db_blocker
     mocks: dict[str, MockBackendProcess] = {}
     server = None
-    kinds = {CLAUDE: "anthropic", GPT: "openai", LLAMA: "llamacpp", QWEN: "ollama"}
+    kinds = {
+        CLAUDE: "anthropic",
+        GPT: "openai",
+        VLLM: "vllm",
+        LLAMA: "llamacpp",
+        QWEN: "ollama",
+    }
     try:
         for model, kind in kinds.items():
             extra = ("--api-key", UPSTREAM_KEY) if kind == "anthropic" else ()
@@ -184,7 +191,7 @@ def setup(django_db_setup: None, django_db_blocker: Any) -> Iterator[Setup]:
 @pytest.fixture
 def cache_knobs(setup: Setup) -> Iterator[None]:
     yield
-    for model in (CLAUDE, GPT, LLAMA):
+    for model in (CLAUDE, GPT, VLLM, LLAMA):
         setup.cache(model, 0, 0)
 
 
@@ -219,7 +226,7 @@ def test_cache_control_reaches_an_anthropic_backend_untouched(
     assert count_breakpoints(body) == 3
 
 
-@pytest.mark.parametrize("model", [GPT, LLAMA, QWEN])
+@pytest.mark.parametrize("model", [GPT, VLLM, LLAMA, QWEN])
 @pytest.mark.parametrize("stream", [False, True])
 def test_cache_control_and_its_ttl_never_reach_other_kinds(
     setup: Setup, model: str, stream: bool
@@ -467,10 +474,20 @@ def test_an_openai_client_sees_an_anthropic_backends_cached_tokens(
 def test_an_openai_backends_cached_tokens_are_recorded_and_priced(
     setup: Setup, stream: bool
 ) -> None:
-    setup.cache(GPT, 3)
+    _ask_with_cached_tokens(setup, GPT, stream)
+
+
+@pytest.mark.usefixtures("cache_knobs")
+def test_vllms_cached_tokens_are_recorded(setup: Setup) -> None:
+    # vLLM with prefix caching reports them as OpenAI does.
+    _ask_with_cached_tokens(setup, VLLM, stream=True)
+
+
+def _ask_with_cached_tokens(setup: Setup, model: str, stream: bool) -> None:
+    setup.cache(model, 3)
     rid = _rid()
     ask = {
-        "model": GPT,
+        "model": model,
         "messages": [{"role": "user", "content": "one two three four five"}],
     }
     if stream:
@@ -486,6 +503,8 @@ def test_an_openai_backends_cached_tokens_are_recorded_and_priced(
     assert usage.prompt_tokens_details.cached_tokens == 3
     record = _record(rid)
     assert (record.cache_read_tokens, record.cache_write_tokens) == (3, 0)
+    if model != GPT:
+        return
     assert record.cost_nanos == _cost(
         record.prompt_tokens, record.completion_tokens, 3, 0, GPT_PRICE
     )
