@@ -10,6 +10,7 @@ a reply is written is ``nexus_mock.server``'s concern.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import itertools
 import random
@@ -165,6 +166,12 @@ class Answers:
                 config.chunks,
             )
             return reply if isinstance(reply, bytes) else Stream(*reply)
+        if config.cached_tokens and job.kind == "chat":
+            job = dataclasses.replace(
+                job,
+                cached_tokens=config.cached_tokens,
+                cache_timings=config.kind == "llamacpp",
+            )
         if job.stream:
             return Stream(*render_stream(job, completion_id, created, config.chunks))
         return render_generation(job, completion_id, created)
@@ -211,6 +218,7 @@ class Answers:
             config.models,
             config.chunks,
             config.tool_arguments,
+            cache=(config.cached_tokens, config.cache_write_tokens),
         )
         return reply if isinstance(reply, bytes) else Stream(*reply)
 

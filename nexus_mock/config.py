@@ -83,6 +83,13 @@ class MockConfig:
     oom_loads: str | None = None
     # vLLM's /metrics KV cache usage, 0..1 (None: no /metrics, a 404).
     kv_cache_usage: float | None = None
+    # Prompt caching: prompt tokens each chat answer reports as read from the
+    # server's prompt cache, and (Anthropic) as written to it. OpenAI and vLLM
+    # report reads as usage.prompt_tokens_details.cached_tokens, llama.cpp as
+    # timings.cache_n, Anthropic as cache_read_input_tokens and
+    # cache_creation_input_tokens (nexus_mock.replies, nexus_mock.messages).
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
 
     @property
     def has_memory(self) -> bool:
@@ -304,4 +311,6 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "resident_models": _validate_model_sizes,
     "oom_loads": _optional(_validate_oom_style),
     "kv_cache_usage": _optional(_float_knob(0, 1)),
+    "cached_tokens": _int_knob(0, 10**9),
+    "cache_write_tokens": _int_knob(0, 10**9),
 }

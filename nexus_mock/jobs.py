@@ -80,14 +80,37 @@ class Generation:
     prompt_tokens: int
     stream: bool
     include_usage: bool
+    # Prompt tokens reported as read from a prompt cache: in the usage block
+    # (OpenAI, vLLM), or as llama.cpp's timings.cache_n (``cache_timings``).
+    cached_tokens: int = 0
+    cache_timings: bool = False
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         completion = sum(len(text.split()) for text in self.texts)
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
         }
+        if self.cached_tokens and not self.cache_timings:
+            cached = min(self.cached_tokens, self.prompt_tokens)
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
+
+    def beside_usage(self) -> dict[str, Any]:
+        """Fields that go next to the usage block (llama.cpp's timings)."""
+        if not (self.cached_tokens and self.cache_timings):
+            return {}
+        cached = min(self.cached_tokens, self.prompt_tokens)
+        completion = sum(len(text.split()) for text in self.texts)
+        timings = {
+            "cache_n": cached,
+            "prompt_n": self.prompt_tokens - cached,
+            "prompt_ms": 1.0,
+            "predicted_n": completion,
+            "predicted_ms": 1.0,
+        }
+        return {"timings": timings}
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,8 +63,13 @@ def answer_messages(
     models: Collection[str],
     chunks: int,
     scripted: dict[str, Any] | None,
+    cache: tuple[int, int] = (0, 0),
 ) -> bytes | tuple[list[bytes], bytes]:
-    """Answer ``/v1/messages``: a Message, or a stream's blocks and its tail."""
+    """Answer ``/v1/messages``: a Message, or a stream's blocks and its tail.
+
+    ``cache``: the prompt tokens reported as read from and written to the
+    prompt cache (beside ``input_tokens``, which excludes them, as Anthropic's).
+    """
     payload = _parse(body)
     model = _model(payload, models)
     limit = payload.get("max_tokens")
@@ -97,7 +102,9 @@ def answer_messages(
             text, stop = " ".join(words[:limit]), "max_tokens"
         block = {"type": "text", "text": text}
         output = len(text.split())
-    usage = {"input_tokens": input_tokens, "output_tokens": output}
+    usage: dict[str, int] = {"input_tokens": input_tokens, "output_tokens": output}
+    if any(cache):
+        usage["cache_read_input_tokens"], usage["cache_creation_input_tokens"] = cache
     message = {
         "id": message_id,
         "type": "message",
@@ -124,7 +131,7 @@ def _stream(
         **message,
         "content": [],
         "stop_reason": None,
-        "usage": {"input_tokens": usage["input_tokens"], "output_tokens": 1},
+        "usage": {**usage, "output_tokens": 1},
     }
     if call is not None:
         opened = {**block, "input": {}}
@@ -150,7 +157,11 @@ def _stream(
             {
                 "type": "message_delta",
                 "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None},
-                "usage": {"output_tokens": usage["output_tokens"]},
+                # Cumulative, as Anthropic's: the cache counts again with the
+                # output tokens.
+                "usage": {
+                    key: value for key, value in usage.items() if key != "input_tokens"
+                },
             }
         )
         + _event({"type": "message_stop"})

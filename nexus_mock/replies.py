@@ -73,6 +73,7 @@ def render_generation(gen: Generation, completion_id: str, created: int) -> byte
             "system_fingerprint": "fp_mock",
             "choices": choices,
             "usage": gen.usage(),
+            **gen.beside_usage(),
         }
     )
 
@@ -128,8 +129,8 @@ def render_stream(
         blocks.append(b"".join(events))
     tail = b""
     if gen.include_usage:
-        usage = encode_json(gen.usage())
-        tail = prefix + b'],"usage":' + usage + b"}\n\n"
+        usage = encode_json({"usage": gen.usage(), **gen.beside_usage()})[1:]
+        tail = prefix + b"]," + usage + b"\n\n"
     return blocks, tail + b"data: [DONE]\n\n"
 
 

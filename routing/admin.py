@@ -206,6 +206,14 @@ class RoutingPolicyAdmin(RoutingPolicyAdminBase):
             },
         ),
         (
+            "Prompt caching",
+            {
+                "fields": ("cache_anthropic_auto_breakpoints",),
+                "description": "Anthropic backends cache a prompt's prefix up to "
+                "each breakpoint (docs/caching.md).",
+            },
+        ),
+        (
             "Multiple opinions",
             {
                 "fields": (

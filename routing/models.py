@@ -500,6 +500,14 @@ class RoutingPolicy(models.Model):
         help_text="Longest wait for each step (answers, critiques, the refined "
         "answer's start); a backend slower than that is left out.",
     )
+    # Prompt caching ([cache] in the configuration file).
+    cache_anthropic_auto_breakpoints = models.BooleanField(
+        "automatic Anthropic cache breakpoints",
+        default=False,
+        help_text="Mark the system prompt and the tool list of requests to "
+        "Anthropic backends for prompt caching when the client marked nothing "
+        "(Claude Code and Claude Desktop never do).",
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:

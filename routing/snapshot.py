@@ -230,7 +230,12 @@ def build_state() -> GatewayState:
         routes = build_snapshot()
         active = list(ApiKey.objects.active())
         stored_prices = {
-            price.model: Price(price.input_nanos, price.output_nanos)
+            price.model: Price(
+                price.input_nanos,
+                price.output_nanos,
+                price.cached_input_nanos,
+                price.cache_write_nanos,
+            )
             for price in ModelPrice.objects.all()
         }
         spend = read_budget_spend()
@@ -263,6 +268,9 @@ def build_state() -> GatewayState:
         key_admission=MappingProxyType(key_admission),
         policies=MappingProxyType(policies),
         prices=MappingProxyType(prices),
+        anthropic_auto_breakpoints=bool(
+            policy is not None and policy.cache_anthropic_auto_breakpoints
+        ),
         spend=MappingProxyType(spend),
         relay_channels=MappingProxyType(relay_channels),
     )

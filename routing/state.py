@@ -45,6 +45,9 @@ class GatewayState:
     key_admission: Mapping[str, KeyAdmission] = field(
         default_factory=lambda: MappingProxyType({})
     )
+    # Add prompt-cache breakpoints to Anthropic backends' requests that have
+    # none ([cache] anthropic_auto_breakpoints; gateway/protocols/prompt_cache).
+    anthropic_auto_breakpoints: bool = False
     # Relay backend name -> the channel of the consumer holding its worker's
     # socket (connected workers only; gateway/relay/dispatch.py).
     relay_channels: Mapping[str, str] = field(

@@ -251,7 +251,14 @@ class ApiKeyAdmin(ApiKeyAdminBase):
 
 @admin.register(ModelPrice)
 class ModelPriceAdmin(ModelPriceAdminBase):
-    list_display = ("model", "input_per_million", "output_per_million", "updated_at")
+    list_display = (
+        "model",
+        "input_per_million",
+        "output_per_million",
+        "cached_input_per_million",
+        "cache_write_per_million",
+        "updated_at",
+    )
     search_fields = ("model",)
 
 
@@ -366,6 +373,7 @@ class TokenUsageAdmin(UsageAdmin):
         "requests",
         "errors",
         "prompt_tokens",
+        "cache_read_tokens",
         "completion_tokens",
         "total_tokens",
         "updated_at",
@@ -383,6 +391,7 @@ class UsageBucketAdmin(UsageAdmin):
         "requests",
         "errors",
         "prompt_tokens",
+        "cache_read_tokens",
         "completion_tokens",
         "total_tokens",
     )

@@ -98,6 +98,10 @@ class UsageEvent:
     # One id for every request of a multiple-opinions ensemble (moe-<model>,
     # gateway/proxy/ensemble.py); "" for any other request.
     ensemble_id: str = ""
+    # Of prompt_tokens: those the backend read from its prompt cache, and
+    # those it wrote to it (Anthropic's cache creation).
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
 
     @property
     def is_error(self) -> bool:

@@ -47,6 +47,8 @@ _RECORD_COLUMNS = (
     "prompt_tokens",
     "completion_tokens",
     "total_tokens",
+    "cache_read_tokens",
+    "cache_write_tokens",
     "estimated",
     "is_error",
     "latency_ms",
@@ -67,6 +69,8 @@ class _Counters:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
     estimated_requests: int = 0
     estimated_tokens: int = 0
     latency_ms_sum: float = 0.0
@@ -167,6 +171,8 @@ def _add(
     prompt: int,
     completion: int,
     total: int,
+    cache_read: int,
+    cache_write: int,
     estimated: bool,
     is_error: bool,
     latency_ms: float,
@@ -177,6 +183,8 @@ def _add(
     counters.prompt_tokens += prompt
     counters.completion_tokens += completion
     counters.total_tokens += total
+    counters.cache_read_tokens += cache_read
+    counters.cache_write_tokens += cache_write
     if estimated:
         counters.estimated_requests += 1
         counters.estimated_tokens += total

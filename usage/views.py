@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from typing import Any, TypedDict
 
 from django.contrib.admin.views.decorators import staff_member_required
@@ -13,6 +13,7 @@ from django.views.decorators.http import require_GET
 
 from usage.models import COUNTER_FIELDS, KeySpend, UsageBucket, add_derived_fields
 
+PROMPT_CACHE_ROWS = 20
 # range name -> (how far back, width of one chart point)
 HISTORY_RANGES: dict[str, tuple[timedelta, timedelta]] = {
     "hour": (timedelta(hours=1), timedelta(minutes=1)),
@@ -25,6 +26,7 @@ class HistoryPointDict(TypedDict):
     requests: int
     errors: int
     total_tokens: int
+    cache_read_tokens: int
     latency_ms_avg: float | None
 
 
@@ -67,6 +69,7 @@ def build_history(range_name: str, *, now: datetime | None = None) -> HistoryDic
                 "requests": counters["requests"],
                 "errors": counters["errors"],
                 "total_tokens": counters["total_tokens"],
+                "cache_read_tokens": counters["cache_read_tokens"],
                 "latency_ms_avg": None if latency is None else round(latency, 1),
             }
         )
@@ -90,8 +93,27 @@ def dashboard(request: HttpRequest) -> HttpResponse:
     month_start = timezone.now().astimezone(UTC).date().replace(day=1)
     spenders = KeySpend.objects.filter(day__gte=month_start).top_spenders()
     return render(
-        request, "dashboard/index.html", {"spenders": spenders, "month": month_start}
+        request,
+        "dashboard/index.html",
+        {
+            "spenders": spenders,
+            "month": month_start,
+            "prompt_cache": prompt_cache_rows(month_start),
+        },
     )
+
+
+def prompt_cache_rows(since: date) -> list[dict[str, Any]]:
+    """Per model since ``since`` (UTC): prompt tokens, how many were read from
+    and written to a prompt cache, and the share read (the tokens saved).
+
+    Only models with cached tokens; at most ``PROMPT_CACHE_ROWS``.
+    """
+    start = datetime(since.year, since.month, since.day, tzinfo=UTC)
+    buckets = UsageBucket.objects.between(start, timezone.now() + timedelta(minutes=1))
+    rows = [row for row in buckets.report(["model"]) if row["cache_read_tokens"]]
+    rows.sort(key=lambda row: (-row["cache_read_tokens"], row["model"]))
+    return rows[:PROMPT_CACHE_ROWS]
 
 
 @require_GET

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.protocols.base import BROKEN, BUDGET, StreamFailed, dumps
+from gateway.protocols.prompt_cache import usage_with_cache_timings
 
 DONE = b"data: [DONE]\n\n"
 
@@ -31,7 +32,11 @@ def error_message(body: Any) -> str | None:
 
 
 class ChatChunkReader:
-    """Chunks of an OpenAI chat stream, already canonical; errors raise."""
+    """Chunks of an OpenAI chat stream, already canonical; errors raise.
+
+    llama.cpp's cached prompt tokens (``timings.cache_n`` beside the usage)
+    are moved into the usage block, where canonical usage keeps them.
+    """
 
     __slots__ = ()
 
@@ -39,6 +44,10 @@ class ChatChunkReader:
         if "error" in event and "choices" not in event:
             message = error_message(event) or "unknown error"
             raise StreamFailed(f"the backend reported an error: {message}")
+        if "timings" in event or "tokens_cached" in event:
+            usage = usage_with_cache_timings(event)
+            if usage is not None:
+                event = {**event, "usage": usage}
         return [event]
 
     def finish(self) -> list[dict[str, Any]]:

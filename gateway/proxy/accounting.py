@@ -19,6 +19,7 @@ from typing import Any
 
 from gateway.exchange import Exchange
 from gateway.metrics import UNKNOWN, GatewayMetrics
+from gateway.protocols.prompt_cache import cache_counts
 from gateway.proxy.errors import ProxyError
 from gateway.proxy.legs import ProxyExchange
 from routing.core import LiveStats
@@ -81,7 +82,8 @@ class Accounting:
         Returns the tokens and the cost (nano-USD) it was recorded with.
         """
         prompt, completion, total, reported = _token_counts(exchange)
-        cost = _cost(exchange, prompt, completion)
+        read, written = cache_counts(exchange.usage, prompt) if reported else (0, 0)
+        cost = _cost(exchange, prompt, completion, read, written)
         event_id = exchange.event_id
         if event_id:
             self.open_requests.settle(event_id)
@@ -114,6 +116,8 @@ class Accounting:
             event_id=event_id,
             context_shifts=exchange.context_shifts,
             ensemble_id=exchange.ensemble_id,
+            cache_read_tokens=read,
+            cache_write_tokens=written,
         )
         self.buffer.append(event)
         model = _model_label(exchange)
@@ -197,16 +201,24 @@ def _progress_of(exchange: ProxyExchange) -> Progress | None:
         if seen > completion:
             total += seen - completion
             completion = seen
-    cost = _cost(exchange, prompt, completion)
+    read, written = cache_counts(exchange.usage, prompt) if reported else (0, 0)
+    cost = _cost(exchange, prompt, completion, read, written)
     served = exchange.served_model
     return (exchange.backend, served, prompt, completion, total, cost, exchange.status)
 
 
-def _cost(exchange: ProxyExchange, prompt: int, completion: int) -> int:
+def _cost(
+    exchange: ProxyExchange,
+    prompt: int,
+    completion: int,
+    cache_read: int = 0,
+    cache_write: int = 0,
+) -> int:
     state = exchange.state
     if not exchange.backend or state is None:
         return 0
-    return state.prices.get(exchange.served_model, FREE).cost(prompt, completion)
+    price = state.prices.get(exchange.served_model, FREE)
+    return price.cost(prompt, completion, cache_read, cache_write)
 
 
 def _token_counts(exchange: ProxyExchange) -> tuple[int, int, int, bool]:

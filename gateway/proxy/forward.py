@@ -174,7 +174,9 @@ class _Tries:
             call = self.call = openai_call(
                 exchange.endpoint, exchange.payload, exchange.raw
             )
-        return Leg(call, adapter, target, self.exchange.request_id)
+        state = self.exchange.state
+        breakpoints = state is not None and state.anthropic_auto_breakpoints
+        return Leg(call, adapter, target, self.exchange.request_id, breakpoints)
 
     def may_try(self, target: Target, position: int) -> bool:
         """Count the request in flight at this backend, if it may take it."""

@@ -77,7 +77,11 @@ class Leg:
         adapter: BackendAdapter,
         target: Target,
         request_id: str,
+        breakpoints: bool = False,
     ) -> None:
+        """``breakpoints``: add Nexus's prompt-cache breakpoints to a request
+        that has none (Anthropic backends; ``[cache]
+        anthropic_auto_breakpoints``)."""
         self.call = call
         self.adapter = adapter
         self.target = target
@@ -89,8 +93,12 @@ class Leg:
         if self.native:
             self.path = call.surface.native_path
             self.body = call.raw
-            if call.payload.get("model") != model:
-                self.body = adapter.request_body_native(call.payload, model)
+            payload = call.payload
+            marked = adapter.with_breakpoints(payload) if breakpoints else None
+            if marked is not None:
+                payload = marked
+            if marked is not None or payload.get("model") != model:
+                self.body = adapter.request_body_native(payload, model)
             return
         inbound = call.inbound
         if inbound.untranslatable is not None:
@@ -102,7 +110,7 @@ class Leg:
             self.body = dumps({**inbound.canonical, "model": model})
             return
         try:
-            self.body = adapter.request_body(inbound.canonical, model)
+            self.body = adapter.request_body(inbound.canonical, model, breakpoints)
         except TranslationError as error:
             raise translation_error(error) from None
 

@@ -35,6 +35,7 @@ from typing import Any
 from gateway.protocols import anthropic, ollama
 from gateway.protocols.base import ChunkReader, dumps, loads
 from gateway.protocols.openai import ChatChunkReader, error_message
+from gateway.protocols.prompt_cache import add_breakpoints, usage_with_cache_timings
 from gateway.proxy.sse import EventSplitter, LineSplitter
 from routing.core import BackendSpec
 
@@ -68,8 +69,14 @@ class BackendAdapter:
             headers["authorization"] = f"Bearer {backend.api_key}"
         return headers
 
-    def request_body(self, canonical: dict[str, Any], model: str) -> bytes:
-        """A canonical chat request for this backend, for ``model``."""
+    def request_body(
+        self, canonical: dict[str, Any], model: str, breakpoints: bool = False
+    ) -> bytes:
+        """A canonical chat request for this backend, for ``model``.
+
+        ``breakpoints``: add prompt-cache breakpoints where the protocol has
+        them (``with_breakpoints``).
+        """
         body = {**canonical, "model": model}
         if body.get("stream") is True:
             options = body.get("stream_options")
@@ -83,11 +90,18 @@ class BackendAdapter:
         body = {**payload, "model": model}
         return dumps(body)
 
+    def with_breakpoints(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """A request body of this protocol with Nexus's prompt-cache
+        breakpoints (None: unchanged; this protocol has none)."""
+        return None
+
     def read_reply(self, body: bytes, created: int) -> dict[str, Any]:
         """A whole reply as a canonical ``chat.completion``; ValueError if not one."""
         reply = loads(body)
         if not isinstance(reply, dict) or not isinstance(reply.get("choices"), list):
             raise MalformedReply("not a chat completion")
+        if "timings" in reply or "tokens_cached" in reply:
+            reply["usage"] = usage_with_cache_timings(reply)
         return reply
 
     def chunk_reader(self, created: int) -> ChunkReader:
@@ -164,9 +178,16 @@ class AnthropicAdapter(BackendAdapter):
             headers["x-api-key"] = backend.api_key
         return headers
 
-    def request_body(self, canonical: dict[str, Any], model: str) -> bytes:
+    def request_body(
+        self, canonical: dict[str, Any], model: str, breakpoints: bool = False
+    ) -> bytes:
         body = anthropic.canonical_to_messages({**canonical, "model": model})
+        if breakpoints:
+            body = add_breakpoints(body) or body
         return dumps(body)
+
+    def with_breakpoints(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        return add_breakpoints(body)
 
     def read_reply(self, body: bytes, created: int) -> dict[str, Any]:
         message = loads(body)

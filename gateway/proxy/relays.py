@@ -19,6 +19,7 @@ import aiohttp
 
 from gateway.client import ReplyLimits
 from gateway.protocols.base import BUDGET, StreamFailed
+from gateway.protocols.prompt_cache import usage_with_cache_timings
 from gateway.proxy import checks, sse
 from gateway.proxy.legs import Leg, LegStream, ProxyExchange
 from gateway.proxy.replies import TRANSPORT_ERRORS, describe, text_length
@@ -70,8 +71,7 @@ class Relay:
         exchange = self.exchange
         status = exchange.status = response.status
         if reply is not None:
-            usage = reply.get("usage")
-            exchange.usage = usage if isinstance(usage, dict) else None
+            exchange.usage = usage_with_cache_timings(reply)
             if exchange.usage is None:
                 exchange.completion_chars = text_length(reply)
         else:

@@ -15,6 +15,8 @@ from typing import Any
 
 import orjson
 
+from gateway.protocols.prompt_cache import usage_with_cache_timings
+
 # The usage block of the final chunk (OpenAI puts `"usage": null` in the others).
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _EVENT_END = re.compile(rb"\r?\n\r?\n")
@@ -310,8 +312,8 @@ def usage_of_event(event: bytes) -> dict[str, Any] | None:
         payload = json.loads(data)
     except ValueError:
         return None
-    usage = payload.get("usage") if isinstance(payload, dict) else None
-    return usage if isinstance(usage, dict) else None
+    # With llama.cpp's cached prompt tokens (timings.cache_n) folded in.
+    return usage_with_cache_timings(payload) if isinstance(payload, dict) else None
 
 
 def is_usage_only(event: bytes) -> bool:

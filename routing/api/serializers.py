@@ -216,6 +216,7 @@ class RoutingPolicySerializer(ModelCleanSerializer[RoutingPolicy]):
             "ensemble_critique_prompt",
             "ensemble_refine_prompt",
             "ensemble_step_timeout_seconds",
+            "cache_anthropic_auto_breakpoints",
             "updated_at",
         )
 

@@ -11,6 +11,7 @@ from routing.config_file.schema import (
     ADMISSION_SETTINGS,
     AUTO,
     BACKEND_SETTINGS,
+    CACHE_SETTINGS,
     CONTEXT_SHIFT_SETTINGS,
     ENSEMBLE_SETTINGS,
     FLEET_TOML_SETTINGS,
@@ -92,6 +93,13 @@ def export_config() -> str:
 
     lines += [
         "",
+        "[cache]",
+        "# Prompt caching: breakpoints for Anthropic backends (docs/caching.md).",
+    ]
+    lines += _settings(policy, CACHE_SETTINGS)
+
+    lines += [
+        "",
         "[routing.aliases]",
         "# Name a client asks for = the model served instead.",
     ]
@@ -138,13 +146,25 @@ def export_config() -> str:
             lines += ["", "[[backends.models]]"]
             lines += _settings(model, MODEL_SETTINGS)
 
-    lines += ["", "[prices]", "# USD per million tokens, in and out; names or globs."]
+    lines += [
+        "",
+        "[prices]",
+        "# USD per million tokens, in and out (cached_input: read from a prompt",
+        "# cache, cache_write: written to one; left out: the input price);",
+        "# names or globs.",
+    ]
     for price in ModelPrice.objects.order_by("model"):
-        lines.append(
-            f"{format_string(price.model)} = {{ input = "
-            f"{format_scalar(float(price.input_per_million))}, output = "
-            f"{format_scalar(float(price.output_per_million))} }}"
-        )
+        values = [
+            f"input = {format_scalar(float(price.input_per_million))}",
+            f"output = {format_scalar(float(price.output_per_million))}",
+        ]
+        for name, value in (
+            ("cached_input", price.cached_input_per_million),
+            ("cache_write", price.cache_write_per_million),
+        ):
+            if value is not None:
+                values.append(f"{name} = {format_scalar(float(value))}")
+        lines.append(f"{format_string(price.model)} = {{ {', '.join(values)} }}")
     defaults = {s.field: get_field_default(ApiKey, s.field) for s in KEY_SETTINGS}
     keys = [
         key

@@ -127,6 +127,15 @@ ENSEMBLE_SETTINGS = (
         "a number of seconds from 1 to 3600",
     ),
 )
+# [cache]: caching (docs/caching.md); stored on the routing policy.
+CACHE_SETTINGS = (
+    Setting(
+        "anthropic_auto_breakpoints",
+        "cache_anthropic_auto_breakpoints",
+        bool,
+        "true or false",
+    ),
+)
 MODEL_WEIGHTS_KEY = "model_weights"
 MODEL_WEIGHTS_FIELD = "admission_model_weights"
 MODEL_OUTPUT_TOKENS_KEY = "model_output_tokens"
@@ -180,7 +189,8 @@ KEY_MODELS = "models"
 KEY_EXPIRES = "expires"
 KEY_BUDGET_USD = "budget_usd"
 KEY_KEYS = (*(s.key for s in KEY_SETTINGS), KEY_MODELS, KEY_EXPIRES, KEY_BUDGET_USD)
-PRICE_KEYS = ("input", "output")  # USD per million tokens
+# USD per million tokens: input, output, cached input read, cache writes.
+PRICE_KEYS = ("input", "output", "cached_input", "cache_write")
 
 ROUTING_KEYS = (
     "strategy",
@@ -209,6 +219,7 @@ POLICY_KEY_FOR_FIELD = (
     | {s.field: f"fleet.{s.key}" for s in FLEET_TOML_SETTINGS}
     | {s.field: f"context_shift.{s.key}" for s in CONTEXT_SHIFT_SETTINGS}
     | {s.field: f"ensemble.{s.key}" for s in ENSEMBLE_SETTINGS}
+    | {s.field: f"cache.{s.key}" for s in CACHE_SETTINGS}
 )
 BACKEND_KEY_FOR_FIELD = {s.field: s.key for s in BACKEND_SETTINGS} | {
     "api_key": "api_key"
@@ -219,7 +230,12 @@ KEY_KEY_FOR_FIELD = {s.field: s.key for s in KEY_SETTINGS} | {
     "expires_at": KEY_EXPIRES,
     "budget_usd": KEY_BUDGET_USD,
 }
-PRICE_KEY_FOR_FIELD = {"input_per_million": "input", "output_per_million": "output"}
+PRICE_KEY_FOR_FIELD = {
+    "input_per_million": "input",
+    "output_per_million": "output",
+    "cached_input_per_million": "cached_input",
+    "cache_write_per_million": "cache_write",
+}
 
 
 @dataclass(frozen=True)

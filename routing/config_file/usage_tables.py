@@ -87,7 +87,8 @@ def read_keys(reader: ValueReader, value: object) -> tuple[KeyEntry, ...]:
 
 
 def read_prices(reader: ValueReader, value: object) -> tuple[PriceEntry, ...]:
-    """Read ``[prices]``, a table of model name = { input, output }."""
+    """Read ``[prices]``, a table of model name = { input, output, cached_input,
+    cache_write }."""
     table = reader.read_table(value, "prices")
     if table is None:
         return ()
@@ -107,6 +108,8 @@ def read_prices(reader: ValueReader, value: object) -> tuple[PriceEntry, ...]:
         for key, field in (
             ("input", "input_per_million"),
             ("output", "output_per_million"),
+            ("cached_input", "cached_input_per_million"),
+            ("cache_write", "cache_write_per_million"),
         ):
             if key not in price:
                 continue
@@ -123,6 +126,9 @@ def read_prices(reader: ValueReader, value: object) -> tuple[PriceEntry, ...]:
         defaults = {
             "input_per_million": Decimal(0),
             "output_per_million": Decimal(0),
+            # None: cached and cache-written tokens cost the input price.
+            "cached_input_per_million": None,
+            "cache_write_per_million": None,
         }
         entries.append(
             PriceEntry(path, model.strip(), defaults | values, frozenset(invalid))

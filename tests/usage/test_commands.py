@@ -108,6 +108,8 @@ def test_usage_prints_a_table_per_model_for_the_last_day() -> None:
         "requests",
         "errors",
         "prompt",
+        "cached",
+        "cache-write",
         "completion",
         "total",
         "cost",
@@ -115,13 +117,15 @@ def test_usage_prints_a_table_per_model_for_the_last_day() -> None:
         "estimated",
     ]
     assert lines[3].split() == [
-        "llama3:8b", "5", "1", "350", "150", "500", "0.0000", "20%"
+        "llama3:8b", "5", "1", "350", "0", "0", "150", "500", "0.0000", "20%"
     ]  # fmt: skip
     assert lines[-1].split() == [
         "total",
         "5",
         "1",
         "350",
+        "0",
+        "0",
         "150",
         "500",
         "0.0000",

@@ -72,6 +72,7 @@ def test_history_sums_last_hour_per_minute(admin_client: Client) -> None:
             "requests": 4,
             "errors": 1,
             "total_tokens": 40,
+            "cache_read_tokens": 0,
             "latency_ms_avg": 200.0,
         }
     ]

@@ -97,6 +97,15 @@ class CountersSerializer(serializers.Serializer[Any]):
     prompt_tokens = serializers.IntegerField()
     completion_tokens = serializers.IntegerField()
     total_tokens = serializers.IntegerField()
+    cache_read_tokens = serializers.IntegerField(
+        help_text="Of prompt_tokens: read from a backend's prompt cache."
+    )
+    cache_write_tokens = serializers.IntegerField(
+        help_text="Of prompt_tokens: written to a backend's prompt cache."
+    )
+    cached_share = serializers.SerializerMethodField(
+        help_text="The share of prompt tokens read from a prompt cache (0 to 1)."
+    )
     estimated_requests = serializers.IntegerField(
         help_text="Requests whose token counts Nexus estimated."
     )
@@ -106,6 +115,9 @@ class CountersSerializer(serializers.Serializer[Any]):
     latency_ms_avg = serializers.SerializerMethodField(
         help_text="Mean request latency in milliseconds."
     )
+
+    def get_cached_share(self, row: dict[str, Any]) -> float:
+        return round(row["cached_share"], 4)
 
     def get_latency_ms_avg(self, row: dict[str, Any]) -> float | None:
         average = row["latency_ms_avg"]
@@ -250,7 +262,8 @@ class ApiKeyUsageSerializer(serializers.Serializer[Any]):
 
 
 class ModelPriceSerializer(ModelCleanSerializer[ModelPrice]):
-    """What a model costs per million tokens, in and out (USD)."""
+    """What a model costs per million tokens, in and out (USD); cached input
+    and cache writes cost the input price when their prices are null."""
 
     class Meta:
         model = ModelPrice
@@ -259,6 +272,8 @@ class ModelPriceSerializer(ModelCleanSerializer[ModelPrice]):
             "model",
             "input_per_million",
             "output_per_million",
+            "cached_input_per_million",
+            "cache_write_per_million",
             "updated_at",
         )
         read_only_fields = ("updated_at",)

@@ -58,14 +58,36 @@ def period_end(period: str, now: float) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class Price:
-    """A model's price in nano-USD per token, in and out."""
+    """A model's price in nano-USD per token, in and out.
+
+    Input tokens read from a prompt cache cost ``cached_input_nanos`` and those
+    written to one ``cache_write_nanos``; None is the input price.
+    """
 
     input_nanos: int = 0
     output_nanos: int = 0
+    cached_input_nanos: int | None = None
+    cache_write_nanos: int | None = None
 
-    def cost(self, prompt_tokens: int, completion_tokens: int) -> int:
-        """Return the cost of a request in nano-USD (exact)."""
-        return prompt_tokens * self.input_nanos + completion_tokens * self.output_nanos
+    def cost(
+        self,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cache_read_tokens: int = 0,
+        cache_write_tokens: int = 0,
+    ) -> int:
+        """Return the cost of a request in nano-USD (exact).
+
+        ``prompt_tokens`` counts every input token, the cached ones included:
+        uncached input x input price + cache reads x cached input price +
+        cache writes x cache write price + output x output price.
+        """
+        cost = prompt_tokens * self.input_nanos + completion_tokens * self.output_nanos
+        if cache_read_tokens and self.cached_input_nanos is not None:
+            cost += cache_read_tokens * (self.cached_input_nanos - self.input_nanos)
+        if cache_write_tokens and self.cache_write_nanos is not None:
+            cost += cache_write_tokens * (self.cache_write_nanos - self.input_nanos)
+        return max(cost, 0)
 
 
 FREE = Price()

@@ -30,6 +30,8 @@ COUNTER_FIELDS = (
     "prompt_tokens",
     "completion_tokens",
     "total_tokens",
+    "cache_read_tokens",
+    "cache_write_tokens",
     "estimated_requests",
     "estimated_tokens",
     "latency_ms_sum",
@@ -41,7 +43,8 @@ def add_derived_fields(counters: dict[str, Any]) -> dict[str, Any]:
     """Add the figures every usage report derives from summed counters; return it.
 
     ``latency_ms_avg`` (None without requests), ``error_rate`` (errors per
-    request) and ``estimated_share`` (the share of tokens Nexus estimated);
+    request), ``estimated_share`` (the share of tokens Nexus estimated) and
+    ``cached_share`` (the share of prompt tokens read from a prompt cache);
     unrounded, so each surface rounds for its readers.
     """
     requests, tokens = counters["requests"], counters["total_tokens"]
@@ -52,6 +55,8 @@ def add_derived_fields(counters: dict[str, Any]) -> dict[str, Any]:
     counters["estimated_share"] = (
         counters["estimated_tokens"] / tokens if tokens else 0.0
     )
+    prompt = counters["prompt_tokens"]
+    counters["cached_share"] = counters["cache_read_tokens"] / prompt if prompt else 0.0
     counters["cost_usd"] = nanos_to_usd(counters["cost_nanos"])
     return counters
 
@@ -131,6 +136,16 @@ class UsageCounters(models.Model):
     prompt_tokens = models.PositiveBigIntegerField(default=0)
     completion_tokens = models.PositiveBigIntegerField(default=0)
     total_tokens = models.PositiveBigIntegerField(default=0)
+    cache_read_tokens = models.PositiveBigIntegerField(
+        "cached input tokens",
+        default=0,
+        help_text="Of the prompt tokens: read from a backend's prompt cache.",
+    )
+    cache_write_tokens = models.PositiveBigIntegerField(
+        "cache write tokens",
+        default=0,
+        help_text="Of the prompt tokens: written to a backend's prompt cache.",
+    )
     estimated_requests = models.PositiveBigIntegerField(
         default=0,
         help_text="Requests whose token counts Nexus estimated (the backend "

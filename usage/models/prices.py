@@ -1,7 +1,8 @@
 """What models cost: per-model prices, and the nano-USD that costs are counted in.
 
 ``ModelPrice`` gives a model (or a glob pattern of models) a price per million
-input and output tokens in USD; ``nanos_to_usd`` turns a counted cost back into
+input and output tokens in USD, and optionally for input tokens read from and
+written to a prompt cache; ``nanos_to_usd`` turns a counted cost back into
 USD for reports.
 """
 
@@ -18,6 +19,9 @@ from nexus_lib.model_patterns import is_valid_pattern
 
 class ModelPrice(models.Model):
     """What a model costs per million tokens, in and out (USD).
+
+    Cached input (read from a prompt cache) and cache writes have prices of
+    their own when set; otherwise they cost the input price.
 
     ``model`` is a served model's name or a glob pattern (``llama3:*``); an
     exact name wins over patterns, and the longest matching pattern over
@@ -41,6 +45,26 @@ class ModelPrice(models.Model):
         decimal_places=3,
         default=Decimal(0),
         validators=[MinValueValidator(Decimal(0))],
+    )
+    cached_input_per_million = models.DecimalField(
+        "cached input (USD per 1M tokens)",
+        max_digits=12,
+        decimal_places=3,
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(Decimal(0))],
+        help_text="Input tokens read from a prompt cache (OpenAI's cached_tokens, "
+        "Anthropic's cache reads). Empty: the input price.",
+    )
+    cache_write_per_million = models.DecimalField(
+        "cache write (USD per 1M tokens)",
+        max_digits=12,
+        decimal_places=3,
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(Decimal(0))],
+        help_text="Input tokens written to a prompt cache (Anthropic's cache "
+        "creation). Empty: the input price.",
     )
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -66,6 +90,20 @@ class ModelPrice(models.Model):
     @property
     def output_nanos(self) -> int:
         return int(self.output_per_million * 1000)
+
+    @property
+    def cached_input_nanos(self) -> int | None:
+        """Nano-USD per cached input token (None: the input price)."""
+        return _nanos(self.cached_input_per_million)
+
+    @property
+    def cache_write_nanos(self) -> int | None:
+        """Nano-USD per input token written to a cache (None: the input price)."""
+        return _nanos(self.cache_write_per_million)
+
+
+def _nanos(per_million: Decimal | None) -> int | None:
+    return None if per_million is None else int(per_million * 1000)
 
 
 def nanos_to_usd(nanos: int | None) -> Decimal:

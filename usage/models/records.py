@@ -69,6 +69,16 @@ class UsageRecord(models.Model):
     prompt_tokens = models.PositiveBigIntegerField(default=0)
     completion_tokens = models.PositiveBigIntegerField(default=0)
     total_tokens = models.PositiveBigIntegerField(default=0)
+    cache_read_tokens = models.PositiveBigIntegerField(
+        "cached input tokens",
+        default=0,
+        help_text="Of the prompt tokens: read from the backend's prompt cache.",
+    )
+    cache_write_tokens = models.PositiveBigIntegerField(
+        "cache write tokens",
+        default=0,
+        help_text="Of the prompt tokens: written to the backend's prompt cache.",
+    )
     estimated = models.BooleanField(
         default=False, help_text="Token counts are Nexus's estimate."
     )

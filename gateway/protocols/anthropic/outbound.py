@@ -17,6 +17,7 @@ from gateway.protocols.anthropic.wire import (
     usage_to_canonical,
 )
 from gateway.protocols.base import TranslationError
+from gateway.protocols.prompt_cache import cache_control_of
 
 # Anthropic requires max_tokens; chat requests often leave it out.
 DEFAULT_MAX_TOKENS = 4096
@@ -27,7 +28,9 @@ def canonical_to_messages(request: dict[str, Any]) -> dict[str, Any]:
 
     System and developer messages become ``system``; tool messages become
     ``tool_result`` blocks of a user turn; consecutive turns of one role are
-    merged (Anthropic alternates). Raises TranslationError (400) for what
+    merged (Anthropic alternates). A ``cache_control`` on a text part or a
+    tool (how OpenAI clients of Anthropic models mark prompt-cache
+    breakpoints) is kept on its block. Raises TranslationError (400) for what
     Anthropic cannot take: more than one choice, audio or file parts, JSON
     response formats, tool arguments that are not a JSON object.
     """
@@ -112,13 +115,22 @@ def _text_blocks(content: Any, where: str) -> list[dict[str, Any]]:
         return [{"type": "text", "text": content}] if content else []
     if isinstance(content, list):
         return [
-            {"type": "text", "text": part["text"]}
+            _text_block(part)
             for part in content
             if isinstance(part, dict) and isinstance(part.get("text"), str)
         ]
     if content is None:
         return []
     raise TranslationError(400, f"{where}.content: expected text.", param=where)
+
+
+def _text_block(part: dict[str, Any]) -> dict[str, Any]:
+    """A text part as a text block, with the part's breakpoint if it has one."""
+    block: dict[str, Any] = {"type": "text", "text": part["text"]}
+    control = cache_control_of(part)
+    if control is not None:
+        block["cache_control"] = control
+    return block
 
 
 def _user_content(content: Any, where: str) -> Any:
@@ -133,7 +145,7 @@ def _user_content(content: Any, where: str) -> Any:
         at = f"{where}.content[{index}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("text", "input_text") and isinstance(part.get("text"), str):
-            blocks.append({"type": "text", "text": part["text"]})
+            blocks.append(_text_block(part))
         elif kind == "image_url":
             image = part.get("image_url")
             url = image.get("url") if isinstance(image, dict) else image
@@ -218,6 +230,9 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
     }
     if isinstance(function.get("description"), str):
         out["description"] = function["description"]
+    control = cache_control_of(tool)
+    if control is not None:
+        out["cache_control"] = control
     return out
 
 

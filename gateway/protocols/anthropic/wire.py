@@ -93,25 +93,33 @@ def usage_to_canonical(usage: Any) -> dict[str, Any] | None:
         "completion_tokens": output,
         "total_tokens": prompt + output,
     }
-    if cache_read:
-        canonical["prompt_tokens_details"] = {"cached_tokens": cache_read}
+    if cache_read or cache_write:
+        # cache_write_tokens: OpenAI's name (its SDK's PromptTokensDetails).
+        canonical["prompt_tokens_details"] = {
+            "cached_tokens": cache_read,
+            "cache_write_tokens": cache_write,
+        }
     return canonical
 
 
 def usage_from_canonical(usage: Any) -> dict[str, int]:
-    """OpenAI usage as Anthropic's (input tokens exclude the cached ones)."""
+    """OpenAI usage as Anthropic's (input tokens exclude the cached ones and
+    those written to the cache)."""
     if not isinstance(usage, dict):
         return {"input_tokens": 0, "output_tokens": 0}
     prompt = _count(usage.get("prompt_tokens"))
     details = usage.get("prompt_tokens_details")
-    cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
-    cached = min(cached, prompt)
+    details = details if isinstance(details, dict) else {}
+    cached = min(_count(details.get("cached_tokens")), prompt)
+    written = min(_count(details.get("cache_write_tokens")), prompt - cached)
     result = {
-        "input_tokens": prompt - cached,
+        "input_tokens": prompt - cached - written,
         "output_tokens": _count(usage.get("completion_tokens")),
     }
     if cached:
         result["cache_read_input_tokens"] = cached
+    if written:
+        result["cache_creation_input_tokens"] = written
     return result
 
 

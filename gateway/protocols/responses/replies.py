@@ -96,11 +96,9 @@ def usage_of_chat(usage: Any) -> dict[str, Any] | None:
     total = usage.get("total_tokens")
     prompt_details = usage.get("prompt_tokens_details")
     completion_details = usage.get("completion_tokens_details")
-    cached = (
-        prompt_details.get("cached_tokens")
-        if isinstance(prompt_details, Mapping)
-        else None
-    )
+    prompt_details = prompt_details if isinstance(prompt_details, Mapping) else {}
+    cached = prompt_details.get("cached_tokens")
+    written = prompt_details.get("cache_write_tokens")
     reasoning = (
         completion_details.get("reasoning_tokens")
         if isinstance(completion_details, Mapping)
@@ -110,7 +108,7 @@ def usage_of_chat(usage: Any) -> dict[str, Any] | None:
         "input_tokens": prompt,
         "input_tokens_details": {
             "cached_tokens": cached if isinstance(cached, int) else 0,
-            "cache_write_tokens": 0,
+            "cache_write_tokens": written if isinstance(written, int) else 0,
         },
         "output_tokens": completion,
         "output_tokens_details": {

@@ -22,6 +22,8 @@ COLUMNS = (
     ("requests", "requests"),
     ("errors", "errors"),
     ("prompt_tokens", "prompt"),
+    ("cache_read_tokens", "cached"),
+    ("cache_write_tokens", "cache-write"),
     ("completion_tokens", "completion"),
     ("total_tokens", "total"),
 )
@@ -30,8 +32,9 @@ COLUMNS = (
 class Command(DatabaseCommand):
     help = (
         "Print requests, errors, tokens and cost per model, backend or client key, "
-        "from the rolled-up usage. Estimated is the share of tokens Nexus estimated "
-        "because the backend reported none."
+        "from the rolled-up usage. Cached and cache-write are the prompt tokens "
+        "a backend read from or wrote to its prompt cache. Estimated is the share "
+        "of tokens Nexus estimated because the backend reported none."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
