@@ -150,7 +150,7 @@ class BackendAdmin(BackendAdminBase):
             (
                 "Fleet strategy",
                 {
-                    "fields": ("memory_ceiling_gb", "tier"),
+                    "fields": ("memory_ceiling_gb", "tier", "prefix_cache_tokens"),
                     "description": "What the fleet routing strategy weighs: a "
                     "model that is not loaded and does not fit under the memory "
                     "ceiling (else the memory the server reports) is not sent "

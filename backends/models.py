@@ -266,6 +266,14 @@ class Backend(models.Model):
         "overriding what the server reports; empty: what it reports, if it does "
         "(else unknown: models are never ruled out for memory).",
     )
+    prefix_cache_tokens = models.PositiveIntegerField(
+        "prefix cache (tokens)",
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Prompt tokens the server's cache holds per model, for "
+        "prefix-aware routing; empty: the routing policy's cache size.",
+    )
     tier = models.CharField(
         max_length=8,
         choices=BackendTier.choices,

@@ -216,6 +216,13 @@ class RoutingPolicySerializer(ModelCleanSerializer[RoutingPolicy]):
             "ensemble_critique_prompt",
             "ensemble_refine_prompt",
             "ensemble_step_timeout_seconds",
+            "prefix_enabled",
+            "prefix_block_chars",
+            "prefix_max_imbalance",
+            "prefix_max_imbalance_ratio",
+            "prefix_cache_blocks",
+            "prefix_session_keys",
+            "prefix_session_ttl_seconds",
             "updated_at",
         )
 
