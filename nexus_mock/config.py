@@ -83,6 +83,11 @@ class MockConfig:
     oom_loads: str | None = None
     # vLLM's /metrics KV cache usage, 0..1 (None: no /metrics, a 404).
     kv_cache_usage: float | None = None
+    # A prompt cache (nexus_mock.prefix_cache): blocks of this many characters
+    # (0: none), how many it holds, and the time each block not held takes.
+    prefix_block_chars: int = 0
+    prefix_cache_blocks: int = 1024
+    prefix_block_ms: float = 0.0
 
     @property
     def has_memory(self) -> bool:
@@ -304,4 +309,7 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "resident_models": _validate_model_sizes,
     "oom_loads": _optional(_validate_oom_style),
     "kv_cache_usage": _optional(_float_knob(0, 1)),
+    "prefix_block_chars": _int_knob(0, 1_000_000),
+    "prefix_cache_blocks": _int_knob(1, 10_000_000),
+    "prefix_block_ms": _float_knob(0, 3_600_000),
 }

@@ -1,0 +1,95 @@
+"""The mock's prompt cache (--prefix-block-chars): what a model server skips.
+
+A model server with prefix caching (vLLM, SGLang, llama.cpp's cache_prompt)
+does not compute again the leading blocks of a prompt it computed recently.
+The mock keeps the chained hashes of the prompt blocks it computed (block i's
+hash covers blocks 0..i) in an LRU of ``prefix_cache_blocks``; a request's
+leading blocks found there are hits, the others are computed at
+``prefix_block_ms`` each (a partial last block counts as one). The prompt is
+read from a chat body the way a chat template lays it out: tools, then each
+message's role and text in order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import Any
+
+
+class PrefixCache:
+    """The blocks computed lately, oldest first, and the hit counts."""
+
+    def __init__(self) -> None:
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self.hits = 0
+        self.queries = 0
+
+    def compute(self, body: bytes, block_chars: int, capacity: int) -> int:
+        """Take the request's prompt; return how many blocks had to be computed."""
+        text = _prompt_of(body)
+        if not text:
+            return 0
+        total = -(-len(text) // block_chars)
+        keys: list[int] = []
+        previous = 0
+        for start in range(0, len(text), block_chars):
+            previous = hash((previous, text[start : start + block_chars]))
+            keys.append(previous)
+        blocks = self._blocks
+        hits = 0
+        for key in keys:
+            if key not in blocks:
+                break
+            hits += 1
+        # The last block first, so the head of a prompt outlives its tail.
+        for key in reversed(keys):
+            if key in blocks:
+                blocks.move_to_end(key)
+            else:
+                blocks[key] = None
+        while len(blocks) > capacity:
+            blocks.popitem(last=False)
+        self.hits += hits
+        self.queries += total
+        return total - hits
+
+    def reset(self) -> None:
+        """Forget every block and zero the counts."""
+        self._blocks.clear()
+        self.hits = 0
+        self.queries = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The counts /_mock/stats shows."""
+        return {
+            "prefix_cache_hits": self.hits,
+            "prefix_cache_queries": self.queries,
+            "prefix_cache_blocks": len(self._blocks),
+        }
+
+
+def _prompt_of(body: bytes) -> str:
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return ""
+    if not isinstance(payload, dict):
+        return ""
+    parts: list[str] = []
+    tools = payload.get("tools")
+    if tools:
+        parts.append(json.dumps(tools, sort_keys=True))
+    system = payload.get("system")  # Anthropic's Messages
+    if system:
+        parts.append(json.dumps(system))
+    messages = payload.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            if isinstance(message, dict):
+                parts.append(
+                    f"{message.get('role')}:{json.dumps(message.get('content'))}"
+                )
+    elif isinstance(payload.get("prompt"), str):
+        parts.append(payload["prompt"])
+    return "\n".join(parts)
