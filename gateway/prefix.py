@@ -33,16 +33,21 @@ MAX_SESSIONS = 100_000
 MAX_SESSION_CHARS = 256
 # Characters a token, to turn a backend's prefix_cache_tokens into blocks.
 CHARS_PER_TOKEN = 4
+# The free blocks of a backend nothing was recorded for: all of them.
+UNKNOWN_ROOM = 2**31
 
 
 class _ModelIndex:
     """One model's blocks: who holds each key, and each backend's LRU."""
 
-    __slots__ = ("holders", "lrus")
+    __slots__ = ("capacities", "holders", "lrus")
 
     def __init__(self) -> None:
         self.holders: dict[int, set[str]] = {}
-        self.lrus: dict[str, OrderedDict[int, None]] = {}
+        # backend -> its keys, least recently used first, with the index's
+        # tick of their last use; and its cache size when last recorded.
+        self.lrus: dict[str, OrderedDict[int, int]] = {}
+        self.capacities: dict[str, int] = {}
 
 
 class PrefixIndex:
@@ -52,6 +57,8 @@ class PrefixIndex:
         self._clock = clock
         self._models: dict[str, _ModelIndex] = {}
         self._block_chars = 0
+        # Counts record() calls: the age of a block in the LRUs.
+        self._tick = 0
         # (model, session) -> (backend, clock() when it expires)
         self._sessions: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
 
@@ -90,6 +97,18 @@ class PrefixIndex:
             del self._sessions[(model, session)]
             return None
         return backend
+
+    def cache_room(self, model: str, backend: str) -> tuple[int, int]:
+        """How readily `backend` takes a new prompt: (free blocks, records
+        since its least recently used block was used)."""
+        index = self._models.get(model)
+        lru = index.lrus.get(backend) if index is not None else None
+        if not lru:
+            return (UNKNOWN_ROOM, 0)
+        free = index.capacities[backend] - len(lru)  # type: ignore[union-attr]
+        if free > 0:
+            return (free, 0)
+        return (0, self._tick - next(iter(lru.values())))
 
     # The pipeline's side ----------------------------------------------------
 
@@ -131,20 +150,23 @@ class PrefixIndex:
         lru = index.lrus.get(name)
         if lru is None:
             lru = index.lrus.setdefault(name, OrderedDict())
+        capacity = index.capacities[name] = cache_blocks(backend, policy)
         holders = index.holders
+        self._tick += 1
+        tick = self._tick
         # The last block first: a cache evicts a prompt's tail before its
         # head (the head is what other prompts share), and so does the LRU.
         for key in reversed(keys):
             if key in lru:
+                lru[key] = tick
                 lru.move_to_end(key)
             else:
-                lru[key] = None
+                lru[key] = tick
                 holder = holders.get(key)
                 if holder is None:
                     holders[key] = {name}
                 else:
                     holder.add(name)
-        capacity = cache_blocks(backend, policy)
         while len(lru) > capacity:
             key, _ = lru.popitem(last=False)
             holder = holders.get(key)

@@ -13,8 +13,11 @@ message's role and text in order.
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
+
+# Requests whose hits /_mock/stats lists by their x-request-id, newest kept.
+RECENT_REQUESTS = 10_000
 
 
 class PrefixCache:
@@ -24,12 +27,20 @@ class PrefixCache:
         self._blocks: OrderedDict[int, None] = OrderedDict()
         self.hits = 0
         self.queries = 0
+        self.recent: deque[tuple[str, int, int]] = deque(maxlen=RECENT_REQUESTS)
 
-    def compute(self, body: bytes, block_chars: int, capacity: int) -> int:
-        """Take the request's prompt; return how many blocks had to be computed."""
+    def compute(
+        self,
+        body: bytes,
+        block_chars: int,
+        capacity: int,
+        request_id: str | None = None,
+    ) -> tuple[int, int]:
+        """Take the request's prompt; return its blocks found in the cache and
+        its blocks."""
         text = _prompt_of(body)
         if not text:
-            return 0
+            return 0, 0
         total = -(-len(text) // block_chars)
         keys: list[int] = []
         previous = 0
@@ -52,13 +63,16 @@ class PrefixCache:
             blocks.popitem(last=False)
         self.hits += hits
         self.queries += total
-        return total - hits
+        if request_id is not None:
+            self.recent.append((request_id, hits, total))
+        return hits, total
 
     def reset(self) -> None:
         """Forget every block and zero the counts."""
         self._blocks.clear()
         self.hits = 0
         self.queries = 0
+        self.recent.clear()
 
     def as_dict(self) -> dict[str, Any]:
         """The counts /_mock/stats shows."""
@@ -66,6 +80,8 @@ class PrefixCache:
             "prefix_cache_hits": self.hits,
             "prefix_cache_queries": self.queries,
             "prefix_cache_blocks": len(self._blocks),
+            # x-request-id -> [blocks found, blocks] of the latest requests.
+            "prefix_requests": {rid: [hits, total] for rid, hits, total in self.recent},
         }
 
 

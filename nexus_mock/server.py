@@ -186,7 +186,10 @@ class MockBackend:
         ):
             # Read when the request starts computing (in its slot): what the
             # prompt cache holds then.
-            prefill = self._prefill_with_cache(request.body, prompt_seconds)
+            headers = [*headers]  # the hits go onto this request's answer
+            prefill = self._prefill_with_cache(
+                request.body, prompt_seconds, headers, request_id
+            )
         if memory is not None and status == 200:
             wanted = _model_wanted(request)
             if wanted is not None:
@@ -215,15 +218,23 @@ class MockBackend:
                 return None
         return self._deliver(conn, reply, headers, config, prefill)
 
-    def _prefill_with_cache(self, body: bytes, prefill: float) -> Callable[[], float]:
-        """The prefill in seconds, plus the prompt blocks the cache lacks."""
+    def _prefill_with_cache(
+        self,
+        body: bytes,
+        prefill: float,
+        headers: list[Header],
+        request_id: str | None,
+    ) -> Callable[[], float]:
+        """The prefill in seconds, plus the prompt blocks the cache lacks; the
+        answer says ``X-Mock-Prefix-Blocks: <held>/<total>``."""
 
         def seconds() -> float:
             config = self.config
-            computed = self.prefix_cache.compute(
-                body, config.prefix_block_chars, config.prefix_cache_blocks
+            held, total = self.prefix_cache.compute(
+                body, config.prefix_block_chars, config.prefix_cache_blocks, request_id
             )
-            return prefill + computed * config.prefix_block_ms / 1000
+            headers.append(("X-Mock-Prefix-Blocks", f"{held}/{total}"))
+            return prefill + (total - held) * config.prefix_block_ms / 1000
 
         return seconds
 

@@ -536,7 +536,7 @@ class RoutingPolicy(models.Model):
     )
     prefix_max_imbalance = models.PositiveIntegerField(
         "load guard (requests)",
-        default=2,
+        default=4,
         validators=[MaxValueValidator(IMBALANCE_LIMIT)],
         help_text="A prefix's or session's backend is skipped when its load "
         "exceeds the least-loaded candidate's by more than this many requests "

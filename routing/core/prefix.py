@@ -54,6 +54,11 @@ class PrefixView(Protocol):
         """The backend `session` used last, if within its time to live."""
         ...
 
+    def cache_room(self, model: str, backend: str) -> tuple[int, int]:
+        """How readily `backend` takes a new prompt: (free blocks, how long
+        ago its least recently used block was used); larger is roomier."""
+        ...
+
 
 class EmptyPrefixView:
     """A view that holds nothing: a process without a live index (nexus_route)."""
@@ -65,6 +70,10 @@ class EmptyPrefixView:
     def session_backend(self, model: str, session: str) -> str | None:
         """No session is known."""
         return None
+
+    def cache_room(self, model: str, backend: str) -> tuple[int, int]:
+        """Every backend is as roomy as the others."""
+        return (0, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,15 +158,18 @@ def prompt_text(body: Mapping[str, object]) -> str:
 
 
 def chain_keys(text: str, block_chars: int) -> tuple[tuple[int, ...], int]:
-    """Return the keys of `text`'s full blocks (at most MAX_KEYED_BLOCKS) and
-    its number of blocks, the last partial one included."""
-    full = min(len(text) // block_chars, MAX_KEYED_BLOCKS)
+    """Return the keys of `text`'s blocks (at most MAX_KEYED_BLOCKS) and its
+    number of blocks.
+
+    The last block may be partial: it matches only the same prompt again,
+    but it takes room in a server's cache like any other.
+    """
+    blocks = -(-len(text) // block_chars)
     keys: list[int] = []
     previous = 0
-    for start in range(0, full * block_chars, block_chars):
+    for start in range(0, min(blocks, MAX_KEYED_BLOCKS) * block_chars, block_chars):
         previous = hash((previous, text[start : start + block_chars]))
         keys.append(previous)
-    blocks = -(-len(text) // block_chars)
     return tuple(keys), blocks
 
 
@@ -165,14 +177,20 @@ def choose_backend(
     order: Sequence[int],
     names: Sequence[str],
     loads: Sequence[int],
+    priorities: Sequence[int],
     model: str,
     request: PrefixRequest,
     policy: PrefixPolicy,
+    *,
+    placing: bool = True,
 ) -> tuple[int, PrefixChoice]:
     """Return the candidate to serve the request, and why.
 
     ``order`` is every candidate's index in the strategy's order (its choice
-    first); ``names`` and ``loads`` are parallel to the candidates.
+    first); ``names``, ``loads`` and ``priorities`` are parallel to the
+    candidates. With ``placing`` (the load-aware strategies), a prompt no
+    backend holds goes to the roomiest cache among the backends of the chosen
+    one's priority that are no busier than it.
     """
     chosen = order[0]
     least = min(loads)
@@ -200,8 +218,42 @@ def choose_backend(
         pick = next(i for i in allowed if counts[i] == most)
         signal = Signal.PREFIX if refused is None else Signal.LOAD_GUARD
         return pick, _choice(signal, counts[pick], total, refused, names, loads, least)
+    # Nothing to follow, or the guard refused it: the strategy's first choice
+    # within the guard, or a backend as loaded or less where the prompt
+    # evicts less (placing it).
+    pick = chosen
+    if refused is not None:
+        pick = next(i for i in order if loads[i] - least <= allowance)
+    if placing:
+        pick = _roomiest(order, pick, names, loads, priorities, model, view)
     signal = Signal.STRATEGY if refused is None else Signal.LOAD_GUARD
-    return chosen, _choice(signal, counts[chosen], total, refused, names, loads, least)
+    return pick, _choice(signal, counts[pick], total, refused, names, loads, least)
+
+
+def _roomiest(
+    order: Sequence[int],
+    pick: int,
+    names: Sequence[str],
+    loads: Sequence[int],
+    priorities: Sequence[int],
+    model: str,
+    view: PrefixView,
+) -> int:
+    """Among the candidates of `pick`'s priority and at most its load, the one
+    whose cache has the most room (then holds the stalest blocks); `pick` and
+    the strategy's order first among equals."""
+    peers = [
+        i
+        for i in order
+        if priorities[i] == priorities[pick] and loads[i] <= loads[pick]
+    ]
+    if len(peers) < 2:
+        return pick
+    rooms = {i: view.cache_room(model, names[i]) for i in peers}
+    best = max(rooms.values())
+    if rooms[pick] == best:
+        return pick
+    return next(i for i in peers if rooms[i] == best)
 
 
 def _choice(

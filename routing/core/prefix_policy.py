@@ -33,7 +33,7 @@ class PrefixPolicy:
 
     enabled: bool = False
     block_chars: int = 256
-    max_imbalance: int = 2
+    max_imbalance: int = 4
     max_imbalance_ratio: float = 0.5
     cache_blocks: int = 4096
     session_keys: str = DEFAULT_SESSION_KEYS

@@ -569,13 +569,11 @@ def _choose_by_prefix(
     """The strategy's choice `index`, or the backend the prompt's prefix or
     session points at (routing.core.prefix.choose_backend)."""
     survivors = served.survivors
+    priorities = [prepared.priority for prepared in survivors]
     order = [index]
     if len(survivors) > 1:
         order += order_retries(
-            strategy,
-            index,
-            totals=served.totals,
-            priorities=[prepared.priority for prepared in survivors],
+            strategy, index, totals=served.totals, priorities=priorities
         )
     # Under fleet, a backend's queue depth (in flight and waiting) is its load.
     loads = (
@@ -587,7 +585,9 @@ def _choose_by_prefix(
         order,
         [prepared.backend_name for prepared in survivors],
         loads,
+        priorities,
         served.model,
         prefix,
         snapshot.policy.prefix,
+        placing=strategy is Strategy.SMART or strategy is Strategy.FLEET,
     )

@@ -144,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Requests per run in the prefix benchmark (default 240).",
     )
     parser.add_argument(
+        "--prefix-guards",
+        default="1,2,8",
+        help="Also run smart + prefix with each of these max_imbalance values "
+        "(comma-separated; empty for none).",
+    )
+    parser.add_argument(
         "--fleet",
         action="store_true",
         help="Instead: fleet scheduling's benchmark (3 mock Ollama nodes, 6 "
@@ -336,7 +342,12 @@ def _prefix(options: argparse.Namespace) -> int:
         options,
         "prefix",
         lambda env, spawn, logs: run_prefix_benchmark(
-            env, spawn, logs, options.prefix_requests, _progress
+            env,
+            spawn,
+            logs,
+            options.prefix_requests,
+            _progress,
+            tuple(int(g) for g in options.prefix_guards.split(",") if g.strip()),
         ),
         format_prefix_report,
     )

@@ -27,6 +27,7 @@ import httpx
 from django.db import transaction
 
 from backends.models import Backend, BackendModel, HealthStatus
+from routing.core.prefix_policy import PrefixPolicy
 from routing.models import RoutingPolicy
 from tests.bench.processes import start_daphne
 from usage.models import ApiKey
@@ -35,25 +36,26 @@ NODES = ("prefix-a", "prefix-b", "prefix-c")
 MODEL = "bench-prefix"
 SLOTS = 4
 TENANTS = 12
-SYSTEM_CHARS = 6000
+SYSTEM_CHARS = 24_000  # ~6,000 tokens, as in issue 31
 QUESTION_CHARS = 200
 BLOCK_CHARS = 256
-# A tenant's prompt is ~24 blocks: a node holds about 4 tenants' prompts.
-CACHE_BLOCKS = 100
-BLOCK_MS = 8.0
+# A tenant's prompt is ~96 blocks: a node holds 4 tenants' prompts and a
+# little room for the questions' own blocks.
+CACHE_BLOCKS = 400
+BLOCK_MS = 2.0
 LATENCY_MS = 20.0
 CONCURRENCY = 12
 KEY_NAME = "bench-prefix"
-# (label, strategy, prefix on, max_imbalance, workload)
+# (label, strategy, prefix on, max_imbalance, workload); the default guard
+# is the policy's (routing.core.prefix_policy.PrefixPolicy.max_imbalance).
+GUARD = PrefixPolicy().max_imbalance
 RUNS = (
-    ("smart", "smart", False, 2, "shared"),
-    ("smart + prefix", "smart", True, 2, "shared"),
-    ("fleet", "fleet", False, 2, "shared"),
-    ("fleet + prefix", "fleet", True, 2, "shared"),
-    ("smart + prefix, guard 1", "smart", True, 1, "shared"),
-    ("smart + prefix, guard 4", "smart", True, 4, "shared"),
-    ("smart, nothing shared", "smart", False, 2, "unique"),
-    ("smart + prefix, nothing shared", "smart", True, 2, "unique"),
+    ("smart", "smart", False, GUARD, "shared"),
+    ("smart + prefix", "smart", True, GUARD, "shared"),
+    ("fleet", "fleet", False, GUARD, "shared"),
+    ("fleet + prefix", "fleet", True, GUARD, "shared"),
+    ("smart, nothing shared", "smart", False, GUARD, "unique"),
+    ("smart + prefix, nothing shared", "smart", True, GUARD, "unique"),
 )
 
 
@@ -146,6 +148,7 @@ async def _run(base_url: str, key: str, plan: list[list[dict]]) -> dict[str, Any
     failures: dict[str, int] = {}
     served: dict[str, int] = {}
     reasons: dict[str, int] = {}
+    detail: list[tuple[str, str, str, float]] = []
     queue = list(enumerate(plan))
     queue.reverse()
 
@@ -167,11 +170,14 @@ async def _run(base_url: str, key: str, plan: list[list[dict]]) -> dict[str, Any
                 code = str(reply.status_code)
                 failures[code] = failures.get(code, 0) + 1
                 continue
-            timings.append(time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            timings.append(seconds)
             backend = reply.headers.get("x-nexus-backend", "")
             served[backend] = served.get(backend, 0) + 1
             reason = reply.headers.get("x-nexus-route-reason", "").split(";")[0]
             reasons[reason or "-"] = reasons.get(reason or "-", 0) + 1
+            rid = reply.headers["x-request-id"]
+            detail.append((reason or "-", backend, rid, round(seconds, 4)))
 
     limits = httpx.Limits(max_connections=CONCURRENCY + 4)
     async with httpx.AsyncClient(
@@ -183,6 +189,7 @@ async def _run(base_url: str, key: str, plan: list[list[dict]]) -> dict[str, Any
         "failures": failures,
         "served": served,
         "reasons": reasons,
+        "detail": detail,
     }
 
 
@@ -203,14 +210,20 @@ def run_prefix_benchmark(
     logs: Path,
     requests: int,
     progress: Callable[[str], None],
+    guards: tuple[int, ...] = (),
 ) -> dict[str, Any]:
-    """Run every configuration of RUNS on fresh nodes; return their numbers."""
+    """Run every configuration of RUNS, then smart + prefix with each of
+    `guards` (max_imbalance), on fresh nodes; return their numbers."""
     plans = {
         "shared": build_workload(requests, shared=True),
         "unique": build_workload(requests, shared=False),
     }
     results: dict[str, Any] = {"requests": requests, "runs": {}}
-    for label, strategy, prefix, imbalance, workload in RUNS:
+    runs = [
+        *RUNS,
+        *((f"smart + prefix, guard {g}", "smart", True, g, "shared") for g in guards),
+    ]
+    for label, strategy, prefix, imbalance, workload in runs:
         progress(f"prefix: {requests} requests, {label}")
         mocks = [spawn_mock(*_node_args(name), env=env) for name in NODES]
         try:
@@ -228,6 +241,9 @@ def run_prefix_benchmark(
         finally:
             for mock in mocks:
                 mock.stop()
+        found: dict[str, list[int]] = {}
+        for node in nodes.values():
+            found.update(node.pop("prefix_requests"))
         timings = outcome["timings"]
         hits = sum(node["prefix_cache_hits"] for node in nodes.values())
         queries = sum(node["prefix_cache_queries"] for node in nodes.values())
@@ -242,6 +258,12 @@ def run_prefix_benchmark(
             "largest_share": max(served.values()) / len(timings) if timings else 0,
             "served_by": served,
             "reasons": outcome["reasons"],
+            # Per request in answer order: signal, backend, seconds, blocks
+            # found in the cache, blocks.
+            "detail": [
+                (reason, backend, seconds, *found.get(rid, (0, 0)))
+                for reason, backend, rid, seconds in outcome["detail"]
+            ],
         }
     return results
 

@@ -90,7 +90,7 @@ ENSEMBLE_DEFAULTS = {
 # unchecked box is absent from a form).
 PREFIX_DEFAULTS = {
     "prefix_block_chars": "256",
-    "prefix_max_imbalance": "2",
+    "prefix_max_imbalance": "4",
     "prefix_max_imbalance_ratio": "0.5",
     "prefix_cache_blocks": "4096",
     "prefix_session_keys": "x-session-id,user,metadata.user_id",

@@ -88,8 +88,8 @@ def loaded(**in_flight: int) -> LiveStats:
 
 def test_block_keys_chain_so_equal_keys_mean_equal_prompts_up_to_there() -> None:
     keys, blocks = chain_keys("a" * 16 + "b" * 16 + "c" * 5, BLOCK)
-    assert blocks == 3  # the partial block counts, but is not keyed
-    assert len(keys) == 2
+    assert blocks == 3
+    assert len(keys) == 3  # the partial block too: it takes room in a cache
     other, _ = chain_keys("x" * 16 + "b" * 16, BLOCK)
     # The same second block after a different first one: a different key.
     assert other[1] != keys[1]
@@ -115,7 +115,8 @@ def test_longest_prefix_is_found_over_chained_blocks() -> None:
 
     follow_up = request_of(index, chat(long_system, "q" * BLOCK * 4, "more"))
     matched = index.matched_blocks("m", follow_up.keys)
-    assert matched["a"] == len(first.keys)  # all of the first prompt
+    # All of the first prompt's blocks but its partial last one.
+    assert matched["a"] == len(first.keys) - 1
     assert matched["b"] == 6  # the shorter prompt's whole blocks
     assert index.matched_blocks("other-model", follow_up.keys) == {}
 
@@ -134,16 +135,17 @@ def test_eviction_follows_the_backends_cache_size() -> None:
     small = backend("small", "m")
     sized = backend("sized", "m", prefix_cache_tokens=BLOCK * 40 // 4)  # 40 blocks
     prompts = [request_of(index, chat(str(i) * BLOCK * 8), policy) for i in range(4)]
-    for prompt in prompts:  # 8 keyed blocks each
+    for prompt in prompts:  # 9 blocks each (the role's few characters spill over)
+        assert len(prompt.keys) == 9
         index.record("m", small, prompt, policy)
         index.record("m", sized, prompt, policy)
     assert index.held_blocks("m", "small") == 10
-    assert index.held_blocks("m", "sized") == 32
+    assert index.held_blocks("m", "sized") == 36
     newest = index.matched_blocks("m", prompts[-1].keys)
-    assert newest == {"small": 8, "sized": 8}
+    assert newest == {"small": 9, "sized": 9}
     # The second newest lost its tail first: its head is still matched.
-    assert index.matched_blocks("m", prompts[-2].keys) == {"small": 2, "sized": 8}
-    assert index.matched_blocks("m", prompts[0].keys) == {"sized": 8}
+    assert index.matched_blocks("m", prompts[-2].keys) == {"small": 1, "sized": 9}
+    assert index.matched_blocks("m", prompts[0].keys) == {"sized": 9}
 
 
 def test_a_session_sticks_until_its_time_to_live_runs_out() -> None:
@@ -182,8 +184,8 @@ def test_a_prompt_goes_back_to_the_backend_holding_its_prefix() -> None:
     assert decision.chosen is not None and decision.chosen.backend.name == "c"
     assert decision.prefix is not None
     assert decision.prefix.signal is Signal.PREFIX
-    assert decision.prefix.reason() == "prefix; blocks=6/7"  # role + partial block
-    assert decision.as_dict()["prefix"]["matched_blocks"] == 6  # type: ignore[index]
+    assert decision.prefix.reason() == "prefix; blocks=7/7"
+    assert decision.as_dict()["prefix"]["matched_blocks"] == 7  # type: ignore[index]
 
 
 @pytest.mark.parametrize(
@@ -270,6 +272,25 @@ def test_a_session_sticks_to_its_backend_under_the_guard() -> None:
     assert decision.chosen is not None and decision.chosen.backend.name == "b"
     assert decision.prefix is not None and decision.prefix.signal is Signal.SESSION
     assert route(snap, again, loaded(b=2)) == "a"
+
+
+def test_a_new_prompt_goes_to_the_roomiest_cache_among_the_least_busy() -> None:
+    index = PrefixIndex()
+    policy = replace(POLICY, cache_blocks=8)
+    snap = fleet_of("a", "b", "c", cache_blocks=8)
+    for name in ("a", "b", "c"):  # every cache full: 8 blocks each
+        filler = request_of(index, chat(name * BLOCK * 8), policy)
+        index.record("m", snap.backends_by_name[name], filler, policy)
+    # b's blocks were used again since: a's and c's are staler, a's the most.
+    index.record("m", snap.backends_by_name["b"], filler, policy)
+    again = request_of(index, chat("c" * BLOCK * 8), policy)
+    index.record("m", snap.backends_by_name["c"], again, policy)
+    new = request_of(index, chat("n" * BLOCK * 8), policy)
+    assert route(snap, new) == "a"
+    # Never a busier backend than the strategy's choice, nor round robin's turn.
+    assert route(snap, new, loaded(a=1)) == "b"
+    rotating = fleet_of("a", "b", "c", strategy="round_robin", cache_blocks=8)
+    assert route(rotating, new, router=Router()) == "a"
 
 
 def test_an_unknown_block_size_or_bad_settings_are_refused_clearly() -> None:

@@ -102,11 +102,11 @@ def test_the_policy_api_sets_them_and_refuses_bad_values() -> None:
     assert set(wrong.json()) >= {"prefix_block_chars", "prefix_session_ttl_seconds"}
     changed = api.patch(
         "/api/v1/policy",
-        {"prefix_enabled": True, "prefix_max_imbalance": 4},
+        {"prefix_enabled": True, "prefix_max_imbalance": 5},
         format="json",
     )
     assert changed.status_code == 200, changed.json()
-    assert build_snapshot().policy.prefix == PrefixPolicy(enabled=True, max_imbalance=4)
+    assert build_snapshot().policy.prefix == PrefixPolicy(enabled=True, max_imbalance=5)
 
 
 @pytest.mark.django_db
