@@ -29,7 +29,7 @@ from django.db import transaction
 from backends.models import Backend, BackendModel, HealthStatus
 from routing.core.prefix_policy import PrefixPolicy
 from routing.models import RoutingPolicy
-from tests.bench.processes import start_daphne
+from tests.bench.processes import TargetSpec, start_daphne, start_target
 from usage.models import ApiKey
 
 NODES = ("prefix-a", "prefix-b", "prefix-c")
@@ -46,16 +46,19 @@ BLOCK_MS = 2.0
 LATENCY_MS = 20.0
 CONCURRENCY = 12
 KEY_NAME = "bench-prefix"
-# (label, strategy, prefix on, max_imbalance, workload); the default guard
+# (label, strategy, prefix on, max_imbalance, workload, serving processes);
+# the default guard
 # is the policy's (routing.core.prefix_policy.PrefixPolicy.max_imbalance).
 GUARD = PrefixPolicy().max_imbalance
 RUNS = (
-    ("smart", "smart", False, GUARD, "shared"),
-    ("smart + prefix", "smart", True, GUARD, "shared"),
-    ("fleet", "fleet", False, GUARD, "shared"),
-    ("fleet + prefix", "fleet", True, GUARD, "shared"),
-    ("smart, nothing shared", "smart", False, GUARD, "unique"),
-    ("smart + prefix, nothing shared", "smart", True, GUARD, "unique"),
+    ("smart", "smart", False, GUARD, "shared", 1),
+    ("smart + prefix", "smart", True, GUARD, "shared", 1),
+    ("fleet", "fleet", False, GUARD, "shared", 1),
+    ("fleet + prefix", "fleet", True, GUARD, "shared", 1),
+    ("smart, nothing shared", "smart", False, GUARD, "unique", 1),
+    ("smart + prefix, nothing shared", "smart", True, GUARD, "unique", 1),
+    # Each serving process has an index of its own (gateway/prefix.py).
+    ("smart + prefix, 2 processes", "smart", True, GUARD, "shared", 2),
 )
 
 
@@ -221,15 +224,29 @@ def run_prefix_benchmark(
     results: dict[str, Any] = {"requests": requests, "runs": {}}
     runs = [
         *RUNS,
-        *((f"smart + prefix, guard {g}", "smart", True, g, "shared") for g in guards),
+        *(
+            (f"smart + prefix, guard {g}", "smart", True, g, "shared", 1)
+            for g in guards
+        ),
     ]
-    for label, strategy, prefix, imbalance, workload in runs:
+    for label, strategy, prefix, imbalance, workload, processes in runs:
         progress(f"prefix: {requests} requests, {label}")
         mocks = [spawn_mock(*_node_args(name), env=env) for name in NODES]
         try:
             with _rows([m.base_url for m in mocks]) as key:
                 _set_policy(strategy, prefix, imbalance)
-                server = start_daphne(env, logs)
+                server = (
+                    start_daphne(env, logs)
+                    if processes == 1
+                    else start_target(
+                        TargetSpec(f"daphne-x{processes}", "daphne", processes),
+                        env,
+                        Path.cwd(),
+                        logs,
+                        (),
+                        ("/health/ready", {}),
+                    )
+                )
                 try:
                     outcome = asyncio.run(_run(server.url, key, plans[workload]))
                 finally:
