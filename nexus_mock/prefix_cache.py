@@ -67,6 +67,30 @@ class PrefixCache:
             self.recent.append((request_id, hits, total))
         return hits, total
 
+    def vllm_metrics(self, config: Any) -> bytes:
+        """vLLM's /metrics for this cache: its prefix cache counters (prompt
+        tokens at 4 characters a token) and its size as cache_config_info."""
+        tokens_a_block = max(config.prefix_block_chars // 4, 1)
+        model = config.models[0]
+        labels = f'{{model_name="{model}"}}'
+        queries = float(self.queries * tokens_a_block)
+        hits = float(self.hits * tokens_a_block)
+        size = f'block_size="{tokens_a_block}",num_gpu_blocks="{config.prefix_cache_blocks}"'
+        lines = [
+            "# TYPE vllm:prefix_cache_queries counter",
+            f"vllm:prefix_cache_queries_total{labels} {queries}",
+            "# TYPE vllm:prefix_cache_hits counter",
+            f"vllm:prefix_cache_hits_total{labels} {hits}",
+            "# TYPE vllm:cache_config_info gauge",
+            f"vllm:cache_config_info{{{size}}} 1.0",
+        ]
+        if config.kv_cache_usage is not None:
+            lines.append(
+                f'vllm:gpu_cache_usage_perc{{model_name="{model}"}} '
+                f"{config.kv_cache_usage}"
+            )
+        return ("\n".join(lines) + "\n").encode()
+
     def reset(self) -> None:
         """Forget every block and zero the counts."""
         self._blocks.clear()

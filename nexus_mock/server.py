@@ -164,7 +164,14 @@ class MockBackend:
             return self._manage(request, conn, headers, record)
         reply: bytes | Stream | ApiError
         try:
-            reply = self._answers.answer(request, config, self.memory)
+            if (
+                config.kind == "vllm"
+                and config.prefix_block_chars
+                and request.path == "/metrics"
+            ):
+                reply = self.prefix_cache.vllm_metrics(config)
+            else:
+                reply = self._answers.answer(request, config, self.memory)
         except ApiError as error:
             reply = error
         status = 200 if isinstance(reply, Stream) else _status_of(reply)

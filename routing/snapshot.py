@@ -151,7 +151,9 @@ def _backend_spec(
         health_stale=backend.is_health_stale(now),
         memory_ceiling_gb=backend.memory_ceiling_gb,
         tier=backend.tier,
-        prefix_cache_tokens=backend.prefix_cache_tokens,
+        # The operator's size, else what the server reports.
+        prefix_cache_tokens=backend.prefix_cache_tokens
+        or backend.prefix_cache_reported_tokens,
         memory_total_gb=_gigabytes(backend.memory_total_bytes),
         memory_reported_used_gb=_gigabytes(backend.memory_used_bytes),
         memory_pressure=backend.memory_pressure,
