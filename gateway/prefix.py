@@ -19,6 +19,7 @@ the prefix once it starts computing).
 from __future__ import annotations
 
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -33,21 +34,17 @@ MAX_SESSIONS = 100_000
 MAX_SESSION_CHARS = 256
 # Characters a token, to turn a backend's prefix_cache_tokens into blocks.
 CHARS_PER_TOKEN = 4
-# The free blocks of a backend nothing was recorded for: all of them.
-UNKNOWN_ROOM = 2**31
 
 
 class _ModelIndex:
     """One model's blocks: who holds each key, and each backend's LRU."""
 
-    __slots__ = ("capacities", "holders", "lrus")
+    __slots__ = ("holders", "lrus")
 
     def __init__(self) -> None:
         self.holders: dict[int, set[str]] = {}
-        # backend -> its keys, least recently used first, with the index's
-        # tick of their last use; and its cache size when last recorded.
-        self.lrus: dict[str, OrderedDict[int, int]] = {}
-        self.capacities: dict[str, int] = {}
+        # backend -> its keys, least recently used first
+        self.lrus: dict[str, OrderedDict[int, None]] = {}
 
 
 class PrefixIndex:
@@ -57,8 +54,6 @@ class PrefixIndex:
         self._clock = clock
         self._models: dict[str, _ModelIndex] = {}
         self._block_chars = 0
-        # Counts record() calls: the age of a block in the LRUs.
-        self._tick = 0
         # (model, session) -> (backend, clock() when it expires)
         self._sessions: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
 
@@ -98,18 +93,6 @@ class PrefixIndex:
             return None
         return backend
 
-    def cache_room(self, model: str, backend: str) -> tuple[int, int]:
-        """How readily `backend` takes a new prompt: (free blocks, records
-        since its least recently used block was used)."""
-        index = self._models.get(model)
-        lru = index.lrus.get(backend) if index is not None else None
-        if not lru:
-            return (UNKNOWN_ROOM, 0)
-        free = index.capacities[backend] - len(lru)  # type: ignore[union-attr]
-        if free > 0:
-            return (free, 0)
-        return (0, self._tick - next(iter(lru.values())))
-
     # The pipeline's side ----------------------------------------------------
 
     def request_for(
@@ -124,9 +107,11 @@ class PrefixIndex:
             # Keys of another block size never match: start afresh.
             self._models.clear()
             self._block_chars = policy.block_chars
-        keys, blocks = chain_keys(prompt_text(canonical), policy.block_chars)
+        text = prompt_text(canonical)
+        keys, blocks = chain_keys(text, policy.block_chars)
         session = find_session(policy.session_key_list, original, headers)
-        return PrefixRequest(keys, blocks, session, self)
+        anchor = zlib.crc32(text[: policy.block_chars].encode())
+        return PrefixRequest(keys, blocks, session, self, anchor)
 
     def record(
         self,
@@ -150,18 +135,15 @@ class PrefixIndex:
         lru = index.lrus.get(name)
         if lru is None:
             lru = index.lrus.setdefault(name, OrderedDict())
-        capacity = index.capacities[name] = cache_blocks(backend, policy)
+        capacity = cache_blocks(backend, policy)
         holders = index.holders
-        self._tick += 1
-        tick = self._tick
         # The last block first: a cache evicts a prompt's tail before its
         # head (the head is what other prompts share), and so does the LRU.
         for key in reversed(keys):
             if key in lru:
-                lru[key] = tick
                 lru.move_to_end(key)
             else:
-                lru[key] = tick
+                lru[key] = None
                 holder = holders.get(key)
                 if holder is None:
                     holders[key] = {name}

@@ -19,6 +19,7 @@ process): they are compared within one process only.
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -54,11 +55,6 @@ class PrefixView(Protocol):
         """The backend `session` used last, if within its time to live."""
         ...
 
-    def cache_room(self, model: str, backend: str) -> tuple[int, int]:
-        """How readily `backend` takes a new prompt: (free blocks, how long
-        ago its least recently used block was used); larger is roomier."""
-        ...
-
 
 class EmptyPrefixView:
     """A view that holds nothing: a process without a live index (nexus_route)."""
@@ -71,10 +67,6 @@ class EmptyPrefixView:
         """No session is known."""
         return None
 
-    def cache_room(self, model: str, backend: str) -> tuple[int, int]:
-        """Every backend is as roomy as the others."""
-        return (0, 0)
-
 
 @dataclass(frozen=True, slots=True)
 class PrefixRequest:
@@ -84,6 +76,9 @@ class PrefixRequest:
     prompt_blocks: int
     session: str | None
     view: PrefixView
+    # A hash of the prompt's first block that every process computes alike
+    # (keys are salted per process): where a new prompt is placed.
+    anchor: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,8 +184,8 @@ def choose_backend(
     ``order`` is every candidate's index in the strategy's order (its choice
     first); ``names``, ``loads`` and ``priorities`` are parallel to the
     candidates. With ``placing`` (the load-aware strategies), a prompt no
-    backend holds goes to the roomiest cache among the backends of the chosen
-    one's priority that are no busier than it.
+    backend holds goes to the backend its anchor hashes to among those of the
+    chosen one's priority that are no busier than it.
     """
     chosen = order[0]
     least = min(loads)
@@ -219,29 +214,28 @@ def choose_backend(
         signal = Signal.PREFIX if refused is None else Signal.LOAD_GUARD
         return pick, _choice(signal, counts[pick], total, refused, names, loads, least)
     # Nothing to follow, or the guard refused it: the strategy's first choice
-    # within the guard, or a backend as loaded or less where the prompt
-    # evicts less (placing it).
+    # within the guard, or the backend as loaded or less that the prompt's
+    # anchor picks (every process alike: one home per prompt, not one each).
     pick = chosen
     if refused is not None:
         pick = next(i for i in order if loads[i] - least <= allowance)
     if placing:
-        pick = _roomiest(order, pick, names, loads, priorities, model, view)
+        pick = _anchored(order, pick, names, loads, priorities, request.anchor)
     signal = Signal.STRATEGY if refused is None else Signal.LOAD_GUARD
     return pick, _choice(signal, counts[pick], total, refused, names, loads, least)
 
 
-def _roomiest(
+def _anchored(
     order: Sequence[int],
     pick: int,
     names: Sequence[str],
     loads: Sequence[int],
     priorities: Sequence[int],
-    model: str,
-    view: PrefixView,
+    anchor: int,
 ) -> int:
     """Among the candidates of `pick`'s priority and at most its load, the one
-    whose cache has the most room (then holds the stalest blocks); `pick` and
-    the strategy's order first among equals."""
+    the prompt's anchor hashes highest with (rendezvous hashing): every
+    serving process places a new prompt alike, and prompts spread evenly."""
     peers = [
         i
         for i in order
@@ -249,11 +243,11 @@ def _roomiest(
     ]
     if len(peers) < 2:
         return pick
-    rooms = {i: view.cache_room(model, names[i]) for i in peers}
-    best = max(rooms.values())
-    if rooms[pick] == best:
-        return pick
-    return next(i for i in peers if rooms[i] == best)
+    return max(peers, key=lambda i: _rendezvous(anchor, names[i]))
+
+
+def _rendezvous(anchor: int, name: str) -> bytes:
+    return hashlib.blake2b(f"{anchor}:{name}".encode(), digest_size=8).digest()
 
 
 def _choice(
