@@ -110,7 +110,8 @@ class PrefixIndex:
         text = prompt_text(canonical)
         keys, blocks = chain_keys(text, policy.block_chars)
         session = find_session(policy.session_key_list, original, headers)
-        anchor = zlib.crc32(text[: policy.block_chars].encode())
+        # surrogatepass: JSON may carry a lone surrogate ("\ud800").
+        anchor = zlib.crc32(text[: policy.block_chars].encode("utf-8", "surrogatepass"))
         return PrefixRequest(keys, blocks, session, self, anchor)
 
     def record(

@@ -162,6 +162,12 @@ def test_a_session_sticks_until_its_time_to_live_runs_out() -> None:
     assert index.session_backend("m", "s-1") is None
 
 
+def test_any_json_text_is_keyed_a_lone_surrogate_too() -> None:
+    index = PrefixIndex()
+    odd = request_of(index, chat("\ud800" * BLOCK * 2, tools=[{"x": "\udfff"}]))
+    assert len(odd.keys) == odd.prompt_blocks > 2
+
+
 def test_session_keys_are_read_from_headers_and_body_fields_in_order() -> None:
     keys = ("x-session-id", "user", "metadata.user_id")
     assert find_session(keys, {"user": "u"}, [(b"x-session-id", b"h")]) == "h"
