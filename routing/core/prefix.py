@@ -12,8 +12,12 @@ backend computed; gateway/prefix.py holds it per serving process).
 the session's backend, else the candidate holding the longest prefix, as
 long as its load (in flight; queue depth under the fleet strategy) is within
 the load guard of the least-loaded candidate's; among equal matches the
-strategy's own order decides. Keys use Python's ``hash`` (salted per
-process): they are compared within one process only.
+strategy's own order decides. A prompt nothing holds goes where the
+strategy sends it, or (smart, fleet) to the equally placed backend its
+first block's anchor hashes to, so that every serving process gives it the
+same home. Keys use Python's ``hash`` (salted per process): they are
+compared within one process only; the anchor is a CRC every process
+computes alike.
 """
 
 from __future__ import annotations

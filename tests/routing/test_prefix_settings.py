@@ -126,3 +126,22 @@ def test_the_admin_edits_them_on_the_policy_page(admin_client: Client) -> None:
     assert build_snapshot().policy.prefix == PrefixPolicy(
         enabled=True, cache_blocks=100
     )
+
+
+@pytest.mark.django_db
+def test_nexus_route_explain_names_the_prefix_signal_when_on() -> None:
+    from backends.models import Backend, BackendModel, HealthStatus
+
+    backend = Backend.objects.create(
+        name="gpu-1", base_url="http://gpu-1.lan:8000", status=HealthStatus.HEALTHY
+    )
+    BackendModel.objects.create(backend=backend, name="m")
+    out = StringIO()
+    call_command("nexus_route", "m", "--explain", stdout=out)
+    assert "prefix routing" not in out.getvalue()  # off: nothing about it
+    policy = RoutingPolicy.load()
+    policy.prefix_enabled = True
+    policy.save()
+    out = StringIO()
+    call_command("nexus_route", "m", "--explain", "--prompt", "x" * 600, stdout=out)
+    assert "prefix routing: strategy, 0 of 3 prompt blocks held" in out.getvalue()
