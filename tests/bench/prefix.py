@@ -3,12 +3,13 @@
 ``make bench BENCH_ARGS=--prefix``. Three OpenAI-compatible mock nodes, 4
 slots each, with a prompt cache (nexus_mock.prefix_cache) that holds about a
 third of the tenants' prompts, and a prompt block not in it costs
-``BLOCK_MS``. Twelve tenants, each with a long system prompt (~6,000
-characters), send a Zipf-like mix (tenant k's share ~ 1/k) of 240 requests,
-12 at a time, each with a question of its own; requests wait in the nodes'
-own queues (no max_concurrency, admission control off). Compared: smart and fleet,
-with and without ``[routing.prefix]``, plus a workload whose prompts share
-nothing (a system prompt per request), and the load guard's sensitivity.
+``BLOCK_MS``. Twelve tenants, each with a long system prompt (~24,000
+characters, ~6,000 tokens), send a Zipf-like mix (tenant k's share ~ 1/k) of
+240 requests, 12 at a time, each with a question of its own; requests wait in
+the nodes' own queues (no max_concurrency, admission control off). Compared:
+smart and fleet, with and without ``[routing.prefix]``, a workload whose
+prompts share nothing (a system prompt per request), two serving processes,
+and the load guard's sensitivity (--prefix-guards).
 The report gives the client-side mean and p90, the block hit rate the nodes
 counted, and the largest node's share of the requests.
 """
@@ -47,8 +48,7 @@ LATENCY_MS = 20.0
 CONCURRENCY = 12
 KEY_NAME = "bench-prefix"
 # (label, strategy, prefix on, max_imbalance, workload, serving processes);
-# the default guard
-# is the policy's (routing.core.prefix_policy.PrefixPolicy.max_imbalance).
+# the guard is the policy's default (PrefixPolicy.max_imbalance).
 GUARD = PrefixPolicy().max_imbalance
 RUNS = (
     ("smart", "smart", False, GUARD, "shared", 1),
