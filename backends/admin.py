@@ -20,6 +20,7 @@ from backends.models import (
     HEALTH_FIELDS,
     LOADED_FIELDS,
     MEMORY_FIELDS,
+    PREFIX_CACHE_FIELDS,
     SIZE_FIELDS,
     Backend,
     BackendModel,
@@ -110,6 +111,7 @@ class BackendAdmin(BackendAdminBase):
         "priority",
         "model_count",
         "latency",
+        "prompt_cache",
         "last_check_age",
     )
     list_display_links = ("name_label",)
@@ -121,6 +123,8 @@ class BackendAdmin(BackendAdminBase):
         *HEALTH_FIELDS,
         "latency",
         "learned_memory",
+        "prompt_cache",
+        "prompt_cache_detail",
         "is_demo",
         "created_at",
         "updated_at",
@@ -150,7 +154,7 @@ class BackendAdmin(BackendAdminBase):
             (
                 "Fleet strategy",
                 {
-                    "fields": ("memory_ceiling_gb", "tier"),
+                    "fields": ("memory_ceiling_gb", "tier", "prefix_cache_tokens"),
                     "description": "What the fleet routing strategy weighs: a "
                     "model that is not loaded and does not fit under the memory "
                     "ceiling (else the memory the server reports) is not sent "
@@ -165,7 +169,7 @@ class BackendAdmin(BackendAdminBase):
             (
                 "Learned capacity",
                 {
-                    "fields": ("learned_memory",),
+                    "fields": ("learned_memory", "prompt_cache_detail"),
                     "description": "What the server last reported, read by "
                     "health checks. Out-of-memory load failures pause cold loads "
                     "in the serving process that saw them: see route explain and "
@@ -179,7 +183,7 @@ class BackendAdmin(BackendAdminBase):
                     "fields": tuple(
                         "latency" if name == "avg_latency_ms" else name
                         for name in HEALTH_FIELDS
-                        if name not in MEMORY_FIELDS
+                        if name not in MEMORY_FIELDS and name not in PREFIX_CACHE_FIELDS
                     ),
                     "description": "Updated by health checks.",
                 },
@@ -263,6 +267,24 @@ class BackendAdmin(BackendAdminBase):
     @admin.display(description="models", ordering="model_count")
     def model_count(self, obj: Backend) -> int:
         return obj.model_count  # type: ignore[attr-defined]
+
+    @admin.display(description="prompt cache hits")
+    def prompt_cache(self, obj: Backend) -> str:
+        rate = obj.prefix_cache_hit_rate
+        return "—" if rate is None else f"{rate:.0%}"
+
+    @admin.display(description="prompt cache")
+    def prompt_cache_detail(self, obj: Backend) -> str:
+        parts = []
+        rate = obj.prefix_cache_hit_rate
+        if rate is not None:
+            parts.append(
+                f"{rate:.0%} of {obj.prefix_cache_queries:,} prompt tokens found "
+                "in its cache (since the server started)"
+            )
+        if obj.prefix_cache_reported_tokens is not None:
+            parts.append(f"holds {obj.prefix_cache_reported_tokens:,} tokens")
+        return "; ".join(parts) or "Nothing reported yet."
 
     @admin.display(description="latency", ordering="avg_latency_ms")
     def latency(self, obj: Backend) -> str:

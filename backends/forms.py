@@ -59,6 +59,7 @@ class BackendAdminForm(BackendModelForm):
             "request_timeout",
             "memory_ceiling_gb",
             "tier",
+            "prefix_cache_tokens",
         )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -138,6 +138,9 @@ class BackendHealthDict(TypedDict):
     status: str
     avg_latency_ms: float | None
     last_check_at: str | None
+    # Share of prompt tokens its prompt cache held, as the server counts (None:
+    # it does not say).
+    prefix_cache_hit_rate: float | None
     # The last result is older than 3 health intervals: routed as unknown.
     stale: bool
     last_error: str
@@ -220,7 +223,14 @@ def read_backend_health() -> list[BackendHealthDict]:
     """Read every backend's recorded health, by name (sync code only)."""
     now = timezone.now()
     backends = Backend.objects.order_by("name").only(
-        "name", "enabled", "status", "avg_latency_ms", "last_check_at", "last_error"
+        "name",
+        "enabled",
+        "status",
+        "avg_latency_ms",
+        "last_check_at",
+        "last_error",
+        "prefix_cache_hits",
+        "prefix_cache_queries",
     )
     return [
         {
@@ -228,6 +238,7 @@ def read_backend_health() -> list[BackendHealthDict]:
             "enabled": backend.enabled,
             "status": backend.status,
             "avg_latency_ms": backend.avg_latency_ms,
+            "prefix_cache_hit_rate": backend.prefix_cache_hit_rate,
             "last_check_at": (
                 backend.last_check_at.isoformat() if backend.last_check_at else None
             ),
@@ -410,6 +421,8 @@ def _record(
                     row.server_version = result.version
                 if result.memory is not None:
                     changed |= row.note_memory(result.memory, observation.finished_at)
+                if result.prefix_cache is not None:
+                    changed |= row.note_prefix_cache(result.prefix_cache)
                 updated.append(row)
                 changed |= row.status != previous
                 if result.loaded_models is not None:

@@ -13,7 +13,13 @@ from django.db import models, router, transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 
-from backends.kinds import MAX_VERSION, Endpoint, LoadedModel, MemoryReport
+from backends.kinds import (
+    MAX_VERSION,
+    Endpoint,
+    LoadedModel,
+    MemoryReport,
+    PrefixCacheReport,
+)
 from backends.signals import backends_changed
 from backends.vocabulary import EXPIRY_SLACK, HealthStatus
 from nexus_worker.protocol import MISSED_HEARTBEATS_BEFORE_GONE
@@ -38,6 +44,12 @@ MEMORY_FIELDS = (
     "slots",
     "memory_reported_at",
 )
+# What the server says of its prompt cache (PrefixCacheReport).
+PREFIX_CACHE_FIELDS = (
+    "prefix_cache_hits",
+    "prefix_cache_queries",
+    "prefix_cache_reported_tokens",
+)
 # What a health check records on a Backend; operators read it, never write it.
 HEALTH_FIELDS = (
     "status",
@@ -48,6 +60,7 @@ HEALTH_FIELDS = (
     "avg_latency_ms",
     "server_version",
     *MEMORY_FIELDS,
+    *PREFIX_CACHE_FIELDS,
 )
 # Memory in use moving by less than this is stored without announcing a
 # change (it moves with every context a busy model grows).
@@ -266,6 +279,24 @@ class Backend(models.Model):
         "overriding what the server reports; empty: what it reports, if it does "
         "(else unknown: models are never ruled out for memory).",
     )
+    prefix_cache_tokens = models.PositiveIntegerField(
+        "prefix cache (tokens)",
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Prompt tokens the server's cache holds per model, for "
+        "prefix-aware routing; empty: the routing policy's cache size.",
+    )
+    # What the server last said of its prompt cache (health checks).
+    prefix_cache_hits = models.PositiveBigIntegerField(
+        "prompt cache hits (tokens)", null=True, blank=True, editable=False
+    )
+    prefix_cache_queries = models.PositiveBigIntegerField(
+        "prompt cache lookups (tokens)", null=True, blank=True, editable=False
+    )
+    prefix_cache_reported_tokens = models.PositiveBigIntegerField(
+        "prompt cache size reported (tokens)", null=True, blank=True, editable=False
+    )
     tier = models.CharField(
         max_length=8,
         choices=BackendTier.choices,
@@ -433,6 +464,23 @@ class Backend(models.Model):
         self.slots = report.slots
         self.memory_reported_at = now
         return True
+
+    def note_prefix_cache(self, report: PrefixCacheReport) -> bool:
+        """Store what the server said of its prompt cache; True if routing
+        must hear (its size changed)."""
+        self.prefix_cache_hits = report.hits
+        self.prefix_cache_queries = report.queries
+        resized = report.cache_tokens != self.prefix_cache_reported_tokens
+        self.prefix_cache_reported_tokens = report.cache_tokens
+        return resized
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Share of the prompt tokens looked up that its cache held (None: unknown)."""
+        hits, queries = self.prefix_cache_hits, self.prefix_cache_queries
+        if hits is None or not queries:
+            return None
+        return min(hits / queries, 1.0)
 
     def describe_memory(self) -> str:
         """What the server last reported of its memory, for operators ("": none)."""

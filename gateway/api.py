@@ -30,6 +30,9 @@ class RouteExplainView(APIView):
     is the decision record: every candidate with its score components, every
     excluded backend with its reasons, the choice and the retry order, or the
     error a client would get (with its HTTP status) when nothing can serve it.
+    With prefix routing on, ``prefix`` names the signal that decided and the
+    matched length, against this process's prefix index (its
+    ``x-session-id`` header counts as the request's would).
     """
 
     permission_classes = (IsAdminUser,)
@@ -42,7 +45,18 @@ class RouteExplainView(APIView):
             return Response(error.to_openai(), status=error.status)
         gateway = current_gateway()
         routes = gateway.snapshots.snapshot.routes
-        decision = gateway.router.explain(requirements, routes, gateway.stats)
+        prefix = None
+        body = request.data
+        if routes.policy.prefix.enabled and isinstance(body, dict):
+            # Matched against this process's index, as the request would be.
+            headers = [
+                (name.lower().encode("latin-1"), value.encode("latin-1"))
+                for name, value in request.headers.items()
+            ]
+            prefix = gateway.prefix.request_for(
+                body, body, headers, routes.policy.prefix
+            )
+        decision = gateway.router.explain(requirements, routes, gateway.stats, prefix)
         # The smart strategy's weights: each score part (0..100) counts with
         # its weight in percent.
         weights = describe_weights(routes.policy.weights)

@@ -41,6 +41,7 @@ from gateway.error_cache import ErrorCache
 from gateway.fleet.scheduler import FleetScheduler
 from gateway.holder import SnapshotHolder
 from gateway.metrics import GatewayMetrics, MetricsEndpoint, Network, parse_networks
+from gateway.prefix import PrefixIndex
 from gateway.relay.dispatch import LOAD_GROUP, RelayHub
 from gateway.relay.heartbeats import HeartbeatClock
 from gateway.relay.limits import RelayGuard
@@ -232,6 +233,8 @@ class Gateway:
         )
         self.router = Router()
         self.stats = LiveStats()
+        # Which backend computed which prompt prefix, and sessions' backends.
+        self.prefix = PrefixIndex()
         self.breaker = CircuitBreaker(stats=self.stats, config=config.breaker)
         self.error_cache = ErrorCache(
             stats=self.stats, seconds=config.error_cache_seconds

@@ -30,7 +30,11 @@ requests fails, drawn from a ``seed``-ed RNG), ``fail_on_text`` (every inference
 request whose body holds that text fails with ``fail_status``),
 ``drop_after_chunks`` (send K chunks of a stream then close the connection
 without ending the chunked body),
-``record_requests`` (how many recent requests the stats keep).
+``record_requests`` (how many recent requests the stats keep),
+``prefix_block_chars`` + ``prefix_cache_blocks`` + ``prefix_block_ms`` (a prompt
+cache, ``nexus_mock.prefix_cache``: the prompt's leading blocks computed lately
+cost nothing, the others ``prefix_block_ms`` each, in the request's slot;
+``/_mock/stats`` counts ``prefix_cache_hits`` and ``prefix_cache_queries``).
 
 ``kind`` (CLI ``--kind openai|ollama|vllm|llamacpp|anthropic``) imitates that
 server's probe endpoints as well (Ollama's ``/api/tags``, ``/api/ps`` and

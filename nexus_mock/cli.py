@@ -42,6 +42,9 @@ _KNOB_OPTIONS = (
     "load_seconds",
     "keep_alive_seconds",
     "server_version",
+    "prefix_block_chars",
+    "prefix_cache_blocks",
+    "prefix_block_ms",
 )
 
 
@@ -181,6 +184,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             "--server-version", dest="server_version", help=version_help
         )
+    parser.add_argument(
+        "--prefix-block-chars",
+        type=int,
+        help="Keep a prompt cache in blocks of this many characters: a "
+        "request's leading blocks computed lately cost nothing, the others "
+        "--prefix-block-ms each (default: no prompt cache).",
+    )
+    parser.add_argument(
+        "--prefix-cache-blocks",
+        type=int,
+        help="Blocks the prompt cache holds, least recently used evicted "
+        "(default 1024).",
+    )
+    parser.add_argument(
+        "--prefix-block-ms",
+        type=float,
+        help="Time to compute one prompt block not in the cache (default 0).",
+    )
     parser.add_argument(
         "--record-requests",
         type=int,

@@ -90,6 +90,11 @@ class MockConfig:
     # cache_creation_input_tokens (nexus_mock.replies, nexus_mock.messages).
     cached_tokens: int = 0
     cache_write_tokens: int = 0
+    # A prompt cache (nexus_mock.prefix_cache): blocks of this many characters
+    # (0: none), how many it holds, and the time each block not held takes.
+    prefix_block_chars: int = 0
+    prefix_cache_blocks: int = 1024
+    prefix_block_ms: float = 0.0
 
     @property
     def has_memory(self) -> bool:
@@ -313,4 +318,7 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "kv_cache_usage": _optional(_float_knob(0, 1)),
     "cached_tokens": _int_knob(0, 10**9),
     "cache_write_tokens": _int_knob(0, 10**9),
+    "prefix_block_chars": _int_knob(0, 1_000_000),
+    "prefix_cache_blocks": _int_knob(1, 10_000_000),
+    "prefix_block_ms": _float_knob(0, 3_600_000),
 }

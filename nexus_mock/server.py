@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from nexus_mock.answers import INFERENCE_PATHS, Answers, Stream
@@ -35,6 +35,7 @@ from nexus_mock.ollama_models import (
     answer_blob,
     answer_management,
 )
+from nexus_mock.prefix_cache import PrefixCache
 from nexus_mock.protocol import Header, HttpConnection
 from nexus_mock.replies import encode_json
 from nexus_mock.slots import Slots
@@ -61,6 +62,7 @@ class MockBackend:
         self.slots = Slots(self.stats)
         # Digests of the Ollama model files uploaded (/api/blobs).
         self.blobs: set[str] = set()
+        self.prefix_cache = PrefixCache()
         self.memory: NodeMemory | None = None
         self._apply_config(config)
 
@@ -169,7 +171,14 @@ class MockBackend:
             return None
         reply: bytes | Stream | ApiError
         try:
-            reply = self._answers.answer(request, config, self.memory)
+            if (
+                config.kind == "vllm"
+                and config.prefix_block_chars
+                and request.path == "/metrics"
+            ):
+                reply = self.prefix_cache.vllm_metrics(config)
+            else:
+                reply = self._answers.answer(request, config, self.memory)
         except ApiError as error:
             reply = error
         status = 200 if isinstance(reply, Stream) else _status_of(reply)
@@ -182,7 +191,19 @@ class MockBackend:
         )
         memory = self.memory
         # A prompt's prefill: its tokens estimated as the body's bytes / 4.
-        prefill = config.prefill_ms_per_1k_tokens * len(request.body) / 4_000_000
+        prompt_seconds = config.prefill_ms_per_1k_tokens * len(request.body) / 4e6
+        prefill: float | Callable[[], float] = prompt_seconds
+        if (
+            config.prefix_block_chars
+            and status == 200
+            and request.path in _SLOTTED_PATHS
+        ):
+            # Read when the request starts computing (in its slot): what the
+            # prompt cache holds then.
+            headers = [*headers]  # the hits go onto this request's answer
+            prefill = self._prefill_with_cache(
+                request.body, prompt_seconds, headers, request_id
+            )
         if memory is not None and status == 200:
             wanted = _model_wanted(request)
             if wanted is not None:
@@ -201,7 +222,7 @@ class MockBackend:
         if slotted:
             return self._deliver_in_slot(conn, reply, headers, config, prefill)
         # Answer without a task when nothing has to wait: benchmarks live here.
-        if config.latency_ms <= 0 and prefill <= 0:
+        if config.latency_ms <= 0 and not callable(prefill) and prefill <= 0:
             if not isinstance(reply, Stream):
                 self._send(conn, reply, headers)
                 return None
@@ -210,6 +231,26 @@ class MockBackend:
                 conn.send_stream(200, reply.content_type, headers, chunks)
                 return None
         return self._deliver(conn, reply, headers, config, prefill)
+
+    def _prefill_with_cache(
+        self,
+        body: bytes,
+        prefill: float,
+        headers: list[Header],
+        request_id: str | None,
+    ) -> Callable[[], float]:
+        """The prefill in seconds, plus the prompt blocks the cache lacks; the
+        answer says ``X-Mock-Prefix-Blocks: <held>/<total>``."""
+
+        def seconds() -> float:
+            config = self.config
+            held, total = self.prefix_cache.compute(
+                body, config.prefix_block_chars, config.prefix_cache_blocks, request_id
+            )
+            headers.append(("X-Mock-Prefix-Blocks", f"{held}/{total}"))
+            return prefill + (total - held) * config.prefix_block_ms / 1000
+
+        return seconds
 
     # Ollama's model management (nexus_mock.ollama_models)
 
@@ -303,11 +344,12 @@ class MockBackend:
         reply: bytes | ApiError | Stream,
         headers: list[Header],
         config: MockConfig,
-        prefill: float = 0.0,
+        prefill: float | Callable[[], float] = 0.0,
     ) -> None:
         self.stats.in_flight += 1
         try:
-            if not await conn.sleep(config.latency_ms / 1000 + prefill):
+            seconds = prefill() if callable(prefill) else prefill
+            if not await conn.sleep(config.latency_ms / 1000 + seconds):
                 self.stats.client_disconnects += 1
                 return
             if isinstance(reply, Stream):
@@ -327,7 +369,7 @@ class MockBackend:
         config: MockConfig,
         slotted: bool,
         native: bool,
-        prefill: float,
+        prefill: float | Callable[[], float],
     ) -> None:
         """Load the model if it is not (as Ollama's scheduler does), then answer.
 
@@ -357,7 +399,7 @@ class MockBackend:
         reply: bytes | ApiError | Stream,
         headers: list[Header],
         config: MockConfig,
-        prefill: float = 0.0,
+        prefill: float | Callable[[], float] = 0.0,
     ) -> None:
         """Wait for a free slot (in arrival order), then answer as usual."""
         if not await self.slots.acquire(conn, config.slots):
@@ -433,6 +475,7 @@ class MockBackend:
         """Go back to the start-up configuration, with zeroed counters."""
         self.slots.release_held()
         self.stats.reset()
+        self.prefix_cache.reset()
         self.memory = None
         self._apply_config(self.initial_config)
 
@@ -465,7 +508,11 @@ class MockBackend:
 
     def describe_stats(self) -> dict[str, Any]:
         """Return the stats as JSON-ready values."""
-        stats = {"name": self.config.name, **self.stats.as_dict()}
+        stats = {
+            "name": self.config.name,
+            **self.stats.as_dict(),
+            **self.prefix_cache.as_dict(),
+        }
         if self.memory is not None:
             stats.update(self.memory.as_dict())
         return stats

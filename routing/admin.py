@@ -228,6 +228,24 @@ class RoutingPolicyAdmin(RoutingPolicyAdminBase):
             },
         ),
         (
+            "Prefix-aware routing",
+            {
+                "fields": (
+                    "prefix_enabled",
+                    "prefix_block_chars",
+                    "prefix_max_imbalance",
+                    "prefix_max_imbalance_ratio",
+                    "prefix_cache_blocks",
+                    "prefix_session_keys",
+                    "prefix_session_ttl_seconds",
+                ),
+                "description": "A request whose prompt starts like a recent one "
+                "goes to the backend that computed it, and a session to its "
+                "backend, unless that backend is busier than the least busy by "
+                "more than the load guard (docs/prefix.md).",
+            },
+        ),
+        (
             "Scoring weights",
             {
                 "fields": ("weight_priority", "weight_load", "weight_latency"),

@@ -76,6 +76,9 @@ def render_decision(
         lines += _render_attempt(attempt, attempt["outcome"].replace("_", " "), weights)
     for attempt in decision["onward"]:
         lines += _render_attempt(attempt, "next if every backend above fails", weights)
+    prefix = decision.get("prefix")
+    if prefix:
+        lines += ["", _render_prefix(prefix)]
     if chosen is not None:
         lines.append("")
         retry = (
@@ -89,6 +92,20 @@ def render_decision(
         )
         lines.append(f"chosen: {chosen['backend']}; retry order: {retry}")
     return "\n".join(lines)
+
+
+def _render_prefix(prefix: Mapping[str, object]) -> str:
+    """'prefix routing: prefix, 12 of 14 prompt blocks held (reuse 0.86)'."""
+    line = (
+        f"prefix routing: {prefix['signal']}, {prefix['matched_blocks']} of "
+        f"{prefix['prompt_blocks']} prompt blocks held (reuse {prefix['reuse']})"
+    )
+    if prefix.get("overridden"):
+        line += (
+            f"; load guard refused {prefix['overridden']} "
+            f"({prefix['overridden_load']} in flight vs {prefix['least_load']})"
+        )
+    return line
 
 
 def _render_attempt(

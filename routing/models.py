@@ -28,6 +28,17 @@ from routing.core.ensemble_policy import (
     prompt_problem,
 )
 from routing.core.fleet_policy import SETTINGS_BY_NAME
+from routing.core.prefix_policy import (
+    BLOCK_CHARS_RANGE,
+    CACHE_BLOCKS_RANGE,
+    DEFAULT_SESSION_KEYS,
+    IMBALANCE_LIMIT,
+    RATIO_LIMIT,
+    SESSION_KEYS_LIMIT,
+    SESSION_TTL_LIMIT,
+    PrefixPolicy,
+    prefix_problem,
+)
 
 
 class Alias(models.Model):
@@ -259,6 +270,12 @@ def _critique_prompt_validator(value: str) -> None:
     problem = prompt_problem("The critique prompt", value, CRITIQUE_REQUIRED)
     if problem is not None:
         raise ValidationError(problem + ".")
+
+
+def _session_keys_validator(value: str) -> None:
+    problem = prefix_problem(256, 0, 0.0, 1, value, 1.0)
+    if problem is not None:
+        raise ValidationError(problem.replace("session_keys", "The session keys") + ".")
 
 
 def _refine_prompt_validator(value: str) -> None:
@@ -508,6 +525,63 @@ class RoutingPolicy(models.Model):
         "Anthropic backends for prompt caching when the client marked nothing "
         "(Claude Code and Claude Desktop never do).",
     )
+    # Prefix-aware routing and session affinity (routing.core.prefix_policy).
+    prefix_enabled = models.BooleanField(
+        "prefix-aware routing",
+        default=False,
+        help_text="Send a request whose prompt starts like a recent one to the "
+        "backend that computed it (its prompt cache), and a session to its "
+        "backend, within the load guard.",
+    )
+    prefix_block_chars = models.PositiveIntegerField(
+        "block size (characters)",
+        default=256,
+        validators=[
+            MinValueValidator(BLOCK_CHARS_RANGE[0]),
+            MaxValueValidator(BLOCK_CHARS_RANGE[1]),
+        ],
+        help_text="Prompts are matched in blocks of this many characters.",
+    )
+    prefix_max_imbalance = models.PositiveIntegerField(
+        "load guard (requests)",
+        default=4,
+        validators=[MaxValueValidator(IMBALANCE_LIMIT)],
+        help_text="A prefix's or session's backend is skipped when its load "
+        "exceeds the least-loaded candidate's by more than this many requests "
+        "(or the ratio below, whichever is larger).",
+    )
+    prefix_max_imbalance_ratio = models.FloatField(
+        "load guard (ratio)",
+        default=0.5,
+        validators=[MinValueValidator(0.0), MaxValueValidator(RATIO_LIMIT)],
+        help_text="The same guard as a share of the least-loaded candidate's "
+        "load (0.5: 50 % more).",
+    )
+    prefix_cache_blocks = models.PositiveIntegerField(
+        "cache size (blocks)",
+        default=4096,
+        validators=[
+            MinValueValidator(CACHE_BLOCKS_RANGE[0]),
+            MaxValueValidator(CACHE_BLOCKS_RANGE[1]),
+        ],
+        help_text="Blocks a backend's prompt cache is thought to hold, per "
+        "model, unless the backend sets its prefix cache tokens.",
+    )
+    prefix_session_keys = models.CharField(
+        "session keys",
+        max_length=SESSION_KEYS_LIMIT,
+        blank=True,
+        default=DEFAULT_SESSION_KEYS,
+        validators=[_session_keys_validator],
+        help_text="Comma-separated headers (x-...) and body fields (user, "
+        "metadata.user_id) naming a session; the first one present counts.",
+    )
+    prefix_session_ttl_seconds = models.FloatField(
+        "session time to live (seconds)",
+        default=600.0,
+        validators=[MinValueValidator(0.001), MaxValueValidator(SESSION_TTL_LIMIT)],
+        help_text="How long a session sticks to its backend after its last request.",
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -603,6 +677,18 @@ class RoutingPolicy(models.Model):
             critique_prompt=self.ensemble_critique_prompt,
             refine_prompt=self.ensemble_refine_prompt,
             step_timeout_seconds=self.ensemble_step_timeout_seconds,
+        )
+
+    def prefix_policy(self) -> PrefixPolicy:
+        """The prefix routing settings (raises ValueError if out of range)."""
+        return PrefixPolicy(
+            enabled=self.prefix_enabled,
+            block_chars=self.prefix_block_chars,
+            max_imbalance=self.prefix_max_imbalance,
+            max_imbalance_ratio=self.prefix_max_imbalance_ratio,
+            cache_blocks=self.prefix_cache_blocks,
+            session_keys=self.prefix_session_keys,
+            session_ttl_seconds=self.prefix_session_ttl_seconds,
         )
 
     def _admission_values(self) -> dict[str, Any]:

@@ -151,6 +151,9 @@ def _backend_spec(
         health_stale=backend.is_health_stale(now),
         memory_ceiling_gb=backend.memory_ceiling_gb,
         tier=backend.tier,
+        # The operator's size, else what the server reports.
+        prefix_cache_tokens=backend.prefix_cache_tokens
+        or backend.prefix_cache_reported_tokens,
         memory_total_gb=_gigabytes(backend.memory_total_bytes),
         memory_reported_used_gb=_gigabytes(backend.memory_used_bytes),
         memory_pressure=backend.memory_pressure,
@@ -218,9 +221,13 @@ def _policy(stored: RoutingPolicy) -> Policy:
     except ValueError as error:
         logger.error("Invalid context shift settings, using the defaults: %s", error)
     try:
-        return replace(policy, ensemble=stored.ensemble_policy())
+        policy = replace(policy, ensemble=stored.ensemble_policy())
     except ValueError as error:
         logger.error("Invalid ensemble settings, using the defaults: %s", error)
+    try:
+        return replace(policy, prefix=stored.prefix_policy())
+    except ValueError as error:
+        logger.error("Invalid prefix settings, using the defaults: %s", error)
         return policy
 
 

@@ -56,6 +56,7 @@ class BackendSerializer(ModelCleanSerializer[Backend]):
             "request_timeout",
             "memory_ceiling_gb",
             "tier",
+            "prefix_cache_tokens",
             "is_demo",
             "model_count",
             *HEALTH_FIELDS,

@@ -19,6 +19,7 @@ from backends.kinds.base import (
     LoadedModel,
     MemoryReport,
     ModelInfo,
+    PrefixCacheReport,
     ProbeFailed,
     ProbeResult,
     ProbeStatus,
@@ -38,6 +39,16 @@ _KV_USAGE = re.compile(
     r"([0-9.eE+-]+)\s*$",
     re.MULTILINE,
 )
+# vLLM's prefix cache counters (prompt tokens) and its cache's configuration.
+_PREFIX_COUNTER = re.compile(
+    r"^vllm:(?:gpu_)?prefix_cache_(hits|queries)(?:_total)?(?:\{[^}]*\})? "
+    r"([0-9.eE+]+)\s*$",
+    re.MULTILINE,
+)
+_CACHE_CONFIG = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+# The largest prompt cache believed (tokens; more is a broken answer).
+MAX_CACHE_TOKENS = 10**10
 # The most slots a server is believed to report (more is a broken answer).
 MAX_SLOTS = 4096
 _NUM_CTX = re.compile(r"^\s*num_ctx\s+(\d+)\s*$", re.MULTILINE)
@@ -58,27 +69,31 @@ class VLLMKind(BackendKindAdapter):
         self._check_status(response, "GET", "/health")
         # /health proves the engine is alive; /v1/models that the key works.
         await self._get_json(client, endpoint, "/v1/models")
+        memory, prefix_cache = await self._read_metrics(client, endpoint)
         return ProbeResult(
             ProbeStatus.UP,
             latency_ms=latency,
-            memory=await self._read_metrics(client, endpoint),
+            memory=memory,
+            prefix_cache=prefix_cache,
         )
 
     async def _read_metrics(
         self, client: httpx.AsyncClient, endpoint: Endpoint
-    ) -> MemoryReport | None:
-        """The KV cache usage of ``/metrics`` as memory pressure (None: unread)."""
+    ) -> tuple[MemoryReport | None, PrefixCacheReport | None]:
+        """The KV cache usage of ``/metrics`` as memory pressure, and its
+        prefix cache counters and size (None: unread)."""
         try:
             text = await self._get_small_text(
                 client, endpoint, "/metrics", MAX_METRICS_ANSWER
             )
         except (ProbeFailed, httpx.HTTPError):
-            return None  # metrics disabled or behind another path: not known
+            return None, None  # metrics disabled or behind another path
         usages = [float(found) for found in _KV_USAGE.findall(text)]
         usage = max((u for u in usages if 0.0 <= u <= 1.0), default=None)
-        if usage is None:
-            return None
-        return MemoryReport(pressure=usage >= PRESSURE_KV_USAGE)
+        memory = None
+        if usage is not None:
+            memory = MemoryReport(pressure=usage >= PRESSURE_KV_USAGE)
+        return memory, read_vllm_prefix_cache(text)
 
     async def read_version(self, client: httpx.AsyncClient, endpoint: Endpoint) -> str:
         """``GET /version``: ``{"version": "0.8.5"}``."""
@@ -102,28 +117,38 @@ class LlamaCppKind(BackendKindAdapter):
                 error="loading its model (HTTP 503 from GET /health)",
             )
         self._check_status(response, "GET", "/health")
-        version, slots = await self._read_slots(client, endpoint)
+        version, slots, n_ctx = await self._read_slots(client, endpoint)
+        cache = None
+        if slots is not None and n_ctx is not None:
+            # Each slot keeps its last prompt (cache_prompt): n_ctx tokens each.
+            cache = PrefixCacheReport(cache_tokens=min(slots * n_ctx, MAX_CACHE_TOKENS))
         return ProbeResult(
             ProbeStatus.UP,
             latency_ms=latency,
             version=version,
             memory=None if slots is None else MemoryReport(slots=slots),
+            prefix_cache=cache,
         )
 
     async def _read_slots(
         self, client: httpx.AsyncClient, endpoint: Endpoint
-    ) -> tuple[str | None, int | None]:
-        """The version and slot count of ``/props`` (``/slots`` for the count
-        when /props lacks it); None where it could not be read."""
+    ) -> tuple[str | None, int | None, int | None]:
+        """The version, slot count and context per slot of ``/props``
+        (``/slots`` for the count when /props lacks it); None where it could
+        not be read."""
         try:
             props = await self._get_small_json(
                 client, endpoint, "/props", MAX_PROPS_ANSWER
             )
         except (ProbeFailed, httpx.HTTPError):
-            return None, None
+            return None, None, None
         if not isinstance(props, dict):
-            return None, None
+            return None, None, None
         version = version_in(props, "build_info", "/props")
+        settings = props.get("default_generation_settings")
+        n_ctx = (
+            positive_int(settings.get("n_ctx")) if isinstance(settings, dict) else None
+        )
         slots = positive_int(props.get("total_slots"))
         if slots is None:
             try:
@@ -133,7 +158,9 @@ class LlamaCppKind(BackendKindAdapter):
             except (ProbeFailed, httpx.HTTPError):
                 listed = None
             slots = len(listed) if isinstance(listed, list) and listed else None
-        return version, slots if slots is None or slots <= MAX_SLOTS else None
+        if slots is not None and slots > MAX_SLOTS:
+            slots = None
+        return version, slots, n_ctx
 
     async def read_version(self, client: httpx.AsyncClient, endpoint: Endpoint) -> str:
         """``GET /props``: its ``build_info`` ("b5000-1b2c3d4"); "" on builds
@@ -352,6 +379,43 @@ class RelayKind(BackendKindAdapter):
         self, client: httpx.AsyncClient, endpoint: Endpoint
     ) -> list[ModelInfo]:
         raise ProbeFailed("relay workers advertise their models when they connect")
+
+
+def read_vllm_prefix_cache(text: str) -> PrefixCacheReport | None:
+    """vLLM's prefix cache counters and size in ``/metrics`` text (None: none).
+
+    Counters are summed over their label sets (one per model or engine); the
+    size is ``num_gpu_blocks`` x ``block_size`` of ``vllm:cache_config_info``.
+    """
+    totals: dict[str, float] = {}
+    for name, value in _PREFIX_COUNTER.findall(text):
+        try:
+            totals[name] = totals.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    tokens = None
+    config = _CACHE_CONFIG.search(text)
+    if config is not None:
+        labels = dict(_LABEL.findall(config.group(1)))
+        blocks = positive_int(_int_or_none(labels.get("num_gpu_blocks")))
+        size = positive_int(_int_or_none(labels.get("block_size")))
+        if blocks is not None and size is not None:
+            tokens = blocks * size if blocks * size <= MAX_CACHE_TOKENS else None
+    hits, queries = totals.get("hits"), totals.get("queries")
+    if hits is None and queries is None and tokens is None:
+        return None
+    return PrefixCacheReport(
+        hits=None if hits is None else int(hits),
+        queries=None if queries is None else int(queries),
+        cache_tokens=tokens,
+    )
+
+
+def _int_or_none(value: str | None) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None
 
 
 def _is_loading(response: httpx.Response) -> bool:

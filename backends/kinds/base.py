@@ -72,6 +72,21 @@ class MemoryReport:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixCacheReport:
+    """What a server says about its prompt (prefix) cache (None: it did not say).
+
+    ``hits`` and ``queries``: prompt tokens found in the cache and looked up
+    since the server started (vLLM's prefix_cache counters); ``cache_tokens``:
+    tokens the cache holds (vLLM's GPU blocks x block size, llama.cpp's slots
+    x context per slot).
+    """
+
+    hits: int | None = None
+    queries: int | None = None
+    cache_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ProbeResult:
     """The outcome of one probe of one backend.
 
@@ -92,6 +107,8 @@ class ProbeResult:
     loaded_details: Mapping[str, LoadedModel] | None = None
     version: str | None = None
     memory: MemoryReport | None = None
+    # What it said of its prompt cache (None: nothing, the one recorded stays).
+    prefix_cache: PrefixCacheReport | None = None
 
 
 @dataclass(frozen=True, slots=True)

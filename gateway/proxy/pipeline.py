@@ -33,6 +33,7 @@ from routing.admission import AdmissionError
 from routing.admission.vocabulary import Outcome
 from routing.core import RequestRequirements, Route, RouterSnapshot, RoutingError
 from routing.core.decision import Via
+from routing.core.prefix import PrefixRequest
 from routing.state import GatewayState
 from usage.limits.policy import KeyPolicy
 
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
 
 # Status recorded when the client went away before the answer was complete.
 CLIENT_CLOSED = 499
+# Names the signal behind a prefix-aware choice and the matched length.
+ROUTE_REASON = b"x-nexus-route-reason"
 # Usage of a request no backend saw (refused or left while queued): nothing.
 _NOTHING_BILLED = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
 
@@ -144,15 +147,18 @@ class Pipeline:
             if plan is not None:
                 await self.ensembles.run(plan, exchange, state, send)
                 return
+            prefix = self._prefix_request(exchange, state)
             try:
-                route, routes = await self._route(state, requirements)
+                route, routes = await self._route(state, requirements, prefix)
             except ProxyError as error:
                 # Longer than every candidate's known context: trimmed to fit.
                 fitted = fit_known_context(exchange, error.__cause__)
                 if fitted is None:
                     raise
-                route, routes = await self._route(state, fitted)
+                route, routes = await self._route(state, fitted, prefix)
             exchange.route = route
+            if prefix is not None:
+                self._note_prefix(exchange, route, routes, prefix)
             fleet = gateway.fleet
             fleet.after_decision(route, routes)
             try:
@@ -172,8 +178,44 @@ class Pipeline:
             watcher.cancel()
             gateway.admission.release(ticket)
 
+    def _prefix_request(
+        self, exchange: ProxyExchange, state: GatewayState
+    ) -> PrefixRequest | None:
+        """The request's prompt keys and session, when prefix routing is on."""
+        policy = state.routes.policy.prefix
+        if not policy.enabled:
+            return None
+        call = exchange.call
+        canonical = exchange.payload if call is None else call.inbound.canonical
+        return self.gateway.prefix.request_for(
+            canonical, exchange.payload, exchange.request_headers, policy
+        )
+
+    def _note_prefix(
+        self,
+        exchange: ProxyExchange,
+        route: Route,
+        routes: RouterSnapshot,
+        prefix: PrefixRequest,
+    ) -> None:
+        """Record where the prompt goes, count it, and say why on the answer."""
+        choice = route.decision.prefix
+        target = route.target
+        self.gateway.prefix.record(
+            target.model.name, target.backend, prefix, routes.policy.prefix
+        )
+        if choice is None:
+            return
+        self.gateway.metrics.count_prefix_choice(
+            choice.signal, choice.matched_blocks, choice.overridden is not None
+        )
+        exchange.response_headers.append((ROUTE_REASON, choice.reason().encode()))
+
     async def _route(
-        self, state: GatewayState, requirements: RequestRequirements
+        self,
+        state: GatewayState,
+        requirements: RequestRequirements,
+        prefix: PrefixRequest | None = None,
     ) -> tuple[Route, RouterSnapshot]:
         """Route the request, holding it first when its model has no backend.
 
@@ -188,7 +230,7 @@ class Pipeline:
         router, stats, fleet = gateway.router, gateway.stats, gateway.fleet
         routes = state.routes
         try:
-            route = router.select(requirements, routes, stats)
+            route = router.select(requirements, routes, stats, prefix)
         except RoutingError as error:
             if not fleet.should_hold(error.decision, routes):
                 raise routing_error(error) from error
@@ -198,7 +240,7 @@ class Pipeline:
 
         def route_primary(now: RouterSnapshot) -> tuple[Route, RouterSnapshot] | None:
             try:
-                found = router.select(requirements, now, stats)
+                found = router.select(requirements, now, stats, prefix)
             except RoutingError:
                 return None
             return None if found.decision.via == Via.FALLBACK else (found, now)
@@ -209,7 +251,7 @@ class Pipeline:
         latest = gateway.snapshots.peek()
         routes = routes if latest is None else latest.routes
         try:
-            return router.select(requirements, routes, stats), routes
+            return router.select(requirements, routes, stats, prefix), routes
         except RoutingError as error:
             raise routing_error(error) from error
 

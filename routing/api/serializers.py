@@ -217,6 +217,13 @@ class RoutingPolicySerializer(ModelCleanSerializer[RoutingPolicy]):
             "ensemble_refine_prompt",
             "ensemble_step_timeout_seconds",
             "cache_anthropic_auto_breakpoints",
+            "prefix_enabled",
+            "prefix_block_chars",
+            "prefix_max_imbalance",
+            "prefix_max_imbalance_ratio",
+            "prefix_cache_blocks",
+            "prefix_session_keys",
+            "prefix_session_ttl_seconds",
             "updated_at",
         )
 

@@ -18,6 +18,7 @@ from routing.config_file.schema import (
     KEY_SETTINGS,
     MODEL_SETTINGS,
     POLICY_SETTINGS,
+    PREFIX_SETTINGS,
     WEIGHT_SETTINGS,
     Setting,
     get_field_default,
@@ -90,6 +91,13 @@ def export_config() -> str:
         "# Multiple opinions for moe-<model>; an empty prompt is the default.",
     ]
     lines += _settings(policy, ENSEMBLE_SETTINGS)
+
+    lines += [
+        "",
+        "[routing.prefix]",
+        "# Prefix-aware routing and session affinity (docs/prefix.md).",
+    ]
+    lines += _settings(policy, PREFIX_SETTINGS)
 
     lines += [
         "",

@@ -30,6 +30,7 @@ from routing.config_file.schema import (
     ENSEMBLE_SETTINGS,
     FLEET_TOML_SETTINGS,
     POLICY_SETTINGS,
+    PREFIX_SETTINGS,
     ROUTING_KEYS,
     WEIGHT_SETTINGS,
     AliasEntry,
@@ -95,6 +96,7 @@ def _read_document(reader: ValueReader, data: dict[str, Any]) -> ConfigFile:
             ("fleet", FLEET_TOML_SETTINGS),
             ("context_shift", CONTEXT_SHIFT_SETTINGS),
             ("ensemble", ENSEMBLE_SETTINGS),
+            ("prefix", PREFIX_SETTINGS),
         ):
             values, invalid = _read_settings_table(reader, routing, key, settings)
             policy |= values

@@ -136,6 +136,43 @@ CACHE_SETTINGS = (
         "true or false",
     ),
 )
+# [routing.prefix]: prefix-aware routing and session affinity.
+PREFIX_SETTINGS = (
+    Setting("enabled", "prefix_enabled", bool, "true or false"),
+    Setting(
+        "block_chars", "prefix_block_chars", int, "a whole number from 16 to 65536"
+    ),
+    Setting(
+        "max_imbalance",
+        "prefix_max_imbalance",
+        int,
+        "a whole number of requests from 0 to 10000",
+    ),
+    Setting(
+        "max_imbalance_ratio",
+        "prefix_max_imbalance_ratio",
+        float,
+        "a number from 0 to 100",
+    ),
+    Setting(
+        "cache_blocks",
+        "prefix_cache_blocks",
+        int,
+        "a whole number from 1 to 1000000",
+    ),
+    Setting(
+        "session_keys",
+        "prefix_session_keys",
+        str,
+        'a string of comma-separated keys, e.g. "x-session-id,user"',
+    ),
+    Setting(
+        "session_ttl_seconds",
+        "prefix_session_ttl_seconds",
+        float,
+        "a number of seconds above 0, at most 604800",
+    ),
+)
 MODEL_WEIGHTS_KEY = "model_weights"
 MODEL_WEIGHTS_FIELD = "admission_model_weights"
 MODEL_OUTPUT_TOKENS_KEY = "model_output_tokens"
@@ -156,6 +193,12 @@ BACKEND_SETTINGS = (
     Setting("timeout", "request_timeout", float, "a positive number of seconds"),
     Setting("memory_ceiling_gb", "memory_ceiling_gb", float, "a positive number"),
     Setting("tier", "tier", str, '"large", "medium" or "small"'),
+    Setting(
+        "prefix_cache_tokens",
+        "prefix_cache_tokens",
+        int,
+        "a positive whole number of tokens",
+    ),
 )
 MODEL_SETTINGS = (
     Setting("name", "name", str, "a string", required=True),
@@ -200,6 +243,7 @@ ROUTING_KEYS = (
     "fleet",
     "context_shift",
     "ensemble",
+    "prefix",
     "aliases",
     "fallbacks",
 )
@@ -220,6 +264,7 @@ POLICY_KEY_FOR_FIELD = (
     | {s.field: f"context_shift.{s.key}" for s in CONTEXT_SHIFT_SETTINGS}
     | {s.field: f"ensemble.{s.key}" for s in ENSEMBLE_SETTINGS}
     | {s.field: f"cache.{s.key}" for s in CACHE_SETTINGS}
+    | {s.field: f"prefix.{s.key}" for s in PREFIX_SETTINGS}
 )
 BACKEND_KEY_FOR_FIELD = {s.field: s.key for s in BACKEND_SETTINGS} | {
     "api_key": "api_key"

@@ -16,6 +16,7 @@ from functools import cached_property
 
 from routing.core.errors import RoutingError
 from routing.core.fleet import FleetScore
+from routing.core.prefix import PrefixChoice
 from routing.core.requirements import RequestRequirements
 from routing.core.scoring import ScoreComponents, ScoringWeights, score_backend
 from routing.core.shapes import (
@@ -352,6 +353,8 @@ class Decision:
     onward: tuple[Attempt, ...] = ()
     # The pattern alias (``claude-*``) the requested name resolved through.
     alias_pattern: str | None = None
+    # What prefix routing made of it (None: off, or no prompt to match).
+    prefix: PrefixChoice | None = None
 
     @property
     def requested_model(self) -> str:
@@ -451,6 +454,7 @@ class Decision:
             "attempts": [a.as_dict() for a in self.attempts],
             "onward": [a.as_dict() for a in self.onward],
             "error": error,
+            "prefix": self.prefix.as_dict() if self.prefix is not None else None,
         }
 
 

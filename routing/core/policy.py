@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from routing.core.context_shift_policy import ContextShiftPolicy
 from routing.core.ensemble_policy import EnsemblePolicy
 from routing.core.fleet_policy import FLEET_SETTINGS, FleetPolicy
+from routing.core.prefix_policy import PrefixPolicy
 from routing.core.scoring import ScoringWeights
 from routing.core.vocabulary import Strategy
 
@@ -34,6 +35,7 @@ class Policy:
     fleet: FleetPolicy = field(default_factory=FleetPolicy)
     context_shift: ContextShiftPolicy = field(default_factory=ContextShiftPolicy)
     ensemble: EnsemblePolicy = field(default_factory=EnsemblePolicy)
+    prefix: PrefixPolicy = field(default_factory=PrefixPolicy)
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_retries <= MAX_RETRIES_LIMIT:

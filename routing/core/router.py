@@ -65,10 +65,12 @@ from routing.core.errors import (
     RoutingError,
 )
 from routing.core.fleet import FleetScore, score_fleet
+from routing.core.prefix import PrefixChoice, PrefixRequest, choose_backend
 from routing.core.requirements import RequestRequirements
 from routing.core.stats import LiveStats
 from routing.core.strategies import (
     RELAY_KIND,
+    order_retries,
     pick_priority_only,
     pick_random,
     pick_rotating,
@@ -118,13 +120,19 @@ class Router:
         requirements: RequestRequirements,
         snapshot: RouterSnapshot,
         stats: LiveStats,
+        prefix: PrefixRequest | None = None,
     ) -> Route:
         """Choose a backend for the request.
 
-        Raises a RoutingError subclass (with ``.decision`` set) when no backend
-        can take it; see the module docstring for which one.
+        With `prefix` (and the policy's prefix routing on), a backend holding
+        the prompt's prefix or the session may win over the strategy's choice
+        (routing.core.prefix). Raises a RoutingError subclass (with
+        ``.decision`` set) when no backend can take it; see the module
+        docstring for which one.
         """
-        decision = self._decide(requirements, snapshot, stats, take_turn=True)
+        decision = self._decide(
+            requirements, snapshot, stats, take_turn=True, prefix=prefix
+        )
         if decision.error is not None:
             raise decision.error
         chosen = decision.chosen
@@ -137,9 +145,12 @@ class Router:
         requirements: RequestRequirements,
         snapshot: RouterSnapshot,
         stats: LiveStats,
+        prefix: PrefixRequest | None = None,
     ) -> Decision:
         """Decide as select() would, without raising or advancing round-robin."""
-        return self._decide(requirements, snapshot, stats, take_turn=False)
+        return self._decide(
+            requirements, snapshot, stats, take_turn=False, prefix=prefix
+        )
 
     def _decide(
         self,
@@ -148,8 +159,11 @@ class Router:
         stats: LiveStats,
         *,
         take_turn: bool,
+        prefix: PrefixRequest | None = None,
     ) -> Decision:
         requested = requirements.model
+        if prefix is not None and not snapshot.policy.prefix.enabled:
+            prefix = None
         attempts: list[Attempt] = []
 
         attempt = self._try_model(
@@ -171,7 +185,14 @@ class Router:
         chain = snapshot.fallbacks_for(*tried)
         if attempt.survivors:
             return self._choose(
-                attempts, Via.DIRECT, requirements, snapshot, stats, chain, take_turn
+                attempts,
+                Via.DIRECT,
+                requirements,
+                snapshot,
+                stats,
+                chain,
+                take_turn,
+                prefix,
             )
 
         if alias_target is not None:
@@ -181,7 +202,14 @@ class Router:
             attempts.append(attempt)
             if attempt.survivors:
                 decision = self._choose(
-                    attempts, Via.ALIAS, requirements, snapshot, stats, chain, take_turn
+                    attempts,
+                    Via.ALIAS,
+                    requirements,
+                    snapshot,
+                    stats,
+                    chain,
+                    take_turn,
+                    prefix,
                 )
                 decision.alias_pattern = pattern
                 return decision
@@ -200,6 +228,7 @@ class Router:
                     stats,
                     chain[position + 1 :],
                     take_turn,
+                    prefix,
                 )
                 decision.alias_pattern = pattern
                 return decision
@@ -403,6 +432,7 @@ class Router:
         stats: LiveStats,
         onward_models: Sequence[str],
         take_turn: bool,
+        prefix: PrefixRequest | None = None,
     ) -> Decision:
         served = attempts[-1]
         survivors = served.survivors
@@ -425,6 +455,9 @@ class Router:
             )
         else:
             index = pick_random(len(survivors), self._rng)
+        choice: PrefixChoice | None = None
+        if prefix is not None:
+            index, choice = _choose_by_prefix(served, index, strategy, snapshot, prefix)
         return Decision(
             requirements=requirements,
             strategy=strategy,
@@ -433,6 +466,7 @@ class Router:
             attempts=tuple(attempts),
             chosen_index=index,
             via=via,
+            prefix=choice,
             # The rest of the chain, for when every backend of the served model
             # fails before answering (the proxy retries into it).
             onward=tuple(
@@ -523,3 +557,37 @@ def _tied_relay_workers(attempt: Attempt, index: int) -> list[int]:
         and prepared.priority == best.priority
         and prepared.target.backend.kind == RELAY_KIND
     ]
+
+
+def _choose_by_prefix(
+    served: Attempt,
+    index: int,
+    strategy: Strategy,
+    snapshot: RouterSnapshot,
+    prefix: PrefixRequest,
+) -> tuple[int, PrefixChoice]:
+    """The strategy's choice `index`, or the backend the prompt's prefix or
+    session points at (routing.core.prefix.choose_backend)."""
+    survivors = served.survivors
+    priorities = [prepared.priority for prepared in survivors]
+    order = [index]
+    if len(survivors) > 1:
+        order += order_retries(
+            strategy, index, totals=served.totals, priorities=priorities
+        )
+    # Under fleet, a backend's queue depth (in flight and waiting) is its load.
+    loads = (
+        [score.depth for score in served.fleet_scores]
+        if served.fleet_scores
+        else list(served.in_flight)
+    )
+    return choose_backend(
+        order,
+        [prepared.backend_name for prepared in survivors],
+        loads,
+        priorities,
+        served.model,
+        prefix,
+        snapshot.policy.prefix,
+        placing=strategy is Strategy.SMART or strategy is Strategy.FLEET,
+    )

@@ -143,3 +143,5 @@ class DecisionDict(TypedDict):
     # Fallback models after the served one, tried when all its backends fail.
     onward: list[AttemptDict]
     error: ErrorDict | None
+    # Prefix-aware routing's signal and matched length (None when off).
+    prefix: NotRequired[dict[str, Any] | None]

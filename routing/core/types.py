@@ -125,6 +125,9 @@ class BackendSpec:
     # "" when the operator did not say).
     memory_ceiling_gb: float | None = None
     tier: str = ""
+    # Prompt tokens its prompt cache holds per model (prefix-aware routing;
+    # None: the policy's cache_blocks).
+    prefix_cache_tokens: int | None = None
     # What the node itself last reported (a health probe, or a relay worker's
     # report; None: it did not say). ``memory_total_gb``: the memory models may
     # fill there; ``memory_reported_used_gb``: what its loaded models take,

@@ -463,6 +463,7 @@ def test_recorded_health_is_read_by_name_with_short_errors() -> None:
         "enabled": True,
         "status": "unhealthy",
         "avg_latency_ms": 12.5,
+        "prefix_cache_hit_rate": None,  # its server never said
         "last_check_at": "2025-03-01T12:30:00+00:00",
         # Checked long ago: the dashboard shows it stale, as /health does.
         "stale": True,

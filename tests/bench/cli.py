@@ -131,6 +131,25 @@ def build_parser() -> argparse.ArgumentParser:
         "of 2 mocks x 4 slots, admission off and on, and the bypass cost).",
     )
     parser.add_argument(
+        "--prefix",
+        action="store_true",
+        help="Instead: prefix-aware routing's benchmark (3 mock nodes with "
+        "prompt caches, 12 tenants with long system prompts; smart and fleet "
+        "with and without [routing.prefix], and a workload sharing nothing).",
+    )
+    parser.add_argument(
+        "--prefix-requests",
+        type=int,
+        default=240,
+        help="Requests per run in the prefix benchmark (default 240).",
+    )
+    parser.add_argument(
+        "--prefix-guards",
+        default="1,2,8",
+        help="Also run smart + prefix with each of these max_imbalance values "
+        "(comma-separated; empty for none).",
+    )
+    parser.add_argument(
         "--fleet",
         action="store_true",
         help="Instead: fleet scheduling's benchmark (3 mock Ollama nodes, 6 "
@@ -195,6 +214,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fleet(options)
     if options.fleet_variants:
         return _fleet_variants(options)
+    if options.prefix:
+        if not 12 <= options.prefix_requests <= 10_000:
+            parser.error("--prefix-requests must be within 12..10000.")
+        return _prefix(options)
     if options.relay:
         return _relay(options)
     if options.duration < 1:
@@ -309,6 +332,24 @@ def _fleet(options: argparse.Namespace) -> int:
             env, spawn, logs, options.fleet_requests, _progress, strategies
         ),
         format_fleet_report,
+    )
+
+
+def _prefix(options: argparse.Namespace) -> int:
+    from tests.bench.prefix import format_prefix_report, run_prefix_benchmark
+
+    return _with_mocks(
+        options,
+        "prefix",
+        lambda env, spawn, logs: run_prefix_benchmark(
+            env,
+            spawn,
+            logs,
+            options.prefix_requests,
+            _progress,
+            tuple(int(g) for g in options.prefix_guards.split(",") if g.strip()),
+        ),
+        format_prefix_report,
     )
 
 

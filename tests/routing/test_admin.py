@@ -64,6 +64,7 @@ def policy_form(**fields: str) -> dict[str, str]:
         **FLEET_DEFAULTS,
         **CONTEXT_SHIFT_DEFAULTS,
         **ENSEMBLE_DEFAULTS,
+        **PREFIX_DEFAULTS,
         **fields,
     }
 
@@ -82,6 +83,18 @@ ENSEMBLE_DEFAULTS = {
     "ensemble_step_timeout_seconds": "120",
     "ensemble_critique_prompt": "",
     "ensemble_refine_prompt": "",
+}
+
+
+# Prefix-aware routing's part of the policy form, at its defaults (off: an
+# unchecked box is absent from a form).
+PREFIX_DEFAULTS = {
+    "prefix_block_chars": "256",
+    "prefix_max_imbalance": "4",
+    "prefix_max_imbalance_ratio": "0.5",
+    "prefix_cache_blocks": "4096",
+    "prefix_session_keys": "x-session-id,user,metadata.user_id",
+    "prefix_session_ttl_seconds": "600",
 }
 
 

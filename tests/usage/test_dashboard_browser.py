@@ -78,7 +78,12 @@ def test_dashboard_shows_a_chat_request_without_reload(
     )
     BackendModel.objects.create(backend=backend, name=MODEL)
     Backend.objects.create(
-        name="gpu-rack-2", base_url="http://127.0.0.1:9", status=HealthStatus.UNHEALTHY
+        name="gpu-rack-2",
+        base_url="http://127.0.0.1:9",
+        status=HealthStatus.UNHEALTHY,
+        # Its server's prompt cache (vLLM's counters, read on the health round).
+        prefix_cache_hits=3_000,
+        prefix_cache_queries=4_000,
     )
     # Healthy an hour ago, unchecked since (beat stopped): routed as unknown.
     Backend.objects.create(
@@ -120,6 +125,7 @@ def test_dashboard_shows_a_chat_request_without_reload(
         backends = page.locator("#backends tbody tr")
         expect(backends.filter(has_text="mock-dash")).to_contain_text("healthy")
         expect(backends.filter(has_text="gpu-rack-2")).to_contain_text("unhealthy")
+        expect(backends.filter(has_text="gpu-rack-2")).to_contain_text("75 %")
         expect(backends.filter(has_text="gpu-rack-2").locator(".stale")).to_have_count(
             0
         )

@@ -9,6 +9,12 @@ from django.core.management.base import CommandError, CommandParser
 
 from nexus_lib.commands import DatabaseCommand
 from routing.core import LiveStats, RequestRequirements, Router, RoutingError
+from routing.core.prefix import (
+    EmptyPrefixView,
+    PrefixRequest,
+    chain_keys,
+    prompt_text,
+)
 from routing.explain import describe_weights, render_decision
 from routing.snapshot import build_snapshot
 
@@ -34,6 +40,14 @@ class Command(DatabaseCommand):
         parser.add_argument(
             "--tokens", type=int, default=0, help="Estimated prompt tokens."
         )
+        parser.add_argument(
+            "--prompt",
+            default="",
+            help="The user message, for prefix routing's signal (this command "
+            "holds no prefix index: the matches are the serving processes'; "
+            "their explain API shows them).",
+        )
+        parser.add_argument("--session", help="A session id (x-session-id).")
         parser.add_argument("--explain", action="store_true")
         parser.add_argument(
             "--format",
@@ -56,7 +70,15 @@ class Command(DatabaseCommand):
         except RoutingError as error:
             raise CommandError(f"error {error.status}: {error}") from error
         routes = build_snapshot()
-        decision = Router().explain(requirements, routes, LiveStats())
+        prefix = None
+        policy = routes.policy.prefix
+        if policy.enabled:
+            text = prompt_text(
+                {"messages": [{"role": "user", "content": options["prompt"]}]}
+            )
+            keys, blocks = chain_keys(text, policy.block_chars)
+            prefix = PrefixRequest(keys, blocks, options["session"], EmptyPrefixView())
+        decision = Router().explain(requirements, routes, LiveStats(), prefix)
         record = decision.as_dict()
         weights = describe_weights(routes.policy.weights)
         if options["format"] == "json":

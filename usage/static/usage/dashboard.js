@@ -364,11 +364,17 @@
         health,
         cell(format(b.in_flight), "num"),
         cell(formatMs(b.avg_latency_ms), "num"),
+        cell(
+          b.prefix_cache_hit_rate == null
+            ? "–"
+            : Math.round(b.prefix_cache_hit_rate * 100) + " %",
+          "num"
+        ),
         cell(b.last_check_at ? new Date(b.last_check_at).toLocaleTimeString() : "never")
       );
       return tr;
     });
-    fillTable("backends", backendRows, "No backends configured.", 5);
+    fillTable("backends", backendRows, "No backends configured.", 6);
     renderAdmission(latest.admission);
   }
 
