@@ -219,6 +219,14 @@ def test_policy_reads_defaults_until_saved_without_creating_it(api: APIClient) -
         "ensemble_critique_prompt": "",
         "ensemble_refine_prompt": "",
         "ensemble_step_timeout_seconds": 120.0,
+        "cache_anthropic_auto_breakpoints": False,
+        "prefix_enabled": False,
+        "prefix_block_chars": 256,
+        "prefix_max_imbalance": 4,
+        "prefix_max_imbalance_ratio": 0.5,
+        "prefix_cache_blocks": 4096,
+        "prefix_session_keys": "x-session-id,user,metadata.user_id",
+        "prefix_session_ttl_seconds": 600.0,
         "updated_at": None,
     }
     assert not RoutingPolicy.objects.exists()
