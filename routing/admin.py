@@ -206,6 +206,21 @@ class RoutingPolicyAdmin(RoutingPolicyAdminBase):
             },
         ),
         (
+            "Response cache",
+            {
+                "fields": (
+                    "cache_enabled",
+                    "cache_ttl_seconds",
+                    "cache_scope",
+                    "cache_max_entry_bytes",
+                    "cache_only_deterministic",
+                ),
+                "description": "Answer a repeated request from the cache "
+                "(docs/caching.md). Hit rates and the purge: Usage > Response "
+                "cache.",
+            },
+        ),
+        (
             "Multiple opinions",
             {
                 "fields": (

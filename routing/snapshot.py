@@ -218,9 +218,13 @@ def _policy(stored: RoutingPolicy) -> Policy:
     except ValueError as error:
         logger.error("Invalid context shift settings, using the defaults: %s", error)
     try:
-        return replace(policy, ensemble=stored.ensemble_policy())
+        policy = replace(policy, ensemble=stored.ensemble_policy())
     except ValueError as error:
         logger.error("Invalid ensemble settings, using the defaults: %s", error)
+    try:
+        return replace(policy, cache=stored.cache_policy())
+    except ValueError as error:
+        logger.error("Invalid cache settings, using the defaults: %s", error)
         return policy
 
 
@@ -230,7 +234,11 @@ def build_state() -> GatewayState:
         routes = build_snapshot()
         active = list(ApiKey.objects.active())
         stored_prices = {
-            price.model: Price(price.input_nanos, price.output_nanos)
+            price.model: Price(
+                price.input_nanos,
+                price.output_nanos,
+                cache_hit_nanos=price.cache_hit_nanos,
+            )
             for price in ModelPrice.objects.all()
         }
         spend = read_budget_spend()

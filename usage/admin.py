@@ -251,7 +251,13 @@ class ApiKeyAdmin(ApiKeyAdminBase):
 
 @admin.register(ModelPrice)
 class ModelPriceAdmin(ModelPriceAdminBase):
-    list_display = ("model", "input_per_million", "output_per_million", "updated_at")
+    list_display = (
+        "model",
+        "input_per_million",
+        "output_per_million",
+        "cache_hit_per_million",
+        "updated_at",
+    )
     search_fields = ("model",)
 
 

@@ -98,6 +98,9 @@ class UsageEvent:
     # One id for every request of a multiple-opinions ensemble (moe-<model>,
     # gateway/proxy/ensemble.py); "" for any other request.
     ensemble_id: str = ""
+    # Answered from the response cache (gateway/cache/): its tokens are the
+    # stored answer's, saved rather than spent (cost: the hit price, if any).
+    cache_hit: bool = False
 
     @property
     def is_error(self) -> bool:

@@ -347,6 +347,7 @@ def _to_record(event: UsageEvent) -> UsageRecord:
         created_at=datetime.fromtimestamp(event.created_at, tz=UTC),
         context_shifts=min(max(int(event.context_shifts), 0), _MAX_STATUS),
         ensemble_id=_clip("ensemble_id", event.ensemble_id),
+        cache_hit=bool(event.cache_hit),
     )
 
 

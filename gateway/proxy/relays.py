@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 
+from gateway.cache.entries import Pending
 from gateway.client import ReplyLimits
 from gateway.protocols.base import BUDGET, StreamFailed
 from gateway.proxy import checks, sse
@@ -74,6 +75,8 @@ class Relay:
             exchange.usage = usage if isinstance(usage, dict) else None
             if exchange.usage is None:
                 exchange.completion_chars = text_length(reply)
+            if exchange.cache is not None:
+                exchange.cache.body = body
         else:
             body, exchange.error = checks.error_reply(
                 status,
@@ -129,6 +132,9 @@ class Relay:
             }
         )
         meter = exchange.meter
+        pending = exchange.cache
+        if pending is not None:
+            pending.collect()
         goes_on = True
         unsent, max_unsent = exchange.unsent_bytes, self.max_unsent
         event_timeout = self.idle_timeout
@@ -137,6 +143,8 @@ class Relay:
         try:
             if meter is not None:
                 first, goes_on = await meter.take(sse.counted_events(first))
+            if pending is not None:
+                _collect_events(pending, first)
             exchange.first_byte = time.perf_counter()
             await send({"type": "http.response.body", "body": first, "more_body": True})
             if relay.broken:
@@ -153,6 +161,8 @@ class Relay:
                         if meter is not None:
                             # Cut after the event that crossed the budget.
                             out, goes_on = await meter.take(sse.counted_events(out))
+                        if pending is not None:
+                            _collect_events(pending, out)
                         await send(
                             {
                                 "type": "http.response.body",
@@ -310,6 +320,24 @@ class Relay:
         await self.send(
             {"type": "http.response.body", "body": tail, "more_body": False}
         )
+
+
+def _collect_events(pending: Pending, data: bytes) -> None:
+    """Hand the chunks of OpenAI stream bytes relayed to the cache's collector."""
+    collector = pending.collector
+    if collector is None or collector.too_large or pending.unreadable:
+        return
+    splitter = pending.splitter
+    if splitter is None:
+        splitter = pending.splitter = sse.EventSplitter()
+    for event in splitter.feed(data):
+        try:
+            chunk = sse.event_payload(event)
+        except ValueError:
+            pending.unreadable = True
+            return
+        if chunk is not None:
+            collector.add(chunk)
 
 
 def _cut_for_budget(exchange: ProxyExchange) -> None:

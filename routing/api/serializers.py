@@ -216,6 +216,11 @@ class RoutingPolicySerializer(ModelCleanSerializer[RoutingPolicy]):
             "ensemble_critique_prompt",
             "ensemble_refine_prompt",
             "ensemble_step_timeout_seconds",
+            "cache_enabled",
+            "cache_ttl_seconds",
+            "cache_scope",
+            "cache_max_entry_bytes",
+            "cache_only_deterministic",
             "updated_at",
         )
 

@@ -11,6 +11,7 @@ from routing.config_file.schema import (
     ADMISSION_SETTINGS,
     AUTO,
     BACKEND_SETTINGS,
+    CACHE_SETTINGS,
     CONTEXT_SHIFT_SETTINGS,
     ENSEMBLE_SETTINGS,
     FLEET_TOML_SETTINGS,
@@ -122,6 +123,13 @@ def export_config() -> str:
         fallbacks = ", ".join(format_string(name) for name in chain.fallback_models)
         lines.append(f"{format_string(chain.model)} = [{fallbacks}]")
 
+    lines += [
+        "",
+        "[cache]",
+        "# The exact response cache (docs/caching.md).",
+    ]
+    lines += _settings(policy, CACHE_SETTINGS)
+
     backends = sorted(
         # Relay workers' backends come from their connections, not the file.
         Backend.objects.filter(is_demo=False)
@@ -140,10 +148,15 @@ def export_config() -> str:
 
     lines += ["", "[prices]", "# USD per million tokens, in and out; names or globs."]
     for price in ModelPrice.objects.order_by("model"):
+        cache_hit = (
+            f", cache_hit = {format_scalar(float(price.cache_hit_per_million))}"
+            if price.cache_hit_per_million
+            else ""
+        )
         lines.append(
             f"{format_string(price.model)} = {{ input = "
             f"{format_scalar(float(price.input_per_million))}, output = "
-            f"{format_scalar(float(price.output_per_million))} }}"
+            f"{format_scalar(float(price.output_per_million))}{cache_hit} }}"
         )
     defaults = {s.field: get_field_default(ApiKey, s.field) for s in KEY_SETTINGS}
     keys = [

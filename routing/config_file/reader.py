@@ -25,6 +25,7 @@ from routing.config_file.schema import (
     ADMISSION_KEYS,
     ADMISSION_MODEL_TABLES,
     ADMISSION_SETTINGS,
+    CACHE_SETTINGS,
     CONTEXT_SHIFT_SETTINGS,
     ENSEMBLE_SETTINGS,
     FLEET_TOML_SETTINGS,
@@ -76,7 +77,9 @@ def _describe_syntax_error(error: tomllib.TOMLDecodeError) -> str:
 def _read_document(reader: ValueReader, data: dict[str, Any]) -> ConfigFile:
     """Read every table of the parsed document, in the order problems are listed."""
     reader.reject_nul_characters(data, "")
-    reader.reject_unknown_keys(data, "", ("routing", "backends", "keys", "prices"))
+    reader.reject_unknown_keys(
+        data, "", ("routing", "cache", "backends", "keys", "prices")
+    )
     policy: dict[str, Any] = {}
     policy_invalid: set[str] = set()
     aliases: tuple[AliasEntry, ...] = ()
@@ -103,6 +106,9 @@ def _read_document(reader: ValueReader, data: dict[str, Any]) -> ConfigFile:
         policy_invalid |= admission_invalid
         aliases = _read_aliases(reader, routing.get("aliases"))
         fallbacks = _read_fallbacks(reader, routing.get("fallbacks"))
+    cache, cache_invalid = _read_settings_table(reader, data, "cache", CACHE_SETTINGS)
+    policy |= cache
+    policy_invalid |= cache_invalid
     backends = read_backends(reader, data.get("backends"))
     return ConfigFile(
         policy=policy,
@@ -123,8 +129,9 @@ def _read_settings_table(
     key: str,
     settings: tuple[Setting, ...],
 ) -> tuple[dict[str, Any], set[str]]:
-    """Read ``[routing.<key>]``, a table of scalar settings only."""
-    path = f"routing.{key}"
+    """Read ``[routing.<key>]`` (``[cache]``: the top level's), a table of
+    scalar settings only."""
+    path = key if key == "cache" else f"routing.{key}"
     table = reader.read_table(routing.get(key), path)
     if table is None:
         return {}, set()

@@ -127,6 +127,14 @@ ENSEMBLE_SETTINGS = (
         "a number of seconds from 1 to 3600",
     ),
 )
+# [cache]: the exact response cache (docs/caching.md).
+CACHE_SETTINGS = (
+    Setting("enabled", "cache_enabled", bool, "true or false"),
+    Setting("ttl_seconds", "cache_ttl_seconds", int, "a whole number of seconds"),
+    Setting("scope", "cache_scope", str, '"key" or "shared"'),
+    Setting("max_entry_bytes", "cache_max_entry_bytes", int, "a positive integer"),
+    Setting("only_deterministic", "cache_only_deterministic", bool, "true or false"),
+)
 MODEL_WEIGHTS_KEY = "model_weights"
 MODEL_WEIGHTS_FIELD = "admission_model_weights"
 MODEL_OUTPUT_TOKENS_KEY = "model_output_tokens"
@@ -180,7 +188,7 @@ KEY_MODELS = "models"
 KEY_EXPIRES = "expires"
 KEY_BUDGET_USD = "budget_usd"
 KEY_KEYS = (*(s.key for s in KEY_SETTINGS), KEY_MODELS, KEY_EXPIRES, KEY_BUDGET_USD)
-PRICE_KEYS = ("input", "output")  # USD per million tokens
+PRICE_KEYS = ("input", "output", "cache_hit")  # USD per million tokens
 
 ROUTING_KEYS = (
     "strategy",
@@ -209,6 +217,7 @@ POLICY_KEY_FOR_FIELD = (
     | {s.field: f"fleet.{s.key}" for s in FLEET_TOML_SETTINGS}
     | {s.field: f"context_shift.{s.key}" for s in CONTEXT_SHIFT_SETTINGS}
     | {s.field: f"ensemble.{s.key}" for s in ENSEMBLE_SETTINGS}
+    | {s.field: f"cache.{s.key}" for s in CACHE_SETTINGS}
 )
 BACKEND_KEY_FOR_FIELD = {s.field: s.key for s in BACKEND_SETTINGS} | {
     "api_key": "api_key"
@@ -219,7 +228,11 @@ KEY_KEY_FOR_FIELD = {s.field: s.key for s in KEY_SETTINGS} | {
     "expires_at": KEY_EXPIRES,
     "budget_usd": KEY_BUDGET_USD,
 }
-PRICE_KEY_FOR_FIELD = {"input_per_million": "input", "output_per_million": "output"}
+PRICE_KEY_FOR_FIELD = {
+    "input_per_million": "input",
+    "output_per_million": "output",
+    "cache_hit_per_million": "cache_hit",
+}
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,7 @@ def read_prices(reader: ValueReader, value: object) -> tuple[PriceEntry, ...]:
         for key, field in (
             ("input", "input_per_million"),
             ("output", "output_per_million"),
+            ("cache_hit", "cache_hit_per_million"),
         ):
             if key not in price:
                 continue
@@ -123,6 +124,7 @@ def read_prices(reader: ValueReader, value: object) -> tuple[PriceEntry, ...]:
         defaults = {
             "input_per_million": Decimal(0),
             "output_per_million": Decimal(0),
+            "cache_hit_per_million": Decimal(0),
         }
         entries.append(
             PriceEntry(path, model.strip(), defaults | values, frozenset(invalid))

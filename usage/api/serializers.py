@@ -259,6 +259,7 @@ class ModelPriceSerializer(ModelCleanSerializer[ModelPrice]):
             "model",
             "input_per_million",
             "output_per_million",
+            "cache_hit_per_million",
             "updated_at",
         )
         read_only_fields = ("updated_at",)

@@ -62,10 +62,16 @@ class Price:
 
     input_nanos: int = 0
     output_nanos: int = 0
+    # An answer from the response cache, per token of it (prompt and output).
+    cache_hit_nanos: int = 0
 
     def cost(self, prompt_tokens: int, completion_tokens: int) -> int:
         """Return the cost of a request in nano-USD (exact)."""
         return prompt_tokens * self.input_nanos + completion_tokens * self.output_nanos
+
+    def cache_hit_cost(self, total_tokens: int) -> int:
+        """Return the cost of a cache hit of `total_tokens` in nano-USD."""
+        return total_tokens * self.cache_hit_nanos
 
 
 FREE = Price()

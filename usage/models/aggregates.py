@@ -34,6 +34,8 @@ COUNTER_FIELDS = (
     "estimated_tokens",
     "latency_ms_sum",
     "cost_nanos",
+    "cache_hits",
+    "cache_saved_tokens",
 )
 
 
@@ -53,6 +55,7 @@ def add_derived_fields(counters: dict[str, Any]) -> dict[str, Any]:
         counters["estimated_tokens"] / tokens if tokens else 0.0
     )
     counters["cost_usd"] = nanos_to_usd(counters["cost_nanos"])
+    counters["cache_hit_rate"] = counters["cache_hits"] / requests if requests else 0.0
     return counters
 
 
@@ -146,6 +149,14 @@ class UsageCounters(models.Model):
     )
     cost_nanos = models.PositiveBigIntegerField(
         "cost (nano-USD)", default=0, help_text="At the model prices of the time."
+    )
+    cache_hits = models.PositiveBigIntegerField(
+        default=0, help_text="Requests answered from the response cache."
+    )
+    cache_saved_tokens = models.PositiveBigIntegerField(
+        default=0,
+        help_text="Tokens of the cached answers served (not computed again); "
+        "also in total tokens.",
     )
 
     class Meta:

@@ -42,6 +42,15 @@ class ModelPrice(models.Model):
         default=Decimal(0),
         validators=[MinValueValidator(Decimal(0))],
     )
+    cache_hit_per_million = models.DecimalField(
+        "cache hit (USD per 1M tokens)",
+        max_digits=12,
+        decimal_places=3,
+        default=Decimal(0),
+        validators=[MinValueValidator(Decimal(0))],
+        help_text="What an answer from the response cache costs, per million "
+        "of its tokens (0: free).",
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -66,6 +75,10 @@ class ModelPrice(models.Model):
     @property
     def output_nanos(self) -> int:
         return int(self.output_per_million * 1000)
+
+    @property
+    def cache_hit_nanos(self) -> int:
+        return int(self.cache_hit_per_million * 1000)
 
 
 def nanos_to_usd(nanos: int | None) -> Decimal:
