@@ -565,3 +565,24 @@ def test_redis_down_serves_uncached_and_counts(
         assert len(logged) == 1  # once a minute
     finally:
         server.stop()
+
+
+def test_hits_count_against_requests_per_minute_not_tokens(setup: Setup) -> None:
+    with setup.blocker.unblock():
+        _, tokens_key = ApiKey.objects.create_key("cache-tpm", tpm_limit=5)
+        _, requests_key = ApiKey.objects.create_key("cache-rpm", rpm_limit=2)
+        version = read_config_version()
+    setup.wait_for_version(version)
+    text = unique("limits")
+    body = json.dumps(chat(text, max_tokens=30)).encode()
+    assert setup.post("/v1/chat/completions", body, tokens_key).status_code == 200
+    other = json.dumps(chat(unique("other"), max_tokens=30)).encode()
+    refused = setup.post("/v1/chat/completions", other, tokens_key)
+    assert refused.status_code == 429  # its tokens per minute are spent...
+    for _ in range(3):  # ...and hits are served all the same
+        hit = setup.post("/v1/chat/completions", body, tokens_key)
+        assert hit.status_code == 200 and hit.headers["x-nexus-cache"] == "hit"
+    states = [setup.post("/v1/chat/completions", body, requests_key) for _ in range(3)]
+    assert [r.status_code for r in states] == [200, 200, 429]
+    assert states[1].headers["x-nexus-cache"] == "hit"
+    assert "requests per minute" in states[2].json()["error"]["message"]

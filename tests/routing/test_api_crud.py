@@ -219,6 +219,11 @@ def test_policy_reads_defaults_until_saved_without_creating_it(api: APIClient) -
         "ensemble_critique_prompt": "",
         "ensemble_refine_prompt": "",
         "ensemble_step_timeout_seconds": 120.0,
+        "cache_enabled": False,
+        "cache_ttl_seconds": 3600,
+        "cache_scope": "key",
+        "cache_max_entry_bytes": 1048576,
+        "cache_only_deterministic": True,
         "updated_at": None,
     }
     assert not RoutingPolicy.objects.exists()
