@@ -37,6 +37,7 @@ class Entry:
     prompt_tokens: int
     completion_tokens: int
     reply: bytes  # the canonical answer's JSON
+    expires_at: float = 0.0  # Unix time; 0: whenever the store says
 
     def encode(self) -> bytes:
         facts = orjson.dumps(
@@ -46,6 +47,7 @@ class Entry:
                 "stored_at": self.stored_at,
                 "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
+                "expires_at": self.expires_at,
             }
         )
         return facts + _SEPARATOR + self.reply
@@ -65,8 +67,15 @@ class Entry:
                 prompt_tokens=int(meta["prompt_tokens"]),
                 completion_tokens=int(meta["completion_tokens"]),
                 reply=reply,
+                expires_at=float(meta.get("expires_at", 0.0)),
             )
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        except (
+            orjson.JSONDecodeError,
+            KeyError,
+            TypeError,
+            ValueError,
+            AttributeError,
+        ):
             return None
 
     @property

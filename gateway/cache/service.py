@@ -7,6 +7,12 @@ store). A store that fails (Redis down or slow) never fails a request: the
 lookup is a miss, the answer is not kept, the failure is counted
 (``nexus_cache_errors``) and logged at most once a minute.
 
+With Redis, the entries this process read from it lately are kept in its
+memory too (``NEXUS_CACHE_MEMORY_MAX_BYTES``, least recently used out
+first), each until the time it expires in Redis: a repeated hit costs no
+round trip. What a process keeps is only what Redis gave it, so with Redis
+down nothing is served from the cache.
+
 Purges are recorded in the routing policy (routing/cache_purge.py), so every
 serving process stops serving what they cover as soon as it routes with the
 new configuration (``CachePolicy.is_purged``); when it does, this process
@@ -63,8 +69,14 @@ class ResponseCache:
 
     name = "response-cache"
 
-    def __init__(self, store: Store, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, store: Store, metrics: GatewayMetrics, local: MemoryStore | None = None
+    ) -> None:
         self.store = store
+        # In front of a shared store: the entries this process read from it
+        # lately (an LRU in memory), answered without a round trip until
+        # they expire or a purge covers them.
+        self.local = local
         self.metrics = metrics
         lookups = metrics.cache_lookups
         self.hits = lookups.labels("hit")
@@ -88,12 +100,10 @@ class ResponseCache:
         memory_max_bytes: int,
         timeout: float,
     ) -> ResponseCache:
-        store: Store
         if redis_url:
-            store = RedisStore(redis_url, redis_max_bytes, timeout)
-        else:
-            store = MemoryStore(memory_max_bytes)
-        return cls(store, metrics)
+            redis = RedisStore(redis_url, redis_max_bytes, timeout)
+            return cls(redis, metrics, MemoryStore(memory_max_bytes))
+        return cls(MemoryStore(memory_max_bytes), metrics)
 
     def start(self) -> None:
         """Nothing to start: the store connects on first use."""
@@ -108,13 +118,25 @@ class ResponseCache:
 
     async def fetch(self, key: str) -> Entry | None:
         """The entry stored under `key`, or None (not there, or the store
-        failed: counted and logged)."""
+        failed: counted and logged). This process's recent entries first."""
+        local = self.local
+        if local is not None:
+            data = local.get_now(key)
+            if data is not None:
+                return Entry.decode(data)
         try:
             data = await self.store.get(key)
         except STORE_ERRORS as error:
             self._failed("look up an answer", error)
             return None
-        return None if data is None else Entry.decode(data)
+        if data is None:
+            return None
+        entry = Entry.decode(data)
+        if entry is not None and local is not None:
+            left = entry.expires_at - time.time()
+            if left > 0:
+                local.put_now(key, data, left)
+        return entry
 
     def keep(self, key: str, entry: Entry, ttl: float, max_bytes: int) -> None:
         """Store the answer in the background (unless too large or too many
@@ -155,12 +177,18 @@ class ResponseCache:
                 if when > seen.purged_keys.get(prefix, 0.0):
                     purges.append(("", tag(prefix)))
         if purges:
-            task = asyncio.get_running_loop().create_task(self._purge(purges))
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return  # not serving yet: nothing stored here to drop
+            task = loop.create_task(self._purge(purges))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
 
     async def _purge(self, purges: list[tuple[str, str]]) -> None:
         for model_tag, scope_tag in purges:
+            if self.local is not None:
+                self.local.purge_now(model_tag, scope_tag)
             try:
                 await self.store.purge(model_tag, scope_tag)
             except STORE_ERRORS as error:

@@ -122,6 +122,9 @@ class MemoryStore:
         return value
 
     async def put(self, key: str, value: bytes, ttl: float) -> None:
+        self.put_now(key, value, ttl)
+
+    def put_now(self, key: str, value: bytes, ttl: float) -> None:
         size = len(key) + len(value) + ENTRY_OVERHEAD
         if size > self.max_bytes:
             return
@@ -134,6 +137,9 @@ class MemoryStore:
             self._remove(oldest)
 
     async def purge(self, model_tag: str, scope_tag: str) -> int:
+        return self.purge_now(model_tag, scope_tag)
+
+    def purge_now(self, model_tag: str, scope_tag: str) -> int:
         """Drop the entries of a model and/or a scope ("": any); return how many."""
         doomed = [key for key in self._entries if _matches(key, model_tag, scope_tag)]
         for key in doomed:

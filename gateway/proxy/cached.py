@@ -177,13 +177,15 @@ class CachedAnswers:
             if pending.body is not None and isinstance(usage, dict)
             else orjson.dumps(reply)
         )
+        now = time.time()
         entry = Entry(
             model=pending.model,
             endpoint=pending.endpoint,
-            stored_at=time.time(),
+            stored_at=now,
             prompt_tokens=prompt,
             completion_tokens=completion,
             reply=data,
+            expires_at=now + pending.ttl,
         )
         self.cache.keep(pending.key, entry, pending.ttl, pending.max_bytes)
 
