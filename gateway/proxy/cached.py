@@ -158,7 +158,8 @@ class CachedAnswers:
         elif pending.collector is not None:
             reply = pending.collector.reply()
             if reply is None:
-                self.cache.too_large.inc() if pending.collector.too_large else None
+                if pending.collector.too_large:
+                    self.cache.too_large.inc()
                 return
         else:
             return
