@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +116,9 @@ class Pending:
     # What cuts a relayed SSE stream into events for the collector (the
     # proxy's: gateway.proxy.sse.EventSplitter).
     splitter: Any = field(default=None, repr=False)
+    # Run by the relay once the answer is whole, before its last byte goes
+    # out: keeps it (so the client's next request finds it).
+    on_complete: Callable[[], Awaitable[None]] | None = field(default=None, repr=False)
 
     def collect(self) -> ReplyCollector:
         """A fresh collector for this try's stream (a retry starts over)."""

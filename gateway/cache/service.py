@@ -2,8 +2,8 @@
 
 ``ResponseCache`` is the gateway's (gateway/process.py): the proxy asks it
 for an entry by key (``fetch``) and hands it answers to keep once they are
-complete (``keep``, in a task of its own: the client never waits for a
-store). A store that fails (Redis down or slow) never fails a request: the
+complete (``keep``, before the answer's last byte goes out: the client's
+next request finds it; one round trip to Redis, within its timeout). A store that fails (Redis down or slow) never fails a request: the
 lookup is a miss, the answer is not kept, the failure is counted
 (``nexus_cache_errors``) and logged at most once a minute.
 
@@ -41,9 +41,6 @@ logger = logging.getLogger(__name__)
 
 # Failures are logged at most once per this many seconds.
 LOG_INTERVAL = 60.0
-# Answers being stored at once; past this, more are not kept (a slow Redis
-# must not pile up tasks holding answers).
-MAX_PENDING_STORES = 64
 # Errors a store may raise: Redis's, the socket's, Redis's silence.
 STORE_ERRORS = (RedisError, OSError, TimeoutError, ValueError)
 SHARED_TAG = "shared"
@@ -138,23 +135,14 @@ class ResponseCache:
                 local.put_now(key, data, left)
         return entry
 
-    def keep(self, key: str, entry: Entry, ttl: float, max_bytes: int) -> None:
-        """Store the answer in the background (unless too large or too many
-        stores are under way)."""
-        data = entry.encode()
+    async def keep(self, key: str, entry: Entry, ttl: float, max_bytes: int) -> None:
+        """Store the answer (unless too large); a failure is counted, logged
+        and otherwise ignored."""
         if len(entry.reply) > max_bytes:
             self.too_large.inc()
             return
-        if len(self._pending) >= MAX_PENDING_STORES:
-            self.store_failed.inc()
-            return
-        task = asyncio.get_running_loop().create_task(self._put(key, data, ttl))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
-
-    async def _put(self, key: str, data: bytes, ttl: float) -> None:
         try:
-            await self.store.put(key, data, ttl)
+            await self.store.put(key, entry.encode(), ttl)
         except STORE_ERRORS as error:
             self.store_failed.inc()
             self._failed("store an answer", error)

@@ -15,8 +15,9 @@ read and made canonical and before the pipeline:
   ``cache_hit`` and the stored answer's tokens;
 * miss (or ``Cache-Control: no-cache``, which skips the lookup): the
   exchange gets a ``Pending`` the relay fills in as the answer passes, and
-  ``keep`` stores the answer once the request ended well (a whole 200, a
-  stream that completed: never a partial one).
+  ``keep`` stores the answer once it is whole and went well (a whole 200, a
+  stream that completed: never a partial one), before its last byte goes
+  out, so that the client's next request finds it.
 
 Every answer of a cacheable request says which in ``x-nexus-cache``.
 """
@@ -133,11 +134,15 @@ class CachedAnswers:
                 return entry
         self.cache.misses.inc()
         exchange.response_headers.append(MISS)
-        exchange.cache = Pending(key, model, endpoint, ttl, policy.max_entry_bytes)
+        pending = Pending(key, model, endpoint, ttl, policy.max_entry_bytes)
+        pending.on_complete = lambda: self.keep(exchange)
+        exchange.cache = pending
         return None
 
-    def keep(self, exchange: ProxyExchange) -> None:
-        """Store a miss's answer if the request ended well and it is whole."""
+    async def keep(self, exchange: ProxyExchange) -> None:
+        """Store a miss's answer if it is whole and went well (the relay calls
+        this before the answer's last byte: a store takes one round trip to
+        Redis, bounded by its timeout, and never fails the request)."""
         pending, exchange.cache = exchange.cache, None
         if (
             pending is None
@@ -188,7 +193,7 @@ class CachedAnswers:
             reply=data,
             expires_at=now + pending.ttl,
         )
-        self.cache.keep(pending.key, entry, pending.ttl, pending.max_bytes)
+        await self.cache.keep(pending.key, entry, pending.ttl, pending.max_bytes)
 
     def _bypass(self, exchange: ProxyExchange) -> None:
         self.cache.bypasses.inc()

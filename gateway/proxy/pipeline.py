@@ -95,8 +95,7 @@ class Pipeline:
                 self.accounting.record(exchange)
             else:
                 self.ensembles.finish(plan, exchange)
-            if exchange.cache is not None:
-                self.cached.keep(exchange)
+            exchange.cache = None  # kept by then, or not to be
 
     async def _forward_watching_client(
         self,

@@ -98,6 +98,7 @@ class Relay:
         await self._send_whole(status, body)
 
     async def _send_whole(self, status: int, body: bytes) -> None:
+        await self._complete()
         await self.send(
             {
                 "type": "http.response.start",
@@ -317,9 +318,18 @@ class Relay:
         if exchange.error == "client_stalled" and exchange.abort is not None:
             exchange.abort()
             return
+        await self._complete()
         await self.send(
             {"type": "http.response.body", "body": tail, "more_body": False}
         )
+
+    async def _complete(self) -> None:
+        """Run what waits for the whole answer before its last byte goes out
+        (the response cache keeping it: the client's next request finds it)."""
+        pending = self.exchange.cache
+        if pending is not None and pending.on_complete is not None:
+            on_complete, pending.on_complete = pending.on_complete, None
+            await on_complete()
 
 
 def _collect_events(pending: Pending, data: bytes) -> None:
