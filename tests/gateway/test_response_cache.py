@@ -586,3 +586,23 @@ def test_hits_count_against_requests_per_minute_not_tokens(setup: Setup) -> None
     assert [r.status_code for r in states] == [200, 200, 429]
     assert states[1].headers["x-nexus-cache"] == "hit"
     assert "requests per minute" in states[2].json()["error"]["message"]
+
+
+def test_a_responses_stream_hit_is_replayed(setup: Setup) -> None:
+    text = unique("responses")
+    client = setup.openai()
+    whole = client.responses.with_raw_response.create(
+        model=MODEL, input=text, temperature=0
+    )
+    assert whole.headers["x-nexus-cache"] == "miss"
+    answer = whole.parse().output_text
+    raw = client.responses.with_raw_response.create(
+        model=MODEL, input=text, temperature=0, stream=True
+    )
+    assert raw.headers["x-nexus-cache"] == "hit"
+    events = list(raw.parse())
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == answer and len(deltas) > 1
+    done = events[-1]
+    assert done.type == "response.completed"
+    assert done.response.usage.input_tokens == whole.parse().usage.input_tokens
