@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import orjson
@@ -16,7 +17,7 @@ from gateway.cache.keys import (
     request_digest,
 )
 from gateway.cache.service import entry_key
-from gateway.cache.stores import ENTRY_OVERHEAD, MemoryStore
+from gateway.cache.stores import ENTRY_OVERHEAD, MemoryStore, RedisStore
 from gateway.protocols.openai import ChatStreamWriter
 
 
@@ -223,3 +224,49 @@ def test_memory_purges_match_model_and_scope_tags() -> None:
         assert len(store) == 1  # m2, shared
 
     asyncio.run(scenario())
+
+
+@pytest.mark.skipif(not os.environ.get("REDIS_URL"), reason="needs Redis")
+def test_the_redis_store_keeps_its_own_byte_cap_least_recently_used_first() -> None:
+    import redis
+
+    from tests.conftest import spare_redis_url
+
+    url = spare_redis_url()
+    client = redis.Redis.from_url(url)
+
+    def forget() -> None:
+        keys = list(client.scan_iter("nexus:{cache}:*"))
+        if keys:
+            client.delete(*keys)
+
+    value = b"v" * 1000
+    size = len(value) + ENTRY_OVERHEAD
+
+    async def scenario() -> None:
+        store = RedisStore(url, max_bytes=3 * size, timeout=5)
+        try:
+            for name in ("m1:a:1", "m1:a:2", "m2:a:3"):
+                await store.put(name, value, 60)
+                await asyncio.sleep(0.002)  # distinct last-use times
+            assert await store.get("m1:a:1") == value  # used: now the newest
+            await asyncio.sleep(0.002)
+            await store.put("m2:shared:4", value, 60)
+            assert await store.get("m1:a:2") is None  # least recently used
+            assert await store.get("m1:a:1") == value
+            assert await store.used_bytes() == 3 * size
+            assert await store.purge("m1", "") == 1
+            assert await store.purge("", "a") == 1  # m2:a:3
+            assert await store.get("m2:shared:4") == value
+            assert await store.used_bytes() == size
+            await store.put("m2:shared:5", value, 0.05)
+            await asyncio.sleep(0.1)
+            assert await store.get("m2:shared:5") is None  # its TTL
+        finally:
+            await store.close()
+
+    forget()
+    try:
+        asyncio.run(scenario())
+    finally:
+        forget()
