@@ -202,8 +202,9 @@ class RedisStore:
             reply = await self.redis.call(
                 "SCAN", cursor, "MATCH", pattern, "COUNT", 500
             )
-            assert isinstance(reply, list)
-            cursor, keys = reply[0], reply[1]
+            if not isinstance(reply, list) or len(reply) != 2:
+                raise RedisError(f"unexpected reply to SCAN: {reply!r:.100}")
+            cursor, keys = reply
             if keys:
                 count = await self.redis.run(_FORGET, [_LRU, _SIZES, _BYTES, *keys], [])
                 deleted += int(count) if isinstance(count, int) else 0

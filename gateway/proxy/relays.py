@@ -98,7 +98,8 @@ class Relay:
         await self._send_whole(status, body)
 
     async def _send_whole(self, status: int, body: bytes) -> None:
-        await self._complete()
+        if self.exchange.cache is not None:
+            await self._complete()
         await self.send(
             {
                 "type": "http.response.start",
@@ -318,7 +319,8 @@ class Relay:
         if exchange.error == "client_stalled" and exchange.abort is not None:
             exchange.abort()
             return
-        await self._complete()
+        if exchange.cache is not None:
+            await self._complete()
         await self.send(
             {"type": "http.response.body", "body": tail, "more_body": False}
         )
