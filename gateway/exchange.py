@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from gateway.cache.entries import Pending
 from routing.core import RequestRequirements, Route
 from routing.state import GatewayState
 from usage.limits.limiter import Ticket
@@ -88,3 +89,8 @@ class Exchange(Generic[CallT, MeterT]):
     # The usage event's id, once the pipeline opened the request (its open and
     # its settle share it); "" for a request refused before that.
     event_id: str = ""
+    # A cacheable request's miss: where its answer goes to be kept
+    # (gateway/proxy/cached.py); None when the cache is off or bypassed.
+    cache: Pending | None = None
+    # Answered from the response cache (no backend).
+    cache_hit: bool = False

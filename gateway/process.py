@@ -35,6 +35,7 @@ from backends.workers import record_worker_states, see_workers, sweep_silent_wor
 from gateway.admission import AdmissionGate
 from gateway.admission_places import LocalPlaces, Places, SharedPlaces
 from gateway.breaker import BREAKER_GROUP, BreakerSettings, CircuitBreaker
+from gateway.cache import ResponseCache
 from gateway.client import ReplyLimits, UpstreamClient
 from gateway.context_limits import CONTEXT_GROUP, SharedContextLimits
 from gateway.error_cache import ErrorCache
@@ -141,6 +142,11 @@ class GatewayConfig:
     limits_redis_timeout: float = 0.5
     default_completion_tokens: int = 1024
     reconcile_interval: float = 30.0
+    # The response cache's store: Redis if a URL is given, else memory.
+    cache_redis_url: str = ""
+    cache_redis_max_bytes: int = 256 * 1024**2
+    cache_memory_max_bytes: int = 64 * 1024**2
+    cache_redis_timeout: float = 0.25
 
     @classmethod
     def from_settings(cls) -> GatewayConfig:
@@ -175,6 +181,10 @@ class GatewayConfig:
             limits_redis_timeout=settings.NEXUS_LIMITS_REDIS_TIMEOUT,
             default_completion_tokens=settings.NEXUS_LIMITS_DEFAULT_COMPLETION_TOKENS,
             reconcile_interval=settings.NEXUS_LIMITS_RECONCILE_INTERVAL,
+            cache_redis_url=settings.NEXUS_CACHE_REDIS_URL,
+            cache_redis_max_bytes=settings.NEXUS_CACHE_REDIS_MAX_BYTES,
+            cache_memory_max_bytes=settings.NEXUS_CACHE_MEMORY_MAX_BYTES,
+            cache_redis_timeout=settings.NEXUS_CACHE_REDIS_TIMEOUT,
         )
 
 
@@ -277,6 +287,13 @@ class Gateway:
         self.relay_guard = RelayGuard()
         self.metrics = GatewayMetrics(per_key=config.metrics_per_key)
         self.limiter = _make_limiter(config, self.metrics.limiter_errors.inc)
+        self.cache = ResponseCache.from_settings(
+            self.metrics,
+            config.cache_redis_url,
+            config.cache_redis_max_bytes,
+            config.cache_memory_max_bytes,
+            config.cache_redis_timeout,
+        )
         self.admission = AdmissionGate(
             self.metrics,
             share=config.admission_share,
@@ -364,6 +381,7 @@ class Gateway:
         services: list[Service] = [
             _UpstreamService(self.upstream),
             self.limiter,
+            self.cache,
             self.usage_sink,
             self.open_requests,
             self.breaker,
@@ -530,6 +548,7 @@ class Gateway:
         self.metrics.config_version.set(state.version)
         self.admission.state_installed(state)
         self.fleet.snapshot_installed()
+        self.cache.note_policy(state.routes.policy.cache)
         if isinstance(self.limiter, LocalLimiter):
             self.limiter.reconcile(state.spend)
 

@@ -34,6 +34,8 @@ INDEX = {
     "config": "effective-config",
     "config_import": "config-import",
     "config_export": "config-export",
+    "cache": "cache",
+    "cache_purge": "cache-purge",
     "route_explain": "route-explain",
     "keys": "api-key-list",
     "usage_tokens": "usage-tokens",

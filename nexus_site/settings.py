@@ -712,6 +712,22 @@ NEXUS_LIMITS_RECONCILE_INTERVAL = _bounded_float(
     "NEXUS_LIMITS_RECONCILE_INTERVAL", 30.0, 0.1, 86_400
 )
 
+# --- Response cache (docs/caching.md; its settings: [cache]) ----------------------
+
+# Where cached answers are kept: Redis (default: REDIS_URL; shared by every
+# serving process), else each serving process's memory.
+NEXUS_CACHE_REDIS_URL = env.str("NEXUS_CACHE_REDIS_URL", default="") or REDIS_URL
+# Bytes of answers kept: in Redis (the cache's own cap, least recently used
+# evicted first) and in each process's memory without Redis.
+NEXUS_CACHE_REDIS_MAX_BYTES = _bounded_int(
+    "NEXUS_CACHE_REDIS_MAX_BYTES", 256 * 1024**2, 1024**2, 1024**4
+)
+NEXUS_CACHE_MEMORY_MAX_BYTES = _bounded_int(
+    "NEXUS_CACHE_MEMORY_MAX_BYTES", 64 * 1024**2, 1024**2, 64 * 1024**3
+)
+# Seconds a lookup waits for Redis before the request is served uncached.
+NEXUS_CACHE_REDIS_TIMEOUT = _bounded_float("NEXUS_CACHE_REDIS_TIMEOUT", 0.25, 0.01, 30)
+
 # --- Celery ---------------------------------------------------------------------
 
 if REDIS_URL.startswith("unix://"):

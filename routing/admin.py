@@ -12,8 +12,11 @@ from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
 from django.forms import BaseModelFormSet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
-from django.urls import reverse
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path, reverse
+from django.utils.html import format_html
 
+from routing.cache_purge import cache_report, purge_cache
 from routing.core import FLEET_SETTING_NAMES, RouterSnapshot
 from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
 from routing.snapshot import build_snapshot
@@ -214,6 +217,21 @@ class RoutingPolicyAdmin(RoutingPolicyAdminBase):
             },
         ),
         (
+            "Response cache",
+            {
+                "fields": (
+                    "cache_enabled",
+                    "cache_ttl_seconds",
+                    "cache_scope",
+                    "cache_max_entry_bytes",
+                    "cache_only_deterministic",
+                    "cache_overview",
+                ),
+                "description": "Answer a repeated request from the cache "
+                "(docs/caching.md).",
+            },
+        ),
+        (
             "Multiple opinions",
             {
                 "fields": (
@@ -299,11 +317,59 @@ class RoutingPolicyAdmin(RoutingPolicyAdminBase):
         ),
         ("Record", {"fields": ("updated_at",)}),
     )
-    readonly_fields = ("updated_at",)
+    readonly_fields = ("updated_at", "cache_overview")
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         # The list page creates the row on first visit, so there is never one to add.
         return False
+
+    @admin.display(description="Hit rates and purge")
+    def cache_overview(self, obj: RoutingPolicy) -> str:
+        url = reverse(f"{self.admin_site.name}:routing_routingpolicy_cache")
+        return format_html('<a href="{}">Response cache: hits, purge</a>', url)
+
+    def get_urls(self) -> list[URLPattern]:
+        view = self.admin_site.admin_view(self.cache_view)
+        own = [path("cache/", view, name="routing_routingpolicy_cache")]
+        return own + super().get_urls()
+
+    def cache_view(self, request: HttpRequest) -> HttpResponse:
+        """Hit rate and tokens saved per model and per key; the purge."""
+        if not self.has_view_or_change_permission(request):
+            raise PermissionDenied
+        if request.method == "POST":
+            if not self.has_change_permission(request):
+                raise PermissionDenied
+            what = request.POST.get("purge", "")
+            model = request.POST.get("model", "").strip() if what == "model" else ""
+            key = request.POST.get("key", "").strip() if what == "key" else ""
+            if what in ("model", "key") and not (model or key):
+                self.message_user(
+                    request, f"Name the {what} to purge.", messages.WARNING
+                )
+            else:
+                purge_cache(model=model, key_prefix=key)
+                whose = f"model {model}" if model else f"key {key}" if key else "all"
+                self.message_user(
+                    request,
+                    f"Purged the cached answers ({whose}); every serving process "
+                    "stops serving them within its configuration poll interval.",
+                    messages.SUCCESS,
+                )
+            return HttpResponseRedirect(request.path)
+        policy = RoutingPolicy.load()
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Response cache",
+            "opts": self.model._meta,
+            "policy": policy.cache_policy(),
+            "policy_url": reverse(
+                f"{self.admin_site.name}:routing_routingpolicy_change",
+                args=(policy.pk,),
+            ),
+            **cache_report(),
+        }
+        return TemplateResponse(request, "admin/routing/cache.html", context)
 
     def has_delete_permission(
         self, request: HttpRequest, obj: RoutingPolicy | None = None

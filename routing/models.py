@@ -14,6 +14,14 @@ from django.db.models.lookups import Exact
 from routing.admission import AdmissionSettings, FlowKey, Sizing, StockUnit
 from routing.core import FLEET_SETTINGS, FleetPolicy, Strategy
 from routing.core.aliases import check_alias_pattern, is_alias_pattern
+from routing.core.cache_policy import (
+    ENTRY_BYTES_LIMIT,
+    SCOPE_KEY,
+    SCOPE_SHARED,
+    TTL_LIMIT,
+    CachePolicy,
+    purge_times,
+)
 from routing.core.context_shift_policy import (
     KEEP_LAST_LIMIT,
     ContextShiftPolicy,
@@ -582,6 +590,44 @@ class RoutingPolicy(models.Model):
         validators=[MinValueValidator(0.001), MaxValueValidator(SESSION_TTL_LIMIT)],
         help_text="How long a session sticks to its backend after its last request.",
     )
+    # The exact response cache (routing.core.cache_policy, gateway/cache/).
+    cache_enabled = models.BooleanField(
+        "response cache",
+        default=False,
+        help_text="Answer a repeated request from the cache instead of a backend.",
+    )
+    cache_ttl_seconds = models.PositiveIntegerField(
+        "cache TTL (seconds)",
+        default=3600,
+        validators=[MinValueValidator(1), MaxValueValidator(TTL_LIMIT)],
+        help_text="How long a stored answer is served (a request's "
+        "x-nexus-cache-ttl header may ask for another).",
+    )
+    cache_scope = models.CharField(
+        "cache scope",
+        max_length=8,
+        choices=[
+            (SCOPE_KEY, "Key (each client key sees its own answers)"),
+            (SCOPE_SHARED, "Shared (every key uses every answer)"),
+        ],
+        default=SCOPE_KEY,
+    )
+    cache_max_entry_bytes = models.PositiveIntegerField(
+        "cache max entry (bytes)",
+        default=1024 * 1024,
+        validators=[MinValueValidator(1), MaxValueValidator(ENTRY_BYTES_LIMIT)],
+        help_text="Answers larger than this are not stored.",
+    )
+    cache_only_deterministic = models.BooleanField(
+        "cache deterministic requests only",
+        default=True,
+        help_text="Cache only requests with temperature 0, a seed, or the "
+        "header 'x-nexus-cache: on'.",
+    )
+    # Purges (routing.cache_purge): {"all": time, "models": {name: time},
+    # "keys": {prefix: time}}; an entry stored before one that covers it is
+    # not served, in every serving process.
+    cache_purges = models.JSONField(default=dict, blank=True, editable=False)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -689,6 +735,17 @@ class RoutingPolicy(models.Model):
             cache_blocks=self.prefix_cache_blocks,
             session_keys=self.prefix_session_keys,
             session_ttl_seconds=self.prefix_session_ttl_seconds,
+        )
+
+    def cache_policy(self) -> CachePolicy:
+        """The response cache settings (raises ValueError if out of range)."""
+        return CachePolicy(
+            enabled=self.cache_enabled,
+            ttl_seconds=self.cache_ttl_seconds,
+            scope=self.cache_scope,
+            max_entry_bytes=self.cache_max_entry_bytes,
+            only_deterministic=self.cache_only_deterministic,
+            **purge_times(self.cache_purges),
         )
 
     def _admission_values(self) -> dict[str, Any]:

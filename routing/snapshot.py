@@ -225,9 +225,13 @@ def _policy(stored: RoutingPolicy) -> Policy:
     except ValueError as error:
         logger.error("Invalid ensemble settings, using the defaults: %s", error)
     try:
-        return replace(policy, prefix=stored.prefix_policy())
+        policy = replace(policy, prefix=stored.prefix_policy())
     except ValueError as error:
         logger.error("Invalid prefix settings, using the defaults: %s", error)
+    try:
+        return replace(policy, cache=stored.cache_policy())
+    except ValueError as error:
+        logger.error("Invalid cache settings, using the defaults: %s", error)
         return policy
 
 
@@ -242,6 +246,7 @@ def build_state() -> GatewayState:
                 price.output_nanos,
                 price.cached_input_nanos,
                 price.cache_write_nanos,
+                cache_hit_nanos=price.cache_hit_nanos,
             )
             for price in ModelPrice.objects.all()
         }

@@ -49,6 +49,7 @@ TABLE = (
     Row("GET", "/api/v1/keys", (401, 401, 403, 200, 200)),
     Row("POST", "/api/v1/keys", (401, 401, 403, 201, 201), {"name": "{role}"}),
     Row("GET", "/api/v1/config/export", (401, 401, 403, 200, 200)),
+    Row("GET", "/api/v1/cache", (401, 401, 403, 200, 200)),
     Row("GET", "/api/v1/usage/stats", (401, 401, 403, 200, 200)),
     Row("GET", "/api/v1/schema/", (401, 401, 403, 200, 200)),
     Row("GET", "/api/usage-stream", (401, 401, 403, 200, 200)),

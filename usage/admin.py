@@ -257,6 +257,7 @@ class ModelPriceAdmin(ModelPriceAdminBase):
         "output_per_million",
         "cached_input_per_million",
         "cache_write_per_million",
+        "cache_hit_per_million",
         "updated_at",
     )
     search_fields = ("model",)

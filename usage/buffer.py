@@ -102,6 +102,9 @@ class UsageEvent:
     # those it wrote to it (Anthropic's cache creation).
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
+    # Answered from the response cache (gateway/cache/): its tokens are the
+    # stored answer's, saved rather than spent (cost: the hit price, if any).
+    cache_hit: bool = False
 
     @property
     def is_error(self) -> bool:

@@ -349,6 +349,7 @@ def _to_record(event: UsageEvent) -> UsageRecord:
         ensemble_id=_clip("ensemble_id", event.ensemble_id),
         cache_read_tokens=_count(event.cache_read_tokens),
         cache_write_tokens=_count(event.cache_write_tokens),
+        cache_hit=bool(event.cache_hit),
     )
 
 

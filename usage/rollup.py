@@ -53,6 +53,7 @@ _RECORD_COLUMNS = (
     "is_error",
     "latency_ms",
     "cost_nanos",
+    "cache_hit",
 )
 
 
@@ -75,6 +76,8 @@ class _Counters:
     estimated_tokens: int = 0
     latency_ms_sum: float = 0.0
     cost_nanos: int = 0
+    cache_hits: int = 0
+    cache_saved_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -122,8 +125,9 @@ def _roll_up_batch(last_id: int, batch_size: int) -> int:
                     (key, created_at.astimezone(UTC).date()), _Spend()
                 )
                 day.requests += 1
-                day.total_tokens += counts[2]
-                day.cost_nanos += counts[-1]
+                # A cache hit's tokens were saved, not spent: no budget's.
+                day.total_tokens += 0 if counts[-1] else counts[2]
+                day.cost_nanos += counts[-2]
             # Requests that failed before a model was chosen are filed under
             # the model the client asked for.
             name = (backend, served or requested, key)
@@ -177,6 +181,7 @@ def _add(
     is_error: bool,
     latency_ms: float,
     cost_nanos: int,
+    cache_hit: bool,
 ) -> None:
     counters.requests += 1
     counters.errors += is_error
@@ -190,6 +195,9 @@ def _add(
         counters.estimated_tokens += total
     counters.latency_ms_sum += latency_ms
     counters.cost_nanos += cost_nanos
+    if cache_hit:
+        counters.cache_hits += 1
+        counters.cache_saved_tokens += total
 
 
 def _increment(

@@ -87,11 +87,16 @@ def build_history(range_name: str, *, now: datetime | None = None) -> HistoryDic
 def dashboard(request: HttpRequest) -> HttpResponse:
     """The live dashboard page; its script does the rest.
 
-    Spend per key (this UTC month, from the rolled-up usage) is rendered with
-    the page.
+    Spend per key (this UTC month, from the rolled-up usage) and the response
+    cache's hits per model (the last 24 hours) are rendered with the page.
     """
     month_start = timezone.now().astimezone(UTC).date().replace(day=1)
     spenders = KeySpend.objects.filter(day__gte=month_start).top_spenders()
+    day = UsageBucket.objects.between(timezone.now() - timedelta(days=1))
+    cache_totals = day.totals()
+    cache_rows = (
+        day.filter(cache_hits__gt=0).report(["model"]).order_by("-cache_hits")[:20]
+    )
     return render(
         request,
         "dashboard/index.html",
@@ -99,6 +104,8 @@ def dashboard(request: HttpRequest) -> HttpResponse:
             "spenders": spenders,
             "month": month_start,
             "prompt_cache": prompt_cache_rows(month_start),
+            "cache_totals": cache_totals,
+            "cache_rows": cache_rows,
         },
     )
 

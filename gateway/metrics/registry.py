@@ -135,6 +135,26 @@ class GatewayMetrics(AdmissionMetrics, FleetMetrics, PrefixMetrics):
             "Streams cut off mid-answer because the key's budget ran out.",
             registry=registry,
         )
+        self.cache_lookups = Counter(
+            "nexus_cache_lookups",
+            "Requests the response cache looked at, by result: hit, miss, "
+            "bypass (not cacheable, or the client said no-cache/no-store).",
+            ("result",),
+            registry=registry,
+        )
+        self.cache_stores = Counter(
+            "nexus_cache_stores",
+            "Answers offered to the response cache, by result: stored, "
+            "too_large, failed.",
+            ("result",),
+            registry=registry,
+        )
+        self.cache_errors = Counter(
+            "nexus_cache_errors",
+            "Response cache operations that failed (Redis unreachable or slow); "
+            "the request was served uncached.",
+            registry=registry,
+        )
         self.limiter_errors = Counter(
             "nexus_limiter_errors",
             "Limiter calls that failed because Redis could not be reached.",

@@ -81,8 +81,12 @@ class Accounting:
 
         Returns the tokens and the cost (nano-USD) it was recorded with.
         """
-        prompt, completion, total, reported = _token_counts(exchange)
-        read, written = cache_counts(exchange.usage, prompt) if reported else (0, 0)
+        prompt, completion, total, reported = token_counts(exchange)
+        read, written = (
+            cache_counts(exchange.usage, prompt)
+            if reported and not exchange.cache_hit
+            else (0, 0)
+        )
         cost = _cost(exchange, prompt, completion, read, written)
         event_id = exchange.event_id
         if event_id:
@@ -118,6 +122,7 @@ class Accounting:
             ensemble_id=exchange.ensemble_id,
             cache_read_tokens=read,
             cache_write_tokens=written,
+            cache_hit=exchange.cache_hit,
         )
         self.buffer.append(event)
         model = _model_label(exchange)
@@ -191,7 +196,7 @@ def _progress_of(exchange: ProxyExchange) -> Progress | None:
     """What an open request would be billed if it ended now (None: nothing yet)."""
     if not exchange.backend:
         return None  # still waiting (queued, held, routed): no tokens spent
-    prompt, completion, total, reported = _token_counts(exchange)
+    prompt, completion, total, reported = token_counts(exchange)
     if not reported:
         # Mid-stream: what was relayed so far, or the budget meter's count.
         live, meter = exchange.live_chars, exchange.meter
@@ -215,13 +220,18 @@ def _cost(
     cache_write: int = 0,
 ) -> int:
     state = exchange.state
-    if not exchange.backend or state is None:
+    if state is None:
+        return 0
+    if exchange.cache_hit:
+        price = state.prices.get(exchange.served_model, FREE)
+        return price.cache_hit_cost(prompt + completion)
+    if not exchange.backend:
         return 0
     price = state.prices.get(exchange.served_model, FREE)
     return price.cost(prompt, completion, cache_read, cache_write)
 
 
-def _token_counts(exchange: ProxyExchange) -> tuple[int, int, int, bool]:
+def token_counts(exchange: ProxyExchange) -> tuple[int, int, int, bool]:
     """Return prompt, completion and total tokens, and whether they were reported.
 
     A backend's usage block when it has one, else the estimate: the prompt's
@@ -231,7 +241,7 @@ def _token_counts(exchange: ProxyExchange) -> tuple[int, int, int, bool]:
     prompt = _token_count(usage.get("prompt_tokens"))
     completion = _token_count(usage.get("completion_tokens", 0))
     reported = prompt is not None and completion is not None
-    if not exchange.backend:
+    if not exchange.backend and not exchange.cache_hit:
         # Refused before any backend: no tokens were spent.
         prompt = completion = 0
         reported = True

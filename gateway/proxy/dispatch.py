@@ -330,10 +330,33 @@ class ProxyApp:
             if requirements is None:
                 return  # answered without a backend
             exchange.started = time.perf_counter()
+            if state.routes.policy.cache.enabled and await self._answer_cached(
+                exchange, state, surface, requirements, send
+            ):
+                return
             await self.pipeline.serve(exchange, state, requirements, receive, send)
         else:
             query = scope.get("query_string", b"")
             await self._models(exchange, state, surface, query, send)
+
+    async def _answer_cached(
+        self,
+        exchange: ProxyExchange,
+        state: GatewayState,
+        surface: Surface,
+        requirements: RequestRequirements,
+        send: Send,
+    ) -> bool:
+        """Answer from the response cache if it has the answer (recorded)."""
+        cached = self.pipeline.cached
+        entry = await cached.look_up(exchange, state, requirements)
+        if entry is None:
+            return False
+        try:
+            await cached.serve_hit(exchange, entry, send)
+        finally:
+            self.accounting.record(exchange)
+        return True
 
     async def _read_translated(
         self,

@@ -422,7 +422,7 @@ class _Tries:
                 if read is not None:
                     body = leg_answer(exchange, leg, response.status, response, read)
                 elif is_leg_stream(exchange, response, leg):
-                    stream = leg.stream(limits.max_event)
+                    stream = leg.stream(limits.max_event, exchange.cache)
                     first_pieces = await first_leg_events(
                         response,
                         stream,

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.cache.entries import Pending, ReplyCollector
 from gateway.exchange import Exchange
 from gateway.protocols.base import (
     BROKEN,
@@ -128,6 +129,8 @@ class Leg:
         if self.native:
             if status < 300:
                 exchange.usage = adapter.usage_of_reply(body)
+                if exchange.cache is not None:
+                    self._keep_native(exchange.cache, body)
             return body
         if status >= 300:
             message = adapter.read_error(body) or (
@@ -147,10 +150,35 @@ class Leg:
         exchange.usage = usage if isinstance(usage, dict) else None
         if exchange.usage is None:
             exchange.completion_chars = _reply_chars(canonical)
+        if exchange.cache is not None:
+            exchange.cache.reply = canonical
         return surface.reply(canonical, self.target.model.name, inbound)
 
-    def stream(self, max_event: int = MAX_EVENT_BYTES) -> LegStream:
-        return LegStream(self, max_event)
+    @property
+    def is_native_chat(self) -> bool:
+        """A native chat the adapter can read back (its own chat path)."""
+        return self.native and self.path == self.adapter.chat_path
+
+    def _keep_native(self, pending: Pending, body: bytes) -> None:
+        """A native answer, made canonical for the cache (if it can be)."""
+        if not self.is_native_chat:
+            pending.unreadable = True
+            return
+        try:
+            pending.reply = self.adapter.read_reply(body, int(time.time()))
+        except (ValueError, KeyError, TypeError, TranslationError):
+            pending.unreadable = True
+
+    def stream(
+        self, max_event: int = MAX_EVENT_BYTES, pending: Pending | None = None
+    ) -> LegStream:
+        stream = LegStream(self, max_event)
+        if pending is not None:
+            if self.native and not self.is_native_chat:
+                pending.unreadable = True
+            else:
+                stream.collect(pending)
+        return stream
 
 
 class LegStream:
@@ -171,12 +199,14 @@ class LegStream:
         "_marker",
         "_max_event",
         "_native",
+        "_pending",
         "_reader",
         "_seen",
         "_split",
         "_surface",
         "_writer",
         "chars",
+        "collector",
         "usage",
     )
 
@@ -195,6 +225,17 @@ class LegStream:
         self._seen: dict[str, Any] = {}  # a native stream's usage fields so far
         self.usage: dict[str, Any] | None = None
         self.chars = 0  # text written, while no usage is known
+        # The response cache's: gets the canonical chunks (None: not cached).
+        self.collector: ReplyCollector | None = None
+        self._pending: Pending | None = None
+
+    def collect(self, pending: Pending) -> None:
+        """Hand the stream's canonical chunks to the cache's collector; a
+        native stream is read into canonical chunks for it too."""
+        self.collector = pending.collect()
+        self._pending = pending
+        if self._native:
+            self._reader = self._adapter.chunk_reader(int(time.time()))
 
     def feed(self, data: bytes) -> bytes:
         events = self._split.feed(data)
@@ -203,12 +244,15 @@ class LegStream:
         if not events:
             return b""
         if self._native:
+            collecting = self.collector is not None
             for event in events:
-                if self._marker in event:
+                if collecting or self._marker in event:
                     parsed = self._parse(event)
-                    if parsed is not None:
+                    if parsed is not None and self._marker in event:
                         found = self._adapter.usage_of_event(parsed, self._seen)
                         self.usage = found or self.usage
+                    if parsed is not None and collecting:
+                        self._collect_native(parsed)
             return b"".join(events)
         out: list[bytes] = []
         for event in events:
@@ -219,6 +263,7 @@ class LegStream:
 
     def finish(self) -> bytes:
         if self._native:
+            self._finish_native()
             return self._split.rest()
         assert self._reader is not None
         out: list[bytes] = []
@@ -246,6 +291,8 @@ class LegStream:
                         found = self._adapter.usage_of_event(parsed, self._seen)
                         self.usage = found or self.usage
                     chars = text_of_event(parsed)
+                    if self.collector is not None:
+                        self._collect_native(parsed)
                 pieces.append((event, chars))
             return pieces
         assert self._reader is not None
@@ -257,6 +304,7 @@ class LegStream:
 
     def finish_counted(self) -> list[tuple[bytes, int]]:
         if self._native:
+            self._finish_native()
             return [(self._split.rest(), 0)]
         assert self._reader is not None
         piece = self._write_counted(self._reader.finish())
@@ -277,7 +325,35 @@ class LegStream:
             out += self._write_chunk(chunk)
         return out
 
+    def _collect_native(self, event: dict[str, Any]) -> None:
+        """Read a native event into canonical chunks for the cache's collector."""
+        collector, reader = self.collector, self._reader
+        if collector is None or reader is None:
+            return
+        try:
+            for chunk in reader.feed(event):
+                collector.add(chunk)
+        except (StreamFailed, ValueError, KeyError, TypeError):
+            self._give_up_collecting()
+
+    def _finish_native(self) -> None:
+        collector, reader = self.collector, self._reader
+        if collector is None or reader is None:
+            return
+        try:
+            for chunk in reader.finish():
+                collector.add(chunk)
+        except (StreamFailed, ValueError, KeyError, TypeError):
+            self._give_up_collecting()
+
+    def _give_up_collecting(self) -> None:
+        if self._pending is not None:
+            self._pending.unreadable = True
+        self.collector = None
+
     def _write_chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+        if self.collector is not None:
+            self.collector.add(chunk)
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             self.usage = usage

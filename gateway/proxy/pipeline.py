@@ -23,6 +23,7 @@ from gateway.fleet.errors import FleetRefusal
 from gateway.proxy import limits
 from gateway.proxy.accounting import Accounting
 from gateway.proxy.bodies import Receive
+from gateway.proxy.cached import CachedAnswers
 from gateway.proxy.context_fit import fit_known_context
 from gateway.proxy.ensemble import EnsemblePlan, Ensembles
 from gateway.proxy.errors import ProxyError, bad_request, routing_error
@@ -60,6 +61,7 @@ class Pipeline:
         self.default_completion = gateway.config.default_completion_tokens
         self.streams = limits.StreamCap(gateway.config.max_streams_per_key)
         self.ensembles = Ensembles(gateway, upstream, accounting)
+        self.cached = CachedAnswers(gateway)
 
     async def serve(
         self,
@@ -96,6 +98,7 @@ class Pipeline:
                 self.accounting.record(exchange)
             else:
                 self.ensembles.finish(plan, exchange)
+            exchange.cache = None  # kept by then, or not to be
 
     async def _forward_watching_client(
         self,

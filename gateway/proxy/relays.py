@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 
+from gateway.cache.entries import Pending
 from gateway.client import ReplyLimits
 from gateway.protocols.base import BUDGET, StreamFailed
 from gateway.protocols.prompt_cache import usage_with_cache_timings
@@ -74,6 +75,8 @@ class Relay:
             exchange.usage = usage_with_cache_timings(reply)
             if exchange.usage is None:
                 exchange.completion_chars = text_length(reply)
+            if exchange.cache is not None:
+                exchange.cache.body = body
         else:
             body, exchange.error = checks.error_reply(
                 status,
@@ -95,6 +98,8 @@ class Relay:
         await self._send_whole(status, body)
 
     async def _send_whole(self, status: int, body: bytes) -> None:
+        if self.exchange.cache is not None:
+            await self._complete()
         await self.send(
             {
                 "type": "http.response.start",
@@ -129,6 +134,9 @@ class Relay:
             }
         )
         meter = exchange.meter
+        pending = exchange.cache
+        if pending is not None:
+            pending.collect()
         goes_on = True
         unsent, max_unsent = exchange.unsent_bytes, self.max_unsent
         event_timeout = self.idle_timeout
@@ -137,6 +145,8 @@ class Relay:
         try:
             if meter is not None:
                 first, goes_on = await meter.take(sse.counted_events(first))
+            if pending is not None:
+                _collect_events(pending, first)
             exchange.first_byte = time.perf_counter()
             await send({"type": "http.response.body", "body": first, "more_body": True})
             if relay.broken:
@@ -153,6 +163,8 @@ class Relay:
                         if meter is not None:
                             # Cut after the event that crossed the budget.
                             out, goes_on = await meter.take(sse.counted_events(out))
+                        if pending is not None:
+                            _collect_events(pending, out)
                         await send(
                             {
                                 "type": "http.response.body",
@@ -307,9 +319,37 @@ class Relay:
         if exchange.error == "client_stalled" and exchange.abort is not None:
             exchange.abort()
             return
+        if exchange.cache is not None:
+            await self._complete()
         await self.send(
             {"type": "http.response.body", "body": tail, "more_body": False}
         )
+
+    async def _complete(self) -> None:
+        """Run what waits for the whole answer before its last byte goes out
+        (the response cache keeping it: the client's next request finds it)."""
+        pending = self.exchange.cache
+        if pending is not None and pending.on_complete is not None:
+            on_complete, pending.on_complete = pending.on_complete, None
+            await on_complete()
+
+
+def _collect_events(pending: Pending, data: bytes) -> None:
+    """Hand the chunks of OpenAI stream bytes relayed to the cache's collector."""
+    collector = pending.collector
+    if collector is None or collector.too_large or pending.unreadable:
+        return
+    splitter = pending.splitter
+    if splitter is None:
+        splitter = pending.splitter = sse.EventSplitter()
+    for event in splitter.feed(data):
+        try:
+            chunk = sse.event_payload(event)
+        except ValueError:
+            pending.unreadable = True
+            return
+        if chunk is not None:
+            collector.add(chunk)
 
 
 def _cut_for_budget(exchange: ProxyExchange) -> None:

@@ -224,6 +224,11 @@ class RoutingPolicySerializer(ModelCleanSerializer[RoutingPolicy]):
             "prefix_cache_blocks",
             "prefix_session_keys",
             "prefix_session_ttl_seconds",
+            "cache_enabled",
+            "cache_ttl_seconds",
+            "cache_scope",
+            "cache_max_entry_bytes",
+            "cache_only_deterministic",
             "updated_at",
         )
 

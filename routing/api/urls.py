@@ -3,6 +3,7 @@ from __future__ import annotations
 from django.urls import path
 from rest_framework.routers import SimpleRouter
 
+from routing.api.cache import CachePurgeView, CacheView
 from routing.api.config_file import ConfigExportView, ConfigImportView
 from routing.api.views import (
     AliasViewSet,
@@ -18,6 +19,8 @@ router.register("fallback-chains", FallbackChainViewSet, basename="fallback-chai
 urlpatterns = [
     path("policy", RoutingPolicyView.as_view(), name="routing-policy"),
     path("config", EffectiveConfigView.as_view(), name="effective-config"),
+    path("cache", CacheView.as_view(), name="cache"),
+    path("cache/purge", CachePurgeView.as_view(), name="cache-purge"),
     path("config/import", ConfigImportView.as_view(), name="config-import"),
     path("config/export", ConfigExportView.as_view(), name="config-export"),
     *router.urls,

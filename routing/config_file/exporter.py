@@ -138,6 +138,13 @@ def export_config() -> str:
         fallbacks = ", ".join(format_string(name) for name in chain.fallback_models)
         lines.append(f"{format_string(chain.model)} = [{fallbacks}]")
 
+    lines += [
+        "",
+        "[cache]",
+        "# The exact response cache (docs/caching.md).",
+    ]
+    lines += _settings(policy, CACHE_SETTINGS)
+
     backends = sorted(
         # Relay workers' backends come from their connections, not the file.
         Backend.objects.filter(is_demo=False)
@@ -172,6 +179,9 @@ def export_config() -> str:
         ):
             if value is not None:
                 values.append(f"{name} = {format_scalar(float(value))}")
+        if price.cache_hit_per_million:
+            cache_hit = format_scalar(float(price.cache_hit_per_million))
+            values.append(f"cache_hit = {cache_hit}")
         lines.append(f"{format_string(price.model)} = {{ {', '.join(values)} }}")
     defaults = {s.field: get_field_default(ApiKey, s.field) for s in KEY_SETTINGS}
     keys = [

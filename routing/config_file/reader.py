@@ -108,13 +108,9 @@ def _read_document(reader: ValueReader, data: dict[str, Any]) -> ConfigFile:
         policy_invalid |= admission_invalid
         aliases = _read_aliases(reader, routing.get("aliases"))
         fallbacks = _read_fallbacks(reader, routing.get("fallbacks"))
-    cache = reader.read_table(data.get("cache"), "cache")
-    if cache is not None:
-        # [cache] settings live on the routing policy.
-        reader.reject_unknown_keys(cache, "cache", [s.key for s in CACHE_SETTINGS])
-        values, invalid = reader.read_settings(cache, "cache", CACHE_SETTINGS)
-        policy |= values
-        policy_invalid |= invalid
+    cache, cache_invalid = _read_settings_table(reader, data, "cache", CACHE_SETTINGS)
+    policy |= cache
+    policy_invalid |= cache_invalid
     backends = read_backends(reader, data.get("backends"))
     return ConfigFile(
         policy=policy,
@@ -135,8 +131,9 @@ def _read_settings_table(
     key: str,
     settings: tuple[Setting, ...],
 ) -> tuple[dict[str, Any], set[str]]:
-    """Read ``[routing.<key>]``, a table of scalar settings only."""
-    path = f"routing.{key}"
+    """Read ``[routing.<key>]`` (``[cache]``: the top level's), a table of
+    scalar settings only."""
+    path = key if key == "cache" else f"routing.{key}"
     table = reader.read_table(routing.get(key), path)
     if table is None:
         return {}, set()

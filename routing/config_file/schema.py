@@ -127,8 +127,14 @@ ENSEMBLE_SETTINGS = (
         "a number of seconds from 1 to 3600",
     ),
 )
-# [cache]: caching (docs/caching.md); stored on the routing policy.
+# [cache]: the exact response cache and prompt caching (docs/caching.md);
+# stored on the routing policy.
 CACHE_SETTINGS = (
+    Setting("enabled", "cache_enabled", bool, "true or false"),
+    Setting("ttl_seconds", "cache_ttl_seconds", int, "a whole number of seconds"),
+    Setting("scope", "cache_scope", str, '"key" or "shared"'),
+    Setting("max_entry_bytes", "cache_max_entry_bytes", int, "a positive integer"),
+    Setting("only_deterministic", "cache_only_deterministic", bool, "true or false"),
     Setting(
         "anthropic_auto_breakpoints",
         "cache_anthropic_auto_breakpoints",
@@ -232,8 +238,9 @@ KEY_MODELS = "models"
 KEY_EXPIRES = "expires"
 KEY_BUDGET_USD = "budget_usd"
 KEY_KEYS = (*(s.key for s in KEY_SETTINGS), KEY_MODELS, KEY_EXPIRES, KEY_BUDGET_USD)
-# USD per million tokens: input, output, cached input read, cache writes.
-PRICE_KEYS = ("input", "output", "cached_input", "cache_write")
+# USD per million tokens: input, output, cached input read, cache writes, and
+# an answer from the response cache.
+PRICE_KEYS = ("input", "output", "cached_input", "cache_write", "cache_hit")
 
 ROUTING_KEYS = (
     "strategy",
@@ -280,6 +287,7 @@ PRICE_KEY_FOR_FIELD = {
     "output_per_million": "output",
     "cached_input_per_million": "cached_input",
     "cache_write_per_million": "cache_write",
+    "cache_hit_per_million": "cache_hit",
 }
 
 

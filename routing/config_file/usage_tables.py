@@ -110,6 +110,7 @@ def read_prices(reader: ValueReader, value: object) -> tuple[PriceEntry, ...]:
             ("output", "output_per_million"),
             ("cached_input", "cached_input_per_million"),
             ("cache_write", "cache_write_per_million"),
+            ("cache_hit", "cache_hit_per_million"),
         ):
             if key not in price:
                 continue
@@ -129,6 +130,7 @@ def read_prices(reader: ValueReader, value: object) -> tuple[PriceEntry, ...]:
             # None: cached and cache-written tokens cost the input price.
             "cached_input_per_million": None,
             "cache_write_per_million": None,
+            "cache_hit_per_million": Decimal(0),
         }
         entries.append(
             PriceEntry(path, model.strip(), defaults | values, frozenset(invalid))

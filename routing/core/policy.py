@@ -7,6 +7,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from routing.core.cache_policy import CachePolicy
 from routing.core.context_shift_policy import ContextShiftPolicy
 from routing.core.ensemble_policy import EnsemblePolicy
 from routing.core.fleet_policy import FLEET_SETTINGS, FleetPolicy
@@ -36,6 +37,7 @@ class Policy:
     context_shift: ContextShiftPolicy = field(default_factory=ContextShiftPolicy)
     ensemble: EnsemblePolicy = field(default_factory=EnsemblePolicy)
     prefix: PrefixPolicy = field(default_factory=PrefixPolicy)
+    cache: CachePolicy = field(default_factory=CachePolicy)
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_retries <= MAX_RETRIES_LIMIT:

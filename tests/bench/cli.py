@@ -181,6 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
         "and one with all of them: raw p50 at c=1 and wrk throughput).",
     )
     parser.add_argument(
+        "--cache",
+        action="store_true",
+        help="Instead: what the response cache gives (a hit against a proxied "
+        "request and against an answer Nexus gives itself, at c=1; hits and "
+        "proxied requests per second with wrk).",
+    )
+    parser.add_argument(
         "--relay",
         action="store_true",
         help="Instead: what the worker relay adds (a mock behind nexus-worker "
@@ -208,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _admission(options)
     if options.limits:
         return _limits(options)
+    if options.cache:
+        return _cache(options)
     if options.fleet:
         if not 10 <= options.fleet_requests <= 10_000:
             parser.error("--fleet-requests must be within 10..10000.")
@@ -381,6 +390,26 @@ def _limits(options: argparse.Namespace) -> int:
             env, spawn, logs, seconds, options.wrk, _progress, profile
         ),
         format_limits_report,
+    )
+
+
+def _cache(options: argparse.Namespace) -> int:
+    from tests.bench.cache import format_cache_report, run_cache_benchmark
+
+    seconds = max(6.0, 3.0 * options.duration)
+    return _with_mocks(
+        options,
+        "cache",
+        lambda env, spawn, logs: run_cache_benchmark(
+            env,
+            spawn,
+            logs,
+            seconds,
+            options.wrk,
+            _progress,
+            options.output if options.profile else None,
+        ),
+        format_cache_report,
     )
 
 

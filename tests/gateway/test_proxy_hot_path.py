@@ -112,3 +112,40 @@ def test_live_counters_follow_requests(mock_backend: MockBackendProcess) -> None
     assert after["in_flight"] == 0
     assert gateway.stats.in_flight("mock-live") == 0
     assert live_usage.snapshot()["latencies_ms"]["mistral:7b"]
+
+
+@pytest.mark.django_db
+def test_a_cached_miss_and_hit_make_no_database_queries(
+    mock_backend: MockBackendProcess, django_assert_num_queries
+) -> None:
+    from routing.models import RoutingPolicy
+
+    backend = BackendFactory(name="mock-cache", base_url=mock_backend.base_url)
+    BackendModelFactory(backend=backend, name="llama3:8b")
+    _, key = ApiKey.objects.create_key("hot-path-cache")
+    policy = RoutingPolicy.load()
+    policy.cache_enabled = True
+    policy.save()
+    gateway = make_gateway()  # its cache in memory: no Redis URL given
+
+    with django_assert_num_queries(0):
+        miss, hit = asyncio.run(
+            serve(
+                gateway,
+                requests=2,
+                json={
+                    "model": "llama3:8b",
+                    "messages": [{"role": "user", "content": "cached, no queries"}],
+                    "temperature": 0,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+                headers={"authorization": f"Bearer {key}"},
+            )
+        )
+    assert miss.headers["x-nexus-cache"] == "miss"
+    assert hit.headers["x-nexus-cache"] == "hit"
+    assert hit.text.rstrip().endswith("data: [DONE]")
+    events = [e for e in gateway.buffer.drain() if isinstance(e, UsageEvent)]
+    assert [e.cache_hit for e in events] == [False, True]
+    assert events[1].total_tokens == events[0].total_tokens > 0

@@ -65,8 +65,18 @@ def policy_form(**fields: str) -> dict[str, str]:
         **CONTEXT_SHIFT_DEFAULTS,
         **ENSEMBLE_DEFAULTS,
         **PREFIX_DEFAULTS,
+        **CACHE_DEFAULTS,
         **fields,
     }
+
+
+# The response cache's part of the policy form, at its defaults.
+CACHE_DEFAULTS = {
+    "cache_ttl_seconds": "3600",
+    "cache_scope": "key",
+    "cache_max_entry_bytes": "1048576",
+    "cache_only_deterministic": "on",
+}
 
 
 # Context shift's part of the policy form, at its defaults.

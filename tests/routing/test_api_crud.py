@@ -227,6 +227,11 @@ def test_policy_reads_defaults_until_saved_without_creating_it(api: APIClient) -
         "prefix_cache_blocks": 4096,
         "prefix_session_keys": "x-session-id,user,metadata.user_id",
         "prefix_session_ttl_seconds": 600.0,
+        "cache_enabled": False,
+        "cache_ttl_seconds": 3600,
+        "cache_scope": "key",
+        "cache_max_entry_bytes": 1048576,
+        "cache_only_deterministic": True,
         "updated_at": None,
     }
     assert not RoutingPolicy.objects.exists()

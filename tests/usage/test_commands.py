@@ -115,22 +115,18 @@ def test_usage_prints_a_table_per_model_for_the_last_day() -> None:
         "cost",
         "(USD)",
         "estimated",
+        "cache",
+        "hits",
+        "saved",
     ]
     assert lines[3].split() == [
-        "llama3:8b", "5", "1", "350", "0", "0", "150", "500", "0.0000", "20%"
+        "llama3:8b", "5", "1", "350", "0", "0", "150", "500", "0.0000", "20%",
+        "0", "(0%)", "0",
     ]  # fmt: skip
     assert lines[-1].split() == [
-        "total",
-        "5",
-        "1",
-        "350",
-        "0",
-        "0",
-        "150",
-        "500",
-        "0.0000",
-        "20%",
-    ]
+        "total", "5", "1", "350", "0", "0", "150", "500", "0.0000", "20%",
+        "0", "(0%)", "0",
+    ]  # fmt: skip
     assert "mistral" not in output  # three days old
 
 
@@ -226,3 +222,21 @@ def test_create_key_refuses_a_bad_limit_with_a_message() -> None:
         call_command("nexus_create_key", "bad", "--rpm=0", stdout=StringIO())
     with pytest.raises(CommandError, match="--expires"):
         call_command("nexus_create_key", "bad", "--expires=soon", stdout=StringIO())
+
+
+def test_usage_shows_cache_hits_and_tokens_saved() -> None:
+    now = timezone.now()
+    UsageBucketFactory(
+        minute=now - timedelta(minutes=5),
+        backend="",
+        model="llama3:8b",
+        requests=4,
+        total_tokens=400,
+        cache_hits=1,
+        cache_saved_tokens=100,
+    )
+    lines = run("nexus_usage").splitlines()
+    assert lines[3].split()[-3:] == ["1", "(25%)", "100"]
+    rows = json.loads(run("nexus_usage", "--json"))["rows"]
+    assert rows[0]["cache_hits"] == 1 and rows[0]["cache_hit_rate"] == 0.25
+    assert rows[0]["cache_saved_tokens"] == 100

@@ -154,3 +154,21 @@ def test_dashboard_shows_spend_per_key_this_month(
     assert "2.5000" in table and "0.0010" in table
     assert "$50.0000 per UTC month" in table
     assert "1000.0000" not in table
+
+
+def test_dashboard_shows_the_cache_hit_rate_and_tokens_saved(
+    admin_client: Client,
+) -> None:
+    UsageBucketFactory(
+        minute=timezone.now() - timedelta(minutes=3),
+        model="llama3:8b",
+        requests=4,
+        total_tokens=400,
+        cache_hits=3,
+        cache_saved_tokens=300,
+    )
+    page = admin_client.get("/dashboard/").content.decode()
+    section = page[page.index('id="cache"') :]
+    section = section[: section.index("</table>")]
+    assert "llama3:8b" in section and "75 %" in section and "300" in section
+    assert "3 of 4 requests answered from the cache (75 %), 300 tokens saved" in page

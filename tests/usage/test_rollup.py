@@ -317,3 +317,18 @@ def test_totals_are_exact_across_processes_concurrent_and_killed_rollups() -> No
     )
     grand = TokenUsage.objects.aggregate(t=Sum("total_tokens"))["t"]
     assert grand == sum(e["total_tokens"] for e in every_event)
+
+
+@pytest.mark.django_db
+def test_cache_hits_are_counted_and_their_tokens_are_saved_not_spent() -> None:
+    from usage.models import KeySpend
+
+    UsageRecordFactory(total_tokens=15, cost_nanos=7)
+    UsageRecordFactory(backend="", total_tokens=15, cost_nanos=2, cache_hit=True)
+    roll_up_usage()
+    hits = TokenUsage.objects.get(backend="")
+    assert (hits.requests, hits.cache_hits, hits.cache_saved_tokens) == (1, 1, 15)
+    assert TokenUsage.objects.get(backend="gpu-1").cache_hits == 0
+    spend = KeySpend.objects.get()
+    # Both requests and both costs; only the computed answer's tokens.
+    assert (spend.requests, spend.total_tokens, spend.cost_nanos) == (2, 15, 9)

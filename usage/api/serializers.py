@@ -274,6 +274,7 @@ class ModelPriceSerializer(ModelCleanSerializer[ModelPrice]):
             "output_per_million",
             "cached_input_per_million",
             "cache_write_per_million",
+            "cache_hit_per_million",
             "updated_at",
         )
         read_only_fields = ("updated_at",)

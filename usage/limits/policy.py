@@ -68,6 +68,8 @@ class Price:
     output_nanos: int = 0
     cached_input_nanos: int | None = None
     cache_write_nanos: int | None = None
+    # An answer from the response cache, per token of it (prompt and output).
+    cache_hit_nanos: int = 0
 
     def cost(
         self,
@@ -88,6 +90,10 @@ class Price:
         if cache_write_tokens and self.cache_write_nanos is not None:
             cost += cache_write_tokens * (self.cache_write_nanos - self.input_nanos)
         return max(cost, 0)
+
+    def cache_hit_cost(self, total_tokens: int) -> int:
+        """Return the cost of a cache hit of `total_tokens` in nano-USD."""
+        return total_tokens * self.cache_hit_nanos
 
 
 FREE = Price()

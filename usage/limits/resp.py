@@ -88,7 +88,7 @@ class _Link(asyncio.Protocol):
 class RespConnection:
     """A single Redis connection shared by every caller of one event loop."""
 
-    def __init__(self, url: str, timeout: float) -> None:
+    def __init__(self, url: str, timeout: float, max_reply: int = MAX_BUFFER) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("redis", "unix", ""):
             raise ValueError(
@@ -106,6 +106,8 @@ class RespConnection:
         self.username = unquote(parts.username) if parts.username else None
         self.password = unquote(parts.password) if parts.password else None
         self.timeout = timeout
+        # A reply (or replies not yet whole) past this drops the connection.
+        self.max_reply = max_reply
         self._transport: asyncio.Transport | None = None
         self._link: _Link | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -280,7 +282,7 @@ class RespConnection:
             self._drop(ConnectionError(f"Redis connection broken: {error}"))
             return
         self._buffer = buffer[position:]
-        if len(self._buffer) > MAX_BUFFER:
+        if len(self._buffer) > self.max_reply:
             self._drop(ConnectionError("Redis sent a reply larger than expected"))
         elif not waiting and self._timer is not None:
             self._timer.cancel()

@@ -36,6 +36,8 @@ COUNTER_FIELDS = (
     "estimated_tokens",
     "latency_ms_sum",
     "cost_nanos",
+    "cache_hits",
+    "cache_saved_tokens",
 )
 
 
@@ -58,6 +60,7 @@ def add_derived_fields(counters: dict[str, Any]) -> dict[str, Any]:
     prompt = counters["prompt_tokens"]
     counters["cached_share"] = counters["cache_read_tokens"] / prompt if prompt else 0.0
     counters["cost_usd"] = nanos_to_usd(counters["cost_nanos"])
+    counters["cache_hit_rate"] = counters["cache_hits"] / requests if requests else 0.0
     return counters
 
 
@@ -161,6 +164,14 @@ class UsageCounters(models.Model):
     )
     cost_nanos = models.PositiveBigIntegerField(
         "cost (nano-USD)", default=0, help_text="At the model prices of the time."
+    )
+    cache_hits = models.PositiveBigIntegerField(
+        default=0, help_text="Requests answered from the response cache."
+    )
+    cache_saved_tokens = models.PositiveBigIntegerField(
+        default=0,
+        help_text="Tokens of the cached answers served (not computed again); "
+        "also in total tokens.",
     )
 
     class Meta:

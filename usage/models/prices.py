@@ -66,6 +66,15 @@ class ModelPrice(models.Model):
         help_text="Input tokens written to a prompt cache (Anthropic's cache "
         "creation). Empty: the input price.",
     )
+    cache_hit_per_million = models.DecimalField(
+        "cache hit (USD per 1M tokens)",
+        max_digits=12,
+        decimal_places=3,
+        default=Decimal(0),
+        validators=[MinValueValidator(Decimal(0))],
+        help_text="What an answer from the response cache costs, per million "
+        "of its tokens (0: free).",
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -100,6 +109,10 @@ class ModelPrice(models.Model):
     def cache_write_nanos(self) -> int | None:
         """Nano-USD per input token written to a cache (None: the input price)."""
         return _nanos(self.cache_write_per_million)
+
+    @property
+    def cache_hit_nanos(self) -> int:
+        return int(self.cache_hit_per_million * 1000)
 
 
 def _nanos(per_million: Decimal | None) -> int | None:

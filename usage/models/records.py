@@ -102,6 +102,12 @@ class UsageRecord(models.Model):
         help_text="Shared by the requests Nexus made for one multiple-opinions "
         "(moe-<model>) request: its answers, critiques and refined answer.",
     )
+    cache_hit = models.BooleanField(
+        "cache hit",
+        default=False,
+        help_text="Answered from the response cache: the tokens are the stored "
+        "answer's (saved, not spent); the cost is the model's cache hit price.",
+    )
     is_error = models.BooleanField(
         "failed", default=False, help_text="Counted in errors (UsageEvent.is_error)."
     )

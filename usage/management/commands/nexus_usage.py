@@ -34,7 +34,9 @@ class Command(DatabaseCommand):
         "Print requests, errors, tokens and cost per model, backend or client key, "
         "from the rolled-up usage. Cached and cache-write are the prompt tokens "
         "a backend read from or wrote to its prompt cache. Estimated is the share "
-        "of tokens Nexus estimated because the backend reported none."
+        "of tokens Nexus estimated because the backend reported none; cache hits "
+        "the requests answered from the response cache (and their share), saved "
+        "the tokens of those answers."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -97,7 +99,14 @@ class Command(DatabaseCommand):
     def _print_table(
         self, by: str, rows: list[dict[str, Any]], totals: dict[str, Any]
     ) -> None:
-        header = [by, *(title for _, title in COLUMNS), "cost (USD)", "estimated"]
+        header = [
+            by,
+            *(title for _, title in COLUMNS),
+            "cost (USD)",
+            "estimated",
+            "cache hits",
+            "saved",
+        ]
         labelled = [(_label(by, row), row) for row in rows] + [("total", totals)]
         table = [header]
         for label, row in labelled:
@@ -107,6 +116,8 @@ class Command(DatabaseCommand):
                     *(f"{row[name]:,}" for name, _ in COLUMNS),
                     f"{row['cost_usd']:,.4f}",
                     f"{row['estimated_share']:.0%}",
+                    f"{row['cache_hits']:,} ({row['cache_hit_rate']:.0%})",
+                    f"{row['cache_saved_tokens']:,}",
                 ]
             )
         widths = [max(len(line[i]) for line in table) for i in range(len(header))]
