@@ -101,13 +101,6 @@ def export_config() -> str:
 
     lines += [
         "",
-        "[cache]",
-        "# Prompt caching: breakpoints for Anthropic backends (docs/caching.md).",
-    ]
-    lines += _settings(policy, CACHE_SETTINGS)
-
-    lines += [
-        "",
         "[routing.aliases]",
         "# Name a client asks for = the model served instead.",
     ]
@@ -141,7 +134,7 @@ def export_config() -> str:
     lines += [
         "",
         "[cache]",
-        "# The exact response cache (docs/caching.md).",
+        "# The exact response cache and prompt caching (docs/caching.md).",
     ]
     lines += _settings(policy, CACHE_SETTINGS)
 
