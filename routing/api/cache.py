@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.permissions import IsAdminUser
@@ -27,6 +28,7 @@ class CacheView(APIView):
 
     permission_classes = (IsAdminUser,)
 
+    @extend_schema(responses=OpenApiTypes.OBJECT)
     def get(self, request: Request) -> Response:
         stored = RoutingPolicy.objects.filter(pk=RoutingPolicy.SINGLETON_PK).first()
         policy = (stored or RoutingPolicy()).cache_policy()
@@ -45,7 +47,7 @@ class CachePurgeView(APIView):
 
     permission_classes = (IsAdminUser,)
 
-    @extend_schema(request=CachePurgeSerializer)
+    @extend_schema(request=CachePurgeSerializer, responses=OpenApiTypes.OBJECT)
     def post(self, request: Request) -> Response:
         serializer = CachePurgeSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
