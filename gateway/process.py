@@ -375,8 +375,9 @@ class Gateway:
         snapshots, the publisher, the breaker's and the error cache's last
         announcements, the usage
         sink (handing on the usage still held, after the open requests'
-        last progress), the limiter (writing its last
-        settles), and the upstream client, which the others use, last.
+        last progress), the response cache (its last stores), the limiter
+        (writing its last settles), and the upstream client, which the
+        others use, last.
         """
         services: list[Service] = [
             _UpstreamService(self.upstream),

@@ -230,7 +230,17 @@ class MockBackend:
                 chunks = [*reply.blocks, reply.tail]
                 conn.send_stream(200, reply.content_type, headers, chunks)
                 return None
-        return self._deliver(conn, reply, headers, config, prefill)
+        return self._answer(conn, reply, headers, config, prefill)
+
+    async def _answer(
+        self,
+        conn: HttpConnection,
+        reply: bytes | ApiError | Stream,
+        headers: list[Header],
+        config: MockConfig,
+        prefill: float | Callable[[], float],
+    ) -> None:
+        await self._deliver(conn, reply, headers, config, prefill)
 
     def _prefill_with_cache(
         self,
@@ -309,7 +319,8 @@ class MockBackend:
         *blocks, tail = managed.lines
         if managed.stream:
             reply = Stream(blocks, tail, managed.content_type)
-            await self._deliver(conn, reply, headers, config)
+            if not await self._deliver(conn, reply, headers, config):
+                return  # its client left (Ctrl-C): Ollama stops, no model
         else:
             pause = config.chunk_delay_ms / 1000 * len(blocks)
             if pause > 0 and not await conn.sleep(pause):
@@ -345,17 +356,19 @@ class MockBackend:
         headers: list[Header],
         config: MockConfig,
         prefill: float | Callable[[], float] = 0.0,
-    ) -> None:
+    ) -> bool:
+        """Answer; return whether the whole answer went out (its client
+        stayed)."""
         self.stats.in_flight += 1
         try:
             seconds = prefill() if callable(prefill) else prefill
             if not await conn.sleep(config.latency_ms / 1000 + seconds):
                 self.stats.client_disconnects += 1
-                return
+                return False
             if isinstance(reply, Stream):
-                await self._stream(conn, reply, headers, config)
-            else:
-                self._send(conn, reply, headers)
+                return await self._stream(conn, reply, headers, config)
+            self._send(conn, reply, headers)
+            return True
         finally:
             self.stats.in_flight -= 1
 
@@ -419,7 +432,8 @@ class MockBackend:
         reply: Stream,
         headers: list[Header],
         config: MockConfig,
-    ) -> None:
+    ) -> bool:
+        """Send the stream; return whether it went out whole."""
         drop_after = config.drop_after_chunks
         delay = config.chunk_delay_ms / 1000
         conn.start_stream(200, reply.content_type, headers)
@@ -427,23 +441,24 @@ class MockBackend:
             if drop_after is not None and index >= drop_after:
                 conn.cut()
                 self.stats.dropped_streams += 1
-                return
+                return False
             if index and delay > 0:
                 await conn.sleep(delay)
             if not conn.is_open:
                 self.stats.client_disconnects += 1
-                return
+                return False
             conn.send_chunk(block)
             await conn.drain()
         if not conn.is_open:
             self.stats.client_disconnects += 1
-            return
+            return False
         conn.send_chunk(reply.tail)
         if drop_after is not None:
             conn.cut()
             self.stats.dropped_streams += 1
-            return
+            return False
         conn.end_stream()
+        return True
 
     # Control API
 

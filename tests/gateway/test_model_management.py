@@ -472,6 +472,7 @@ def test_a_client_leaving_mid_pull_ends_it_at_the_backend_and_discovery_runs(
         json={"chunk_delay_ms": 500},
         timeout=5,
     )
+    listings = mock_stats(gateway.olla1)["requests"].get("/api/tags", 0)
     left = time.monotonic()
     with httpx.stream(
         "POST",
@@ -492,10 +493,13 @@ def test_a_client_leaving_mid_pull_ends_it_at_the_backend_and_discovery_runs(
     assert time.monotonic() - left < 3
     assert mock_stats(gateway.olla1)["in_flight"] == 0
     wait_until(
-        lambda: mock_stats(gateway.olla1)["requests"].get("/api/tags", 0) >= 1,
+        lambda: mock_stats(gateway.olla1)["requests"].get("/api/tags", 0) > listings,
         what="discovery of olla1 after the pull ended",
     )
+    # The pull was abandoned: the backend has no such model, nor Nexus.
     assert "left:7b" not in gateway.listed()
+    tags = httpx.get(f"{gateway.olla1.base_url}/api/tags", timeout=5).json()
+    assert "left:7b" not in {model["name"] for model in tags["models"]}
 
 
 def test_a_model_file_is_streamed_on_not_held_in_memory(
