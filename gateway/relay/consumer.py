@@ -11,7 +11,8 @@ details), takes its ``register``, makes it a ``relay`` backend
   (``relay.request`` events to this consumer's channel), and sends each piece
   of the worker's answer back to the process that asked, in order;
 * pings at the heartbeat clock's turns (gateway/relay/heartbeats.py); a
-  worker that leaves 3 pings unanswered is Gone (socket closed, backend unhealthy, its requests fail over);
+  worker that leaves 3 pings unanswered is Gone (socket closed, backend
+  unhealthy, its requests fail over);
 * obeys the admin and API over the channel layer: close (revoked, 4001),
   drain (graceful_shutdown), refresh (models_refresh).
 
