@@ -106,6 +106,29 @@ def test_memory_another_client_takes_on_a_node_moves_the_fleets_choice(
     assert again.chosen is not None and again.chosen.backend.name == "a"
 
 
+def _short_of_memory_fleet(factory: Factory) -> tuple[Any, Any]:
+    """Nodes a (preferred, 10 GB with another client's 5 GB model: every 8 GB
+    load fails "out of memory") and b (40 GB), both serving m, n and k, under
+    the fleet strategy."""
+    a = _node(factory, "a", 10, "m", "n", "k")
+    b = _node(factory, "b", 40, "m", "n", "k")
+    _configure(a, resident_models={"other:7b": 5.0}, oom_loads="runner")
+    for name, mock, priority in (("a", a, 0), ("b", b, 5)):
+        backend = Backend.objects.create(
+            name=name,
+            base_url=mock.base_url,
+            kind="ollama",
+            priority=priority,
+            status=HealthStatus.HEALTHY,
+        )
+        for model in ("m", "n", "k"):
+            BackendModel.objects.create(
+                backend=backend, name=model, size_bytes=8 * GB, discovered=True
+            )
+    _fleet_policy()
+    return a, b
+
+
 def _admin_page(server: NexusServer, path: str, username: str, password: str) -> str:
     """An admin page as a signed-in operator's browser gets it from `server`."""
     with httpx.Client(base_url=server.base_url, timeout=10) as browser:
@@ -133,22 +156,7 @@ def test_out_of_memory_failures_seen_by_one_serving_process_pause_the_node_in_al
     mock_backend_factory: Factory,
     nexus_server_factory: Callable[..., NexusServer],
 ) -> None:
-    a = _node(mock_backend_factory, "a", 10, "m", "n", "k")
-    b = _node(mock_backend_factory, "b", 40, "m", "n", "k")
-    _configure(a, resident_models={"other:7b": 5.0}, oom_loads="runner")
-    for name, mock, priority in (("a", a, 0), ("b", b, 5)):
-        backend = Backend.objects.create(
-            name=name,
-            base_url=mock.base_url,
-            kind="ollama",
-            priority=priority,
-            status=HealthStatus.HEALTHY,
-        )
-        for model in ("m", "n", "k"):
-            BackendModel.objects.create(
-                backend=backend, name=model, size_bytes=8 * GB, discovered=True
-            )
-    _fleet_policy()
+    a, _ = _short_of_memory_fleet(mock_backend_factory)
     _, key = ApiKey.objects.create_key("capacity")
     get_user_model().objects.create_superuser("oom-ops", password="oom-pw")
     first, second = nexus_server_factory(), nexus_server_factory()
@@ -180,22 +188,7 @@ def test_repeated_out_of_memory_loads_pause_cold_loads_on_that_node(
     # a is preferred (priority) but short of memory: another client's 5 GB
     # model sits in its 10 GB, so no 8 GB model loads there; its GPU says so
     # only by failing the load ("CUDA error: out of memory").
-    a = _node(mock_backend_factory, "a", 10, "m", "n", "k")
-    b = _node(mock_backend_factory, "b", 40, "m", "n", "k")
-    _configure(a, resident_models={"other:7b": 5.0}, oom_loads="runner")
-    for name, mock, priority in (("a", a, 0), ("b", b, 5)):
-        backend = Backend.objects.create(
-            name=name,
-            base_url=mock.base_url,
-            kind="ollama",
-            priority=priority,
-            status=HealthStatus.HEALTHY,
-        )
-        for model in ("m", "n", "k"):
-            BackendModel.objects.create(
-                backend=backend, name=model, size_bytes=8 * GB, discovered=True
-            )
-    _fleet_policy()
+    a, b = _short_of_memory_fleet(mock_backend_factory)
     _, key = ApiKey.objects.create_key("capacity")
     staff = get_user_model().objects.create_user("capacity-ops", is_staff=True)
     token = Token.objects.create(user=staff).key
