@@ -29,6 +29,7 @@ from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.models import F
 
 from nexus_lib.layer import run_on_layer
+from routing.history.recording import note_config_change
 from routing.models import ConfigVersion
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ def mark_config_changed(using: str = DEFAULT_DB_ALIAS) -> None:
     if deferred is not None:
         transaction.on_commit(deferred.note, using=using)
         return
+    note_config_change(using)  # the configuration history
     connection = connections[using]
     # Savepoint rollbacks discard their on-commit callbacks, so looking at the
     # pending list (rather than keeping a flag of our own) stays correct.
