@@ -74,6 +74,14 @@ class ConfigRevisionAdmin(ConfigRevisionAdminBase):
     ) -> bool:
         return False
 
+    def get_fields(
+        self, request: HttpRequest, obj: ConfigRevision | None = None
+    ) -> list[str]:
+        fields = list(super().get_fields(request, obj))
+        if not self.has_revert_permission(request):
+            fields.remove("revert_button")
+        return fields
+
     def has_revert_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm(REVERT_PERMISSION)
 

@@ -4,6 +4,8 @@ difference, from the admin, the API, an import and commands; revert."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,8 @@ from backends.models import Backend
 from backends.vocabulary import HealthStatus
 from routing.config_file import export_config
 from routing.models import Alias, ConfigRevision
+from tests import zygote
+from tests.conftest import REPO_ROOT, server_env
 from tests.factories import AliasFactory, ApiKeyFactory, StaffUserFactory
 from usage.models import ApiKey
 
@@ -409,3 +413,124 @@ def test_the_versions_list_is_newest_first_in_bounded_queries(
     numbers = [row["version"] for row in results]
     assert numbers == sorted(numbers, reverse=True)
     assert [row["diff"][0]["after"] for row in results[:6]] == [8, 7, 6, 5, 4, 3]
+
+
+# Each process makes its changes as the API does (one recorded block each),
+# back to back: without the history lock, the two processes' versions collide
+# (the same number, or one's change inside the other's diff).
+WRITER = """
+import os, pathlib, time
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "nexus_site.settings")
+import django
+django.setup()
+from nexus_lib.authorship import ChangeAuthor
+from routing.history.recording import recording_changes
+from routing.models import Alias
+who, start = os.environ["WRITER"], pathlib.Path(os.environ["START"])
+while not start.exists():  # both processes begin together
+    time.sleep(0.005)
+for i in range(6):
+    with recording_changes(lambda: ChangeAuthor(who, "api")):
+        Alias.objects.create(name=f"{who}-{i}", target="llama3:8b")
+"""
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_processes_changing_at_once_get_a_version_each(tmp_path: Path) -> None:
+    before = ConfigRevision.objects.order_by("-number").first()
+    start = tmp_path / "start"
+    writers = [
+        zygote.Popen(
+            [sys.executable, "-c", WRITER],
+            cwd=REPO_ROOT,
+            env=server_env() | {"WRITER": who, "START": str(start)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for who in ("p1", "p2")
+    ]
+    try:
+        start.touch()
+        codes = [writer.wait(timeout=60) for writer in writers]
+    finally:
+        for writer in writers:
+            if writer.poll() is None:
+                writer.kill()
+                writer.wait()
+    assert codes == [0, 0], [writer.stdout.read()[-2000:] for writer in writers]
+
+    versions = versions_after(before.number if before else 0)
+    assert len(versions) == 12
+    numbers = [version.number for version in versions]
+    assert numbers == list(range(numbers[0], numbers[0] + 12))
+    seen: dict[str, list[int]] = {"p1": [], "p2": []}
+    for version in versions:
+        ((change),) = version.diff
+        who, _, index = change["path"][-1].partition("-")
+        assert change == {
+            "path": ["routing", "aliases", f"{who}-{index}"],
+            "change": "added",
+            "after": "llama3:8b",
+        }
+        assert (version.author, version.via) == (who, "api")
+        seen[who].append(int(index))
+    assert seen == {"p1": list(range(6)), "p2": list(range(6))}
+
+
+def test_the_admin_history_shows_diffs_and_reverts(
+    admin_client: Client, api: APIClient
+) -> None:
+    target = newest()
+    api.post("/api/v1/aliases", {"name": "gpt-4", "target": "llama3:8b"}, format="json")
+    api.patch("/api/v1/policy", {"max_retries": 5}, format="json")
+    changed = newest()
+
+    listing = admin_client.get(reverse("admin:routing_configrevision_changelist"))
+    page = listing.content.decode()
+    assert "routing.max_retries: 2 → 5" in page
+    assert "routing.aliases.gpt-4: added &quot;llama3:8b&quot;" in page
+    assert "the configuration when the history started" in page
+
+    version = ConfigRevision.objects.get(number=changed)
+    detail = admin_client.get(
+        reverse("admin:routing_configrevision_change", args=(version.pk,))
+    ).content.decode()
+    assert "<td><code>routing.max_retries</code></td><td>changed</td>" in detail
+    assert "<td><code>2</code></td><td><code>5</code></td>" in detail
+    assert "Revert to this version" in detail
+
+    revert_url = reverse("admin:routing_configrevision_revert", args=(target,))
+    preview = admin_client.get(revert_url).content.decode()
+    assert "<code>routing.aliases.gpt-4</code></td><td>removed" in preview
+    assert Alias.objects.filter(name="gpt-4").exists(), "a preview changes nothing"
+
+    done = admin_client.post(revert_url, follow=True)
+    assert f"Reverted to version {target}, recorded as version {changed + 1}" in (
+        done.content.decode()
+    )
+    assert not Alias.objects.filter(name="gpt-4").exists()
+    revert = ConfigRevision.objects.get(number=changed + 1)
+    assert (revert.author, revert.via, revert.reverted_to) == (
+        "admin",
+        "revert",
+        target,
+    )
+
+
+def test_the_admin_revert_needs_its_permission(client: Client, staff: Any) -> None:
+    from django.contrib.auth.models import Permission
+
+    staff.user_permissions.add(Permission.objects.get(codename="view_configrevision"))
+    client.force_login(staff)
+    listing = client.get(reverse("admin:routing_configrevision_changelist"))
+    assert listing.status_code == 200
+    revert_url = reverse("admin:routing_configrevision_revert", args=(newest(),))
+    assert client.post(revert_url).status_code == 403
+    assert "Revert to this version" not in listing.content.decode()
+    version = ConfigRevision.objects.get(number=newest())
+    detail = client.get(
+        reverse("admin:routing_configrevision_change", args=(version.pk,))
+    )
+    assert detail.status_code == 200
+    assert "Revert to this version" not in detail.content.decode()
