@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from dataclasses import dataclass
 
 # What made a change: one of these words, shown beside the author.
@@ -47,6 +47,16 @@ def acting_as(author: ChangeAuthor) -> Iterator[ChangeAuthor]:
         yield author
     finally:
         _author.reset(token)
+
+
+def start_acting_as(author: ChangeAuthor) -> Token[ChangeAuthor | None]:
+    """``acting_as()`` for hooks that start and end in separate calls (Celery's
+    task signals); end with ``stop_acting_as(token)``."""
+    return _author.set(author)
+
+
+def stop_acting_as(token: Token[ChangeAuthor | None]) -> None:
+    _author.reset(token)
 
 
 def current_author() -> ChangeAuthor:

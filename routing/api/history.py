@@ -23,7 +23,7 @@ from rest_framework.views import APIView
 
 from routing.api.config_file import ConfigProblemsSerializer, problems_response
 from routing.config_file import ConfigError
-from routing.history.revert import VersionNotFound, revert_to
+from routing.history.revert import VersionNotFound, find_version, revert_to
 from routing.models import ConfigRevision
 
 
@@ -88,10 +88,14 @@ class ConfigVersionListView(generics.ListAPIView[ConfigRevision]):
 class ConfigVersionDetailView(generics.RetrieveAPIView[ConfigRevision]):
     """One version, with its TOML export."""
 
-    queryset = ConfigRevision.objects.defer("secret_marks")
     serializer_class = ConfigVersionDetailSerializer
     permission_classes = (IsAdminUser,)
-    lookup_field = "number"
+
+    def get_object(self) -> ConfigRevision:
+        try:
+            return find_version(self.kwargs["number"])
+        except VersionNotFound as error:
+            raise NotFound(str(error)) from None
 
 
 class ConfigVersionRevertView(APIView):

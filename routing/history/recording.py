@@ -145,6 +145,10 @@ class _RecordAfterCommit:
 
     def __call__(self) -> None:
         try:
+            # Most such changes (a health round's) leave the export alone:
+            # found without a lock, they cost no write transaction.
+            if _is_newest(capture_config(), self.using):
+                return
             record_version(self.author, using=self.using)
         except Exception:
             # The next version's difference includes this change.
@@ -192,10 +196,7 @@ def record_version(
         lock_history(using)
         captured = capture_config()
         latest = ConfigRevision.objects.using(using).order_by("-number").first()
-        if latest is not None and (
-            latest.snapshot == captured.text
-            and latest.secret_marks == captured.secret_marks
-        ):
+        if latest is not None and _is_same(latest, captured):
             return None
         diff = []
         if latest is not None:
@@ -218,6 +219,18 @@ def record_version(
             number__lte=revision.number - settings.NEXUS_CONFIG_HISTORY_KEEP
         ).delete()
     return revision
+
+
+def _is_newest(captured: Captured, using: str) -> bool:
+    latest = ConfigRevision.objects.using(using).order_by("-number").first()
+    return latest is not None and _is_same(latest, captured)
+
+
+def _is_same(revision: ConfigRevision, captured: Captured) -> bool:
+    return (
+        revision.snapshot == captured.text
+        and revision.secret_marks == captured.secret_marks
+    )
 
 
 def record_first_version(using: str = DEFAULT_DB_ALIAS) -> None:

@@ -25,6 +25,8 @@ from routing.history.recording import Captured, capture_config, recording_change
 from routing.models import ConfigRevision
 from usage.models import ApiKey
 
+MAX_VERSION_NUMBER = 2**31 - 1  # PositiveIntegerField's range everywhere
+
 
 class VersionNotFound(LookupError):
     """No version of the history has this number (never, or pruned)."""
@@ -35,6 +37,17 @@ class VersionNotFound(LookupError):
             f"The configuration history has no version {number} (it may have "
             "been deleted: only the newest NEXUS_CONFIG_HISTORY_KEEP are kept)."
         )
+
+
+def find_version(number: int) -> ConfigRevision:
+    """The version numbered ``number``; raise VersionNotFound."""
+    # A number past the column's range would be a database error, not a miss.
+    if not 0 < number <= MAX_VERSION_NUMBER:
+        raise VersionNotFound(number)
+    target = ConfigRevision.objects.filter(number=number).first()
+    if target is None:
+        raise VersionNotFound(number)
+    return target
 
 
 @dataclass(frozen=True)
@@ -55,9 +68,7 @@ def revert_to(number: int, *, dry_run: bool = False) -> RevertResult:
     Raise VersionNotFound, or ConfigError (nothing changed) when the version
     cannot be applied to the database as it is now.
     """
-    target = ConfigRevision.objects.filter(number=number).first()
-    if target is None:
-        raise VersionNotFound(number)
+    target = find_version(number)
     source = f"version {number}"
     with recording_changes(via=VIA_REVERT) as scope:
         # The state compared with is the one the import changes.

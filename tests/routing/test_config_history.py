@@ -21,6 +21,7 @@ from rest_framework.test import APIClient
 from backends.models import Backend
 from backends.vocabulary import HealthStatus
 from routing.config_file import export_config
+from routing.history.recording import recording_changes
 from routing.models import Alias, ConfigRevision
 from tests import zygote
 from tests.conftest import REPO_ROOT, server_env
@@ -233,6 +234,24 @@ def test_a_command_s_changes_are_recorded_after_they_commit(
     assert change["after"]["rpm"] == 30
 
 
+def test_model_discovery_is_recorded_as_its_task(
+    mock_backend: Any, django_capture_on_commit_callbacks: Any
+) -> None:
+    from backends.tasks import discover_backend_models
+
+    with recording_changes():
+        Backend.objects.create(name="gpu-1", base_url=mock_backend.base_url)
+    before = newest()
+    with django_capture_on_commit_callbacks(execute=True):
+        discover_backend_models.apply()
+    (version,) = versions_after(before)
+    assert (version.author, version.via) == ("task discover_backend_models", "task")
+    assert [change["path"] for change in version.diff] == [
+        ["backends", "gpu-1", "models", "llama3:8b"],
+        ["backends", "gpu-1", "models", "mistral:7b"],
+    ]
+
+
 def test_a_change_nobody_claims_is_recorded_as_the_system(
     django_capture_on_commit_callbacks: Any,
 ) -> None:
@@ -359,9 +378,11 @@ def test_a_version_that_cannot_be_applied_changes_nothing(
     assert Alias.objects.filter(name="llama").exists()
     assert newest() == latest
 
-    missing = api.post("/api/v1/config/versions/99999/revert", format="json")
-    assert missing.status_code == 404
-    assert "no version 99999" in missing.json()["detail"]
+    for number in (99999, 2**70):
+        missing = api.post(f"/api/v1/config/versions/{number}/revert", format="json")
+        assert missing.status_code == 404
+        assert f"no version {number}" in missing.json()["detail"]
+        assert api.get(f"/api/v1/config/versions/{number}").status_code == 404
     with pytest.raises(CommandError, match="several client keys"):
         call_command("nexus_config_revert", str(target), stdout=_Sink())
 
