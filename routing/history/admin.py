@@ -76,11 +76,11 @@ class ConfigRevisionAdmin(ConfigRevisionAdminBase):
 
     def get_fields(
         self, request: HttpRequest, obj: ConfigRevision | None = None
-    ) -> list[str]:
-        fields = list(super().get_fields(request, obj))
-        if not self.has_revert_permission(request):
-            fields.remove("revert_button")
-        return fields
+    ) -> Any:
+        fields = super().get_fields(request, obj)
+        if self.has_revert_permission(request):
+            return fields
+        return [field for field in fields if field != "revert_button"]
 
     def has_revert_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm(REVERT_PERMISSION)
