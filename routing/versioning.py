@@ -4,7 +4,8 @@ routing/signals.py calls ``mark_config_changed()`` when a routing, backend or
 client-key row is saved or deleted, and when ``backends`` or ``usage`` announce
 a bulk write (they never call up into routing); routing's own writers may call
 it directly inside their transaction. Once the transaction commits, the
-persisted version goes up by one and the new number is sent to the
+persisted version goes up by one (and the configuration history records the
+change: routing/history/recording.py) and the new number is sent to the
 ``CONFIG_GROUP`` group on the Channels layer, where every serving process
 listens. A lost message only delays a process until its next periodic version
 check.

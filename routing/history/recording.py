@@ -4,16 +4,16 @@ A version is the canonical export after the change, its difference from the
 version before, and who made it. Two ways lead there:
 
 * **A recorded change** (``recording_changes()``): the admin and the API (one
-  block per request, nexus_site/middleware.py), a TOML import and a revert
+  block per request, nexus_site/change_recording.py), a TOML import and a revert
   run in one transaction; the first routing change inside it takes the
   history lock (a PostgreSQL advisory lock held to the end of the
   transaction; SQLite's writers are serialized by ``BEGIN IMMEDIATE``), and
   the version is written in that same transaction, just before it commits.
   Two such changes from two processes therefore come out as two versions, in
   the order they committed, each with only its own difference.
-* **Any other change** (a management command of a lower app, model discovery,
+* **Any other change** (a management command of a lower app, a Celery task,
   the shell) is recorded right after it commits, under the same lock,
-  attributed to ``current_author()``. One that commits while a recorded change
+  attributed to ``current_author()`` as it was at the change. One that commits while a recorded change
   is in flight shows up in that change's version instead.
 
 A change that leaves the export as it was (a health status, a re-import of
