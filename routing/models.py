@@ -823,7 +823,6 @@ class ConfigRevision(models.Model):
     class Meta:
         ordering = ("-number",)
         verbose_name = "configuration version"
-        verbose_name_plural = "configuration history"
         permissions = (
             ("revert_configrevision", "Can revert the configuration to a version"),
         )

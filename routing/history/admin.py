@@ -10,6 +10,7 @@ confirmation, as a new version.
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin, messages
@@ -41,7 +42,7 @@ REVERT_PERMISSION = "routing.revert_configrevision"
 
 @admin.register(ConfigRevision)
 class ConfigRevisionAdmin(ConfigRevisionAdminBase):
-    list_display = ("version", "created_at", "author", "via", "changes")
+    list_display = ("version", "created", "author", "via", "changes")
     list_filter = ("via",)
     search_fields = ("author",)
     actions = ("revert_to_selected",)
@@ -88,6 +89,10 @@ class ConfigRevisionAdmin(ConfigRevisionAdminBase):
     @admin.display(description="version", ordering="number")
     def version(self, obj: ConfigRevision) -> str:
         return str(obj.number)
+
+    @admin.display(description="created", ordering="created_at")
+    def created(self, obj: ConfigRevision) -> datetime:
+        return obj.created_at
 
     @admin.display(description="changes")
     def changes(self, obj: ConfigRevision) -> str:
