@@ -557,3 +557,31 @@ def test_the_admin_revert_needs_its_permission(client: Client, staff: Any) -> No
     )
     assert detail.status_code == 200
     assert "Revert to this version" not in detail.content.decode()
+
+
+def test_a_revert_says_what_it_could_not_restore(
+    api: APIClient, tmp_path: Path
+) -> None:
+    ApiKeyFactory(name="team-a")
+    import_file(tmp_path, FILE.format(secret=SECRET))
+    target = newest()
+    cloud = Backend.objects.get(name="cloud")
+    assert api.delete(f"/api/v1/backends/{cloud.pk}").status_code == 204
+    ApiKey.objects.filter(name="team-a").delete()
+
+    answer = api.post(f"/api/v1/config/versions/{target}/revert", format="json")
+    assert answer.status_code == 200, answer.content
+    warnings = answer.json()["warnings"]
+    assert warnings[0] == (
+        'client key "team-a" no longer exists: its limits at version '
+        f"{target} are not restored"
+    )
+    assert warnings[1] == (
+        f'backend "cloud" had an API key at version {target} and has none now: '
+        "API keys are never kept in the history, set it again"
+    )
+    assert warnings[2].startswith(
+        f"the configuration still differs from version {target}: "
+    )
+    assert "keys.team-a: removed" in warnings[2]
+    assert Backend.objects.get(name="cloud").api_key == ""
