@@ -162,8 +162,7 @@ def test_a_chat_is_traced_with_genai_attributes_and_its_traceparent_reaches_the_
     assert reply.usage is not None
     assert server.attributes["gen_ai.usage.input_tokens"] == reply.usage.prompt_tokens
     assert (
-        server.attributes["gen_ai.usage.output_tokens"]
-        == reply.usage.completion_tokens
+        server.attributes["gen_ai.usage.output_tokens"] == reply.usage.completion_tokens
     )
     assert server.attributes["http.response.status_code"] == 200
     assert server.attributes["nexus.key.name"] == KEY_NAME
