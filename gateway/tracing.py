@@ -10,29 +10,43 @@ attempt, carrying the GenAI semantic-convention attributes
 secret). Each attempt's W3C ``traceparent`` goes to the backend, and a
 client's own ``traceparent`` makes the request part of the client's trace.
 
-The standard ``OTEL_*`` variables are the SDK's own: ``OTEL_SERVICE_NAME``
-and ``OTEL_RESOURCE_ATTRIBUTES``, the sampler (``OTEL_TRACES_SAMPLER``), the
-exporter's headers, timeout and compression, the batch processor's
-``OTEL_BSP_*`` and the propagators (``OTEL_PROPAGATORS``).
-``OTEL_SDK_DISABLED=true`` or ``OTEL_TRACES_EXPORTER=none`` turn it off.
+The request path only records: a span is a small ``SpanRecord`` (ids, times,
+a dict of attributes), handed whole to the SDK's ``BatchSpanProcessor``
+when it ends. The processor's thread turns records into the SDK's spans and
+exports them over OTLP/HTTP (protobuf) in batches, off the request path;
+the SDK's own span objects cost several times more per span, which the
+request would pay. Off, the proxy finds ``None`` where the request's trace
+would be and makes no call here at all.
 
-Spans are exported in batches by the SDK's ``BatchSpanProcessor`` from its
-own thread, never on the request path. Off, the proxy finds ``None`` where
-the request's trace would be and makes no tracer call at all.
+The standard variables: the exporter's (``OTEL_EXPORTER_OTLP_*``: endpoint,
+headers, timeout, compression, certificates), ``OTEL_SERVICE_NAME`` and
+``OTEL_RESOURCE_ATTRIBUTES``, the batch processor's ``OTEL_BSP_*``, the
+sampler (``OTEL_TRACES_SAMPLER`` and ``_ARG``: the specification's six
+samplers), ``OTEL_SDK_DISABLED`` and ``OTEL_TRACES_EXPORTER=none``.
+Propagation is W3C Trace Context (``traceparent``, ``tracestate``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+import random
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from opentelemetry.context import Context
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SpanExporter
-    from opentelemetry.trace import Span, Tracer
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.sdk.trace.export import (
+        BatchSpanProcessor,
+        SpanExporter,
+        SpanExportResult,
+    )
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
     from routing.core import Route, Target
 
@@ -51,10 +65,23 @@ OPERATIONS = {
     "count_tokens": "count_tokens",
 }
 # gen_ai.system of each backend kind (the semantic conventions' own names
-# where they have one).
+# where they have one; the kind's name elsewhere).
 SYSTEMS = {"openai": "openai", "anthropic": "anthropic"}
 SERVICE_NAME = "nexus"
+SCOPE_NAME = "nexus.gateway"
+# Span kinds and status codes, as OTLP numbers them.
+INTERNAL, SERVER, CLIENT = 1, 2, 3
+ERROR = 2
+# W3C Trace Context: a traceparent's fields, and what a tracestate may carry on.
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+MAX_TRACEPARENT = 512
+MAX_TRACESTATE = 512
+SAMPLED = 0x01
+_ID_LIMIT = 1 << 64
 _TRUE = ("1", "true", "yes", "on")
+# The SDK logs a warning for every span it drops while its queue is full
+# (the collector is down or slow): once a minute is enough.
+QUEUE_FULL_LOG_SECONDS = 60.0
 
 
 def is_configured(environ: Mapping[str, str]) -> bool:
@@ -69,20 +96,180 @@ def is_configured(environ: Mapping[str, str]) -> bool:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Which traces to keep: a share of trace ids, or the parent's choice."""
+
+    parent_based: bool = True
+    # Trace ids whose low 64 bits are below this are kept (2**64: all).
+    bound: int = _ID_LIMIT
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str]) -> Sampling:
+        """``OTEL_TRACES_SAMPLER`` (default ``parentbased_always_on``) and its
+        ``OTEL_TRACES_SAMPLER_ARG`` (the ratio of the ``traceidratio`` ones)."""
+        name = environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on")
+        name = name.strip().lower()
+        parent_based = name.startswith("parentbased_")
+        base = name.removeprefix("parentbased_")
+        if base == "always_on":
+            return cls(parent_based, _ID_LIMIT)
+        if base == "always_off":
+            return cls(parent_based, 0)
+        if base == "traceidratio":
+            try:
+                ratio = float(environ.get("OTEL_TRACES_SAMPLER_ARG", "1.0"))
+            except ValueError:
+                ratio = -1.0
+            if not 0.0 <= ratio <= 1.0:
+                logger.warning(
+                    "OTEL_TRACES_SAMPLER_ARG must be a ratio from 0 to 1: "
+                    "sampling every trace"
+                )
+                ratio = 1.0
+            return cls(parent_based, round(ratio * _ID_LIMIT))
+        logger.warning(
+            "OTEL_TRACES_SAMPLER=%s is not one of always_on, always_off, "
+            "traceidratio and their parentbased_ forms: using "
+            "parentbased_always_on",
+            name,
+        )
+        return cls()
+
+    def is_sampled(self, trace_id: int, parent_flags: int | None) -> bool:
+        """Keep this trace? (``parent_flags``: a remote parent's, if any)."""
+        if self.parent_based and parent_flags is not None:
+            return bool(parent_flags & SAMPLED)
+        return trace_id % _ID_LIMIT < self.bound
+
+
+# What the batch processor checks of a span it is handed: every record
+# handed to it belongs to a sampled trace.
+_SAMPLED_CONTEXT = SimpleNamespace(trace_flags=SimpleNamespace(sampled=True))
+
+
+class SpanRecord:
+    """One span as the request path records it (made an SDK span when exported)."""
+
+    __slots__ = (
+        "attributes",
+        "end",
+        "kind",
+        "message",
+        "name",
+        "parent_id",
+        "remote_parent",
+        "span_id",
+        "start",
+        "status",
+        "trace_id",
+    )
+    context = _SAMPLED_CONTEXT
+
+    def __init__(
+        self,
+        name: str,
+        kind: int,
+        trace_id: int,
+        parent_id: int,
+        attributes: dict[str, Any],
+        start: int | None = None,
+        remote_parent: bool = False,
+    ) -> None:
+        self.name = name
+        self.kind = kind
+        self.trace_id = trace_id
+        self.span_id = random.getrandbits(64) or 1
+        self.parent_id = parent_id
+        self.remote_parent = remote_parent
+        self.attributes = attributes
+        self.start = time.time_ns() if start is None else start
+        self.end = 0
+        self.status = 0
+        self.message = ""
+
+    def fail(self, error_type: str, message: str = "") -> None:
+        """Mark the span failed (``error.type`` and an error status)."""
+        self.attributes["error.type"] = error_type
+        self.status = ERROR
+        self.message = message
+
+    def readable(
+        self, resource: Resource, scope: InstrumentationScope, flags: Any
+    ) -> ReadableSpan:
+        """The SDK's span for the exporter (in the batch processor's thread)."""
+        from opentelemetry.sdk.trace import ReadableSpan
+        from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
+
+        parent = None
+        if self.parent_id:
+            parent = SpanContext(
+                self.trace_id, self.parent_id, self.remote_parent, flags
+            )
+        return ReadableSpan(
+            self.name,
+            context=SpanContext(self.trace_id, self.span_id, False, flags),
+            parent=parent,
+            resource=resource,
+            attributes=self.attributes,
+            kind=SpanKind(self.kind - 1),  # the API counts from INTERNAL = 0
+            status=Status(StatusCode.ERROR, self.message or None)
+            if self.status == ERROR
+            else Status(StatusCode.UNSET),
+            start_time=self.start,
+            end_time=self.end,
+            instrumentation_scope=scope,
+        )
+
+
+class _Exporting:
+    """The batch processor's exporter: records made SDK spans, then exported."""
+
+    def __init__(self, exporter: SpanExporter, resource: Resource) -> None:
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+        from opentelemetry.trace import TraceFlags
+
+        self.exporter = exporter
+        self.resource = resource
+        self.scope = InstrumentationScope(SCOPE_NAME)
+        self.flags = TraceFlags(TraceFlags.SAMPLED)
+
+    def export(self, spans: Sequence[SpanRecord]) -> SpanExportResult:
+        return self.exporter.export(
+            [span.readable(self.resource, self.scope, self.flags) for span in spans]
+        )
+
+    def shutdown(self) -> None:
+        self.exporter.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.exporter.force_flush(timeout_millis)
+
+
+class _OncePerMinute(logging.Filter):
+    """Let the SDK's "Queue full" warning through once a minute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last = -QUEUE_FULL_LOG_SECONDS
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Queue full"):
+            return True
+        now = time.monotonic()
+        if now - self.last < QUEUE_FULL_LOG_SECONDS:
+            return False
+        self.last = now
+        return True
+
+
 class Tracing:
-    """One process's tracer: its provider, batch processor and exporter."""
+    """One process's traces: sampling, and the batch processor that exports."""
 
-    def __init__(self, provider: TracerProvider) -> None:
-        from opentelemetry import propagate
-        from opentelemetry.trace import SpanKind, StatusCode, set_span_in_context
-
-        self.provider = provider
-        self.tracer: Tracer = provider.get_tracer("nexus.gateway")
-        self._propagator = propagate.get_global_textmap()
-        self._in_context = set_span_in_context
-        self._server = SpanKind.SERVER
-        self._client = SpanKind.CLIENT
-        self._error = StatusCode.ERROR
+    def __init__(self, processor: BatchSpanProcessor, sampling: Sampling) -> None:
+        self.processor = processor
+        self.sampling = sampling
+        self.emit = processor.on_end
 
     @classmethod
     def from_environment(
@@ -107,21 +294,26 @@ class Tracing:
                 "collector",
                 protocol,
             )
-        return cls.with_exporter(OTLPSpanExporter())
+        return cls.with_exporter(OTLPSpanExporter(), environ)
 
     @classmethod
-    def with_exporter(cls, exporter: SpanExporter) -> Tracing:
+    def with_exporter(
+        cls, exporter: SpanExporter, environ: Mapping[str, str] | None = None
+    ) -> Tracing:
         """Trace through `exporter`, in batches (the SDK's ``OTEL_BSP_*``)."""
         from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+        environ = os.environ if environ is None else environ
         # OTEL_SERVICE_NAME (read by the SDK) names the service, else "nexus".
-        named = bool(os.environ.get("OTEL_SERVICE_NAME"))
+        named = bool(environ.get("OTEL_SERVICE_NAME"))
         resource = Resource.create({} if named else {"service.name": SERVICE_NAME})
-        provider = TracerProvider(resource=resource)
-        provider.add_span_processor(BatchSpanProcessor(exporter))
-        return cls(provider)
+        exporting: Any = _Exporting(exporter, resource)
+        processor = BatchSpanProcessor(exporting)
+        logging.getLogger("opentelemetry.sdk._shared_internal").addFilter(
+            _OncePerMinute()
+        )
+        return cls(processor, Sampling.from_environment(environ))
 
     def start(
         self,
@@ -131,101 +323,146 @@ class Tracing:
         headers: list[tuple[bytes, bytes]],
     ) -> RequestTrace:
         """Open a request's server span (a child of the client's traceparent)."""
-        carrier = {
-            name.decode("latin-1"): value.decode("latin-1")
-            for name, value in headers
-            if name in (b"traceparent", b"tracestate", b"baggage")
-        }
-        parent = self._propagator.extract(carrier) if carrier else None
+        parent = tracestate = None
+        for name, value in headers:
+            if name == b"traceparent":
+                parent = value
+            elif name == b"tracestate":
+                tracestate = value
+        trace_id = parent_id = 0
+        parent_flags = None
+        if parent is not None:
+            found = _parse_traceparent(parent)
+            if found is not None:
+                trace_id, parent_id, parent_flags = found
+        if not trace_id:
+            trace_id = random.getrandbits(128) or 1
+            tracestate = None
         attributes: dict[str, Any] = {
             "http.request.method": method,
             "nexus.request_id": request_id,
         }
         if route is not None:
             attributes["http.route"] = route
-        span = self.tracer.start_span(
+        span = SpanRecord(
             f"{method} {route}" if route else method,
-            context=parent,
-            kind=self._server,
-            attributes=attributes,
+            SERVER,
+            trace_id,
+            parent_id,
+            attributes,
+            remote_parent=True,
         )
-        return RequestTrace(self, span)
+        sampled = self.sampling.is_sampled(trace_id, parent_flags)
+        state = ""
+        if tracestate is not None and len(tracestate) <= MAX_TRACESTATE:
+            state = tracestate.decode("latin-1")
+        return RequestTrace(self, span, sampled, state)
 
     def flush(self, timeout: float) -> bool:
         """Export what is still batched, within `timeout` seconds.
 
-        The provider stays usable (a gateway may start again); the SDK shuts
-        it down at the process's exit.
+        The processor stays usable (a gateway may start again).
         """
-        return self.provider.force_flush(int(timeout * 1000))
+        return self.processor.force_flush(int(timeout * 1000))
+
+
+def _parse_traceparent(value: bytes) -> tuple[int, int, int] | None:
+    """A valid W3C traceparent's trace id, parent span id and flags."""
+    if len(value) > MAX_TRACEPARENT:
+        return None
+    text = value.decode("latin-1").strip()
+    found = _TRACEPARENT.match(text)
+    if found is None:
+        return None
+    version, trace_id, span_id, flags = found.groups()
+    # Version 00 has exactly these fields; a later one may add more after "-".
+    rest = text[found.end() :]
+    if version == "ff" or (version == "00" and rest) or (rest and rest[0] != "-"):
+        return None
+    trace, span = int(trace_id, 16), int(span_id, 16)
+    if not trace or not span:
+        return None
+    return trace, span, int(flags, 16)
 
 
 class RequestTrace:
     """One request's spans: the server span and the children it opens."""
 
-    __slots__ = ("_context", "span", "tracing")
+    __slots__ = ("emit", "flags", "sampled", "span", "tracestate")
 
-    def __init__(self, tracing: Tracing, span: Span) -> None:
-        self.tracing = tracing
+    def __init__(
+        self, tracing: Tracing, span: SpanRecord, sampled: bool, tracestate: str
+    ) -> None:
+        self.emit = tracing.emit
         self.span = span
-        self._context: Context = tracing._in_context(span)
+        self.sampled = sampled
+        self.flags = "01" if sampled else "00"
+        self.tracestate = tracestate
 
-    def child(self, name: str, start_time: int | None = None) -> Span:
+    def child(self, name: str, start_time: int | None = None) -> SpanRecord:
         """Open an internal span under the request's server span (now, or at
         `start_time`, in nanoseconds since the epoch)."""
-        return self.tracing.tracer.start_span(
-            name, context=self._context, start_time=start_time
+        server = self.span
+        return SpanRecord(
+            name, INTERNAL, server.trace_id, server.span_id, {}, start_time
         )
+
+    def end(self, span: SpanRecord) -> None:
+        """End a span and hand it to the batch processor (if sampled)."""
+        span.end = time.time_ns()
+        if self.sampled:
+            self.emit(span)  # type: ignore[arg-type]  # a record, exported as a span
 
     def note_request(
         self, endpoint: str, model: str, stream: bool, key_name: str, key_prefix: str
     ) -> None:
         """Name what was asked, and by which key (once the body is read)."""
-        span = self.span
+        attributes = self.span.attributes
         operation = OPERATIONS.get(endpoint)
         if operation is not None:
-            span.set_attribute("gen_ai.operation.name", operation)
+            attributes["gen_ai.operation.name"] = operation
         if model:
-            span.set_attribute("gen_ai.request.model", model)
-        span.set_attribute("nexus.stream", stream)
+            attributes["gen_ai.request.model"] = model
+        attributes["nexus.stream"] = stream
         if key_prefix:
-            span.set_attribute("nexus.key.name", key_name)
-            span.set_attribute("nexus.key.prefix", key_prefix)
+            attributes["nexus.key.name"] = key_name
+            attributes["nexus.key.prefix"] = key_prefix
 
-    def end_cache_lookup(self, span: Span, result: str) -> None:
-        span.set_attribute("nexus.cache.result", result)
-        span.end()
+    def end_cache_lookup(self, span: SpanRecord, result: str) -> None:
+        span.attributes["nexus.cache.result"] = result
+        self.end(span)
 
-    def end_admission(self, span: Span, outcome: str, error: str = "") -> None:
-        span.set_attribute("nexus.admission.outcome", outcome)
+    def end_admission(self, span: SpanRecord, outcome: str, error: str = "") -> None:
+        span.attributes["nexus.admission.outcome"] = outcome
         if error:
-            span.set_attribute("error.type", error)
-            span.set_status(self.tracing._error, error)
-        span.end()
+            span.fail(error)
+        self.end(span)
 
-    def end_route(self, span: Span, route: Route | None, error: str = "") -> None:
-        """Close the routing span with the decision (or the refusal)."""
+    def end_route(self, span: SpanRecord, route: Route | None, error: str = "") -> None:
+        """End the routing span with the decision (or the refusal)."""
         if route is not None:
             decision, target = route.decision, route.target
-            span.set_attribute("nexus.route.via", str(decision.via or ""))
-            span.set_attribute("nexus.route.strategy", str(decision.strategy))
-            span.set_attribute("nexus.route.model", target.model.name)
-            span.set_attribute("nexus.route.backend", target.backend.name)
-            span.set_attribute("nexus.route.candidates", 1 + len(route.retry_targets))
+            attributes = span.attributes
+            attributes["nexus.route.via"] = str(decision.via or "")
+            attributes["nexus.route.strategy"] = str(decision.strategy)
+            attributes["nexus.route.model"] = target.model.name
+            attributes["nexus.route.backend"] = target.backend.name
+            attributes["nexus.route.candidates"] = 1 + len(route.retry_targets)
         if error:
-            span.set_attribute("error.type", error)
-            span.set_status(self.tracing._error, error)
-        span.end()
+            span.fail(error)
+        self.end(span)
 
-    def start_attempt(self, endpoint: str, target: Target, position: int) -> Span:
+    def start_attempt(self, endpoint: str, target: Target, position: int) -> SpanRecord:
         """Open the client span of one try of a backend (the first: position 0)."""
         backend, model = target.backend, target.model.name
         operation = OPERATIONS.get(endpoint, endpoint)
-        return self.tracing.tracer.start_span(
+        server = self.span
+        return SpanRecord(
             f"{operation} {model}",
-            context=self._context,
-            kind=self.tracing._client,
-            attributes={
+            CLIENT,
+            server.trace_id,
+            server.span_id,
+            {
                 "gen_ai.operation.name": operation,
                 "gen_ai.request.model": model,
                 "gen_ai.system": SYSTEMS.get(backend.kind, backend.kind),
@@ -236,42 +473,44 @@ class RequestTrace:
             },
         )
 
-    def inject(self, span: Span, headers: dict[str, str]) -> dict[str, str]:
+    def inject(self, span: SpanRecord, headers: dict[str, str]) -> dict[str, str]:
         """The upstream headers with the attempt's ``traceparent`` (a copy)."""
         headers = dict(headers)
-        tracing = self.tracing
-        tracing._propagator.inject(headers, context=tracing._in_context(span))
+        headers["traceparent"] = (
+            f"00-{span.trace_id:032x}-{span.span_id:016x}-{self.flags}"
+        )
+        if self.tracestate:
+            headers["tracestate"] = self.tracestate
         return headers
 
     def end_attempt(
         self,
-        span: Span,
+        span: SpanRecord,
         target: Target,
         status: int | None,
         failure: str,
         usage: tuple[int, int] | None,
         response_model: str,
     ) -> None:
-        """Close an attempt's span: the backend's status, or why it failed.
+        """End an attempt's span: the backend's status, or why it failed.
 
         The attempt that answers also names its system on the server span.
         """
+        attributes = span.attributes
         if status is not None:
-            span.set_attribute("http.response.status_code", status)
+            attributes["http.response.status_code"] = status
         if failure:
-            span.set_attribute("error.type", failure.split(":", 1)[0][:64])
-            span.set_status(self.tracing._error, failure[:512])
+            span.fail(failure.split(":", 1)[0][:64], failure[:512])
         elif status is not None and status >= 400:
-            span.set_attribute("error.type", str(status))
-            span.set_status(self.tracing._error)
+            span.fail(str(status))
         else:
-            span.set_attribute("gen_ai.response.model", response_model)
+            attributes["gen_ai.response.model"] = response_model
             kind = target.backend.kind
-            self.span.set_attribute("gen_ai.system", SYSTEMS.get(kind, kind))
+            self.span.attributes["gen_ai.system"] = SYSTEMS.get(kind, kind)
             if usage is not None:
-                span.set_attribute("gen_ai.usage.input_tokens", usage[0])
-                span.set_attribute("gen_ai.usage.output_tokens", usage[1])
-        span.end()
+                attributes["gen_ai.usage.input_tokens"] = usage[0]
+                attributes["gen_ai.usage.output_tokens"] = usage[1]
+        self.end(span)
 
     def finish(
         self,
@@ -283,23 +522,25 @@ class RequestTrace:
         retries: int,
         cache_hit: bool,
     ) -> None:
-        """Close the server span with what the request came to."""
+        """End the server span with what the request came to."""
         span = self.span
+        attributes = span.attributes
         if status:
-            span.set_attribute("http.response.status_code", status)
+            attributes["http.response.status_code"] = status
         if backend:
-            span.set_attribute("nexus.backend", backend)
+            attributes["nexus.backend"] = backend
         if response_model:
-            span.set_attribute("gen_ai.response.model", response_model)
+            attributes["gen_ai.response.model"] = response_model
         if usage is not None:
-            span.set_attribute("gen_ai.usage.input_tokens", usage[0])
-            span.set_attribute("gen_ai.usage.output_tokens", usage[1])
+            attributes["gen_ai.usage.input_tokens"] = usage[0]
+            attributes["gen_ai.usage.output_tokens"] = usage[1]
         if retries:
-            span.set_attribute("nexus.retries", retries)
+            attributes["nexus.retries"] = retries
         if cache_hit:
-            span.set_attribute("nexus.cache.hit", True)
-        if error:
-            span.set_attribute("error.type", error)
+            attributes["nexus.cache.hit"] = True
+        # A server span fails on a 5xx (a 4xx is the client's error).
         if status >= 500 or (not status and error):
-            span.set_status(self.tracing._error, error or str(status))
-        span.end()
+            span.fail(error or str(status), error)
+        elif error:
+            attributes["error.type"] = error
+        self.end(span)

@@ -17,13 +17,11 @@ from gateway.proxy.accounting import token_counts
 from gateway.proxy.errors import ProxyError
 from gateway.proxy.legs import ProxyExchange
 from gateway.proxy.surfaces import ENDPOINTS, OLLAMA_PATHS
-from gateway.tracing import RequestTrace, Tracing
+from gateway.tracing import RequestTrace, SpanRecord, Tracing
 from routing.admission.vocabulary import Outcome
 from routing.core import Route, RouterSnapshot, Target
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span
-
     from gateway.admission import AdmissionGate
     from routing.admission.queue import Ticket
 
@@ -84,7 +82,7 @@ def finish(exchange: ProxyExchange) -> None:
 
 
 def end_cache_lookup(
-    exchange: ProxyExchange, trace: RequestTrace, span: Span | None, hit: bool
+    exchange: ProxyExchange, trace: RequestTrace, span: SpanRecord | None, hit: bool
 ) -> None:
     """Close the lookup's span: hit, miss or bypass."""
     assert span is not None
@@ -97,14 +95,14 @@ def end_cache_lookup(
     trace.end_cache_lookup(span, result)
 
 
-def start_attempt(exchange: ProxyExchange, target: Target) -> Span:
+def start_attempt(exchange: ProxyExchange, target: Target) -> SpanRecord:
     """Open the span of one try of a backend."""
     assert exchange.trace is not None
     return exchange.trace.start_attempt(exchange.endpoint, target, exchange.retries)
 
 
 def inject(
-    exchange: ProxyExchange, span: Span, headers: dict[str, str]
+    exchange: ProxyExchange, span: SpanRecord, headers: dict[str, str]
 ) -> dict[str, str]:
     """The attempt's headers with its ``traceparent`` for the backend."""
     assert exchange.trace is not None
@@ -114,7 +112,7 @@ def inject(
 def end_attempt(
     exchange: ProxyExchange,
     target: Target,
-    span: Span,
+    span: SpanRecord,
     status: int | None,
     failure: str,
     raised: BaseException | None,
@@ -148,7 +146,7 @@ async def admit(gate: AdmissionGate, ticket: Ticket, trace: RequestTrace) -> Non
         raise
     outcome = ticket.outcome
     if outcome is Outcome.BYPASSED:
-        trace.span.set_attribute("nexus.admission.outcome", outcome.value)
+        trace.span.attributes["nexus.admission.outcome"] = outcome.value
         return
     span = trace.child("admission", start_time=started)
     trace.end_admission(span, str(outcome or "admitted"))
