@@ -38,15 +38,14 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from gateway.otlp import encode_request
+
 if TYPE_CHECKING:
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import ReadableSpan
-    from opentelemetry.sdk.trace.export import (
-        BatchSpanProcessor,
-        SpanExporter,
-        SpanExportResult,
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter,
     )
-    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
 
     from routing.core import Route, Target
 
@@ -163,6 +162,7 @@ class SpanRecord:
         "start",
         "status",
         "trace_id",
+        "trace_state",
     )
     context = _SAMPLED_CONTEXT
 
@@ -175,6 +175,7 @@ class SpanRecord:
         attributes: dict[str, Any],
         start: int | None = None,
         remote_parent: bool = False,
+        trace_state: str = "",
     ) -> None:
         self.name = name
         self.kind = kind
@@ -187,6 +188,7 @@ class SpanRecord:
         self.end = 0
         self.status = 0
         self.message = ""
+        self.trace_state = trace_state
 
     def fail(self, error_type: str, message: str = "") -> None:
         """Mark the span failed (``error.type`` and an error status)."""
@@ -194,56 +196,41 @@ class SpanRecord:
         self.status = ERROR
         self.message = message
 
-    def readable(
-        self, resource: Resource, scope: InstrumentationScope, flags: Any
-    ) -> ReadableSpan:
-        """The SDK's span for the exporter (in the batch processor's thread)."""
-        from opentelemetry.sdk.trace import ReadableSpan
-        from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
-
-        parent = None
-        if self.parent_id:
-            parent = SpanContext(
-                self.trace_id, self.parent_id, self.remote_parent, flags
-            )
-        return ReadableSpan(
-            self.name,
-            context=SpanContext(self.trace_id, self.span_id, False, flags),
-            parent=parent,
-            resource=resource,
-            attributes=self.attributes,
-            kind=SpanKind(self.kind - 1),  # the API counts from INTERNAL = 0
-            status=Status(StatusCode.ERROR, self.message or None)
-            if self.status == ERROR
-            else Status(StatusCode.UNSET),
-            start_time=self.start,
-            end_time=self.end,
-            instrumentation_scope=scope,
-        )
-
 
 class _Exporting:
-    """The batch processor's exporter: records made SDK spans, then exported."""
+    """The batch processor's exporter: records encoded (gateway/otlp.py) and
+    sent by the OTLP/HTTP exporter's own client (its endpoint, headers,
+    timeout, compression, certificates and retries, from the environment).
 
-    def __init__(self, exporter: SpanExporter, resource: Resource) -> None:
-        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-        from opentelemetry.trace import TraceFlags
+    That client is the exporter's private part (pinned: opentelemetry-sdk
+    and the exporter 1.45.x, checked here at start-up and by the tests).
+    """
 
+    def __init__(self, exporter: OTLPSpanExporter, resource: Resource) -> None:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        client = getattr(exporter, "_client", None)
+        if not callable(getattr(client, "export", None)):
+            raise TypeError(
+                "This opentelemetry-exporter-otlp-proto-http has no _client.export: "
+                "install the version pyproject.toml names."
+            )
         self.exporter = exporter
-        self.resource = resource
-        self.scope = InstrumentationScope(SCOPE_NAME)
-        self.flags = TraceFlags(TraceFlags.SAMPLED)
+        self.send = client.export  # type: ignore[union-attr]
+        self.resource = dict(resource.attributes)
+        self.scope = (SCOPE_NAME, _nexus_version())
+        self.results = SpanExportResult
 
     def export(self, spans: Sequence[SpanRecord]) -> SpanExportResult:
-        return self.exporter.export(
-            [span.readable(self.resource, self.scope, self.flags) for span in spans]
-        )
+        data = encode_request(spans, self.resource, self.scope)
+        sent = self.send(data)
+        return self.results.SUCCESS if sent.success else self.results.FAILURE
 
     def shutdown(self) -> None:
         self.exporter.shutdown()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self.exporter.force_flush(timeout_millis)
+        return True  # nothing is kept here: the batch processor keeps it
 
 
 class _OncePerMinute(logging.Filter):
@@ -298,7 +285,7 @@ class Tracing:
 
     @classmethod
     def with_exporter(
-        cls, exporter: SpanExporter, environ: Mapping[str, str] | None = None
+        cls, exporter: OTLPSpanExporter, environ: Mapping[str, str] | None = None
     ) -> Tracing:
         """Trace through `exporter`, in batches (the SDK's ``OTEL_BSP_*``)."""
         from opentelemetry.sdk.resources import Resource
@@ -344,6 +331,9 @@ class Tracing:
         }
         if route is not None:
             attributes["http.route"] = route
+        state = ""
+        if tracestate is not None and len(tracestate) <= MAX_TRACESTATE:
+            state = tracestate.decode("latin-1")
         span = SpanRecord(
             f"{method} {route}" if route else method,
             SERVER,
@@ -351,11 +341,9 @@ class Tracing:
             parent_id,
             attributes,
             remote_parent=True,
+            trace_state=state,
         )
         sampled = self.sampling.is_sampled(trace_id, parent_flags)
-        state = ""
-        if tracestate is not None and len(tracestate) <= MAX_TRACESTATE:
-            state = tracestate.decode("latin-1")
         return RequestTrace(self, span, sampled, state)
 
     def flush(self, timeout: float) -> bool:
@@ -364,6 +352,15 @@ class Tracing:
         The processor stays usable (a gateway may start again).
         """
         return self.processor.force_flush(int(timeout * 1000))
+
+
+def _nexus_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nexus")
+    except PackageNotFoundError:
+        return ""
 
 
 def _parse_traceparent(value: bytes) -> tuple[int, int, int] | None:
@@ -404,7 +401,13 @@ class RequestTrace:
         `start_time`, in nanoseconds since the epoch)."""
         server = self.span
         return SpanRecord(
-            name, INTERNAL, server.trace_id, server.span_id, {}, start_time
+            name,
+            INTERNAL,
+            server.trace_id,
+            server.span_id,
+            {},
+            start_time,
+            trace_state=self.tracestate,
         )
 
     def end(self, span: SpanRecord) -> None:
@@ -471,6 +474,7 @@ class RequestTrace:
                 "nexus.attempt": position,
                 "nexus.retry": position > 0,
             },
+            trace_state=self.tracestate,
         )
 
     def inject(self, span: SpanRecord, headers: dict[str, str]) -> dict[str, str]:

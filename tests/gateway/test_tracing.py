@@ -116,23 +116,71 @@ def test_spans_reach_a_collector_over_otlp_http_in_one_trace() -> None:
 
 
 def test_an_unsampled_request_exports_nothing_but_passes_the_choice_on() -> None:
-    exported: list[Any] = []
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter,
+    )
 
-    class Keep:
-        def export(self, spans: Any) -> Any:
-            exported.extend(spans)
+    with otlp_receiver() as receiver:
+        tracing = Tracing.with_exporter(
+            OTLPSpanExporter(endpoint=f"{receiver.endpoint}/v1/traces"), {}
+        )
+        headers = [(b"traceparent", f"00-{TRACE}-{PARENT}-00".encode())]
+        trace = tracing.start("POST", None, "rid-2", headers)
+        attempt = trace.start_attempt("chat", _target(), 0)
+        assert trace.inject(attempt, {})["traceparent"].endswith("-00")
+        trace.end_attempt(attempt, _target(), 200, "", (1, 2), "m")
+        trace.finish(200, "", "alpha", "m", (1, 2), 0, False)
+        assert tracing.flush(5)
+        assert receiver.requests == 0
 
-        def shutdown(self) -> None: ...
 
-        def force_flush(self, timeout_millis: int = 0) -> bool:
-            return True
+def test_records_are_encoded_as_the_otlp_protobuf_says() -> None:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
 
-    tracing = Tracing.with_exporter(Keep(), {})  # type: ignore[arg-type]
-    headers = [(b"traceparent", f"00-{TRACE}-{PARENT}-00".encode())]
-    trace = tracing.start("POST", None, "rid-2", headers)
-    attempt = trace.start_attempt("chat", _target(), 0)
-    assert trace.inject(attempt, {})["traceparent"].endswith("-00")
-    trace.end_attempt(attempt, _target(), 200, "", (1, 2), "m")
-    trace.finish(200, "", "alpha", "m", (1, 2), 0, False)
-    assert tracing.flush(5)
-    assert exported == []
+    from gateway.otlp import encode_request
+    from gateway.tracing import SpanRecord
+
+    attributes = {
+        "text": "h\u00e9llo \U0001f600",
+        "yes": True,
+        "no": False,
+        "count": 7,
+        "negative": -3,
+        "huge": 2**70,
+        "ratio": 0.25,
+    }
+    record = SpanRecord("chat m", 3, int(TRACE, 16), int(PARENT, 16), attributes)
+    record.remote_parent = True
+    record.trace_state = "vendor=1"
+    record.end = record.start + 1500
+    record.fail("upstream", "alpha: HTTP 500")
+    root = SpanRecord("POST", 2, int(TRACE, 16), 0, {"nexus.request_id": "r"})
+    root.end = root.start + 9
+    request = ExportTraceServiceRequest()
+    request.ParseFromString(
+        encode_request([record, root], {"service.name": "nexus"}, ("scope", "1.0"))
+    )
+
+    (resource_spans,) = request.resource_spans
+    assert resource_spans.resource.attributes[0].key == "service.name"
+    (scope_spans,) = resource_spans.scope_spans
+    assert (scope_spans.scope.name, scope_spans.scope.version) == ("scope", "1.0")
+    span, root_span = scope_spans.spans
+    assert span.trace_id.hex() == TRACE
+    assert span.span_id == record.span_id.to_bytes(8, "big")
+    assert span.parent_span_id.hex() == PARENT
+    assert span.trace_state == "vendor=1"
+    assert span.name == "chat m" and span.kind == 3
+    assert span.end_time_unix_nano - span.start_time_unix_nano == 1500
+    assert span.status.code == 2 and span.status.message == "alpha: HTTP 500"
+    assert span.flags == 0x301  # sampled, and the parent is remote
+    decoded = {
+        item.key: getattr(item.value, item.value.WhichOneof("value"))
+        for item in span.attributes
+    }
+    assert decoded == {**attributes, "huge": str(2**70), "error.type": "upstream"}
+    assert root_span.parent_span_id == b""
+    assert root_span.flags == 0x101
+    assert root_span.status.code == 0
