@@ -94,9 +94,9 @@ def _key_value(field: int, key: str, value: Any) -> bytes:
 
 
 # Most attributes repeat from request to request (operation, models, backends,
-# key names, routes): their encoding is kept, up to a bound. A request's id
-# never repeats.
-_ENCODED: dict[tuple[int, str, str | bool], bytes] = {}
+# key names, routes, statuses, token counts): their encoding is kept, up to a
+# bound. A request's id never repeats.
+_ENCODED: dict[tuple[int, str, type, Any], bytes] = {}
 ENCODED_MAX = 4096
 UNIQUE_KEYS = frozenset({"nexus.request_id"})
 
@@ -107,8 +107,8 @@ def encode_attributes(field: int, attributes: Mapping[str, Any]) -> bytes:
     encoded = _ENCODED
     for key, value in attributes.items():
         kind = type(value)
-        if (kind is str or kind is bool) and key not in UNIQUE_KEYS:
-            cache_key = (field, key, value)
+        if (kind is str or kind is bool or kind is int) and key not in UNIQUE_KEYS:
+            cache_key = (field, key, kind, value)
             part = encoded.get(cache_key)
             if part is None:
                 if len(encoded) >= ENCODED_MAX:
@@ -120,25 +120,53 @@ def encode_attributes(field: int, attributes: Mapping[str, Any]) -> bytes:
     return b"".join(parts)
 
 
+def _cached(field: int, text: str) -> bytes:
+    """A length-delimited string field, its encoding kept (names repeat)."""
+    cache_key = (field, "", str, text)
+    part = _ENCODED.get(cache_key)
+    if part is None:
+        if len(_ENCODED) >= ENCODED_MAX:
+            _ENCODED.clear()
+        part = _ENCODED[cache_key] = _length(field, text.encode("utf-8", "replace"))
+    return part
+
+
+# The fixed heads of a span's fields (tag and, for ids, length).
+_TRACE_ID_HEAD = _tag(_SPAN_TRACE_ID, _LENGTH) + _varint(16)
+_SPAN_ID_HEAD = _tag(_SPAN_SPAN_ID, _LENGTH) + _varint(8)
+_PARENT_ID_HEAD = _tag(_SPAN_PARENT_SPAN_ID, _LENGTH) + _varint(8)
+_KIND_HEAD = _tag(_SPAN_KIND, _VARINT)
+_START_HEAD, _END_HEAD = _tag(_SPAN_START, _FIXED64), _tag(_SPAN_END, _FIXED64)
+_FLAGS_HEAD = _tag(_SPAN_FLAGS, _FIXED32)
+_LOCAL_PARENT = _FLAGS_HEAD + struct.pack(
+    "<I", _FLAGS_SAMPLED | _FLAGS_CONTEXT_HAS_IS_REMOTE
+)
+_REMOTE_PARENT = _FLAGS_HEAD + struct.pack(
+    "<I", _FLAGS_SAMPLED | _FLAGS_CONTEXT_HAS_IS_REMOTE | _FLAGS_CONTEXT_IS_REMOTE
+)
+_TIMES = struct.Struct("<Q")
+
+
 def _span(record: Record) -> bytes:
-    flags = _FLAGS_SAMPLED | _FLAGS_CONTEXT_HAS_IS_REMOTE
-    if record.parent_id and record.remote_parent:
-        flags |= _FLAGS_CONTEXT_IS_REMOTE
+    parent = record.parent_id
     parts = [
-        _length(_SPAN_TRACE_ID, record.trace_id.to_bytes(16, "big")),
-        _length(_SPAN_SPAN_ID, record.span_id.to_bytes(8, "big")),
+        _TRACE_ID_HEAD,
+        record.trace_id.to_bytes(16, "big"),
+        _SPAN_ID_HEAD,
+        record.span_id.to_bytes(8, "big"),
     ]
     if record.trace_state:
-        parts.append(
-            _length(_SPAN_TRACE_STATE, record.trace_state.encode("latin-1", "replace"))
-        )
-    if record.parent_id:
-        parts.append(_length(_SPAN_PARENT_SPAN_ID, record.parent_id.to_bytes(8, "big")))
+        parts.append(_cached(_SPAN_TRACE_STATE, record.trace_state))
+    if parent:
+        parts += (_PARENT_ID_HEAD, parent.to_bytes(8, "big"))
     parts += (
-        _length(_SPAN_NAME, record.name.encode("utf-8", "replace")),
-        _tag(_SPAN_KIND, _VARINT) + _varint(record.kind),
-        _tag(_SPAN_START, _FIXED64) + struct.pack("<Q", record.start),
-        _tag(_SPAN_END, _FIXED64) + struct.pack("<Q", record.end),
+        _cached(_SPAN_NAME, record.name),
+        _KIND_HEAD,
+        _varint(record.kind),
+        _START_HEAD,
+        _TIMES.pack(record.start),
+        _END_HEAD,
+        _TIMES.pack(record.end),
         encode_attributes(_SPAN_ATTRIBUTES, record.attributes),
     )
     if record.status:
@@ -146,7 +174,7 @@ def _span(record: Record) -> bytes:
         if record.message:
             status = _length(_STATUS_MESSAGE, record.message.encode()) + status
         parts.append(_length(_SPAN_STATUS, status))
-    parts.append(_tag(_SPAN_FLAGS, _FIXED32) + struct.pack("<I", flags))
+    parts.append(_REMOTE_PARENT if parent and record.remote_parent else _LOCAL_PARENT)
     return b"".join(parts)
 
 
