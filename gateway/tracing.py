@@ -250,6 +250,11 @@ class _OncePerMinute(logging.Filter):
         return True
 
 
+# One filter, however many Tracing objects a process builds (adding it again
+# changes nothing).
+_QUEUE_FULL = _OncePerMinute()
+
+
 class Tracing:
     """One process's traces: sampling, and the batch processor that exports."""
 
@@ -297,9 +302,7 @@ class Tracing:
         resource = Resource.create({} if named else {"service.name": SERVICE_NAME})
         exporting: Any = _Exporting(exporter, resource)
         processor = BatchSpanProcessor(exporting)
-        logging.getLogger("opentelemetry.sdk._shared_internal").addFilter(
-            _OncePerMinute()
-        )
+        logging.getLogger("opentelemetry.sdk._shared_internal").addFilter(_QUEUE_FULL)
         return cls(processor, Sampling.from_environment(environ))
 
     def start(

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from gateway.proxy.accounting import token_counts
 from gateway.proxy.errors import ProxyError
 from gateway.proxy.legs import ProxyExchange
-from gateway.proxy.surfaces import ENDPOINTS, OLLAMA_PATHS
+from gateway.proxy.surfaces import COUNT_TOKENS_PATH, ENDPOINTS, OLLAMA_PATHS
 from gateway.tracing import RequestTrace, SpanRecord, Tracing
 from routing.admission.vocabulary import Outcome
 from routing.core import Route, RouterSnapshot, Target
@@ -31,7 +31,11 @@ MODELS_PATH = "/v1/models"
 def start(tracing: Tracing, exchange: ProxyExchange, method: str) -> None:
     """Open the request's span (named by its route, never the raw path)."""
     path = exchange.path
-    if path in ENDPOINTS or path in OLLAMA_PATHS or path == MODELS_PATH:
+    if (
+        path in ENDPOINTS
+        or path in OLLAMA_PATHS
+        or path in (MODELS_PATH, COUNT_TOKENS_PATH)
+    ):
         route: str | None = path
     elif path.startswith(MODELS_PATH + "/"):
         route = MODELS_PATH + "/{model}"

@@ -45,6 +45,7 @@ class Setup:
     receiver: OtlpReceiver
     key: str
     alpha: MockBackendProcess
+    broken: MockBackendProcess
     queued: MockBackendProcess
 
     def client(self, request_id: str, **headers: str) -> openai.OpenAI:
@@ -98,7 +99,7 @@ def setup(django_db_setup: None, django_db_blocker: Any) -> Iterator[Setup]:
                 NEXUS_BREAKER_FAILURES="1000000",
             )
             try:
-                yield Setup(nexus, receiver, key, alpha, queued)
+                yield Setup(nexus, receiver, key, alpha, broken, queued)
             finally:
                 nexus.stop()
     finally:
@@ -239,6 +240,7 @@ def test_a_fallback_shows_the_failed_attempt_and_the_one_that_answered(
     assert server.attributes["nexus.retries"] == 1
     assert not server.is_error
     # Each backend got its own attempt's traceparent, in the same trace.
+    assert _traceparents_at(setup.broken, request_id) == [failed.traceparent]
     assert _traceparents_at(setup.alpha, request_id) == [answered.traceparent]
 
 
