@@ -28,7 +28,7 @@ from gateway.process import Gateway, install_gateway
 from gateway.proxy import OLLAMA_PATHS, ProxyApp, is_ollama_blob
 from gateway.proxy.surfaces import near_miss
 from gateway.relay.consumer import WorkerConsumer
-from nexus_site.roles import NotServedHere
+from nexus_site.roles import NotServedHere, RelayElsewhere
 from nexus_site.servers import serving
 from usage.consumers import UsageStreamConsumer
 
@@ -241,12 +241,12 @@ http_routes = URLRouter(
 )
 # Relay workers behind NAT dial in here (see gateway/relay/consumer.py).
 websocket_routes = URLRouter(
-    []
-    if role == "control"
-    else [
+    [
         re_path(
             r"^ws/workers/?$",
-            WorkerConsumer.as_asgi(hub=gateway.relay, guard=gateway.relay_guard),
+            RelayElsewhere()  # type: ignore[arg-type]
+            if role == "control"
+            else WorkerConsumer.as_asgi(hub=gateway.relay, guard=gateway.relay_guard),
         )
     ]
 )

@@ -4,16 +4,22 @@ A gateway-only process (``NEXUS_ROLE=gateway``) serves /v1, Ollama's API,
 /health, /metrics and the relay WebSocket; every other path gets a JSON 404
 naming the control plane (no template is loaded to render a page). A
 control-only process (``NEXUS_ROLE=control``) answers the gateway's paths
-with a 404 in OpenAI's error shape naming the gateway. Both say so rather
-than pretend the path does not exist anywhere.
+with a 404 in OpenAI's error shape naming the gateway, and a relay worker
+with close code 4404. Both say so rather than pretend the path does not
+exist anywhere.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from django.http import HttpRequest, HttpResponse, JsonResponse
+
+from nexus_worker.protocol import CloseCode
+
+logger = logging.getLogger(__name__)
 
 GATEWAY_ONLY = (
     "This Nexus process serves the gateway only (NEXUS_ROLE=gateway): /v1, "
@@ -78,3 +84,24 @@ class NotServedHere:
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+
+class RelayElsewhere:
+    """The ASGI app a control-only process answers the relay WebSocket with.
+
+    Relay workers belong to the gateway processes (docs/kubernetes.md): a
+    worker that dials this one is accepted and closed at once with 4404,
+    which nexus-worker reports as "point the worker at the gateway".
+    """
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        message = await receive()
+        if message["type"] != "websocket.connect":
+            return
+        logger.warning(
+            "A relay worker from %s dialled this control-only process "
+            "(NEXUS_ROLE=control): workers connect to the gateway",
+            (scope.get("client") or ("unknown",))[0],
+        )
+        await send({"type": "websocket.accept"})
+        await send({"type": "websocket.close", "code": int(CloseCode.NOT_SERVED_HERE)})

@@ -9,18 +9,21 @@ OpenAI's shape naming the gateway.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import httpx
 import openai
 import pytest
 from django.core.management import call_command
 
 from backends.models import Backend, BackendModel, HealthStatus
+from nexus_worker.protocol import SECRET_HEADER, CloseCode
 from tests import zygote
 from tests.conftest import (
     REPO_ROOT,
@@ -33,6 +36,7 @@ from tests.conftest import (
 from usage.models import ApiKey
 
 MESSAGES = [{"role": "user", "content": "hello"}]
+WRONG_SECRET = {SECRET_HEADER: "nxw-not-a-worker-secret"}
 # What only the control plane loads: a gateway process must load none of it.
 CONTROL_MODULES = (
     "django.contrib.admin",
@@ -118,6 +122,25 @@ def test_the_control_process_serves_the_admin_and_refuses_model_requests(
         client.chat.completions.create(model="m", messages=MESSAGES)
     assert "gateway processes" in refused.value.message
     assert httpx.get(f"{base}/health/ready", timeout=10).status_code == 200
+
+
+def test_relay_workers_belong_to_the_gateway(setup: Setup) -> None:
+    async def dial(server: NexusServer) -> tuple[int | None, int | None]:
+        """The handshake's refusal status, or the close code once accepted."""
+        url = f"{server.base_url.replace('http', 'ws', 1)}/ws/workers"
+        async with aiohttp.ClientSession() as session:
+            try:
+                async with session.ws_connect(url, headers=WRONG_SECRET) as ws:
+                    await ws.receive(timeout=10)
+                    return None, ws.close_code
+            except aiohttp.WSServerHandshakeError as refused:
+                return refused.status, None
+
+    # The gateway serves the relay: a wrong secret is refused as such.
+    status, code = asyncio.run(dial(setup.gateway))
+    assert status in (401, 403) or code == CloseCode.AUTH_FAILED
+    # The control process says where workers belong (nexus-worker explains it).
+    assert asyncio.run(dial(setup.control)) == (None, CloseCode.NOT_SERVED_HERE)
 
 
 def test_a_gateway_process_loads_no_admin_template_or_static_machinery(
