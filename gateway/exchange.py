@@ -95,5 +95,5 @@ class Exchange(Generic[CallT, MeterT]):
     cache: Pending | None = None
     # Answered from the response cache (no backend).
     cache_hit: bool = False
-    # The request's spans while traces are on (gateway/tracing.py); None when off.
+    # The request's spans while traces are on (gateway/tracing/); None when off.
     trace: RequestTrace | None = None

@@ -56,6 +56,7 @@ class OtlpReceiver:
         self.server = server
         self.spans: list[ReceivedSpan] = []
         self.requests = 0
+        self.bytes = 0
         self.condition = threading.Condition()
 
     @property
@@ -64,9 +65,10 @@ class OtlpReceiver:
         host, port = self.server.server_address[:2]
         return f"http://{host!s}:{port}"
 
-    def add(self, spans: list[ReceivedSpan]) -> None:
+    def add(self, spans: list[ReceivedSpan], size: int) -> None:
         with self.condition:
             self.requests += 1
+            self.bytes += size
             self.spans.extend(spans)
             self.condition.notify_all()
 
@@ -109,7 +111,7 @@ def _attributes(items: Any) -> dict[str, Any]:
     return {item.key: _value(item.value) for item in items}
 
 
-def decode(body: bytes) -> list[ReceivedSpan]:
+def decode_spans(body: bytes) -> list[ReceivedSpan]:
     """The spans of one OTLP/HTTP protobuf export request."""
     request = ExportTraceServiceRequest()
     request.ParseFromString(body)
@@ -137,8 +139,12 @@ def decode(body: bytes) -> list[ReceivedSpan]:
 
 
 @contextmanager
-def otlp_receiver() -> Iterator[OtlpReceiver]:
-    """Run a receiver for the duration of the block."""
+def otlp_receiver(decode: bool = True) -> Iterator[OtlpReceiver]:
+    """Run a receiver for the duration of the block.
+
+    ``decode=False`` only counts export requests and bytes: a benchmark's
+    receiver must not take the CPU its load client needs.
+    """
     receiver: OtlpReceiver
 
     class Handler(BaseHTTPRequestHandler):
@@ -152,7 +158,7 @@ def otlp_receiver() -> Iterator[OtlpReceiver]:
             ).startswith("application/x-protobuf"):
                 self.send_error(404)
                 return
-            receiver.add(decode(body))
+            receiver.add(decode_spans(body) if decode else [], len(body))
             answer = ExportTraceServiceResponse().SerializeToString()
             self.send_response(200)
             self.send_header("content-type", "application/x-protobuf")

@@ -97,7 +97,15 @@ def test_the_gateway_serves_v1_health_and_metrics(setup: Setup) -> None:
 
 
 @pytest.mark.parametrize(
-    "path", ["/admin/", "/admin/login/", "/dashboard/", "/api/v1/backends", "/static/x"]
+    "path",
+    [
+        "/admin/",
+        "/admin/login/",
+        "/dashboard/",
+        "/api/v1/backends",
+        "/api/usage-stream",
+        "/static/x",
+    ],
 )
 def test_the_gateway_answers_404_json_for_the_control_plane(
     setup: Setup, path: str

@@ -1,7 +1,7 @@
 """The proxy's side of tracing: what each span learns from the exchange.
 
 The proxy calls these only for a traced request (``exchange.trace`` is not
-None, gateway/tracing.py); with traces off it never gets here. The spans:
+None, gateway/tracing/); with traces off it never gets here. The spans:
 the request's (opened by ``start``, closed by ``finish``), the cache lookup,
 admission's wait, the routing decision, and each upstream attempt
 (gateway/proxy/forward.py).

@@ -1,4 +1,4 @@
-"""The tracing core (gateway/tracing.py): when it is on, the W3C traceparent it
+"""The tracing core (gateway/tracing/): when it is on, the W3C traceparent it
 reads and writes, sampling, and what a batch of records becomes on the wire
 (through the real OTLP/HTTP exporter to the test receiver)."""
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gateway.tracing import Sampling, Tracing, _parse_traceparent, is_configured
+from gateway.tracing import Sampling, Tracing, is_configured, parse_traceparent
 from tests.otlp_receiver import otlp_receiver
 
 pytestmark = pytest.mark.mode_independent
@@ -43,13 +43,13 @@ def test_traces_are_off_without_an_endpoint_and_when_disabled() -> None:
     ],
 )
 def test_an_invalid_traceparent_is_ignored(value: bytes) -> None:
-    assert _parse_traceparent(value) is None
+    assert parse_traceparent(value) is None
 
 
 def test_a_valid_traceparent_is_read_and_a_later_version_may_add_fields() -> None:
     expected = (int(TRACE, 16), int(PARENT, 16), 1)
-    assert _parse_traceparent(f"00-{TRACE}-{PARENT}-01".encode()) == expected
-    assert _parse_traceparent(f"01-{TRACE}-{PARENT}-01-more".encode()) == expected
+    assert parse_traceparent(f"00-{TRACE}-{PARENT}-01".encode()) == expected
+    assert parse_traceparent(f"01-{TRACE}-{PARENT}-01-more".encode()) == expected
 
 
 def test_sampling_follows_the_standard_samplers() -> None:
@@ -139,8 +139,8 @@ def test_records_are_encoded_as_the_otlp_protobuf_says() -> None:
         ExportTraceServiceRequest,
     )
 
-    from gateway.otlp import encode_request
     from gateway.tracing import SpanRecord
+    from gateway.tracing.otlp import encode_request
 
     attributes = {
         "text": "h\u00e9llo \U0001f600",

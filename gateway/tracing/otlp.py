@@ -3,7 +3,7 @@
 The OpenTelemetry SDK encodes a span by building protobuf messages from its
 ``ReadableSpan`` and hashing the resource per span: about 90 µs a span here,
 more than everything else tracing costs a request. The records of
-gateway/tracing.py have one fixed shape, so they are written straight to the
+gateway/tracing/spans.py have one fixed shape, so they are written straight to the
 wire format (opentelemetry/proto/trace/v1/trace.proto): a few µs a span. The
 tests decode the result with the official protobuf classes.
 """
