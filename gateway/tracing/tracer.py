@@ -130,6 +130,13 @@ class Tracing:
                 "collector",
                 protocol,
             )
+        exporter = environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower()
+        if exporter != "otlp":
+            logger.warning(
+                "OTEL_TRACES_EXPORTER=%s is not supported: Nexus exports traces "
+                "over OTLP only (none turns them off)",
+                exporter,
+            )
         return cls.with_exporter(OTLPSpanExporter(), environ)
 
     @classmethod
