@@ -37,8 +37,9 @@ from usage.models import ApiKey
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 WRONG_SECRET = {SECRET_HEADER: "nxw-not-a-worker-secret"}
-# What only the control plane loads: a gateway process must load none of it.
-CONTROL_MODULES = (
+# What only the control plane loads: a gateway process must load none of it
+# (nor, with traces off, the OpenTelemetry SDK).
+UNLOADED_MODULES = (
     "django.contrib.admin",
     "django.contrib.staticfiles",
     "django.contrib.sessions",
@@ -48,6 +49,7 @@ CONTROL_MODULES = (
     "drf_spectacular",
     "django_filters",
     "channels.sessions",
+    "opentelemetry",
 )
 
 
@@ -151,7 +153,7 @@ def test_relay_workers_belong_to_the_gateway(setup: Setup) -> None:
     assert asyncio.run(dial(setup.control)) == (None, CloseCode.NOT_SERVED_HERE)
 
 
-def test_a_gateway_process_loads_no_admin_template_or_static_machinery(
+def test_a_gateway_process_loads_no_admin_template_static_or_tracing_machinery(
     setup: Setup,
 ) -> None:
     code = (
@@ -162,9 +164,9 @@ def test_a_gateway_process_loads_no_admin_template_or_static_machinery(
         "from django.urls import resolve\n"
         "resolve('/health')\n"
         "print(len(engines.all()))\n"
-        f"print(*[m for m in sys.modules if m.startswith({CONTROL_MODULES!r})])\n"
+        f"print(*[m for m in sys.modules if m.startswith({UNLOADED_MODULES!r})])\n"
     )
-    env = server_env() | {
+    env = {k: v for k, v in server_env().items() if not k.startswith("OTEL_")} | {
         "NEXUS_ROLE": "gateway",
         "DJANGO_SETTINGS_MODULE": "nexus_site.settings",
     }
