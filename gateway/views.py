@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TypedDict
 from urllib.parse import urlsplit, urlunsplit
 
-from django.contrib.admin.views.decorators import staff_member_required
 from django.db import DatabaseError
 from django.http import HttpRequest, JsonResponse
 from django.utils import timezone
@@ -164,17 +163,11 @@ def health(request: HttpRequest) -> JsonResponse:
     return response
 
 
-@never_cache
-@require_safe
-@staff_member_required
-def fleet(request: HttpRequest) -> JsonResponse:
-    """The fleet scheduler's state in this serving process (the dashboard)."""
-    return JsonResponse(dict(current_gateway().fleet.as_dict()))
-
-
 def _is_staff(request: HttpRequest) -> bool:
     """A staff session, or a staff user's management API token."""
-    if request.user.is_authenticated and request.user.is_staff:
+    # No session (nor user) in a gateway-only process (NEXUS_ROLE=gateway).
+    user = getattr(request, "user", None)
+    if user is not None and user.is_authenticated and user.is_staff:
         return True
     try:
         found = TokenAuthentication().authenticate(request)  # type: ignore[arg-type]

@@ -205,7 +205,7 @@ if NEXUS_BEHIND_TLS:
 
 INSTALLED_APPS = [
     "daphne",
-    "nexus_site.apps.NexusAdminConfig",  # django.contrib.admin, Nexus's site
+    "nexus_site.admin_config.NexusAdminConfig",  # django.contrib.admin, Nexus's site
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
@@ -299,6 +299,33 @@ STATICFILES_FINDERS = [
 WHITENOISE_USE_FINDERS = env.bool(
     "WHITENOISE_USE_FINDERS", default=not NEXUS_PRODUCTION
 )
+
+# What this serving process serves (docs/kubernetes.md): "all" (the default,
+# and what nexus_run starts), "gateway" (the data plane: /v1, Ollama's API,
+# /health, /metrics and the relay WebSocket; no admin, management API,
+# dashboard, sessions, templates or static files are loaded) or "control"
+# (the admin, management API, dashboard and usage stream; /v1 answers 404).
+NEXUS_ROLE = _choice("NEXUS_ROLE", "all", ("all", "gateway", "control"))
+if NEXUS_ROLE == "gateway":
+    _CONTROL_APPS = (
+        "nexus_site.admin_config.NexusAdminConfig",
+        "django.contrib.sessions",
+        "django.contrib.messages",
+        "django.contrib.staticfiles",
+        "axes",
+        "django_filters",
+        "drf_spectacular",
+        "drf_spectacular_sidecar",
+    )
+    INSTALLED_APPS = [app for app in INSTALLED_APPS if app not in _CONTROL_APPS]
+    # /health answers a database outage itself (gateway/views.py).
+    MIDDLEWARE = [
+        "django.middleware.security.SecurityMiddleware",
+        "django.middleware.common.CommonMiddleware",
+    ]
+    AUTHENTICATION_BACKENDS = ["django.contrib.auth.backends.ModelBackend"]
+    TEMPLATES = []
+    ROOT_URLCONF = "nexus_site.urls_gateway"
 
 LOGIN_URL = "admin:login"
 
