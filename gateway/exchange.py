@@ -94,3 +94,7 @@ class Exchange(Generic[CallT, MeterT]):
     cache: Pending | None = None
     # Answered from the response cache (no backend).
     cache_hit: bool = False
+    # A second attempt raced the first (gateway/proxy/hedging.py); the
+    # backends it went to, winner first once one won.
+    hedged: bool = False
+    hedge_backends: tuple[str, ...] = ()

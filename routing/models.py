@@ -796,3 +796,26 @@ class ConfigVersion(models.Model):
 
     def __str__(self) -> str:
         return f"Configuration version {self.version}"
+
+
+# Splits, shadows and hedging live in their own module.
+from routing.traffic import (
+    Hedging,
+    Shadow,
+    ShadowComparison,
+    SplitTarget,
+    TrafficSplit,
+)
+
+__all__ = [
+    "Alias",
+    "ChainStep",
+    "ConfigVersion",
+    "FallbackChain",
+    "Hedging",
+    "RoutingPolicy",
+    "Shadow",
+    "ShadowComparison",
+    "SplitTarget",
+    "TrafficSplit",
+]

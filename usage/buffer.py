@@ -105,6 +105,15 @@ class UsageEvent:
     # Answered from the response cache (gateway/cache/): its tokens are the
     # stored answer's, saved rather than spent (cost: the hit price, if any).
     cache_hit: bool = False
+    # The split the requested name is and the side (model) the request was
+    # put on (routing.core.traffic); "" for a name that is no split.
+    split: str = ""
+    split_side: str = ""
+    # A second attempt raced the first (gateway/proxy/hedging.py).
+    hedged: bool = False
+    # The routing decision as compact JSON, capped (the explain of a past
+    # request reads it; routing/explain.py).
+    decision: str = ""
 
     @property
     def is_error(self) -> bool:

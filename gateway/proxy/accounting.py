@@ -13,6 +13,7 @@ killed mid-request leaves a record of what it had started (usage/lost.py).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any
@@ -123,6 +124,7 @@ class Accounting:
             cache_read_tokens=read,
             cache_write_tokens=written,
             cache_hit=exchange.cache_hit,
+            **_route_fields(exchange),
         )
         self.buffer.append(event)
         model = _model_label(exchange)
@@ -279,11 +281,38 @@ def _model_label(exchange: ProxyExchange) -> str:
     return _known_model(state, exchange.requested_model)
 
 
+def _route_fields(exchange: ProxyExchange) -> dict[str, Any]:
+    """The split side, hedging and the decision, for the usage event."""
+    route = exchange.route
+    decision = route.decision if route is not None else None
+    if decision is None:
+        if not exchange.cache_hit:
+            return {}
+        return {"decision": _compact({"cache_hit": True})}
+    split = decision.split
+    summary = decision.summary()
+    summary["served_by"] = exchange.backend
+    summary["retries"] = exchange.retries
+    summary["hedged"] = exchange.hedged
+    summary["hedge_backends"] = list(exchange.hedge_backends)
+    summary["cache_hit"] = exchange.cache_hit
+    return {
+        "split": split.split if split is not None else "",
+        "split_side": split.side if split is not None else "",
+        "hedged": exchange.hedged,
+        "decision": _compact(summary),
+    }
+
+
+def _compact(summary: dict[str, Any]) -> str:
+    return json.dumps(summary, separators=(",", ":"), default=str)
+
+
 def _known_model(state: GatewayState, model: str) -> str:
     """The model's name if the configuration knows it (the pattern alias
     covering it, for a name only a pattern knows), else "unknown"."""
     routes = state.routes
-    if model in routes.routes or model in routes.aliases:
+    if model in routes.routes or model in routes.aliases or model in routes.splits:
         return model
     # A name a pattern alias covers is counted under the pattern: clients
     # choose those names, the operator chooses the patterns.

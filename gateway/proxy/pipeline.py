@@ -152,13 +152,17 @@ class Pipeline:
                 return
             prefix = self._prefix_request(exchange, state)
             try:
-                route, routes = await self._route(state, requirements, prefix)
+                route, routes = await self._route(
+                    state, requirements, prefix, exchange.key_prefix
+                )
             except ProxyError as error:
                 # Longer than every candidate's known context: trimmed to fit.
                 fitted = fit_known_context(exchange, error.__cause__)
                 if fitted is None:
                     raise
-                route, routes = await self._route(state, fitted, prefix)
+                route, routes = await self._route(
+                    state, fitted, prefix, exchange.key_prefix
+                )
             exchange.route = route
             if prefix is not None:
                 self._note_prefix(exchange, route, routes, prefix)
@@ -219,6 +223,7 @@ class Pipeline:
         state: GatewayState,
         requirements: RequestRequirements,
         prefix: PrefixRequest | None = None,
+        split_key: str = "",
     ) -> tuple[Route, RouterSnapshot]:
         """Route the request, holding it first when its model has no backend.
 
@@ -233,7 +238,7 @@ class Pipeline:
         router, stats, fleet = gateway.router, gateway.stats, gateway.fleet
         routes = state.routes
         try:
-            route = router.select(requirements, routes, stats, prefix)
+            route = router.select(requirements, routes, stats, prefix, split_key)
         except RoutingError as error:
             if not fleet.should_hold(error.decision, routes):
                 raise routing_error(error) from error
@@ -243,7 +248,7 @@ class Pipeline:
 
         def route_primary(now: RouterSnapshot) -> tuple[Route, RouterSnapshot] | None:
             try:
-                found = router.select(requirements, now, stats, prefix)
+                found = router.select(requirements, now, stats, prefix, split_key)
             except RoutingError:
                 return None
             return None if found.decision.via == Via.FALLBACK else (found, now)
@@ -254,7 +259,10 @@ class Pipeline:
         latest = gateway.snapshots.peek()
         routes = routes if latest is None else latest.routes
         try:
-            return router.select(requirements, routes, stats, prefix), routes
+            return (
+                router.select(requirements, routes, stats, prefix, split_key),
+                routes,
+            )
         except RoutingError as error:
             raise routing_error(error) from error
 

@@ -5,6 +5,7 @@ from rest_framework.routers import SimpleRouter
 
 from routing.api.cache import CachePurgeView, CacheView
 from routing.api.config_file import ConfigExportView, ConfigImportView
+from routing.api.traffic import HedgingViewSet, ShadowViewSet, TrafficSplitViewSet
 from routing.api.views import (
     AliasViewSet,
     EffectiveConfigView,
@@ -15,6 +16,9 @@ from routing.api.views import (
 router = SimpleRouter(trailing_slash=False)
 router.register("aliases", AliasViewSet, basename="alias")
 router.register("fallback-chains", FallbackChainViewSet, basename="fallback-chain")
+router.register("splits", TrafficSplitViewSet, basename="split")
+router.register("shadows", ShadowViewSet, basename="shadow")
+router.register("hedging", HedgingViewSet, basename="hedging")
 
 urlpatterns = [
     path("policy", RoutingPolicyView.as_view(), name="routing-policy"),
