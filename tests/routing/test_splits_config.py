@@ -139,8 +139,10 @@ def test_reimporting_changes_nothing_and_replace_removes_unmentioned(
             "cannot target itself",
         ),
         (
-            '[routing.aliases]\n"chat" = "a"\n[routing.splits."chat"]\n'
-            'targets = { "a" = 1 }\n',
+            (
+                '[routing.aliases]\n"chat" = "a"\n[routing.splits."chat"]\n'
+                'targets = { "a" = 1 }\n'
+            ),
             "is an alias",
         ),
         ('[routing.shadows."a"]\npercent = 5\n', 'missing required key "model"'),
@@ -148,7 +150,7 @@ def test_reimporting_changes_nothing_and_replace_removes_unmentioned(
         ('[routing.shadows."a"]\nmodel = "a"\n', "cannot shadow itself"),
         ('[routing.hedging."a"]\nafter = "p99"\n', "after"),
         ('[routing.hedging."a"]\nmax_extra = 9\n', "max_extra"),
-        ('[routing.hedging."a"]\nwhen = 3\n', "routing.hedging.\"a\".when"),
+        ('[routing.hedging."a"]\nwhen = 3\n', 'routing.hedging."a".when'),
     ],
 )
 def test_bad_values_are_named(tmp_path: Path, text: str, message: str) -> None:
@@ -179,9 +181,7 @@ def test_the_api_reads_and_writes_them_like_the_file() -> None:
     )
     assert patched.status_code == 200, patched.content
     assert build_snapshot().splits["chat"].sides == (SplitSide("qwen2.5:7b", 1),)
-    bad = api.post(
-        "/api/v1/splits", {"name": "x", "targets": {"x": 1}}, format="json"
-    )
+    bad = api.post("/api/v1/splits", {"name": "x", "targets": {"x": 1}}, format="json")
     assert bad.status_code == 400
     assert "itself" in str(bad.json())
     empty = api.post("/api/v1/splits", {"name": "y", "targets": {}}, format="json")
