@@ -30,6 +30,7 @@ from gateway.proxy.errors import ProxyError, bad_request, routing_error
 from gateway.proxy.forward import Upstream, forward
 from gateway.proxy.legs import ProxyExchange
 from gateway.proxy.relays import Send
+from gateway.proxy.shadows import Shadows
 from routing.admission import AdmissionError
 from routing.admission.vocabulary import Outcome
 from routing.core import RequestRequirements, Route, RouterSnapshot, RoutingError
@@ -62,6 +63,7 @@ class Pipeline:
         self.streams = limits.StreamCap(gateway.config.max_streams_per_key)
         self.ensembles = Ensembles(gateway, upstream, accounting)
         self.cached = CachedAnswers(gateway)
+        self.shadows = Shadows(gateway, upstream, accounting)
 
     async def serve(
         self,
@@ -172,7 +174,10 @@ class Pipeline:
                 placed = await fleet.take_slot(route, routes)
             except FleetRefusal as error:
                 raise _fleet_error(error, exchange) from None
+            shadow = self.shadows.pick(exchange, state, route.target.model.name)
             await forward(self.upstream, exchange, placed, send)
+            if shadow is not None:
+                self.shadows.launch(shadow, exchange)
         except asyncio.CancelledError:
             if not exchange.client_gone:
                 raise

@@ -17,6 +17,7 @@ from routing.config_file.schema import (
     ModelTableEntry,
     Setting,
     SplitEntry,
+    get_field_default,
 )
 from routing.config_file.values import ValueReader, coerce, describe
 from routing.core.traffic import STICKY_CHOICES, STICKY_KEY
@@ -221,7 +222,7 @@ def apply_model_table(
     stored = model.objects.filter(model=entry.model).first()
     before = None if stored is None else {f: getattr(stored, f) for f in fields}
     row = stored or model(model=entry.model)
-    defaults = {f: model._meta.get_field(f).get_default() for f in fields}
+    defaults = {f: get_field_default(model, f) for f in fields}
     for field in fields:
         setattr(row, field, entry.values.get(field, defaults[field]))
     if not clean(row, entry.path, keys):
