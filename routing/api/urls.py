@@ -10,6 +10,7 @@ from routing.api.views import (
     AliasViewSet,
     EffectiveConfigView,
     FallbackChainViewSet,
+    PastRequestExplainView,
     RoutingPolicyView,
 )
 
@@ -27,5 +28,10 @@ urlpatterns = [
     path("cache/purge", CachePurgeView.as_view(), name="cache-purge"),
     path("config/import", ConfigImportView.as_view(), name="config-import"),
     path("config/export", ConfigExportView.as_view(), name="config-export"),
+    path(
+        "requests/<str:request_id>/explain",
+        PastRequestExplainView.as_view(),
+        name="request-explain",
+    ),
     *router.urls,
 ]

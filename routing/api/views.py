@@ -3,6 +3,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
 from rest_framework import generics, viewsets
 from rest_framework.permissions import IsAdminUser
@@ -17,6 +18,7 @@ from routing.api.serializers import (
     RoutingPolicySerializer,
 )
 from routing.models import Alias, FallbackChain, RoutingPolicy
+from routing.past_requests import explain_request
 from routing.snapshot import build_snapshot, read_policy_overrides
 
 
@@ -91,3 +93,26 @@ class EffectiveConfigView(APIView):
             "alias_problems": list(snapshot.alias_problems),
         }
         return Response(EffectiveConfigSerializer(config).data)
+
+
+class PastRequestExplainView(APIView):
+    """How a request already served was routed, from its usage record.
+
+    A list (a client may reuse an id), newest first: the served model and
+    backend, status, latency and tokens, the split side, whether it was
+    hedged or answered from the cache, and the decision as recorded then
+    (candidates with their scores, exclusions, retry order). 404 when no
+    usage record has that id (usage is recorded within seconds, and kept
+    NEXUS_USAGE_RECORD_RETENTION_HOURS).
+    """
+
+    permission_classes = (IsAdminUser,)
+
+    @extend_schema(responses=OpenApiTypes.OBJECT)
+    def get(self, request: Request, request_id: str) -> Response:
+        found = explain_request(request_id)
+        if not found:
+            return Response(
+                {"detail": f"No served request with id '{request_id}'."}, status=404
+            )
+        return Response({"request_id": request_id, "requests": found})

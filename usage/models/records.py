@@ -57,7 +57,9 @@ class UsageRecord(models.Model):
         max_length=32, unique=True, help_text="Nexus's unique id for the event."
     )
     request_id = models.CharField(
-        max_length=128, help_text="The X-Request-Id of the request (may repeat)."
+        max_length=128,
+        db_index=True,
+        help_text="The X-Request-Id of the request (may repeat).",
     )
     endpoint = models.CharField(max_length=16, choices=Endpoint.choices)
     api_key_prefix = models.CharField(
