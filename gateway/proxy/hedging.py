@@ -20,6 +20,7 @@ without hedging costs one lookup in an empty mapping.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -62,7 +63,8 @@ class FirstByteTimes:
         if times is None or len(times) < MIN_SAMPLES:
             return None
         ordered = sorted(times)
-        return ordered[min(len(ordered) - 1, int(len(ordered) * 0.95))]
+        # Nearest rank: the smallest time at least 95 % of them do not exceed.
+        return ordered[math.ceil(len(ordered) * 0.95) - 1]
 
     def delay(self, policy: HedgePolicy) -> float:
         """Seconds to wait before hedging a request for the policy's model."""
