@@ -7,6 +7,7 @@ records' retention (NEXUS_USAGE_RECORD_RETENTION_HOURS, 48 h by default);
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
@@ -77,6 +78,6 @@ def _percentile(records: Any, count: int, share: float) -> float:
     """The latency at `share` of the side's records, by the database's sort."""
     if not count:
         return 0.0
-    index = min(count - 1, int(count * share))
+    index = max(math.ceil(count * share) - 1, 0)  # nearest rank
     value = records.order_by("latency_ms").values_list("latency_ms", flat=True)[index]
     return round(float(value), 1)

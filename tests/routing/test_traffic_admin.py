@@ -85,10 +85,17 @@ def test_the_split_page_compares_its_sides(
             reverse("admin:routing_trafficsplit_change", args=(split.pk,))
         ).content.decode()
     assert "split-sides" in page
-    assert "<td>qwen2.5:7b</td><td>2</td><td>1 (50%)</td><td>500.0</td>" in page
+    row = "<td>qwen2.5:7b</td><td>2</td><td>1 (50%)</td><td>300.0</td><td>500.0</td>"
+    assert row in page
     with django_assert_max_num_queries(10):
         listing = admin_client.get(reverse("admin:routing_trafficsplit_changelist"))
     assert "llama3:8b 90 (90%)" in listing.content.decode()
+    # The dashboard compares them too.
+    dashboard = admin_client.get("/dashboard/").content.decode()
+    assert (
+        '<td>chat</td><td>qwen2.5:7b</td><td class="num">2</td>'
+        '<td class="num">1</td><td class="num">300.0</td><td class="num">500.0</td>'
+    ) in dashboard
 
 
 def test_the_shadow_page_lists_comparisons_and_shows_both_answers(
