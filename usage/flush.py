@@ -353,7 +353,7 @@ def _to_record(event: UsageEvent) -> UsageRecord:
         split=_clip("split", event.split),
         split_side=_clip("split_side", event.split_side),
         hedged=bool(event.hedged),
-        decision=storable_text(event.decision[:DECISION_CHARS]),
+        decision=storable_text(event.decision_text()[:DECISION_CHARS]),
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from functools import partial
 from typing import Any
 
 from gateway.exchange import Exchange
@@ -23,7 +24,7 @@ from gateway.metrics import UNKNOWN, GatewayMetrics
 from gateway.protocols.prompt_cache import cache_counts
 from gateway.proxy.errors import ProxyError
 from gateway.proxy.legs import ProxyExchange
-from routing.core import LiveStats
+from routing.core import Decision, LiveStats
 from routing.core.fleet import observe_decoding
 from routing.state import GatewayState
 from usage.buffer import UsageBuffer, UsageEvent, UsageOpen, new_event_id, process_id
@@ -282,30 +283,36 @@ def _model_label(exchange: ProxyExchange) -> str:
 
 
 def _route_fields(exchange: ProxyExchange) -> dict[str, Any]:
-    """The split side, hedging and the decision, for the usage event."""
+    """The split side, hedging and the decision, for the usage event.
+
+    The decision is written to JSON later, by whoever hands the event on
+    (usage/buffer.py): only references are taken here.
+    """
     route = exchange.route
     decision = route.decision if route is not None else None
     if decision is None:
-        if not exchange.cache_hit:
-            return {}
-        return {"decision": _compact({"cache_hit": True})}
+        return {"decision": _CACHE_HIT} if exchange.cache_hit else {}
     split = decision.split
-    summary = decision.summary()
-    summary["served_by"] = exchange.backend
-    summary["retries"] = exchange.retries
-    summary["hedged"] = exchange.hedged
-    summary["hedge_backends"] = list(exchange.hedge_backends)
-    summary["cache_hit"] = exchange.cache_hit
+    facts = {
+        "served_by": exchange.backend,
+        "retries": exchange.retries,
+        "hedged": exchange.hedged,
+        "hedge_backends": list(exchange.hedge_backends),
+        "cache_hit": exchange.cache_hit,
+    }
     return {
         "split": split.split if split is not None else "",
         "split_side": split.side if split is not None else "",
         "hedged": exchange.hedged,
-        "decision": _compact(summary),
+        "decision": partial(_decision_json, decision, facts),
     }
 
 
-def _compact(summary: dict[str, Any]) -> str:
-    return json.dumps(summary, separators=(",", ":"), default=str)
+_CACHE_HIT = '{"cache_hit":true}'
+
+
+def _decision_json(decision: Decision, facts: dict[str, Any]) -> str:
+    return json.dumps(decision.summary() | facts, separators=(",", ":"), default=str)
 
 
 def _known_model(state: GatewayState, model: str) -> str:

@@ -62,7 +62,7 @@ class RoutingPolicyView(generics.RetrieveUpdateAPIView[RoutingPolicy]):
 class EffectiveConfigView(APIView):
     """The configuration the router uses, read now, with secrets left out.
 
-    Stored backends, models, aliases, fallback chains and policy, with the
+    Stored backends, models, aliases, fallback chains, splits and policy, with the
     NEXUS_ROUTING_* environment overrides of this process applied.
     """
 
@@ -89,6 +89,13 @@ class EffectiveConfigView(APIView):
             "alias_patterns": snapshot.alias_patterns.as_dict(),
             "fallbacks": {
                 model: list(steps) for model, steps in snapshot.fallbacks.items()
+            },
+            "splits": {
+                name: {
+                    "sticky": split.sticky,
+                    "targets": {side.model: side.weight for side in split.sides},
+                }
+                for name, split in snapshot.splits.items()
             },
             "alias_problems": list(snapshot.alias_problems),
         }

@@ -181,6 +181,9 @@ def test_the_api_reads_and_writes_them_like_the_file() -> None:
     )
     assert patched.status_code == 200, patched.content
     assert build_snapshot().splits["chat"].sides == (SplitSide("qwen2.5:7b", 1),)
+    assert api.get("/api/v1/config").json()["splits"] == {
+        "chat": {"sticky": "key", "targets": {"qwen2.5:7b": 1}}
+    }
     bad = api.post("/api/v1/splits", {"name": "x", "targets": {"x": 1}}, format="json")
     assert bad.status_code == 400
     assert "itself" in str(bad.json())
