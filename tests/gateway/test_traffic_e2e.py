@@ -40,6 +40,7 @@ from usage.stream import clear_usage_stream, drain_usage_stream
 SHIPS_TO_REDIS = settings.NEXUS_USAGE_TRANSPORT == "redis"
 CHAT = Split("chat", (SplitSide("llama3:8b", 90), SplitSide("qwen2.5:7b", 10)))
 SHADOWED, SLOW_SHADOW, HEDGED = "mistral:7b", "slow-shadow", "m-hedge"
+STREAMED = "phi3"  # every request shadowed, asked for as a stream
 # The shadow model is 10x slower than the model it shadows.
 PRIMARY_MS, SHADOW_MS = 60, 600
 CONFIG = f"""
@@ -56,6 +57,10 @@ sticky = "key"
 model = "{SLOW_SHADOW}"
 percent = 50
 timeout_seconds = 10
+
+[routing.shadows."{STREAMED}"]
+model = "{SLOW_SHADOW}"
+percent = 100
 
 [routing.hedging."{HEDGED}"]
 after = "p95"
@@ -108,7 +113,7 @@ def setup(
     tail = ("--slow-rate", "0.05", "--slow-ms", "2000")
     nodes: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         "split-a": (("llama3:8b", SHADOWED), ("--latency-ms", str(PRIMARY_MS))),
-        "split-b": (("qwen2.5:7b",), ("--latency-ms", "5")),
+        "split-b": (("qwen2.5:7b", STREAMED), ("--latency-ms", "5")),
         "shadow-s": ((SLOW_SHADOW,), ("--latency-ms", str(SHADOW_MS))),
         "hedge-a": ((HEDGED,), (*tail, "--seed", "3")),
         "hedge-b": ((HEDGED,), ()),
@@ -277,6 +282,30 @@ def test_shadows_never_delay_the_client_and_are_compared(setup: Setup) -> None:
     assert {r.api_key_prefix for r in shadow_records} == {"shadow"}
     client_records = _records(request_ids)
     assert all(r.backend == "split-a" for r in client_records.values())
+
+
+def test_a_streamed_answer_is_put_together_for_its_comparison(setup: Setup) -> None:
+    request_id = f"tr-{uuid.uuid4().hex[:16]}"
+    stream = setup.client().chat.completions.create(
+        model=STREAMED,
+        messages=[{"role": "user", "content": "stream this answer please"}],
+        stream=True,
+        extra_headers={"x-request-id": request_id},
+    )
+    text = "".join(
+        chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices
+    )
+    assert "stream this answer please" in text
+
+    def stored() -> ShadowComparison | None:
+        with _blocker.unblock():
+            return ShadowComparison.objects.filter(request_id=request_id).first()
+
+    comparison = wait_until(stored, what="the streamed request's comparison")
+    assert comparison.primary_answer == text
+    assert comparison.primary_finish == "stop"
+    assert "stream this answer please" in comparison.shadow_answer
+    assert 0.3 < comparison.similarity < 1.0
 
 
 def _wait_shadow_records(count: int) -> list[UsageRecord]:
