@@ -114,7 +114,10 @@ def setup(
     nodes: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         "split-a": (("llama3:8b", SHADOWED), ("--latency-ms", str(PRIMARY_MS))),
         "split-b": (("qwen2.5:7b", STREAMED), ("--latency-ms", "5")),
-        "shadow-s": ((SLOW_SHADOW,), ("--latency-ms", str(SHADOW_MS))),
+        "shadow-s": (
+            (SLOW_SHADOW,),
+            ("--latency-ms", str(SHADOW_MS), "--record-requests", "100"),
+        ),
         "hedge-a": ((HEDGED,), (*tail, "--seed", "3")),
         "hedge-b": ((HEDGED,), ()),
     }
@@ -236,13 +239,13 @@ def test_the_explain_api_and_command_show_a_past_decision(setup: Setup) -> None:
 def test_shadows_never_delay_the_client_and_are_compared(setup: Setup) -> None:
     client = setup.client()
     latencies = []
-    finished_at = []
+    started_at: dict[str, float] = {}
     request_ids = []
     for n in range(30):
-        started = time.perf_counter()
+        started, wall = time.perf_counter(), time.time()
         _, request_id = _ask(client, SHADOWED, f"question number {n}")
         latencies.append((time.perf_counter() - started) * 1000)
-        finished_at.append(time.time())
+        started_at[request_id] = wall
         request_ids.append(request_id)
     # A client's answer never waited for its shadow, 10x slower: each came
     # back before a shadow could have answered.
@@ -274,9 +277,14 @@ def test_shadows_never_delay_the_client_and_are_compared(setup: Setup) -> None:
         assert 0.3 < comparison.similarity < 1.0
         assert "question number" in comparison.primary_answer
         assert "slow-shadow" in comparison.shadow_answer
-        # The shadow's answer arrived after the client had its own.
-        index = request_ids.index(comparison.request_id)
-        assert comparison.created_at.timestamp() <= finished_at[index]
+    # Each shadow request left only once its client's answer was whole: it
+    # reached the shadow server at least the primary's latency after the
+    # client asked (sent beside the primary, it would arrive at once).
+    recorded = mock_stats(shadow)["last_requests"]
+    for request in recorded:
+        client_id = request["headers"]["x-request-id"].removesuffix("-shadow")
+        assert request["received_at"] - started_at[client_id] >= PRIMARY_MS / 1000
+    assert len(recorded) == seen
     # The shadow's usage is billed to the shadow pseudo-key, never a client's.
     shadow_records = _wait_shadow_records(len(comparisons))
     assert {r.api_key_prefix for r in shadow_records} == {"shadow"}
