@@ -211,6 +211,17 @@ class Shadow(models.Model):
         )
 
 
+# A shadow's settings, as the admin and the API edit them.
+SHADOW_FIELDS = (
+    "model",
+    "shadow_model",
+    "percent",
+    "timeout_seconds",
+    "keep",
+    "max_answer_chars",
+)
+
+
 class ShadowComparison(models.Model):
     """One mirrored request: the client's answer and the shadow's, compared."""
 

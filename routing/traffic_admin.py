@@ -14,6 +14,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
 from routing.models import Hedging, Shadow, ShadowComparison, SplitTarget, TrafficSplit
+from routing.traffic import SHADOW_FIELDS
 from usage.split_report import split_report
 
 if TYPE_CHECKING:
@@ -108,17 +109,7 @@ class ShadowAdmin(ShadowAdminBase):
     )
     search_fields = ("model", "shadow_model")
     readonly_fields = ("comparisons_table", "created_at", "updated_at")
-    fields = (
-        "model",
-        "shadow_model",
-        "percent",
-        "timeout_seconds",
-        "keep",
-        "max_answer_chars",
-        "comparisons_table",
-        "created_at",
-        "updated_at",
-    )
+    fields = (*SHADOW_FIELDS, "comparisons_table", "created_at", "updated_at")
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Shadow]:
         return (

@@ -11,6 +11,7 @@ from rest_framework.permissions import IsAdminUser
 from nexus_lib.serializers import ModelCleanSerializer, saving
 from routing.core.traffic import SIDES_LIMIT
 from routing.models import Hedging, Shadow, SplitTarget, TrafficSplit
+from routing.traffic import SHADOW_FIELDS
 
 
 class TrafficSplitSerializer(ModelCleanSerializer[TrafficSplit]):
@@ -87,17 +88,7 @@ class ShadowSerializer(ModelCleanSerializer[Shadow]):
 
     class Meta:
         model = Shadow
-        fields = (
-            "id",
-            "model",
-            "shadow_model",
-            "percent",
-            "timeout_seconds",
-            "keep",
-            "max_answer_chars",
-            "created_at",
-            "updated_at",
-        )
+        fields = ("id", *SHADOW_FIELDS, "created_at", "updated_at")
 
 
 class HedgingSerializer(ModelCleanSerializer[Hedging]):

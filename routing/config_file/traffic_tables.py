@@ -3,7 +3,7 @@ written and applied like the other routing tables (docs/splits.md)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from django.db import models
@@ -31,19 +31,8 @@ HEDGE_FIELDS = tuple(HEDGE_KEY_FOR_FIELD)
 
 def read_splits(reader: ValueReader, value: object) -> tuple[SplitEntry, ...]:
     """Read ``[routing.splits."<name>"]`` tables."""
-    table = reader.read_table(value, "routing.splits")
-    if table is None:
-        return ()
     entries = []
-    seen: dict[str, str] = {}
-    for raw_name, split in table.items():
-        path = f"routing.splits.{format_string(raw_name)}"
-        name = raw_name.strip()
-        if not reader.is_first(name, path, seen, "split"):
-            continue
-        body = reader.read_table(split, path)
-        if body is None:
-            continue
+    for path, name, body in _named_tables(reader, value, "routing.splits", "split"):
         reader.reject_unknown_keys(body, path, SPLIT_KEYS)
         sticky = body.get("sticky", STICKY_KEY)
         if sticky not in STICKY_CHOICES:
@@ -55,6 +44,25 @@ def read_splits(reader: ValueReader, value: object) -> tuple[SplitEntry, ...]:
         if targets:
             entries.append(SplitEntry(path, name, sticky, targets))
     return tuple(entries)
+
+
+def _named_tables(
+    reader: ValueReader, value: object, path: str, what: str
+) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """Each ``[<path>."<name>"]`` table: its path, its name, its keys (the
+    problems of duplicates and non-tables are noted, and those left out)."""
+    table = reader.read_table(value, path)
+    if table is None:
+        return
+    seen: dict[str, str] = {}
+    for raw_name, body in table.items():
+        entry_path = f"{path}.{format_string(raw_name)}"
+        name = raw_name.strip()
+        if not reader.is_first(name, entry_path, seen, what):
+            continue
+        keys = reader.read_table(body, entry_path)
+        if keys is not None:
+            yield entry_path, name, keys
 
 
 def _read_targets(
@@ -87,23 +95,10 @@ def read_model_tables(
     reader: ValueReader, value: object, path: str, settings: tuple[Setting, ...]
 ) -> tuple[ModelTableEntry, ...]:
     """Read ``[routing.<path>."<model>"]`` tables of scalar settings."""
-    table = reader.read_table(value, path)
-    if table is None:
-        return ()
     entries = []
-    seen: dict[str, str] = {}
-    for raw_model, body in table.items():
-        entry_path = f"{path}.{format_string(raw_model)}"
-        model = raw_model.strip()
-        if not reader.is_first(model, entry_path, seen, "model"):
-            continue
-        settings_table = reader.read_table(body, entry_path)
-        if settings_table is None:
-            continue
-        reader.reject_unknown_keys(
-            settings_table, entry_path, [s.key for s in settings]
-        )
-        values, invalid = reader.read_settings(settings_table, entry_path, settings)
+    for entry_path, model, body in _named_tables(reader, value, path, "model"):
+        reader.reject_unknown_keys(body, entry_path, [s.key for s in settings])
+        values, invalid = reader.read_settings(body, entry_path, settings)
         entries.append(ModelTableEntry(entry_path, model, values, frozenset(invalid)))
     return tuple(entries)
 
