@@ -119,6 +119,10 @@ class Alias(models.Model):
                     "cannot become an alias too."
                 }
             )
+        if TrafficSplit.objects.filter(name=self.name).exists():
+            raise ValidationError(
+                {"name": f"'{self.name}' is a split; an alias needs a name of its own."}
+            )
         if ChainStep.objects.filter(model=self.name, chain__model=self.target).exists():
             raise ValidationError(
                 {

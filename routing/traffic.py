@@ -39,8 +39,8 @@ class TrafficSplit(models.Model):
     name = models.CharField(
         max_length=200,
         unique=True,
-        help_text="The name clients ask for, e.g. chat. It must not be a model "
-        "a backend serves or an alias.",
+        help_text="The name clients ask for, e.g. chat (not an alias; it wins "
+        "over a model of the same name).",
     )
     sticky = models.CharField(
         max_length=8,
@@ -67,6 +67,7 @@ class TrafficSplit(models.Model):
             return
         if (problem := _model_name_problem(self.name)) is not None:
             raise ValidationError({"name": problem})
+        # routing.models imports this module (at its end) for its models.
         from routing.models import Alias
 
         if Alias.objects.filter(name=self.name).exists():

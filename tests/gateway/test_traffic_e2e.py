@@ -190,6 +190,8 @@ def test_a_key_stays_on_its_side_and_usage_names_the_split(setup: Setup) -> None
             backend, request_id = _ask(client, "chat")
             assert backend == backend_of[side], (prefix, side)
             request_ids.append(request_id)
+    listed = {m.id: m.owned_by for m in setup.client().models.list()}
+    assert listed["chat"] == "split:llama3:8b,qwen2.5:7b"
     records = _records(request_ids)
     for record in records.values():
         assert record.requested_model == "chat"

@@ -209,3 +209,17 @@ def test_the_api_reads_and_writes_them_like_the_file() -> None:
         "/api/v1/hedging", {"model": "m", "max_extra": 0}, format="json"
     )
     assert bad_hedge.status_code == 400
+
+
+@pytest.mark.django_db
+def test_an_alias_cannot_take_a_splits_name(
+    tmp_path: Path,
+) -> None:
+    _import(tmp_path, TOML)
+    api = APIClient()
+    api.force_authenticate(StaffUserFactory())
+    taken = api.post(
+        "/api/v1/aliases", {"name": "chat", "target": "llama3:8b"}, format="json"
+    )
+    assert taken.status_code == 400
+    assert "'chat' is a split" in str(taken.json())
