@@ -364,3 +364,37 @@ def test_hedging_cuts_the_tail_and_bills_the_winner_only(setup: Setup) -> None:
     assert len(hedged) >= won_by_hedge
     with _blocker.unblock():
         assert UsageRecord.objects.filter(request_id__in=list(served)).count() == 200
+
+
+def test_a_stream_is_hedged_at_its_first_event(setup: Setup) -> None:
+    slow_node = setup.mocks["hedge-a"]
+    knobs = f"{slow_node.base_url}/_mock/config"
+    httpx.post(knobs, json={"slow_rate": 1.0}, timeout=5).raise_for_status()
+    try:
+        before = mock_stats(slow_node)["client_disconnects"]
+        started = time.perf_counter()
+        request_id = f"tr-{uuid.uuid4().hex[:16]}"
+        raw = setup.client().chat.completions.with_raw_response.create(
+            model=HEDGED,
+            messages=[{"role": "user", "content": "a hedged stream"}],
+            stream=True,
+            extra_headers={"x-request-id": request_id},
+        )
+        text = "".join(
+            chunk.choices[0].delta.content or ""
+            for chunk in raw.parse()
+            if chunk.choices
+        )
+        took = time.perf_counter() - started
+    finally:
+        httpx.post(knobs, json={"slow_rate": 0.05}, timeout=5).raise_for_status()
+    # The first attempt (hedge-a) slept in its 2 s tail; the hedge answered.
+    assert raw.headers["x-nexus-backend"] == "hedge-b"
+    assert "[hedge-b/m-hedge] echo: a hedged stream" in text
+    assert took < 1.5, took
+    wait_until(
+        lambda: mock_stats(slow_node)["client_disconnects"] == before + 1,
+        what="the slow attempt's connection closed",
+    )
+    record = _records([request_id])[request_id]
+    assert record.hedged and record.streamed and record.backend == "hedge-b"
