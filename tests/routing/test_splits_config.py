@@ -12,10 +12,16 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from rest_framework.test import APIClient
 
-from routing.core.traffic import HedgePolicy, ShadowPolicy, Split, SplitSide
+from routing.core.traffic import (
+    HedgePolicy,
+    ShadowPolicy,
+    Split,
+    SplitSide,
+    hash_point,
+)
 from routing.models import Alias, Hedging, Shadow, TrafficSplit
 from routing.snapshot import build_snapshot, build_state
-from tests.factories import StaffUserFactory
+from tests.factories import BackendFactory, BackendModelFactory, StaffUserFactory
 
 TOML = """
 [routing.aliases]
@@ -223,3 +229,22 @@ def test_an_alias_cannot_take_a_splits_name(
     )
     assert taken.status_code == 400
     assert "'chat' is a split" in str(taken.json())
+
+
+@pytest.mark.django_db
+def test_nexus_route_shows_the_side_a_key_lands_on(tmp_path: Path) -> None:
+    _import(tmp_path, TOML)
+    for name, model in (("a", "llama3:8b"), ("b", "qwen2.5:7b")):
+        BackendModelFactory(backend=BackendFactory(name=name), name=model)
+    split = build_snapshot().splits["chat"]
+    keys = {
+        split.side_at(hash_point("chat", f"nx-{n:08d}")): f"nx-{n:08d}"
+        for n in range(200)
+    }
+    for side, backend in (("llama3:8b", "a"), ("qwen2.5:7b", "b")):
+        out = StringIO()
+        call_command("nexus_route", "chat", "--key", keys[side], stdout=out)
+        assert out.getvalue().splitlines()[:2] == [
+            f"chat -> {backend}",
+            f"(split 'chat': side {side}, sticky per key)",
+        ]

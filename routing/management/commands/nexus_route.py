@@ -56,6 +56,12 @@ class Command(DatabaseCommand):
             "their explain API shows them).",
         )
         parser.add_argument("--session", help="A session id (x-session-id).")
+        parser.add_argument(
+            "--key",
+            default="",
+            help="A client key's visible prefix (nx-...): the side of a split "
+            "sticky per key that this key lands on (without it, a random side).",
+        )
         parser.add_argument("--explain", action="store_true")
         parser.add_argument(
             "--format",
@@ -91,7 +97,9 @@ class Command(DatabaseCommand):
             )
             keys, blocks = chain_keys(text, policy.block_chars)
             prefix = PrefixRequest(keys, blocks, options["session"], EmptyPrefixView())
-        decision = Router().explain(requirements, routes, LiveStats(), prefix)
+        decision = Router().explain(
+            requirements, routes, LiveStats(), prefix, split_key=options["key"]
+        )
         record = decision.as_dict()
         weights = describe_weights(routes.policy.weights)
         if options["format"] == "json":
