@@ -15,6 +15,7 @@ from io import StringIO
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -316,6 +317,31 @@ def test_a_streamed_answer_is_put_together_for_its_comparison(setup: Setup) -> N
     assert comparison.primary_finish == "stop"
     assert "stream this answer please" in comparison.shadow_answer
     assert 0.3 < comparison.similarity < 1.0
+
+
+def test_an_anthropic_clients_request_is_shadowed_as_a_chat(setup: Setup) -> None:
+    request_id = f"tr-{uuid.uuid4().hex[:16]}"
+    client = anthropic.Anthropic(
+        base_url=setup.server.base_url,
+        api_key=next(iter(setup.keys.values())),
+        max_retries=0,
+        default_headers={"x-request-id": request_id},
+    )
+    message = client.messages.create(
+        model=STREAMED,
+        max_tokens=64,
+        messages=[{"role": "user", "content": "from the messages API"}],
+    )
+    text = "".join(block.text for block in message.content if block.type == "text")
+
+    def stored() -> ShadowComparison | None:
+        with _blocker.unblock():
+            return ShadowComparison.objects.filter(request_id=request_id).first()
+
+    comparison = wait_until(stored, what="the Anthropic request's comparison")
+    assert comparison.primary_answer == text
+    assert "from the messages API" in comparison.shadow_answer
+    assert comparison.prompt == "from the messages API"
 
 
 def _wait_shadow_records(count: int) -> list[UsageRecord]:
