@@ -122,22 +122,24 @@ def export_traffic() -> list[str]:
             f"targets = {{ {weights} }}",
             f"sticky = {format_string(split.sticky)}",
         ]
-    lines += [
-        "",
-        "[routing.shadows]",
-        "# A share of a model's requests also sent to a shadow model, compared.",
-    ]
-    for shadow in Shadow.objects.order_by("model"):
-        lines += ["", f"[routing.shadows.{format_string(shadow.model)}]"]
-        lines += _settings(shadow, SHADOW_SETTINGS)
-    lines += [
-        "",
-        "[routing.hedging]",
-        "# A second attempt at the next backend when the first is slow to start.",
-    ]
-    for hedge in Hedging.objects.order_by("model"):
-        lines += ["", f"[routing.hedging.{format_string(hedge.model)}]"]
-        lines += _settings(hedge, HEDGE_SETTINGS)
+    for table, comment, rows, settings in (
+        (
+            "shadows",
+            "# A share of a model's requests also sent to a shadow model, compared.",
+            Shadow.objects.order_by("model"),
+            SHADOW_SETTINGS,
+        ),
+        (
+            "hedging",
+            "# A second attempt at the next backend when the first is slow to start.",
+            Hedging.objects.order_by("model"),
+            HEDGE_SETTINGS,
+        ),
+    ):
+        lines += ["", f"[routing.{table}]", comment]
+        for row in rows:
+            lines += ["", f"[routing.{table}.{format_string(row.model)}]"]
+            lines += _settings(row, settings)
     return lines
 
 
