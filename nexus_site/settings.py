@@ -237,6 +237,8 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    # An admin or API request's changes: one transaction, one history version.
+    "nexus_site.change_recording.ConfigHistoryMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     # Last, as django-axes requires: answers 429 to a locked-out login.
@@ -523,6 +525,9 @@ NEXUS_KEY_MAX_STREAMS = _bounded_int("NEXUS_KEY_MAX_STREAMS", 64, 0, 1_000_000)
 NEXUS_CONFIG_POLL_INTERVAL = _bounded_float(
     "NEXUS_CONFIG_POLL_INTERVAL", 1.0, 0.01, 3600
 )
+# Versions of the configuration history kept (docs/configuration.md); older
+# ones are deleted as new ones are recorded.
+NEXUS_CONFIG_HISTORY_KEEP = _bounded_int("NEXUS_CONFIG_HISTORY_KEEP", 500, 1, 1_000_000)
 # Override the stored routing policy ("" / None: keep it). An unknown strategy
 # means smart, with a warning (routing.core.policy.apply_overrides).
 NEXUS_ROUTING_STRATEGY = env.str("NEXUS_ROUTING_STRATEGY", default="").strip()

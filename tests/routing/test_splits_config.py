@@ -19,7 +19,7 @@ from routing.core.traffic import (
     SplitSide,
     hash_point,
 )
-from routing.models import Alias, Hedging, Shadow, TrafficSplit
+from routing.models import Alias, ConfigRevision, Hedging, Shadow, TrafficSplit
 from routing.snapshot import build_snapshot, build_state
 from tests.factories import BackendFactory, BackendModelFactory, StaffUserFactory
 
@@ -248,3 +248,40 @@ def test_nexus_route_shows_the_side_a_key_lands_on(tmp_path: Path) -> None:
             f"chat -> {backend}",
             f"(split 'chat': side {side}, sticky per key)",
         ]
+
+
+@pytest.mark.django_db
+def test_the_history_records_and_reverts_splits_shadows_and_hedging(
+    tmp_path: Path,
+) -> None:
+    _import(tmp_path, TOML)
+    start = ConfigRevision.objects.order_by("-number").first()
+    assert start is not None and '[routing.splits."chat"]' in start.snapshot
+    api = APIClient()
+    api.force_authenticate(StaffUserFactory())
+    split = TrafficSplit.objects.get(name="chat")
+    patched = api.patch(
+        f"/api/v1/splits/{split.pk}",
+        {"targets": {"llama3:8b": 50, "qwen2.5:7b": 50}},
+        format="json",
+    )
+    assert patched.status_code == 200
+    hedge = Hedging.objects.get(model="qwen2.5:7b")
+    assert api.delete(f"/api/v1/hedging/{hedge.pk}").status_code == 204
+    versions = list(
+        ConfigRevision.objects.filter(number__gt=start.number).order_by("number")
+    )
+    assert len(versions) == 2
+    assert versions[0].diff == [
+        {
+            "path": ["routing", "splits", "chat", "targets", model],
+            "change": "changed",
+            "before": before,
+            "after": 50,
+        }
+        for model, before in (("llama3:8b", 90), ("qwen2.5:7b", 10))
+    ]
+    assert versions[1].diff[0]["path"] == ["routing", "hedging", "qwen2.5:7b"]
+    assert versions[1].diff[0]["change"] == "removed"
+    call_command("nexus_config_revert", str(start.number), stdout=StringIO())
+    assert _export() == start.snapshot

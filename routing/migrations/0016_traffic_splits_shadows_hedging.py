@@ -8,7 +8,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('routing', '0014_response_cache'),
+        ('routing', '0015_config_history'),
     ]
 
     operations = [
