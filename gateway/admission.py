@@ -450,6 +450,7 @@ class AdmissionGate:
             model not in routes.routes
             and target is None
             and model not in routes.fallbacks
+            and model not in routes.splits
         ):
             pattern = routes.alias_pattern_for(model)
             if pattern is None:

@@ -97,3 +97,7 @@ class Exchange(Generic[CallT, MeterT]):
     cache_hit: bool = False
     # The request's spans while traces are on (gateway/tracing/); None when off.
     trace: RequestTrace | None = None
+    # A second attempt raced the first (gateway/proxy/hedging.py); the
+    # backends it went to, winner first once one won.
+    hedged: bool = False
+    hedge_backends: tuple[str, ...] = ()

@@ -46,6 +46,7 @@ from gateway.prefix import PrefixIndex
 from gateway.relay.dispatch import LOAD_GROUP, RelayHub
 from gateway.relay.heartbeats import HeartbeatClock
 from gateway.relay.limits import RelayGuard
+from gateway.shadow_store import ShadowComparisons
 from gateway.tracing import Tracing
 from nexus_lib.groups import listen_to_group
 from nexus_lib.service import (
@@ -57,6 +58,7 @@ from nexus_lib.service import (
 )
 from nexus_worker import protocol
 from routing.core import Health, LiveStats, Router, RouterSnapshot
+from routing.shadow_store import save_comparisons
 from routing.snapshot import build_state
 from routing.state import GatewayState
 from routing.versioning import read_config_version
@@ -311,6 +313,10 @@ class Gateway:
             admission_changes=lambda: self.admission.controller.counts.events,
         )
         self.publisher = UsagePublisher(self.live_usage)
+        # Shadow requests' comparisons, stored off the request path.
+        self.shadow_comparisons = ShadowComparisons(
+            database_sync_to_async(save_comparisons)
+        )
         self.fleet = FleetScheduler(
             self.stats,
             self.metrics,
@@ -390,6 +396,7 @@ class Gateway:
             self.limiter,
             self.cache,
             self.usage_sink,
+            self.shadow_comparisons,
             self.open_requests,
             self.breaker,
             self.error_cache,

@@ -31,6 +31,10 @@ request whose body holds that text fails with ``fail_status``),
 ``drop_after_chunks`` (send K chunks of a stream then close the connection
 without ending the chunked body),
 ``record_requests`` (how many recent requests the stats keep),
+``slow_rate`` + ``slow_ms`` (that fraction of inference requests, from the
+``seed``-ed RNG, waits ``slow_ms`` more before its head: a tail of slow first
+bytes; counted as ``slow_requests``; a client that leaves meanwhile is
+counted in ``client_disconnects``),
 ``prefix_block_chars`` + ``prefix_cache_blocks`` + ``prefix_block_ms`` (a prompt
 cache, ``nexus_mock.prefix_cache``: the prompt's leading blocks computed lately
 cost nothing, the others ``prefix_block_ms`` each, in the request's slot;

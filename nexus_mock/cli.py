@@ -45,6 +45,8 @@ _KNOB_OPTIONS = (
     "prefix_block_chars",
     "prefix_cache_blocks",
     "prefix_block_ms",
+    "slow_rate",
+    "slow_ms",
 )
 
 
@@ -201,6 +203,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefix-block-ms",
         type=float,
         help="Time to compute one prompt block not in the cache (default 0).",
+    )
+    parser.add_argument(
+        "--slow-rate",
+        type=float,
+        help="Fraction of inference requests whose head waits --slow-ms more "
+        "(a tail of slow first bytes; default 0).",
+    )
+    parser.add_argument(
+        "--slow-ms", type=float, help="The slow requests' extra delay (default 0)."
     )
     parser.add_argument(
         "--record-requests",

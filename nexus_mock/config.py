@@ -95,6 +95,10 @@ class MockConfig:
     prefix_block_chars: int = 0
     prefix_cache_blocks: int = 1024
     prefix_block_ms: float = 0.0
+    # A tail of slow first bytes: that fraction of inference requests (drawn
+    # from a ``seed``-ed RNG) waits ``slow_ms`` more before its response head.
+    slow_rate: float = 0.0
+    slow_ms: float = 0.0
 
     @property
     def has_memory(self) -> bool:
@@ -321,4 +325,6 @@ _VALIDATORS: dict[str, Callable[[str, Any], Any]] = {
     "prefix_block_chars": _int_knob(0, 1_000_000),
     "prefix_cache_blocks": _int_knob(1, 10_000_000),
     "prefix_block_ms": _float_knob(0, 3_600_000),
+    "slow_rate": _float_knob(0, 1),
+    "slow_ms": _float_knob(0, 3_600_000),
 }

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import random
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -192,6 +193,14 @@ class MockBackend:
         memory = self.memory
         # A prompt's prefill: its tokens estimated as the body's bytes / 4.
         prompt_seconds = config.prefill_ms_per_1k_tokens * len(request.body) / 4e6
+        if (
+            config.slow_rate > 0
+            and status == 200
+            and request.path in _SLOTTED_PATHS
+            and self._slow_rng.random() < config.slow_rate
+        ):
+            stats.slow_requests += 1
+            prompt_seconds += config.slow_ms / 1000
         prefill: float | Callable[[], float] = prompt_seconds
         if (
             config.prefix_block_chars
@@ -515,6 +524,8 @@ class MockBackend:
             )
         self._headers: list[Header] = [("X-Mock-Backend", config.name)]
         self._answers.configure(config, reseed=reseed)
+        if reseed or not hasattr(self, "_slow_rng"):
+            self._slow_rng = random.Random(config.seed)
 
     def describe_config(self) -> dict[str, Any]:
         """Return the effective configuration, and whether connections are taken."""

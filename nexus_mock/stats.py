@@ -42,6 +42,8 @@ class MockStats:
     dropped_streams: int = 0
     injected_failures: int = 0
     context_overflows: int = 0
+    # Inference requests given the slow tail's extra delay (slow_rate).
+    slow_requests: int = 0
     blob_bytes: int = 0  # of Ollama model files received (/api/blobs)
     recorded: deque[RecordedRequest] = field(default_factory=deque)
     in_flight: int = 0
@@ -74,6 +76,7 @@ class MockStats:
         self.dropped_streams = 0
         self.injected_failures = 0
         self.context_overflows = 0
+        self.slow_requests = 0
         self.blob_bytes = 0
         self.peak_busy_slots = self.busy_slots
         self.peak_waiting_for_slot = self.waiting_for_slot
@@ -92,6 +95,7 @@ class MockStats:
             "dropped_streams": self.dropped_streams,
             "injected_failures": self.injected_failures,
             "context_overflows": self.context_overflows,
+            "slow_requests": self.slow_requests,
             "blob_bytes": self.blob_bytes,
             "busy_slots": self.busy_slots,
             "waiting_for_slot": self.waiting_for_slot,

@@ -389,3 +389,7 @@ class RoutingPolicyAdmin(RoutingPolicyAdminBase):
                 args=(policy.pk,),
             )
         )
+
+
+# Splits, shadows and hedging have their own module.
+from routing import traffic_admin  # noqa: F401

@@ -40,6 +40,11 @@ def render_decision(
         if via and via != "direct":
             route += f" serving {chosen['model']} (via {via})"
         lines.append(route)
+    split = decision.get("split")
+    if split is not None:
+        lines.append(
+            f"(split '{split['split']}': side {split['side']}, sticky per {split['sticky']})"
+        )
     pattern = decision.get("alias_pattern")
     if pattern is not None:
         lines.append(f"(the alias pattern '{pattern}' covers this name)")

@@ -120,6 +120,10 @@ class Alias(models.Model):
                     "cannot become an alias too."
                 }
             )
+        if TrafficSplit.objects.filter(name=self.name).exists():
+            raise ValidationError(
+                {"name": f"'{self.name}' is a split; an alias needs a name of its own."}
+            )
         if ChainStep.objects.filter(model=self.name, chain__model=self.target).exists():
             raise ValidationError(
                 {
@@ -829,3 +833,27 @@ class ConfigRevision(models.Model):
 
     def __str__(self) -> str:
         return f"Version {self.number}"
+
+
+# Splits, shadows and hedging live in their own module.
+from routing.traffic import (
+    Hedging,
+    Shadow,
+    ShadowComparison,
+    SplitTarget,
+    TrafficSplit,
+)
+
+__all__ = [
+    "Alias",
+    "ChainStep",
+    "ConfigRevision",
+    "ConfigVersion",
+    "FallbackChain",
+    "Hedging",
+    "RoutingPolicy",
+    "Shadow",
+    "ShadowComparison",
+    "SplitTarget",
+    "TrafficSplit",
+]

@@ -16,7 +16,16 @@ from django.dispatch import receiver
 
 from backends.models import Backend, BackendModel, Worker
 from backends.signals import backends_changed
-from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
+from routing.models import (
+    Alias,
+    ChainStep,
+    FallbackChain,
+    Hedging,
+    RoutingPolicy,
+    Shadow,
+    SplitTarget,
+    TrafficSplit,
+)
 from routing.versioning import mark_config_changed
 from usage.models import ApiKey, ModelPrice
 from usage.signals import api_keys_changed
@@ -30,6 +39,10 @@ GATEWAY_MODELS: tuple[type[Model], ...] = (
     FallbackChain,
     ChainStep,
     RoutingPolicy,
+    TrafficSplit,
+    SplitTarget,
+    Shadow,
+    Hedging,
     ApiKey,
     ModelPrice,
     Worker,  # where a relay worker's socket is (GatewayState.relay_channels)

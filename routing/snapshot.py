@@ -30,7 +30,15 @@ from routing.core import (
     apply_overrides,
     make_policy,
 )
-from routing.models import Alias, FallbackChain, RoutingPolicy
+from routing.core.traffic import HedgePolicy, Split
+from routing.models import (
+    Alias,
+    FallbackChain,
+    Hedging,
+    RoutingPolicy,
+    Shadow,
+    TrafficSplit,
+)
 from routing.state import GatewayState, KeyAdmission
 from routing.versioning import read_config_version
 from usage.limits.policy import KeyPolicy, Price, resolve_prices
@@ -59,6 +67,7 @@ def build_snapshot() -> RouterSnapshot:
             for chain in FallbackChain.objects.prefetch_related("steps")
         }
         stored = RoutingPolicy.objects.filter(pk=RoutingPolicy.SINGLETON_PK).first()
+        splits = _splits()
     policy = _policy(stored) if stored is not None else Policy()
     return RouterSnapshot.build(
         version=version,
@@ -67,7 +76,19 @@ def build_snapshot() -> RouterSnapshot:
         fallbacks=fallbacks,
         policy=apply_overrides(policy, read_policy_overrides()),
         expires_at=_first_expiry(rows, now),
+        splits=splits,
     )
+
+
+def _splits() -> list[Split]:
+    splits = []
+    for row in TrafficSplit.objects.prefetch_related("targets"):
+        try:
+            splits.append(row.as_split())
+        except ValueError as error:
+            # Only rows edited around the models' validation get here.
+            logger.error("Split %r is ignored: %s", row.name, error)
+    return splits
 
 
 def _first_expiry(backends: list[Backend], now: datetime) -> float | None:
@@ -252,6 +273,8 @@ def build_state() -> GatewayState:
         }
         spend = read_budget_spend()
         policy = RoutingPolicy.objects.filter(pk=RoutingPolicy.SINGLETON_PK).first()
+        shadows = {row.model: row.as_policy() for row in Shadow.objects.all()}
+        hedging = {row.model: _hedge(row) for row in Hedging.objects.all()}
         relay_channels = dict(
             Worker.objects.exclude(channel_name="")
             .filter(backend__isnull=False)
@@ -288,7 +311,19 @@ def build_state() -> GatewayState:
         ),
         spend=MappingProxyType(spend),
         relay_channels=MappingProxyType(relay_channels),
+        shadows=MappingProxyType(shadows),
+        hedging=MappingProxyType(
+            {model: hedge for model, hedge in hedging.items() if hedge is not None}
+        ),
     )
+
+
+def _hedge(row: Hedging) -> HedgePolicy | None:
+    try:
+        return row.as_policy()
+    except ValueError as error:
+        logger.error("Hedging of %r is ignored: %s", row.model, error)
+        return None
 
 
 def key_policy(key: ApiKey) -> KeyPolicy:

@@ -13,6 +13,7 @@ from types import MappingProxyType
 
 from routing.admission import AdmissionSettings, Criticality
 from routing.core import RouterSnapshot
+from routing.core.traffic import HedgePolicy, ShadowPolicy
 from usage.limits.policy import KeyPolicy, Price
 
 
@@ -53,6 +54,15 @@ class GatewayState:
     # Relay backend name -> the channel of the consumer holding its worker's
     # socket (connected workers only; gateway/relay/dispatch.py).
     relay_channels: Mapping[str, str] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    # Served model -> its shadow ([routing.shadows]; gateway/shadows.py).
+    shadows: Mapping[str, ShadowPolicy] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    # Served model -> when its requests are hedged ([routing.hedging];
+    # gateway/proxy/hedging.py). Empty: hedging costs nothing.
+    hedging: Mapping[str, HedgePolicy] = field(
         default_factory=lambda: MappingProxyType({})
     )
 

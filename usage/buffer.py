@@ -23,6 +23,7 @@ import operator
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -105,10 +106,26 @@ class UsageEvent:
     # Answered from the response cache (gateway/cache/): its tokens are the
     # stored answer's, saved rather than spent (cost: the hit price, if any).
     cache_hit: bool = False
+    # The split the requested name is and the side (model) the request was
+    # put on (routing.core.traffic); "" for a name that is no split.
+    split: str = ""
+    split_side: str = ""
+    # A second attempt raced the first (gateway/proxy/hedging.py).
+    hedged: bool = False
+    # The routing decision as compact JSON (the explain of a past request
+    # reads it: routing/past_requests.py), or a function that writes it: the
+    # gateway leaves that work to whoever hands the event on, off the
+    # request path (decision_text()).
+    decision: str | Callable[[], str] = ""
 
     @property
     def is_error(self) -> bool:
         return bool(self.error) or self.status >= 400
+
+    def decision_text(self) -> str:
+        """The decision as JSON ("" for none), written now if it was deferred."""
+        decision = self.decision
+        return decision if isinstance(decision, str) else decision()
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +222,7 @@ class UsageBuffer:
 
 _FIELDS = tuple(field.name for field in dataclasses.fields(UsageEvent))
 _values_of = operator.attrgetter(*_FIELDS)
+_DECISION = _FIELDS.index("decision")
 _OPEN_FIELDS = tuple(field.name for field in dataclasses.fields(UsageOpen))
 _open_values_of = operator.attrgetter(*_OPEN_FIELDS)
 
@@ -218,7 +236,14 @@ def encode_events(items: list[UsageItem]) -> bytes:
     events, opens, beats = [], [], []
     for item in items:
         if isinstance(item, UsageEvent):
-            events.append(_values_of(item))
+            values = _values_of(item)
+            if not isinstance(item.decision, str):
+                values = (
+                    *values[:_DECISION],
+                    item.decision_text(),
+                    *values[_DECISION + 1 :],
+                )
+            events.append(values)
         elif isinstance(item, UsageOpen):
             opens.append(_open_values_of(item))
         else:

@@ -350,7 +350,15 @@ def _to_record(event: UsageEvent) -> UsageRecord:
         cache_read_tokens=_count(event.cache_read_tokens),
         cache_write_tokens=_count(event.cache_write_tokens),
         cache_hit=bool(event.cache_hit),
+        split=_clip("split", event.split),
+        split_side=_clip("split_side", event.split_side),
+        hedged=bool(event.hedged),
+        decision=storable_text(event.decision_text()[:DECISION_CHARS]),
     )
+
+
+# The decision kept with a record: the explain of a past request reads it.
+DECISION_CHARS = 16_384
 
 
 def _clip(field: str, value: str) -> str:

@@ -12,6 +12,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET
 
 from usage.models import COUNTER_FIELDS, KeySpend, UsageBucket, add_derived_fields
+from usage.split_report import split_report
 
 PROMPT_CACHE_ROWS = 20
 # range name -> (how far back, width of one chart point)
@@ -87,8 +88,9 @@ def build_history(range_name: str, *, now: datetime | None = None) -> HistoryDic
 def dashboard(request: HttpRequest) -> HttpResponse:
     """The live dashboard page; its script does the rest.
 
-    Spend per key (this UTC month, from the rolled-up usage) and the response
-    cache's hits per model (the last 24 hours) are rendered with the page.
+    Spend per key (this UTC month, from the rolled-up usage), the response
+    cache's hits per model and the splits' sides compared (the last 24 hours)
+    are rendered with the page.
     """
     month_start = timezone.now().astimezone(UTC).date().replace(day=1)
     spenders = KeySpend.objects.filter(day__gte=month_start).top_spenders()
@@ -106,6 +108,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
             "prompt_cache": prompt_cache_rows(month_start),
             "cache_totals": cache_totals,
             "cache_rows": cache_rows,
+            "split_sides": split_report(timezone.now() - timedelta(days=1)),
         },
     )
 

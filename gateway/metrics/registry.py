@@ -27,6 +27,7 @@ from gateway.metrics.buckets import LATENCY_BUCKETS, TTFB_BUCKETS
 from gateway.metrics.fleet import FleetMetrics
 from gateway.metrics.prefix import PrefixMetrics
 from gateway.metrics.restarts import restarts_collector
+from gateway.metrics.traffic import TrafficMetrics
 
 UNKNOWN = "unknown"
 
@@ -36,7 +37,7 @@ def is_multiprocess() -> bool:
     return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
 
-class GatewayMetrics(AdmissionMetrics, FleetMetrics, PrefixMetrics):
+class GatewayMetrics(AdmissionMetrics, FleetMetrics, PrefixMetrics, TrafficMetrics):
     """The metrics of one serving process (a registry of its own)."""
 
     def __init__(self, *, per_key: bool = False) -> None:
@@ -117,6 +118,7 @@ class GatewayMetrics(AdmissionMetrics, FleetMetrics, PrefixMetrics):
         self._add_admission_metrics(registry)
         self._add_fleet_metrics(registry)
         self._add_prefix_metrics(registry)
+        self._add_traffic_metrics(registry)
         # The launcher's restart counts (read from its file at each scrape).
         self._restarts = restarts_collector()
         if self._restarts is not None and not is_multiprocess():

@@ -13,8 +13,10 @@ killed mid-request leaves a record of what it had started (usage/lost.py).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from functools import partial
 from typing import Any
 
 from gateway.exchange import Exchange
@@ -22,7 +24,7 @@ from gateway.metrics import UNKNOWN, GatewayMetrics
 from gateway.protocols.prompt_cache import cache_counts
 from gateway.proxy.errors import ProxyError
 from gateway.proxy.legs import ProxyExchange
-from routing.core import LiveStats
+from routing.core import Decision, LiveStats
 from routing.core.fleet import observe_decoding
 from routing.state import GatewayState
 from usage.buffer import UsageBuffer, UsageEvent, UsageOpen, new_event_id, process_id
@@ -123,6 +125,7 @@ class Accounting:
             cache_read_tokens=read,
             cache_write_tokens=written,
             cache_hit=exchange.cache_hit,
+            **_route_fields(exchange),
         )
         self.buffer.append(event)
         model = _model_label(exchange)
@@ -279,11 +282,44 @@ def _model_label(exchange: ProxyExchange) -> str:
     return _known_model(state, exchange.requested_model)
 
 
+def _route_fields(exchange: ProxyExchange) -> dict[str, Any]:
+    """The split side, hedging and the decision, for the usage event.
+
+    The decision is written to JSON later, by whoever hands the event on
+    (usage/buffer.py): only references are taken here.
+    """
+    route = exchange.route
+    decision = route.decision if route is not None else None
+    if decision is None:
+        return {"decision": _CACHE_HIT} if exchange.cache_hit else {}
+    split = decision.split
+    facts = {
+        "served_by": exchange.backend,
+        "retries": exchange.retries,
+        "hedged": exchange.hedged,
+        "hedge_backends": list(exchange.hedge_backends),
+        "cache_hit": exchange.cache_hit,
+    }
+    return {
+        "split": split.split if split is not None else "",
+        "split_side": split.side if split is not None else "",
+        "hedged": exchange.hedged,
+        "decision": partial(_decision_json, decision, facts),
+    }
+
+
+_CACHE_HIT = '{"cache_hit":true}'
+
+
+def _decision_json(decision: Decision, facts: dict[str, Any]) -> str:
+    return json.dumps(decision.summary() | facts, separators=(",", ":"), default=str)
+
+
 def _known_model(state: GatewayState, model: str) -> str:
     """The model's name if the configuration knows it (the pattern alias
     covering it, for a name only a pattern knows), else "unknown"."""
     routes = state.routes
-    if model in routes.routes or model in routes.aliases:
+    if model in routes.routes or model in routes.aliases or model in routes.splits:
         return model
     # A name a pattern alias covers is counted under the pattern: clients
     # choose those names, the operator chooses the patterns.

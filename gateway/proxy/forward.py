@@ -21,7 +21,7 @@ from gateway.context_limits import ContextLimits
 from gateway.error_cache import ErrorCache
 from gateway.fleet.scheduler import FleetScheduler, Placement
 from gateway.metrics import GatewayMetrics
-from gateway.proxy import checks, sse, traces
+from gateway.proxy import checks, hedging, sse, traces
 from gateway.proxy.context_shift import RequestShift, overflow_possible
 from gateway.proxy.errors import ProxyError
 from gateway.proxy.legs import Call, Leg, ProxyExchange, Unservable, openai_call
@@ -69,6 +69,8 @@ class Upstream:
     error_cache: ErrorCache = field(
         default_factory=lambda: ErrorCache(stats=LiveStats(), seconds=0)
     )
+    # Hedged models' recent first-byte times (their p95 delays a hedge).
+    first_bytes: hedging.FirstByteTimes = field(default_factory=hedging.FirstByteTimes)
 
 
 async def forward(
@@ -95,29 +97,24 @@ async def forward(
     targets = (route.target, *route.retry_targets)
     last = len(targets) - 1
     handed = route.lease if isinstance(route, Placement) else None
+    hedge = hedging.plan_hedge(exchange, route.target, upstream.first_bytes)
     for position, target in enumerate(targets):
         if position == 1 and handed is not None:  # the first target was skipped
             _drop_lease(upstream, route.target, handed)
             handed = None
-        backend = target.backend
-        try:
-            leg = tries.leg_for(target)
-        except Unservable as error:
-            tries.failures.append(f"{backend.name}: {error}")
+        if tries.race is not None and target.backend.name in tries.race.tried:
+            continue  # raced already, and failed
+        prepared = await tries.prepare(target, position, handed)
+        if prepared is None:
             continue
-        if not tries.may_try(target, position):
-            continue
-        lease, handed = handed, None  # the first target's slot, if handed over
-        if lease is None and backend.max_concurrency and upstream.limiter.shared:
-            # Gateway-wide: the other serving processes' requests count too.
-            lease = await upstream.limiter.acquire_backend(
-                backend.name, backend.capacity
-            )
-            if lease is None:
-                upstream.stats.end(backend.name, target.model.name)
-                tries.failures.append(f"{backend.name}: at max concurrency")
-                continue
-        if await tries.attempt(target, leg, lease, position == last):
+        handed = None  # the first target's slot, if handed over, is its lease
+        if position == 0 and hedge is not None:
+            # The first attempt, with extra ones at the next targets when it
+            # is slow to produce a byte (gateway/proxy/hedging.py).
+            answered = await tries.hedged(hedge, target, *prepared, targets[1:])
+        else:
+            answered = await tries.attempt(target, *prepared, position == last)
+        if answered:
             return
     if handed is not None:
         _drop_lease(upstream, route.target, handed)
@@ -134,6 +131,7 @@ class _Tries:
         "failures",
         "fault",
         "held",
+        "race",
         "send",
         "session",
         "shift",
@@ -159,6 +157,7 @@ class _Tries:
         # whether it was the backend's (counted then) or the input's.
         self.held = ""
         self.shift = RequestShift.of(exchange, upstream.context_limits)
+        self.race: hedging.Race | None = None
 
     def leg_for(self, target: Target) -> Leg | None:
         """Return the Leg to this backend, None for OpenAI to OpenAI as it is.
@@ -177,6 +176,53 @@ class _Tries:
         state = self.exchange.state
         breakpoints = state is not None and state.anthropic_auto_breakpoints
         return Leg(call, adapter, target, self.exchange.request_id, breakpoints)
+
+    async def prepare(
+        self, target: Target, position: int, lease: str | None = None
+    ) -> tuple[Leg | None, str | None] | None:
+        """The leg and slot lease to try this backend with; None (the reason
+        noted) when it cannot be tried. Counts it in flight when it can."""
+        backend = target.backend
+        try:
+            leg = self.leg_for(target)
+        except Unservable as error:
+            self.failures.append(f"{backend.name}: {error}")
+            return None
+        if not self.may_try(target, position):
+            return None
+        upstream = self.upstream
+        if lease is None and backend.max_concurrency and upstream.limiter.shared:
+            # Gateway-wide: the other serving processes' requests count too.
+            lease = await upstream.limiter.acquire_backend(
+                backend.name, backend.capacity
+            )
+            if lease is None:
+                upstream.stats.end(backend.name, target.model.name)
+                self.failures.append(f"{backend.name}: at max concurrency")
+                return None
+        return leg, lease
+
+    async def hedged(
+        self,
+        plan: hedging.HedgePlan,
+        target: Target,
+        leg: Leg | None,
+        lease: str | None,
+        spares: tuple[Target, ...],
+    ) -> bool:
+        """The first attempt, raced by extra ones while it has no byte."""
+        upstream = self.upstream
+        self.race = hedging.Race(self.exchange, upstream.metrics, upstream.first_bytes)
+
+        async def attempt(spare: Target, leg: Leg | None, lease: str | None) -> bool:
+            return await self.attempt(spare, leg, lease, False)
+
+        async def prepare(spare: Target) -> tuple[Leg | None, str | None] | None:
+            return await self.prepare(spare, 1)
+
+        return await hedging.race(
+            plan, self.race, (target, leg, lease), spares, attempt, prepare
+        )
 
     def may_try(self, target: Target, position: int) -> bool:
         """Count the request in flight at this backend, if it may take it."""
@@ -412,6 +458,8 @@ class _Tries:
         except checks.UpstreamFault as fault:
             self._failed(backend.name, fault.detail, fault=fault.code)
             return False
+        if self.race is not None and not self.race.claim():
+            return False  # another attempt produced its first byte first
         answer = self._answered(target, response)
         if relay is not None:
             await answer.stream(response, relay, first)
@@ -426,7 +474,13 @@ class _Tries:
         leg: Leg,
         read: bytes | None = None,
     ) -> bool:
-        """Judge a leg's answer and relay it; False if it is a fault."""
+        """Judge a leg's answer and relay it; False if it is a fault.
+
+        In a hedge race a leg wins at its response head (its stream's first
+        pieces are translated into the request's shared state).
+        """
+        if self.race is not None and not self.race.claim():
+            return False
         exchange, limits = self.exchange, self.upstream.client.limits
         backend = target.backend
         stream = None

@@ -158,6 +158,17 @@ class ModelsList:
                     "created": created,
                     "owned_by": f"alias:{target}",
                 }
+        # Splits of which some side routes; owned_by names the sides.
+        for name, split in sorted(snapshot.splits.items()):
+            if name not in entries and any(
+                model in entries for model in snapshot.models_for(name)
+            ):
+                entries[name] = {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "split:" + ",".join(s.model for s in split.sides),
+                }
         # Ensembles of the models listed above (ensemble.listed_ensembles).
         bases = {
             moe: base

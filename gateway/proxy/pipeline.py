@@ -31,6 +31,7 @@ from gateway.proxy.errors import ProxyError, bad_request, routing_error
 from gateway.proxy.forward import Upstream, forward
 from gateway.proxy.legs import ProxyExchange
 from gateway.proxy.relays import Send
+from gateway.proxy.shadows import Shadows
 from routing.admission import AdmissionError
 from routing.admission.vocabulary import Outcome
 from routing.core import RequestRequirements, Route, RouterSnapshot, RoutingError
@@ -63,6 +64,7 @@ class Pipeline:
         self.streams = limits.StreamCap(gateway.config.max_streams_per_key)
         self.ensembles = Ensembles(gateway, upstream, accounting)
         self.cached = CachedAnswers(gateway)
+        self.shadows = Shadows(gateway, upstream, accounting)
 
     async def serve(
         self,
@@ -174,7 +176,10 @@ class Pipeline:
                 placed = await fleet.take_slot(route, routes)
             except FleetRefusal as error:
                 raise _fleet_error(error, exchange) from None
+            shadow = self.shadows.pick(exchange, state, route.target.model.name)
             await forward(self.upstream, exchange, placed, send)
+            if shadow is not None:
+                self.shadows.launch(shadow, exchange)
         except asyncio.CancelledError:
             if not exchange.client_gone:
                 raise
@@ -228,7 +233,7 @@ class Pipeline:
         prefix: PrefixRequest | None,
     ) -> Awaitable[tuple[Route, RouterSnapshot]]:
         """Route the request (``_route``), in a span of its own when traced."""
-        routing = self._route(state, requirements, prefix)
+        routing = self._route(state, requirements, prefix, exchange.key_prefix)
         trace = exchange.trace
         return routing if trace is None else traces.route(trace, routing)
 
@@ -237,6 +242,7 @@ class Pipeline:
         state: GatewayState,
         requirements: RequestRequirements,
         prefix: PrefixRequest | None = None,
+        split_key: str = "",
     ) -> tuple[Route, RouterSnapshot]:
         """Route the request, holding it first when its model has no backend.
 
@@ -251,7 +257,7 @@ class Pipeline:
         router, stats, fleet = gateway.router, gateway.stats, gateway.fleet
         routes = state.routes
         try:
-            route = router.select(requirements, routes, stats, prefix)
+            route = router.select(requirements, routes, stats, prefix, split_key)
         except RoutingError as error:
             if not fleet.should_hold(error.decision, routes):
                 raise routing_error(error) from error
@@ -261,7 +267,7 @@ class Pipeline:
 
         def route_primary(now: RouterSnapshot) -> tuple[Route, RouterSnapshot] | None:
             try:
-                found = router.select(requirements, now, stats, prefix)
+                found = router.select(requirements, now, stats, prefix, split_key)
             except RoutingError:
                 return None
             return None if found.decision.via == Via.FALLBACK else (found, now)
@@ -272,7 +278,10 @@ class Pipeline:
         latest = gateway.snapshots.peek()
         routes = routes if latest is None else latest.routes
         try:
-            return router.select(requirements, routes, stats, prefix), routes
+            return (
+                router.select(requirements, routes, stats, prefix, split_key),
+                routes,
+            )
         except RoutingError as error:
             raise routing_error(error) from error
 

@@ -341,4 +341,8 @@ class EffectiveConfigSerializer(serializers.Serializer[Any]):
     fallbacks = serializers.DictField(
         child=serializers.ListField(child=serializers.CharField())
     )
+    splits = serializers.DictField(
+        child=serializers.DictField(),
+        help_text='Weighted splits: name -> {"sticky", "targets": {model: weight}}.',
+    )
     alias_problems = serializers.ListField(child=serializers.CharField())

@@ -10,16 +10,21 @@ from routing.api.history import (
     ConfigVersionListView,
     ConfigVersionRevertView,
 )
+from routing.api.traffic import HedgingViewSet, ShadowViewSet, TrafficSplitViewSet
 from routing.api.views import (
     AliasViewSet,
     EffectiveConfigView,
     FallbackChainViewSet,
+    PastRequestExplainView,
     RoutingPolicyView,
 )
 
 router = SimpleRouter(trailing_slash=False)
 router.register("aliases", AliasViewSet, basename="alias")
 router.register("fallback-chains", FallbackChainViewSet, basename="fallback-chain")
+router.register("splits", TrafficSplitViewSet, basename="split")
+router.register("shadows", ShadowViewSet, basename="shadow")
+router.register("hedging", HedgingViewSet, basename="hedging")
 
 urlpatterns = [
     path("policy", RoutingPolicyView.as_view(), name="routing-policy"),
@@ -40,6 +45,11 @@ urlpatterns = [
         "config/versions/<int:number>/revert",
         ConfigVersionRevertView.as_view(),
         name="config-version-revert",
+    ),
+    path(
+        "requests/<str:request_id>/explain",
+        PastRequestExplainView.as_view(),
+        name="request-explain",
     ),
     *router.urls,
 ]

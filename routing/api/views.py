@@ -3,6 +3,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
 from rest_framework import generics, viewsets
 from rest_framework.permissions import IsAdminUser
@@ -17,6 +18,7 @@ from routing.api.serializers import (
     RoutingPolicySerializer,
 )
 from routing.models import Alias, FallbackChain, RoutingPolicy
+from routing.past_requests import explain_request
 from routing.snapshot import build_snapshot, read_policy_overrides
 
 
@@ -60,7 +62,7 @@ class RoutingPolicyView(generics.RetrieveUpdateAPIView[RoutingPolicy]):
 class EffectiveConfigView(APIView):
     """The configuration the router uses, read now, with secrets left out.
 
-    Stored backends, models, aliases, fallback chains and policy, with the
+    Stored backends, models, aliases, fallback chains, splits and policy, with the
     NEXUS_ROUTING_* environment overrides of this process applied.
     """
 
@@ -88,6 +90,36 @@ class EffectiveConfigView(APIView):
             "fallbacks": {
                 model: list(steps) for model, steps in snapshot.fallbacks.items()
             },
+            "splits": {
+                name: {
+                    "sticky": split.sticky,
+                    "targets": {side.model: side.weight for side in split.sides},
+                }
+                for name, split in snapshot.splits.items()
+            },
             "alias_problems": list(snapshot.alias_problems),
         }
         return Response(EffectiveConfigSerializer(config).data)
+
+
+class PastRequestExplainView(APIView):
+    """How a request already served was routed, from its usage record.
+
+    A list (a client may reuse an id), newest first: the served model and
+    backend, status, latency and tokens, the split side, whether it was
+    hedged or answered from the cache, and the decision as recorded then
+    (candidates with their scores, exclusions, retry order). 404 when no
+    usage record has that id (usage is recorded within seconds, and kept
+    NEXUS_USAGE_RECORD_RETENTION_HOURS).
+    """
+
+    permission_classes = (IsAdminUser,)
+
+    @extend_schema(responses=OpenApiTypes.OBJECT)
+    def get(self, request: Request, request_id: str) -> Response:
+        found = explain_request(request_id)
+        if not found:
+            return Response(
+                {"detail": f"No served request with id '{request_id}'."}, status=404
+            )
+        return Response({"request_id": request_id, "requests": found})

@@ -23,6 +23,7 @@ from routing.config_file.schema import (
     Setting,
     get_field_default,
 )
+from routing.config_file.traffic_tables import export_traffic
 from routing.models import Alias, FallbackChain, RoutingPolicy, Strategy
 from usage.models import ApiKey, ModelPrice
 
@@ -130,6 +131,8 @@ def export_config() -> str:
     for chain in chains:
         fallbacks = ", ".join(format_string(name) for name in chain.fallback_models)
         lines.append(f"{format_string(chain.model)} = [{fallbacks}]")
+
+    lines += export_traffic()
 
     lines += [
         "",

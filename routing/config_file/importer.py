@@ -10,6 +10,7 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, models, transaction
 
 from backends.models import Backend, BackendKind, BackendModel
+from routing.config_file import traffic_tables
 from routing.config_file.literals import format_string
 from routing.config_file.problems import ConfigError, describe_validation_error
 from routing.config_file.schema import (
@@ -26,7 +27,14 @@ from routing.config_file.schema import (
     KeyEntry,
     get_field_default,
 )
-from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
+from routing.models import (
+    Alias,
+    ChainStep,
+    FallbackChain,
+    Hedging,
+    RoutingPolicy,
+    Shadow,
+)
 from usage.models import ApiKey, ModelPrice
 
 POLICY_FIELDS = tuple(POLICY_KEY_FOR_FIELD)
@@ -57,6 +65,9 @@ class ImportSummary:
     routing_policy: TableChanges = field(default_factory=TableChanges)
     client_keys: TableChanges = field(default_factory=TableChanges)
     model_prices: TableChanges = field(default_factory=TableChanges)
+    splits: TableChanges = field(default_factory=TableChanges)
+    shadows: TableChanges = field(default_factory=TableChanges)
+    hedging: TableChanges = field(default_factory=TableChanges)
     dry_run: bool = False
     # What the operator should know although the file imported.
     warnings: tuple[str, ...] = ()
@@ -70,6 +81,9 @@ class ImportSummary:
             ("routing policy", self.routing_policy),
             ("client keys", self.client_keys),
             ("model prices", self.model_prices),
+            ("splits", self.splits),
+            ("shadows", self.shadows),
+            ("hedging", self.hedging),
         ]
 
     @property
@@ -275,6 +289,37 @@ class _Importer:
         for key_entry in self.config.keys:
             self._apply_key(key_entry)
         self._apply_prices()
+        self._apply_traffic()
+
+    def _apply_traffic(self) -> None:
+        """Splits (after the aliases they may not shadow), shadows, hedging."""
+        for split_entry in self.config.splits:
+            outcome = traffic_tables.apply_split(split_entry, self._clean)
+            if outcome:
+                changes = self.summary.splits
+                setattr(changes, outcome, getattr(changes, outcome) + 1)
+        for entries, model, fields, keys, changes in (
+            (
+                self.config.shadows,
+                Shadow,
+                traffic_tables.SHADOW_FIELDS,
+                traffic_tables.SHADOW_KEY_FOR_FIELD,
+                self.summary.shadows,
+            ),
+            (
+                self.config.hedging,
+                Hedging,
+                traffic_tables.HEDGE_FIELDS,
+                traffic_tables.HEDGE_KEY_FOR_FIELD,
+                self.summary.hedging,
+            ),
+        ):
+            for entry in entries:
+                found = traffic_tables.apply_model_table(
+                    entry, model, fields, keys, self._clean
+                )
+                if found is not None:
+                    _save(found[0], found[1], fields, changes)
 
     def _delete_unmentioned(self) -> None:
         config = self.config
@@ -296,6 +341,8 @@ class _Importer:
         self.summary.fallback_chains.deleted += deleted.get(
             FallbackChain._meta.label, 0
         )
+        for name, count in traffic_tables.delete_unmentioned(config).items():
+            getattr(self.summary, name).deleted += count
         # Client keys are credentials, not configuration: never deleted here.
         _, deleted = ModelPrice.objects.exclude(
             model__in=[entry.model for entry in config.prices]

@@ -29,15 +29,18 @@ from routing.config_file.schema import (
     CONTEXT_SHIFT_SETTINGS,
     ENSEMBLE_SETTINGS,
     FLEET_TOML_SETTINGS,
+    HEDGE_SETTINGS,
     POLICY_SETTINGS,
     PREFIX_SETTINGS,
     ROUTING_KEYS,
+    SHADOW_SETTINGS,
     WEIGHT_SETTINGS,
     AliasEntry,
     ChainEntry,
     ConfigFile,
     Setting,
 )
+from routing.config_file.traffic_tables import read_model_tables, read_splits
 from routing.config_file.usage_tables import read_keys, read_prices
 from routing.config_file.values import ValueReader, coerce, describe
 from routing.core.aliases import check_alias_pattern, is_alias_pattern
@@ -85,6 +88,7 @@ def _read_document(reader: ValueReader, data: dict[str, Any]) -> ConfigFile:
     policy_invalid: set[str] = set()
     aliases: tuple[AliasEntry, ...] = ()
     fallbacks: tuple[ChainEntry, ...] = ()
+    traffic: dict[str, Any] = {}
     routing = reader.read_table(data.get("routing"), "routing")
     if routing is not None:
         reader.reject_unknown_keys(routing, "routing", ROUTING_KEYS)
@@ -108,6 +112,15 @@ def _read_document(reader: ValueReader, data: dict[str, Any]) -> ConfigFile:
         policy_invalid |= admission_invalid
         aliases = _read_aliases(reader, routing.get("aliases"))
         fallbacks = _read_fallbacks(reader, routing.get("fallbacks"))
+        traffic = {
+            "splits": read_splits(reader, routing.get("splits")),
+            "shadows": read_model_tables(
+                reader, routing.get("shadows"), "routing.shadows", SHADOW_SETTINGS
+            ),
+            "hedging": read_model_tables(
+                reader, routing.get("hedging"), "routing.hedging", HEDGE_SETTINGS
+            ),
+        }
     cache, cache_invalid = _read_settings_table(reader, data, "cache", CACHE_SETTINGS)
     policy |= cache
     policy_invalid |= cache_invalid
@@ -119,6 +132,7 @@ def _read_document(reader: ValueReader, data: dict[str, Any]) -> ConfigFile:
         backends=backends,
         keys=read_keys(reader, data.get("keys")),
         prices=read_prices(reader, data.get("prices")),
+        **traffic,
         policy_invalid=frozenset(policy_invalid),
         problems=tuple(reader.problems),
         warnings=tuple(reader.warnings),

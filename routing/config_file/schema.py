@@ -179,6 +179,21 @@ PREFIX_SETTINGS = (
         "a number of seconds above 0, at most 604800",
     ),
 )
+# [routing.shadows."<model>"] and [routing.hedging."<model>"] (docs/splits.md).
+SHADOW_SETTINGS = (
+    Setting("model", "shadow_model", str, "a model name", required=True),
+    Setting("percent", "percent", float, "a number from 0 to 100"),
+    Setting("timeout_seconds", "timeout_seconds", float, "a number of seconds"),
+    Setting("keep", "keep", int, "a whole number from 1 to 1000"),
+    Setting("max_answer_chars", "max_answer_chars", int, "a whole number"),
+)
+HEDGE_SETTINGS = (
+    Setting("after", "after", str, '"fixed" or "p95"'),
+    Setting("after_ms", "after_ms", int, "a whole number of milliseconds"),
+    Setting("max_extra", "max_extra", int, "a whole number from 1 to 3"),
+    Setting("max_body_bytes", "max_body_bytes", int, "a whole number of bytes"),
+)
+SPLIT_KEYS = ("targets", "sticky")
 MODEL_WEIGHTS_KEY = "model_weights"
 MODEL_WEIGHTS_FIELD = "admission_model_weights"
 MODEL_OUTPUT_TOKENS_KEY = "model_output_tokens"
@@ -253,6 +268,9 @@ ROUTING_KEYS = (
     "prefix",
     "aliases",
     "fallbacks",
+    "splits",
+    "shadows",
+    "hedging",
 )
 ADMISSION_KEYS = (
     *(s.key for s in ADMISSION_SETTINGS),
@@ -336,6 +354,26 @@ class ChainEntry:
 
 
 @dataclass(frozen=True)
+class SplitEntry:
+    """One ``[routing.splits."<name>"]`` table: targets by weight, stickiness."""
+
+    path: str
+    name: str
+    sticky: str
+    targets: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class ModelTableEntry:
+    """One ``[routing.shadows."<model>"]`` or ``[routing.hedging."<model>"]``."""
+
+    path: str
+    model: str
+    values: Mapping[str, Any]
+    invalid: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
 class KeyEntry:
     """One ``[[keys]]`` table: the limits of the stored client key it names."""
 
@@ -371,6 +409,9 @@ class ConfigFile:
     backends: tuple[BackendEntry, ...]
     keys: tuple[KeyEntry, ...] = ()
     prices: tuple[PriceEntry, ...] = ()
+    splits: tuple[SplitEntry, ...] = ()
+    shadows: tuple[ModelTableEntry, ...] = ()
+    hedging: tuple[ModelTableEntry, ...] = ()
     policy_invalid: frozenset[str] = frozenset()
     problems: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()

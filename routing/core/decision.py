@@ -30,6 +30,7 @@ from routing.core.shapes import (
     TargetDict,
 )
 from routing.core.strategies import order_retries, pick_smart
+from routing.core.traffic import SplitChoice
 from routing.core.types import ModelRoutes, PreparedTarget, Target
 from routing.core.vocabulary import Reason, Strategy
 
@@ -355,10 +356,15 @@ class Decision:
     alias_pattern: str | None = None
     # What prefix routing made of it (None: off, or no prompt to match).
     prefix: PrefixChoice | None = None
+    # The split side the request was put on (None: the name is no split);
+    # ``requirements.model`` is then the side's model.
+    split: SplitChoice | None = None
 
     @property
     def requested_model(self) -> str:
-        """The model name the client asked for."""
+        """The model name the client asked for (a split's name, not its side)."""
+        if self.split is not None:
+            return self.split.split
         return self.requirements.model
 
     @property
@@ -425,6 +431,44 @@ class Decision:
         parts.extend(a.ordered_targets(self.strategy, None) for a in self.onward)
         return parts
 
+    def summary(self, limit: int = 8) -> dict[str, object]:
+        """A compact, bounded description to keep with the request's usage.
+
+        The chosen backend, at most `limit` candidates with their scores and
+        `limit` exclusions with their reasons, the split side and the prefix
+        signal: what explaining a past request shows.
+        """
+        chosen = self.chosen
+        return {
+            "requested_model": self.requested_model,
+            "resolved_model": self.resolved_model,
+            "via": str(self.via) if self.via is not None else None,
+            "strategy": str(self.strategy),
+            "snapshot_version": self.snapshot_version,
+            "chosen": _target_dict(chosen) if chosen is not None else None,
+            "candidates": [
+                {
+                    "backend": c.target.backend.name,
+                    "model": c.target.model.name,
+                    "in_flight": c.in_flight,
+                    "latency_ms": _round(c.latency_ms),
+                    "score": round(c.score.total, 2),
+                }
+                for c in self.candidates[:limit]
+            ],
+            "excluded": [
+                {
+                    "backend": e.target.backend.name,
+                    "model": e.target.model.name,
+                    "reasons": [str(r) for r in e.reasons],
+                }
+                for e in self.excluded[:limit]
+            ],
+            "retry_order": [t.backend.name for t in self.retry_targets[:limit]],
+            "split": self.split.as_dict() if self.split is not None else None,
+            "prefix": self.prefix.reason() if self.prefix is not None else None,
+        }
+
     def as_dict(self) -> DecisionDict:
         """Return a JSON-serialisable description of the decision."""
         chosen = self.chosen
@@ -455,6 +499,7 @@ class Decision:
             "onward": [a.as_dict() for a in self.onward],
             "error": error,
             "prefix": self.prefix.as_dict() if self.prefix is not None else None,
+            "split": self.split.as_dict() if self.split is not None else None,
         }
 
 

@@ -53,6 +53,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import NamedTuple
 
 from routing.core.decision import Attempt, Decision, Outcome, Role, Via
@@ -121,17 +122,25 @@ class Router:
         snapshot: RouterSnapshot,
         stats: LiveStats,
         prefix: PrefixRequest | None = None,
+        split_key: str = "",
     ) -> Route:
         """Choose a backend for the request.
 
-        With `prefix` (and the policy's prefix routing on), a backend holding
+        A split's name is first put on one of its sides (by `split_key`'s
+        hash when the split is sticky per key; routing.core.traffic), then
+        routed as that side's model. With `prefix` (and the policy's prefix routing on), a backend holding
         the prompt's prefix or the session may win over the strategy's choice
         (routing.core.prefix). Raises a RoutingError subclass (with
         ``.decision`` set) when no backend can take it; see the module
         docstring for which one.
         """
         decision = self._decide(
-            requirements, snapshot, stats, take_turn=True, prefix=prefix
+            requirements,
+            snapshot,
+            stats,
+            take_turn=True,
+            prefix=prefix,
+            split_key=split_key,
         )
         if decision.error is not None:
             raise decision.error
@@ -146,10 +155,19 @@ class Router:
         snapshot: RouterSnapshot,
         stats: LiveStats,
         prefix: PrefixRequest | None = None,
+        split_key: str = "",
     ) -> Decision:
-        """Decide as select() would, without raising or advancing round-robin."""
+        """Decide as select() would, without raising or advancing round-robin.
+
+        A split still draws a side (per request, or by `split_key`'s hash).
+        """
         return self._decide(
-            requirements, snapshot, stats, take_turn=False, prefix=prefix
+            requirements,
+            snapshot,
+            stats,
+            take_turn=False,
+            prefix=prefix,
+            split_key=split_key,
         )
 
     def _decide(
@@ -160,6 +178,29 @@ class Router:
         *,
         take_turn: bool,
         prefix: PrefixRequest | None = None,
+        split_key: str = "",
+    ) -> Decision:
+        split = snapshot.splits.get(requirements.model) if snapshot.splits else None
+        if split is None:
+            return self._decide_model(requirements, snapshot, stats, take_turn, prefix)
+        choice = split.choose(split_key, self._rng)
+        decision = self._decide_model(
+            replace(requirements, model=choice.side),
+            snapshot,
+            stats,
+            take_turn,
+            prefix,
+        )
+        decision.split = choice
+        return decision
+
+    def _decide_model(
+        self,
+        requirements: RequestRequirements,
+        snapshot: RouterSnapshot,
+        stats: LiveStats,
+        take_turn: bool,
+        prefix: PrefixRequest | None,
     ) -> Decision:
         requested = requirements.model
         if prefix is not None and not snapshot.policy.prefix.enabled:

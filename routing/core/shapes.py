@@ -145,3 +145,4 @@ class DecisionDict(TypedDict):
     error: ErrorDict | None
     # Prefix-aware routing's signal and matched length (None when off).
     prefix: NotRequired[dict[str, Any] | None]
+    split: NotRequired[dict[str, object] | None]

@@ -20,6 +20,7 @@ from routing.core.aliases import AliasPatterns, check_alias_pattern, is_alias_pa
 from routing.core.policy import Policy
 from routing.core.requirements import RequestRequirements
 from routing.core.scoring import score_priority
+from routing.core.traffic import Split
 from routing.core.vocabulary import JSON_MODE, TOOLS, VISION, Health, Reason
 
 # Stands in for "no limit" so that the hot loop compares plain integers.
@@ -307,6 +308,10 @@ class RouterSnapshot:
     # Wall-clock time (epoch seconds) when some backend's health result goes
     # stale and the snapshot must be rebuilt to stop routing there; None: never.
     expires_at: float | None = None
+    # Client-facing names shared over several models (routing.core.traffic).
+    splits: Mapping[str, Split] = field(
+        default_factory=lambda: MappingProxyType({}), repr=False
+    )
 
     @classmethod
     def build(
@@ -318,6 +323,7 @@ class RouterSnapshot:
         fallbacks: Mapping[str, Sequence[str]] | None = None,
         policy: Policy | None = None,
         expires_at: float | None = None,
+        splits: Iterable[Split] = (),
     ) -> RouterSnapshot:
         """Index plain routing data into a snapshot.
 
@@ -405,6 +411,7 @@ class RouterSnapshot:
             alias_problems=tuple(problems),
             alias_patterns=alias_patterns,
             expires_at=expires_at,
+            splits=MappingProxyType({split.name: split for split in splits}),
         )
 
     def backend(self, name: str) -> BackendSpec | None:
@@ -435,8 +442,13 @@ class RouterSnapshot:
         order: the name, its alias target, then the fallback chains'.
 
         `name` may be a pattern alias itself (``claude-*``): then its target
-        and its chains, as for any name it covers.
+        and its chains, as for any name it covers. For a split: each side's
+        models, the sides in their order.
         """
+        split = self.splits.get(name)
+        if split is not None:
+            found = (m for side in split.sides for m in self.models_for(side.model))
+            return tuple(dict.fromkeys(found))
         target = self.alias_patterns.targets.get(name)
         if target is not None:
             return (target, *self.fallbacks_for(name, target))

@@ -141,6 +141,7 @@ def test_the_relay_stops_first_and_the_upstream_client_last() -> None:
         "error-cache",
         "breaker",
         "usage-progress",  # its last reports go to the sink, stopped after
+        "shadow-comparisons",  # stores the last shadow comparisons
         gateway.usage_sink.name,  # hands on the usage still held
         "response-cache",  # its last stores, before the connections go
         "limiter",

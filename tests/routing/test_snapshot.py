@@ -70,7 +70,8 @@ def test_building_takes_a_fixed_number_of_queries(
         BackendModelFactory.create_batch(3, backend=backend)
         chain = FallbackChainFactory()
         ChainStepFactory(chain=chain, model=f"fallback-{index}")
-    # version, backends, models, aliases, chains, steps, policy + a savepoint pair
-    with django_assert_max_num_queries(9):
+    # version, backends, models, aliases, chains, steps, policy, splits + a
+    # savepoint pair
+    with django_assert_max_num_queries(10):
         snapshot = build_snapshot()
     assert len(snapshot.backends) == 30

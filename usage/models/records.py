@@ -57,7 +57,9 @@ class UsageRecord(models.Model):
         max_length=32, unique=True, help_text="Nexus's unique id for the event."
     )
     request_id = models.CharField(
-        max_length=128, help_text="The X-Request-Id of the request (may repeat)."
+        max_length=128,
+        db_index=True,
+        help_text="The X-Request-Id of the request (may repeat).",
     )
     endpoint = models.CharField(max_length=16, choices=Endpoint.choices)
     api_key_prefix = models.CharField(
@@ -110,6 +112,30 @@ class UsageRecord(models.Model):
     )
     is_error = models.BooleanField(
         "failed", default=False, help_text="Counted in errors (UsageEvent.is_error)."
+    )
+    split = models.CharField(
+        max_length=200,
+        blank=True,
+        default="",
+        db_index=True,
+        help_text="The split the requested name is (routing splits), if any.",
+    )
+    split_side = models.CharField(
+        "split side",
+        max_length=200,
+        blank=True,
+        default="",
+        help_text="The split's side (model) the request was put on.",
+    )
+    hedged = models.BooleanField(
+        default=False,
+        help_text="A second attempt raced the first; only the winner is billed.",
+    )
+    decision = models.TextField(
+        blank=True,
+        default="",
+        help_text="The routing decision as recorded (JSON, capped): what "
+        "explaining a past request shows.",
     )
     created_at = models.DateTimeField(db_index=True)
     rolled_up = models.BooleanField(default=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
@@ -17,6 +18,7 @@ from usage.models import (
     select_usage_rows,
 )
 from usage.periods import PERIOD_HELP, parse_moment
+from usage.split_report import split_report
 
 COLUMNS = (
     ("requests", "requests"),
@@ -48,9 +50,11 @@ class Command(DatabaseCommand):
         )
         parser.add_argument(
             "--by",
-            choices=("model", "backend", "key"),
+            choices=("model", "backend", "key", "split"),
             default="model",
-            help="What each row stands for (default: model).",
+            help="What each row stands for (default: model). split: each side of "
+            "each weighted split, with p50/p95 latency, from the usage records "
+            "(kept NEXUS_USAGE_RECORD_RETENTION_HOURS).",
         )
         parser.add_argument("--json", action="store_true", help="Print JSON.")
 
@@ -62,6 +66,9 @@ class Command(DatabaseCommand):
                 since = parse_moment(options["since"])
             except ValueError as error:
                 raise CommandError(f"--since: {error}") from None
+        if by == "split":
+            self._print_splits(since, options["json"])
+            return
         try:
             usage = select_usage_rows(since)
             rows = list(usage.report([by]))
@@ -95,6 +102,59 @@ class Command(DatabaseCommand):
                 f"{pending} more request{'s' * (pending != 1)} not rolled up yet "
                 "(`manage.py nexus_flush_usage` does it now)."
             )
+
+    def _print_splits(self, since: datetime | None, as_json: bool) -> None:
+        try:
+            sides = split_report(since)
+        except DatabaseError as error:
+            raise CommandError(f"Could not read usage: {error}") from error
+        if as_json:
+            self.stdout.write(
+                json.dumps(
+                    {
+                        "since": since.isoformat() if since else None,
+                        "by": "split",
+                        "rows": [side.as_dict() for side in sides],
+                    },
+                    indent=2,
+                )
+            )
+            return
+        period = "all kept" if since is None else f"since {since:%Y-%m-%d %H:%M} UTC"
+        if not sides:
+            self.stdout.write(f"No split traffic {period}.")
+            return
+        self.stdout.write(f"Usage by split side, {period}:")
+        header = ["split", "side", "requests", "errors", "p50 ms", "p95 ms"]
+        header += ["prompt", "completion", "cost (USD)"]
+        table = [header]
+        for side in sides:
+            table.append(
+                [
+                    side.split,
+                    side.side,
+                    f"{side.requests:,}",
+                    f"{side.errors:,} ({side.errors / side.requests:.0%})",
+                    f"{side.p50_ms:,.1f}",
+                    f"{side.p95_ms:,.1f}",
+                    f"{side.prompt_tokens:,}",
+                    f"{side.completion_tokens:,}",
+                    f"{side.cost_usd:,.4f}",
+                ]
+            )
+        widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+        for index, line in enumerate(table):
+            cells = [
+                cell.ljust(width)
+                for cell, width in zip(line[:2], widths[:2], strict=True)
+            ]
+            cells += [
+                cell.rjust(width)
+                for cell, width in zip(line[2:], widths[2:], strict=True)
+            ]
+            self.stdout.write("  ".join(cells).rstrip())
+            if index == 0:
+                self.stdout.write("  ".join("-" * width for width in widths))
 
     def _print_table(
         self, by: str, rows: list[dict[str, Any]], totals: dict[str, Any]
