@@ -94,3 +94,6 @@ class Exchange(Generic[CallT, MeterT]):
     cache: Pending | None = None
     # Answered from the response cache (no backend).
     cache_hit: bool = False
+    # A batch job's line (sent by the batch runner with a signed credential,
+    # usage.batch_credential): the batch's id, "" for any other request.
+    batch_id: str = ""

@@ -105,6 +105,8 @@ class UsageEvent:
     # Answered from the response cache (gateway/cache/): its tokens are the
     # stored answer's, saved rather than spent (cost: the hit price, if any).
     cache_hit: bool = False
+    # A batch job's line: the batch's id ("" for any other request).
+    batch_id: str = ""
 
     @property
     def is_error(self) -> bool:

@@ -350,6 +350,7 @@ def _to_record(event: UsageEvent) -> UsageRecord:
         cache_read_tokens=_count(event.cache_read_tokens),
         cache_write_tokens=_count(event.cache_write_tokens),
         cache_hit=bool(event.cache_hit),
+        batch_id=_clip("batch_id", event.batch_id),
     )
 
 

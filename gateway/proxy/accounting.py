@@ -100,6 +100,8 @@ class Accounting:
             self.metrics.observe_spend(exchange.key_prefix, cost)
         if exchange.error == "budget_exceeded":
             self.metrics.budget_cutoffs.inc()
+        if exchange.batch_id:
+            self.metrics.batch_line_done(exchange.status < 400)
         now = time.perf_counter()
         event = UsageEvent(
             request_id=exchange.request_id,
@@ -123,6 +125,7 @@ class Accounting:
             cache_read_tokens=read,
             cache_write_tokens=written,
             cache_hit=exchange.cache_hit,
+            batch_id=exchange.batch_id,
         )
         self.buffer.append(event)
         model = _model_label(exchange)
@@ -228,7 +231,8 @@ def _cost(
     if not exchange.backend:
         return 0
     price = state.prices.get(exchange.served_model, FREE)
-    return price.cost(prompt, completion, cache_read, cache_write)
+    cost = price.cost(prompt, completion, cache_read, cache_write)
+    return price.batch_cost(cost) if exchange.batch_id else cost
 
 
 def token_counts(exchange: ProxyExchange) -> tuple[int, int, int, bool]:

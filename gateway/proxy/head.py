@@ -89,6 +89,9 @@ class RequestHead:
     content_length: int | None
     authorization: bytes | None
     api_key: bytes | None
+    # A batch line's signed credential (usage.batch_credential): the proxy
+    # checks it, as it checks keys, once the body is in.
+    batch_credential: bool = False
 
 
 def refuse_head(
@@ -118,6 +121,7 @@ def refuse_head(
         and auth_required
         and keys is not None
         and head.method == b"POST"
+        and not head.batch_credential
     ):
         authorization = head.authorization
         if head.api_key is not None and surface.accepts_x_api_key:

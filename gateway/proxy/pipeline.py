@@ -134,6 +134,7 @@ class Pipeline:
                     exchange.payload,
                     exchange.key_prefix,
                     exchange.request_headers,
+                    batch=bool(exchange.batch_id),
                 )
                 if ticket is not None:
                     await gateway.admission.admit(ticket)

@@ -108,6 +108,15 @@ class UsageRecord(models.Model):
         help_text="Answered from the response cache: the tokens are the stored "
         "answer's (saved, not spent); the cost is the model's cache hit price.",
     )
+    batch_id = models.CharField(
+        "batch",
+        max_length=40,
+        blank=True,
+        default="",
+        db_index=True,
+        help_text="A batch job's line: the batch's id (billed at the model's batch "
+        "price factor).",
+    )
     is_error = models.BooleanField(
         "failed", default=False, help_text="Counted in errors (UsageEvent.is_error)."
     )
