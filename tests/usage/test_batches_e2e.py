@@ -29,6 +29,7 @@ import openai
 import pytest
 from django.conf import settings
 from django.core.management import call_command
+from django.utils import timezone
 
 from backends.models import Backend, BackendModel, HealthStatus
 from tests import zygote
@@ -258,9 +259,9 @@ def run_chat_batch(setup: Setup, key: str, data: bytes, **create: Any) -> Any:
 
 def usage_records(batch_id: str, count: int) -> list[UsageRecord]:
     def found() -> list[UsageRecord] | None:
-        if SHIPS_TO_REDIS:
-            drain_usage_stream()
         with _blocker.unblock():
+            if SHIPS_TO_REDIS:
+                drain_usage_stream()
             records = list(UsageRecord.objects.filter(batch_id=batch_id))
         return records if len(records) >= count else None
 
@@ -504,3 +505,71 @@ def test_a_killed_worker_is_resumed_with_each_line_exactly_once(setup: Setup) ->
     # Completed lines were not sent again: at most those in flight at the kill.
     ran = mock_stats(setup.slow)["requests"]["/v1/chat/completions"] - before
     assert 200 <= ran <= 200 + 8
+
+
+def test_validation_errors_name_their_lines_in_each_sdks_shape(setup: Setup) -> None:
+    client = setup.openai()
+    good = json.loads(chat_lines(1).decode())
+    bad = b"\n".join(
+        [
+            json.dumps(good).encode(),
+            b"{not json",
+            json.dumps(good).encode(),  # the same custom_id again
+            json.dumps({**good, "custom_id": "x", "url": "/v1/embeddings"}).encode(),
+        ]
+    )
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.files.create(file=("bad.jsonl", bad), purpose="batch")
+    error = refused.value.body
+    assert isinstance(error, dict) and error["param"] == "file"
+    message = error["message"]
+    assert "Line 2: not valid JSON" in message
+    assert "Line 3: custom_id 'req-0' is used twice" in message
+    assert "Line 4: every request of a batch must be for the same endpoint" in message
+    uploaded = client.files.create(file=("ok.jsonl", chat_lines(2)), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as mismatched:
+        client.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/embeddings",
+            completion_window="24h",
+        )
+    assert "(line 1)" in str(mismatched.value)
+    with pytest.raises(openai.NotFoundError):
+        setup.openai("other").batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        )  # another key's file
+    with pytest.raises(anthropic.BadRequestError) as invalid:
+        setup.anthropic().messages.batches.create(
+            requests=[
+                {
+                    "custom_id": "ok",
+                    "params": {"model": "m", "max_tokens": 5, "messages": []},
+                },
+                {"custom_id": "no good!", "params": {"model": "m", "messages": []}},
+            ]
+        )
+    body = invalid.value.body
+    assert isinstance(body, dict) and body["error"]["type"] == "invalid_request_error"
+    assert "requests.1.custom_id must be" in body["error"]["message"]
+    assert "requests.1.params.max_tokens: Field required" in body["error"]["message"]
+
+
+def test_the_completion_window_ending_expires_the_rest(setup: Setup) -> None:
+    client = setup.openai("other")
+    batch = run_chat_batch(setup, "other", chat_lines(300, model="slow"))
+    wait_until(
+        lambda: client.batches.retrieve(batch.id).request_counts.completed >= 8,
+        60,
+        "lines to finish",
+    )
+    with _blocker.unblock():
+        Batch.objects.filter(pk=batch.id).update(expires_at=timezone.now())
+    done = wait_for_end(client, batch.id)
+    assert done.status == "expired" and done.expired_at
+    output = results_of(client, done.output_file_id)
+    errors = results_of(client, done.error_file_id)
+    assert 8 <= len(output) < 300
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+    assert len(output) + len(errors) == 300
