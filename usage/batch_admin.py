@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin, messages
@@ -12,6 +11,7 @@ from django.utils import timezone
 from django.utils.html import format_html
 
 from usage.batches import jobs
+from usage.batches.report import lines_per_second, seconds_left
 from usage.models import ApiKey, Batch, File
 
 if TYPE_CHECKING:
@@ -19,24 +19,6 @@ if TYPE_CHECKING:
     FileAdminBase = admin.ModelAdmin[File]
 else:
     BatchAdminBase = FileAdminBase = admin.ModelAdmin
-
-
-def lines_per_second(batch: Batch, now: datetime) -> float | None:
-    """Lines finished per second since the batch started (None before)."""
-    started = batch.in_progress_at
-    if started is None or not batch.done:
-        return None
-    ended = batch.ended_at() or now
-    seconds = (ended - started).total_seconds()
-    return batch.done / seconds if seconds > 0 else None
-
-
-def seconds_left(batch: Batch, now: datetime) -> float | None:
-    """At the rate so far, seconds until every line has a result."""
-    rate = lines_per_second(batch, now)
-    if not batch.is_active or rate is None:
-        return None
-    return max(0, batch.total - batch.done) / rate
 
 
 @admin.register(Batch)
