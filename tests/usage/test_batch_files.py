@@ -118,12 +118,18 @@ def test_a_half_written_last_line_is_cut_and_the_rest_counted(
 
 def test_the_batch_credential_is_signed() -> None:
     secret = batch_credential.derive_secret("a secret")
-    value = batch_credential.sign(secret, "nx-abcdefgh", "batch_1")
-    assert batch_credential.verify(secret, value.encode()) == ("nx-abcdefgh", "batch_1")
-    anonymous = batch_credential.sign(secret, "", "batch_1").encode()
-    assert batch_credential.verify(secret, anonymous) == ("", "batch_1")
+    value = batch_credential.sign(secret, "nx-abcdefgh", "batch_1", 2000)
+    assert batch_credential.verify(secret, value.encode(), now=1000) == (
+        "nx-abcdefgh",
+        "batch_1",
+    )
+    assert batch_credential.verify(secret, value.encode(), now=2001) is None
+    anonymous = batch_credential.sign(secret, "", "batch_1", 2000).encode()
+    assert batch_credential.verify(secret, anonymous, now=1000) == ("", "batch_1")
+    later = value.replace(".2000.", ".9999.").encode()
+    assert batch_credential.verify(secret, later, now=1000) is None
     forged = value.replace("nx-abcdefgh", "nx-zzzzzzzz").encode()
-    assert batch_credential.verify(secret, forged) is None
+    assert batch_credential.verify(secret, forged, now=1000) is None
     other = batch_credential.derive_secret("another secret")
-    assert batch_credential.verify(other, value.encode()) is None
+    assert batch_credential.verify(other, value.encode(), now=1000) is None
     assert batch_credential.verify(secret, b"\xff" * 10) is None

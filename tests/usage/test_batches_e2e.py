@@ -554,6 +554,14 @@ def test_validation_errors_name_their_lines_in_each_sdks_shape(setup: Setup) -> 
     assert isinstance(body, dict) and body["error"]["type"] == "invalid_request_error"
     assert "requests.1.custom_id must be" in body["error"]["message"]
     assert "requests.1.params.max_tokens: Field required" in body["error"]["message"]
+    # A batch line's credential that Nexus did not sign is refused.
+    forged = httpx.post(
+        f"{setup.server.base_url}/v1/chat/completions",
+        headers={"X-Nexus-Batch": f"{setup.prefixes['main']}.b.9999999999.{'0' * 64}"},
+        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert forged.status_code == 401
+    assert forged.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_the_completion_window_ending_expires_the_rest(setup: Setup) -> None:

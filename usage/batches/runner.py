@@ -184,10 +184,13 @@ class _LineRun:
         self.me = me
         self.stop = threading.Event()
         self.reason: str | None = None
+        # Valid until the batch expires, and a line sent just before then.
+        expires = batch.expires_at.timestamp() + settings.NEXUS_BATCH_LINE_TIMEOUT
         self.credential = batch_credential.sign(
             batch_credential.derive_secret(settings.SECRET_KEY),
             batch.owner_prefix,
             batch.id,
+            int(expires),
         )
         self.writer = _ResultWriter(batch.id)
 
