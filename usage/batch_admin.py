@@ -21,32 +21,18 @@ else:
     BatchAdminBase = FileAdminBase = admin.ModelAdmin
 
 
+# Shown in the list and on each batch's page.
+_SHOWN = ("id", "api", "owner", "endpoint", "status", "progress", "rate", "eta")
+
+
 @admin.register(Batch)
 class BatchAdmin(BatchAdminBase):
-    list_display = (
-        "id",
-        "api",
-        "owner",
-        "endpoint",
-        "status",
-        "progress",
-        "rate",
-        "eta",
-        "tokens",
-        "created_at",
-    )
+    list_display = (*_SHOWN, "tokens", "created_at")
     list_filter = ("status", "api", "endpoint")
     search_fields = ("id", "owner_prefix", "input_file_key")
     actions = ("cancel_batches",)
     readonly_fields = (
-        "id",
-        "api",
-        "owner",
-        "endpoint",
-        "status",
-        "progress",
-        "rate",
-        "eta",
+        *_SHOWN,
         "completion_window",
         "input_file_key",
         "output_file",

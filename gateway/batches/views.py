@@ -177,12 +177,7 @@ def _openai_page(
     limit = _limit(request.GET.get("limit"))
     after = request.GET.get("after")
     if after:
-        cursor = found.filter(id=after).first()
-        if cursor is not None:
-            found = found.filter(
-                Q(created_at__lt=cursor.created_at)
-                | Q(created_at=cursor.created_at, id__lt=cursor.id)
-            )
+        found = _beyond(found, after, older=True)
     page = list(found.order_by("-created_at", "-id")[: limit + 1])
     data = [shape(item) for item in page[:limit]]
     return JsonResponse(
@@ -193,6 +188,19 @@ def _openai_page(
             "last_id": data[-1]["id"] if data else None,
             "has_more": len(page) > limit,
         }
+    )
+
+
+def _beyond(found: QuerySet[Any], cursor_id: str, *, older: bool) -> QuerySet[Any]:
+    """The objects older (or newer) than the one with id `cursor_id`, in the
+    lists' order (created_at, then id); all of them for an unknown id."""
+    cursor = found.filter(id=cursor_id).first()
+    if cursor is None:
+        return found
+    side = "lt" if older else "gt"
+    return found.filter(
+        Q(**{f"created_at__{side}": cursor.created_at})
+        | Q(created_at=cursor.created_at, **{f"id__{side}": cursor.id})
     )
 
 
@@ -270,25 +278,16 @@ def _anthropic_shape(request: HttpRequest, batch: Batch) -> dict[str, Any]:
 
 def _anthropic_page(request: HttpRequest, owner: str) -> HttpResponseBase:
     limit = _limit(request.GET.get("limit"))
-    found = Batch.objects.filter(owner_prefix=owner, api=BatchApi.ANTHROPIC)
+    found: QuerySet[Any] = Batch.objects.filter(
+        owner_prefix=owner, api=BatchApi.ANTHROPIC
+    )
     before, after = request.GET.get("before_id"), request.GET.get("after_id")
-    newest_first = True
     # Newest first; after_id pages to older ones, before_id to newer ones.
-    for cursor_id, older in ((after, True), (before, False)):
-        cursor = found.filter(id=cursor_id).first() if cursor_id else None
-        if cursor is None:
-            continue
-        if older:
-            found = found.filter(
-                Q(created_at__lt=cursor.created_at)
-                | Q(created_at=cursor.created_at, id__lt=cursor.id)
-            )
-        else:
-            newest_first = False
-            found = found.filter(
-                Q(created_at__gt=cursor.created_at)
-                | Q(created_at=cursor.created_at, id__gt=cursor.id)
-            )
+    newest_first = not before
+    if after:
+        found = _beyond(found, after, older=True)
+    if before:
+        found = _beyond(found, before, older=False)
     order = ("-created_at", "-id") if newest_first else ("created_at", "id")
     page = list(found.order_by(*order)[: limit + 1])
     shown = page[:limit]

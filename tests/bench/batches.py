@@ -28,7 +28,7 @@ import httpx
 from django.db import transaction
 
 from backends.models import Backend, BackendModel, HealthStatus
-from tests.bench.admission import _pct
+from tests.bench.admission import _pct, paced_requests
 from tests.bench.clients import BenchError
 from tests.bench.processes import start_daphne
 from usage.models import ApiKey
@@ -77,28 +77,7 @@ def _start_worker(env: dict[str, str], logs: Path) -> subprocess.Popen[bytes]:
 async def _interactive(
     client: httpx.AsyncClient, key: str, until: Callable[[], bool]
 ) -> tuple[list[float], int]:
-    latencies: list[float] = []
-    failures = 0
-
-    async def one() -> None:
-        nonlocal failures
-        started = time.perf_counter()
-        reply = await client.post(
-            "/v1/chat/completions",
-            json=BODY,
-            headers={"authorization": f"Bearer {key}"},
-        )
-        if reply.status_code == 200:
-            latencies.append(time.perf_counter() - started)
-        else:
-            failures += 1
-
-    tasks = []
-    while not until():
-        tasks.append(asyncio.create_task(one()))
-        await asyncio.sleep(1 / INTERACTIVE_RATE)
-    await asyncio.gather(*tasks)
-    return latencies, failures
+    return await paced_requests(client, key, BODY, INTERACTIVE_RATE, until)
 
 
 async def _scenario(base_url: str, owner: str, key: str, seconds: float) -> dict:

@@ -239,6 +239,14 @@ def wait_for_end(client: openai.OpenAI, batch_id: str, timeout: float = 90) -> A
     )
 
 
+def wait_for_lines(client: openai.OpenAI, batch_id: str, lines: int) -> None:
+    wait_until(
+        lambda: client.batches.retrieve(batch_id).request_counts.completed >= lines,
+        60,
+        f"{lines} lines of {batch_id} to finish",
+    )
+
+
 def results_of(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     if file_id is None:
         return []
@@ -396,11 +404,7 @@ def test_cancel_mid_run_starts_no_new_line_and_keeps_finished_ones(
 ) -> None:
     client = setup.openai("other")
     batch = run_chat_batch(setup, "other", chat_lines(400, model="slow"))
-    wait_until(
-        lambda: client.batches.retrieve(batch.id).request_counts.completed >= 16,
-        60,
-        "lines to finish",
-    )
+    wait_for_lines(client, batch.id, 16)
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status == "cancelling" and cancelling.cancelling_at
     done = wait_for_end(client, batch.id)
@@ -480,11 +484,7 @@ def test_a_killed_worker_is_resumed_with_each_line_exactly_once(setup: Setup) ->
     client = setup.openai("other")
     before = mock_stats(setup.slow)["requests"].get("/v1/chat/completions", 0)
     batch = run_chat_batch(setup, "other", chat_lines(200, model="slow"))
-    wait_until(
-        lambda: client.batches.retrieve(batch.id).request_counts.completed >= 40,
-        60,
-        "lines to finish",
-    )
+    wait_for_lines(client, batch.id, 40)
     setup.worker.kill()
     with _blocker.unblock():
         killed_at = Batch.objects.get(pk=batch.id)
@@ -567,11 +567,7 @@ def test_validation_errors_name_their_lines_in_each_sdks_shape(setup: Setup) -> 
 def test_the_completion_window_ending_expires_the_rest(setup: Setup) -> None:
     client = setup.openai("other")
     batch = run_chat_batch(setup, "other", chat_lines(300, model="slow"))
-    wait_until(
-        lambda: client.batches.retrieve(batch.id).request_counts.completed >= 8,
-        60,
-        "lines to finish",
-    )
+    wait_for_lines(client, batch.id, 8)
     with _blocker.unblock():
         Batch.objects.filter(pk=batch.id).update(expires_at=timezone.now())
     done = wait_for_end(client, batch.id)
