@@ -28,6 +28,9 @@ from gateway.proxy.surfaces import (
 KEYED_UPLOAD_PATHS: dict[str, Surface] = {
     **{path: surface for path, (_, surface) in ENDPOINTS.items()},
     COUNT_TOKENS_PATH: ENDPOINTS["/v1/messages"][1],
+    # Batch uploads (gateway/batches/): up to NEXUS_BATCH_MAX_FILE_BYTES each.
+    "/v1/files": OPENAI,
+    "/v1/messages/batches": ENDPOINTS["/v1/messages"][1],
 }
 
 

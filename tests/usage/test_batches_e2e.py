@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -554,6 +555,14 @@ def test_validation_errors_name_their_lines_in_each_sdks_shape(setup: Setup) -> 
     assert isinstance(body, dict) and body["error"]["type"] == "invalid_request_error"
     assert "requests.1.custom_id must be" in body["error"]["message"]
     assert "requests.1.params.max_tokens: Field required" in body["error"]["message"]
+    # An upload without a key is refused at its headers, before its body.
+    port = int(setup.server.base_url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/files HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n"
+        )
+        head = sock.recv(65536)
+    assert head.startswith(b"HTTP/1.1 401"), head
     # A batch line's credential that Nexus did not sign is refused.
     forged = httpx.post(
         f"{setup.server.base_url}/v1/chat/completions",
