@@ -48,3 +48,13 @@ def test_a_key_runs_at_most_its_share_of_batches_at_once(settings: Any) -> None:
 def test_an_ended_batch_is_never_taken() -> None:
     assert runner._claim(BatchFactory(ended=True).id, "me") is None
     assert runner._claim("batch_missing", "me") is None
+
+
+def test_a_batch_whose_input_file_is_gone_fails(settings: Any, tmp_path: Any) -> None:
+    settings.NEXUS_BATCH_DIR = tmp_path
+    batch = BatchFactory()
+    assert runner.run_batch(batch.id) == "failed"
+    batch.refresh_from_db()
+    assert batch.status == "failed" and batch.failed_at is not None
+    assert batch.errors[0]["code"] == "input_file_missing"
+    assert batch.lease_owner == ""

@@ -120,6 +120,8 @@ def run_batch(batch_id: str) -> str:
                 status=BatchStatus.IN_PROGRESS, in_progress_at=timezone.now()
             )
             batch.refresh_from_db()
+        if not storage.absolute(storage.input_path(batch.input_file_key)).is_file():
+            return _fail(batch, me, "input_file_missing", "The input file is gone.")
         progress = read_progress(batch.id)
         reason = _stop_reason(batch)
         if reason is None:
@@ -131,7 +133,7 @@ def run_batch(batch_id: str) -> str:
         Batch.objects.filter(pk=batch_id, lease_owner=me).update(
             lease_owner="", lease_until=None
         )
-        _start_waiting(batch.owner_prefix)
+        _start_waiting(batch_id)
 
 
 def _claim(batch_id: str, me: str) -> Batch | None:
@@ -159,11 +161,29 @@ def _claim(batch_id: str, me: str) -> Batch | None:
     return batch
 
 
-def _start_waiting(owner: str) -> None:
-    """Queue the batches that waited for a runner (this one's place is free)."""
-    waiting = Batch.objects.claimable(timezone.now()).values_list("id", flat=True)
+def _start_waiting(done: str) -> None:
+    """Queue the batches that waited for a runner (this one's place is free).
+
+    Not `done` itself: a batch whose runner failed is resumed by the beat,
+    not at once in a loop."""
+    waiting = (
+        Batch.objects.claimable(timezone.now())
+        .exclude(pk=done)
+        .values_list("id", flat=True)
+    )
     for batch_id in waiting[: settings.NEXUS_BATCH_RUNNING]:
         jobs.start(batch_id)
+
+
+def _fail(batch: Batch, me: str, code: str, message: str) -> str:
+    """End a batch that cannot run at all (OpenAI's ``failed``)."""
+    Batch.objects.filter(pk=batch.pk, lease_owner=me).update(
+        status=BatchStatus.FAILED,
+        failed_at=timezone.now(),
+        errors=[{"code": code, "message": message, "line": None, "param": None}],
+    )
+    logger.warning("Batch %s failed: %s", batch.id, message)
+    return str(BatchStatus.FAILED)
 
 
 def _stop_reason(batch: Batch) -> str | None:
