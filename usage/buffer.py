@@ -140,6 +140,8 @@ class UsageOpen:
     # The multiple-opinions ensemble it is a step of ("" for any other
     # request): a step recorded lost is still linked to its ensemble.
     ensemble_id: str = ""
+    # The batch job it is a line of (""): a line recorded lost stays one.
+    batch_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -278,6 +278,7 @@ def _to_open(item: UsageOpen, now: datetime) -> OpenRequest:
         status=min(max(int(item.status), 0), _MAX_STATUS),
         streamed=bool(item.streamed),
         ensemble_id=_clip("ensemble_id", item.ensemble_id),
+        batch_id=_clip("batch_id", item.batch_id),
         created_at=datetime.fromtimestamp(item.created_at, tz=UTC),
         seen_at=now,
     )

@@ -73,6 +73,7 @@ class Accounting:
             exchange.stream,
             time.time(),
             ensemble_id=exchange.ensemble_id,
+            batch_id=exchange.batch_id,
         )
         self.open_requests.open(opened, exchange)
 

@@ -181,6 +181,13 @@ class OpenRequest(models.Model):
         default="",
         help_text="The multiple-opinions ensemble it is a step of, if any.",
     )
+    batch_id = models.CharField(
+        "batch",
+        max_length=40,
+        blank=True,
+        default="",
+        help_text="The batch job it is a line of, if any.",
+    )
     created_at = models.DateTimeField(help_text="When the request was admitted.")
     seen_at = models.DateTimeField(
         db_index=True, help_text="When its process was last heard of."
