@@ -156,8 +156,13 @@ class AdmissionGate:
         payload: Mapping[str, Any],
         key_prefix: str,
         headers: list[tuple[bytes, bytes]],
+        *,
+        batch: bool = False,
     ) -> Ticket | None:
         """The request's ticket, or None when admission control does not apply.
+
+        A batch job's line (`batch`) waits in the batch lane, behind every
+        interactive request (routing.admission.batch_lane), at sheddable.
 
         Raises BadAdmissionHeader for an X-Nexus-Criticality or
         X-Nexus-Deadline-Ms the gateway cannot read.
@@ -186,6 +191,8 @@ class AdmissionGate:
         if limits is not None:
             criticality = min(criticality, limits.max_criticality)
             weight *= limits.weight
+        if batch:
+            criticality = Criticality.SHEDDABLE
         return Ticket(
             flow=_flow(settings.flow_key, key_prefix, model),
             criticality=criticality,
@@ -202,6 +209,7 @@ class AdmissionGate:
             ready=pool.ready,
             capacities=pool.capacities,
             backends=pool.backends,
+            batch=batch,
         )
 
     async def admit(self, ticket: Ticket) -> None:
@@ -214,7 +222,9 @@ class AdmissionGate:
         model = ticket.model
         controller = self.controller
         try:
-            if not controller.bypasses(
+            # A batch line takes no gateway-wide queue place: it never
+            # crowds out an interactive request.
+            if not ticket.batch and not controller.bypasses(
                 ticket.pool_key, ticket.ready, ticket.capacities, ticket.backends
             ):
                 await self._take_places(ticket)
@@ -413,6 +423,9 @@ class AdmissionGate:
         )
         self._seen_attempts = counts.dequeue_attempts
         self._seen_successes = counts.dequeue_successes
+        self.metrics.set_batch_lanes(
+            self.controller.batch_waiting, self.controller.batch_running
+        )
 
     # Internals -------------------------------------------------------------
 

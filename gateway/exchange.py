@@ -101,3 +101,6 @@ class Exchange(Generic[CallT, MeterT]):
     # backends it went to, winner first once one won.
     hedged: bool = False
     hedge_backends: tuple[str, ...] = ()
+    # A batch job's line (sent by the batch runner with a signed credential,
+    # usage.batch_credential): the batch's id, "" for any other request.
+    batch_id: str = ""

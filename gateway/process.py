@@ -62,6 +62,7 @@ from routing.shadow_store import save_comparisons
 from routing.snapshot import build_state
 from routing.state import GatewayState
 from routing.versioning import read_config_version
+from usage import batch_credential
 from usage.buffer import UsageBuffer
 from usage.flush import DatabaseFlusher
 from usage.limits.limiter import Limiter, LocalLimiter
@@ -152,6 +153,8 @@ class GatewayConfig:
     cache_redis_max_bytes: int = 256 * 1024**2
     cache_memory_max_bytes: int = 64 * 1024**2
     cache_redis_timeout: float = 0.25
+    # Signs batch lines' credentials (usage.batch_credential); b"": none accepted.
+    batch_secret: bytes = b""
 
     @classmethod
     def from_settings(cls) -> GatewayConfig:
@@ -190,6 +193,7 @@ class GatewayConfig:
             cache_redis_max_bytes=settings.NEXUS_CACHE_REDIS_MAX_BYTES,
             cache_memory_max_bytes=settings.NEXUS_CACHE_MEMORY_MAX_BYTES,
             cache_redis_timeout=settings.NEXUS_CACHE_REDIS_TIMEOUT,
+            batch_secret=batch_credential.derive_secret(settings.SECRET_KEY),
         )
 
 

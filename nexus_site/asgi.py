@@ -12,6 +12,7 @@ import json
 import os
 from typing import Any
 
+from django.conf import settings
 from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "nexus_site.settings")
@@ -21,9 +22,9 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "nexus_site.settings")
 django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter, URLRouter
-from django.conf import settings
 from django.urls import re_path
 
+from gateway.batches import BATCH_PATH_PREFIXES
 from gateway.process import Gateway, install_gateway
 from gateway.proxy import OLLAMA_PATHS, ProxyApp, is_ollama_blob
 from gateway.proxy.surfaces import near_miss
@@ -64,11 +65,8 @@ class NexusApplication:
         if kind == "http":
             path = scope["path"]
             if (
-                path.startswith("/v1/")
-                or path == "/v1"
-                or path in OLLAMA_PATHS
-                or is_ollama_blob(path)
-            ):
+                path.startswith("/v1/") and not path.startswith(BATCH_PATH_PREFIXES)
+            ) or (path == "/v1" or path in OLLAMA_PATHS or is_ollama_blob(path)):
                 await self.proxy(scope, receive, send)
                 return
             if near_miss(path) is not None:
@@ -91,7 +89,12 @@ class NexusApplication:
             body = _BoundedBody(
                 receive,
                 send,
-                self.gateway.config.max_body_bytes,
+                max(
+                    self.gateway.config.max_body_bytes,
+                    settings.NEXUS_BATCH_MAX_FILE_BYTES,
+                )
+                if path.startswith(BATCH_PATH_PREFIXES)
+                else self.gateway.config.max_body_bytes,
                 self.gateway.config.client_body_timeout,
             )
             await self.django(scope, body.receive, body.send)

@@ -47,6 +47,16 @@ def quiet_task_chatter(**kwargs: Any) -> None:
         logging.getLogger("celery.beat").addFilter(_NO_DUE_TASK_LINES)
 
 
+@signals.worker_ready.connect
+def resume_batches_on_start(**kwargs: Any) -> None:
+    """A (re)started worker resumes the batches a dead runner held, once
+    their lease has run out (and the beat keeps doing so)."""
+    from django.conf import settings
+
+    for countdown in (0.0, settings.NEXUS_BATCH_LEASE_SECONDS + 1.0):
+        app.send_task("usage.tasks.resume_batches", countdown=countdown)
+
+
 @signals.celeryd_init.connect
 def accept_root_with_a_private_state_dir(**kwargs: Any) -> None:
     """Drop Celery's "superuser privileges" warning when it adds nothing.

@@ -760,6 +760,43 @@ NEXUS_CACHE_MEMORY_MAX_BYTES = _bounded_int(
 # Seconds a lookup waits for Redis before the request is served uncached.
 NEXUS_CACHE_REDIS_TIMEOUT = _bounded_float("NEXUS_CACHE_REDIS_TIMEOUT", 0.25, 0.01, 30)
 
+# --- Batches (docs/batches.md) -------------------------------------------------
+
+# Where batch files (inputs, outputs, errors) are kept: a directory every
+# serving process and Celery worker reaches (a shared volume with several hosts).
+NEXUS_BATCH_DIR = Path(
+    env.str("NEXUS_BATCH_DIR", default=str(NEXUS_STATE_DIR / "batches"))
+)
+if not NEXUS_BATCH_DIR.is_absolute():
+    NEXUS_BATCH_DIR = BASE_DIR / NEXUS_BATCH_DIR
+# The largest batch input file (bytes) and the most lines (requests) in one.
+NEXUS_BATCH_MAX_FILE_BYTES = _bounded_int(
+    "NEXUS_BATCH_MAX_FILE_BYTES", 200 * 1024**2, 1024, 1024**3
+)
+NEXUS_BATCH_MAX_LINES = _bounded_int("NEXUS_BATCH_MAX_LINES", 50_000, 1, 1_000_000)
+# Lines of one batch in flight at once, and batches of one key running at once.
+NEXUS_BATCH_CONCURRENCY = _bounded_int("NEXUS_BATCH_CONCURRENCY", 8, 1, 1000)
+NEXUS_BATCH_KEY_BATCHES = _bounded_int("NEXUS_BATCH_KEY_BATCHES", 2, 1, 1000)
+# Batches running at once in all (each holds a Celery worker thread while it
+# runs: keep it below the worker's concurrency, so periodic tasks still run).
+NEXUS_BATCH_RUNNING = _bounded_int("NEXUS_BATCH_RUNNING", 2, 1, 1000)
+# Where the batch runner (a Celery worker) sends lines: a serving process.
+NEXUS_BATCH_GATEWAY_URL = env.str(
+    "NEXUS_BATCH_GATEWAY_URL", default="http://127.0.0.1:8000"
+).rstrip("/")
+# Seconds a runner's hold on a batch lasts unless renewed (a killed worker's
+# batch is resumed by another after this).
+NEXUS_BATCH_LEASE_SECONDS = _bounded_float("NEXUS_BATCH_LEASE_SECONDS", 30.0, 1, 3600)
+# Seconds one line may take (waiting for admission included) before it is
+# sent again; attempts per line for a backend failure before it is an error.
+NEXUS_BATCH_LINE_TIMEOUT = _bounded_float("NEXUS_BATCH_LINE_TIMEOUT", 600.0, 1, 86_400)
+NEXUS_BATCH_MAX_ATTEMPTS = _bounded_int("NEXUS_BATCH_MAX_ATTEMPTS", 3, 1, 100)
+# Days batch files are kept (inputs and results; then deleted).
+NEXUS_BATCH_FILE_DAYS = _bounded_int("NEXUS_BATCH_FILE_DAYS", 30, 1, 3650)
+# The fraction of each model's admission band batch lines leave free for
+# interactive requests (at least one request per serving process).
+NEXUS_BATCH_HEADROOM = _bounded_float("NEXUS_BATCH_HEADROOM", 0.125, 0, 0.99)
+
 # --- Celery ---------------------------------------------------------------------
 
 if REDIS_URL.startswith("unix://"):
@@ -820,6 +857,19 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": NEXUS_DISCOVERY_INTERVAL,
         "options": {"expires": NEXUS_DISCOVERY_INTERVAL},
     },
+    # Batches whose runner died (lease ran out), expiry, and old files.
+    "resume-batches": {
+        "task": "usage.tasks.resume_batches",
+        "schedule": max(2.0, NEXUS_BATCH_LEASE_SECONDS / 2),
+        "options": {"expires": max(2.0, NEXUS_BATCH_LEASE_SECONDS / 2)},
+    },
+}
+# Batches run from their own queue (the launcher's worker consumes both; a
+# deployment may give it workers of their own).
+NEXUS_BATCH_QUEUE = env.str("NEXUS_BATCH_QUEUE", default="batches")
+CELERY_TASK_ROUTES = {
+    "usage.tasks.run_batch": {"queue": NEXUS_BATCH_QUEUE},
+    "usage.tasks.resume_batches": {"queue": NEXUS_BATCH_QUEUE},
 }
 if NEXUS_LIMITS_BACKEND == "redis":
     # Each serving process reconciles its own counters in the local mode.

@@ -22,6 +22,8 @@ urlpatterns = [
     path("api/v1/", include("routing.api.urls")),
     path("api/v1/", include("backends.api.urls")),
     path("api/v1/", include("usage.api.urls")),
+    # OpenAI's Files and Batches, Anthropic's Message Batches (gateway/batches/).
+    path("", include("gateway.batches.urls")),
     path("api/v1/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     # A browser without a staff session is sent to the admin login first.
     path(

@@ -1,4 +1,6 @@
-"""The Django URLs of a gateway-only process (NEXUS_ROLE=gateway): /health.
+"""The Django URLs of a gateway-only process (NEXUS_ROLE=gateway): /health and
+the batch surfaces (OpenAI Files and Batches, Anthropic Message Batches: model
+traffic, at the base URL clients use; gateway/batches/).
 
 /v1, Ollama's paths, /metrics and /health/live|ready never reach Django
 (nexus_site/asgi.py); everything else is the control plane's, answered with
@@ -7,13 +9,14 @@ a JSON 404 that says so (nexus_site/roles.py).
 
 from __future__ import annotations
 
-from django.urls import path
+from django.urls import include, path
 
 from gateway import views as gateway_views
 from nexus_site import roles
 
 urlpatterns = [
     path("health", gateway_views.health, name="health"),
+    path("", include("gateway.batches.urls")),
 ]
 
 handler400 = roles.gateway_bad_request

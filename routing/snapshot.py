@@ -268,6 +268,7 @@ def build_state() -> GatewayState:
                 price.cached_input_nanos,
                 price.cache_write_nanos,
                 cache_hit_nanos=price.cache_hit_nanos,
+                batch_factor=float(price.batch_price_factor),
             )
             for price in ModelPrice.objects.all()
         }
@@ -343,11 +344,12 @@ def key_policy(key: ApiKey) -> KeyPolicy:
 
 
 def _admission(policy: RoutingPolicy | None) -> AdmissionSettings:
+    headroom = settings.NEXUS_BATCH_HEADROOM
     if policy is None:
-        return AdmissionSettings()
+        return AdmissionSettings(batch_headroom=headroom)
     try:
-        return policy.admission_settings()
+        return replace(policy.admission_settings(), batch_headroom=headroom)
     except ValueError as error:
         # Only a row edited around the model's validation gets here.
         logger.error("Invalid admission settings, using the defaults: %s", error)
-        return AdmissionSettings()
+        return AdmissionSettings(batch_headroom=headroom)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import factory
 from django.contrib.auth import get_user_model
 from django.utils import timezone
@@ -10,7 +12,15 @@ from factory.django import DjangoModelFactory
 from backends.models import Backend, BackendKind, BackendModel, HealthStatus
 from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
 from usage.buffer import UsageEvent
-from usage.models import ApiKey, TokenUsage, UsageBucket, UsageRecord, hash_key
+from usage.models import (
+    ApiKey,
+    Batch,
+    File,
+    TokenUsage,
+    UsageBucket,
+    UsageRecord,
+    hash_key,
+)
 
 
 class BackendFactory(DjangoModelFactory):
@@ -90,6 +100,40 @@ class ApiKeyFactory(DjangoModelFactory):
     raw_key = factory.Sequence(lambda n: f"nx-{n:08d}-test-secret-value")
     prefix = factory.LazyAttribute(lambda o: o.raw_key[:11])
     hashed_key = factory.LazyAttribute(lambda o: hash_key(o.raw_key))
+
+
+class FileFactory(DjangoModelFactory):
+    class Meta:
+        model = File
+
+    id = factory.Sequence(lambda n: f"file-{n:024d}")
+    purpose = "batch"
+    filename = "input.jsonl"
+    bytes = 100
+    line_count = 10
+    endpoint = "/v1/chat/completions"
+    path = factory.LazyAttribute(lambda file: f"files/{file.id}.jsonl")
+
+
+class BatchFactory(DjangoModelFactory):
+    """A batch running its 10 lines (traits: ended)."""
+
+    class Meta:
+        model = Batch
+
+    id = factory.Sequence(lambda n: f"batch_{n:024d}")
+    endpoint = "/v1/chat/completions"
+    input_file = factory.SubFactory(FileFactory)
+    input_file_key = factory.LazyAttribute(lambda batch: batch.input_file.id)
+    status = "in_progress"
+    total = 10
+    expires_at = factory.LazyFunction(lambda: timezone.now() + timedelta(hours=24))
+    in_progress_at = factory.LazyFunction(timezone.now)
+
+    class Params:
+        ended = factory.Trait(
+            status="completed", completed_at=factory.LazyFunction(timezone.now)
+        )
 
 
 class TokenUsageFactory(DjangoModelFactory):

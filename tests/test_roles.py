@@ -98,6 +98,22 @@ def test_the_gateway_serves_v1_health_and_metrics(setup: Setup) -> None:
     assert "nexus_requests_total" in httpx.get(f"{base}/metrics", timeout=10).text
 
 
+def test_the_gateway_serves_the_batch_apis(setup: Setup, tmp_path: Any) -> None:
+    """Files and batches are model traffic: at the gateway's base URL."""
+    client = openai.OpenAI(
+        base_url=f"{setup.gateway.base_url}/v1", api_key=setup.key, max_retries=0
+    )
+    lines = tmp_path / "lines.jsonl"
+    lines.write_text(
+        '{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", '
+        '"body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}\n'
+    )
+    uploaded = client.files.create(file=lines.open("rb"), purpose="batch")
+    assert client.files.retrieve(uploaded.id).bytes == lines.stat().st_size
+    assert [batch.id for batch in client.batches.list()] == []
+    client.files.delete(uploaded.id)
+
+
 @pytest.mark.parametrize(
     "path",
     [

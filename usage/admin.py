@@ -258,6 +258,7 @@ class ModelPriceAdmin(ModelPriceAdminBase):
         "cached_input_per_million",
         "cache_write_per_million",
         "cache_hit_per_million",
+        "batch_price_factor",
         "updated_at",
     )
     search_fields = ("model",)
@@ -400,3 +401,7 @@ class UsageBucketAdmin(UsageAdmin):
     date_hierarchy = "minute"
     # Counting every bucket on each page view is the slow part on a big table.
     show_full_result_count = False
+
+
+# Batch jobs' admin lives in its own module; importing it registers it.
+from usage import batch_admin  # noqa: F401

@@ -117,6 +117,8 @@ class UsageEvent:
     # gateway leaves that work to whoever hands the event on, off the
     # request path (decision_text()).
     decision: str | Callable[[], str] = ""
+    # A batch job's line: the batch's id ("" for any other request).
+    batch_id: str = ""
 
     @property
     def is_error(self) -> bool:
@@ -155,6 +157,8 @@ class UsageOpen:
     # The multiple-opinions ensemble it is a step of ("" for any other
     # request): a step recorded lost is still linked to its ensemble.
     ensemble_id: str = ""
+    # The batch job it is a line of (""): a line recorded lost stays one.
+    batch_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)

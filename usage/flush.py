@@ -278,6 +278,7 @@ def _to_open(item: UsageOpen, now: datetime) -> OpenRequest:
         status=min(max(int(item.status), 0), _MAX_STATUS),
         streamed=bool(item.streamed),
         ensemble_id=_clip("ensemble_id", item.ensemble_id),
+        batch_id=_clip("batch_id", item.batch_id),
         created_at=datetime.fromtimestamp(item.created_at, tz=UTC),
         seen_at=now,
     )
@@ -354,6 +355,7 @@ def _to_record(event: UsageEvent) -> UsageRecord:
         split_side=_clip("split_side", event.split_side),
         hedged=bool(event.hedged),
         decision=storable_text(event.decision_text()[:DECISION_CHARS]),
+        batch_id=_clip("batch_id", event.batch_id),
     )
 
 

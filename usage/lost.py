@@ -93,5 +93,6 @@ def _lost_record(row: OpenRequest) -> UsageRecord:
         is_error=True,
         created_at=row.created_at,
         ensemble_id=row.ensemble_id,
+        batch_id=row.batch_id,
         reconciled=True,
     )

@@ -1,4 +1,4 @@
-"""Periodic usage work; each task calls one function (scheduled in settings)."""
+"""Usage and batch work; each task calls one function (scheduled in settings)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from celery import shared_task
 from django.conf import settings
 
 from usage import lost, rollup, stream
+from usage.batches import jobs, runner
 from usage.limits import spend
 from usage.models import UsageBucket, UsageRecord
 
@@ -38,3 +39,13 @@ def prune_usage_records() -> int:
 @shared_task
 def reconcile_key_spend() -> int:
     return spend.reconcile_shared_spend(settings.NEXUS_LIMITS_REDIS_URL)
+
+
+@shared_task
+def run_batch(batch_id: str) -> str:
+    return runner.run_batch(batch_id)
+
+
+@shared_task
+def resume_batches() -> int:
+    return jobs.resume_batches()

@@ -11,6 +11,7 @@ from django.shortcuts import render
 from django.utils import timezone
 from django.views.decorators.http import require_GET
 
+from usage.batches.report import dashboard_summary
 from usage.models import COUNTER_FIELDS, KeySpend, UsageBucket, add_derived_fields
 from usage.split_report import split_report
 
@@ -103,6 +104,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         request,
         "dashboard/index.html",
         {
+            "batches": dashboard_summary(timezone.now(), cache_totals["total_tokens"]),
             "spenders": spenders,
             "month": month_start,
             "prompt_cache": prompt_cache_rows(month_start),

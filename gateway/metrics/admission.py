@@ -37,6 +37,14 @@ class AdmissionMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.admission_band_wait = Histogram(
+            "nexus_admission_band_wait_seconds",
+            "Time requests that queued waited in admission, by band (their "
+            "criticality, or batch for batch lines).",
+            ("band",),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.admission_stock = Gauge(
             "nexus_admission_stock_level",
             "Requests let through admission control and not yet finished.",
@@ -149,6 +157,8 @@ class AdmissionMetrics:
         self.admission_queue_latency.labels(model, target, success).observe(
             max(0.0, waited)
         )
+        band = "batch" if ticket.batch else ticket.criticality.label
+        self.admission_band_wait.labels(band).observe(max(0.0, waited))
         if outcome in ("expired", "deadline"):
             self.admission_expired.labels(model, target, outcome).inc()
         elif outcome == "cancelled":

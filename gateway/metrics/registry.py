@@ -23,6 +23,7 @@ from prometheus_client import (
 from prometheus_client import multiprocess as prometheus_multiprocess
 
 from gateway.metrics.admission import AdmissionMetrics
+from gateway.metrics.batches import BatchMetrics
 from gateway.metrics.buckets import LATENCY_BUCKETS, TTFB_BUCKETS
 from gateway.metrics.fleet import FleetMetrics
 from gateway.metrics.prefix import PrefixMetrics
@@ -37,7 +38,9 @@ def is_multiprocess() -> bool:
     return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
 
-class GatewayMetrics(AdmissionMetrics, FleetMetrics, PrefixMetrics, TrafficMetrics):
+class GatewayMetrics(
+    AdmissionMetrics, BatchMetrics, FleetMetrics, PrefixMetrics, TrafficMetrics
+):
     """The metrics of one serving process (a registry of its own)."""
 
     def __init__(self, *, per_key: bool = False) -> None:
@@ -116,6 +119,7 @@ class GatewayMetrics(AdmissionMetrics, FleetMetrics, PrefixMetrics, TrafficMetri
             registry=registry,
         )
         self._add_admission_metrics(registry)
+        self._add_batch_metrics(registry)
         self._add_fleet_metrics(registry)
         self._add_prefix_metrics(registry)
         self._add_traffic_metrics(registry)

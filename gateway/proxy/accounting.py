@@ -75,6 +75,7 @@ class Accounting:
             exchange.stream,
             time.time(),
             ensemble_id=exchange.ensemble_id,
+            batch_id=exchange.batch_id,
         )
         self.open_requests.open(opened, exchange)
 
@@ -102,6 +103,8 @@ class Accounting:
             self.metrics.observe_spend(exchange.key_prefix, cost)
         if exchange.error == "budget_exceeded":
             self.metrics.budget_cutoffs.inc()
+        if exchange.batch_id:
+            self.metrics.batch_line_done(exchange.status < 400)
         now = time.perf_counter()
         event = UsageEvent(
             request_id=exchange.request_id,
@@ -126,6 +129,7 @@ class Accounting:
             cache_write_tokens=written,
             cache_hit=exchange.cache_hit,
             **_route_fields(exchange),
+            batch_id=exchange.batch_id,
         )
         self.buffer.append(event)
         model = _model_label(exchange)
@@ -231,7 +235,8 @@ def _cost(
     if not exchange.backend:
         return 0
     price = state.prices.get(exchange.served_model, FREE)
-    return price.cost(prompt, completion, cache_read, cache_write)
+    cost = price.cost(prompt, completion, cache_read, cache_write)
+    return price.batch_cost(cost) if exchange.batch_id else cost
 
 
 def token_counts(exchange: ProxyExchange) -> tuple[int, int, int, bool]:

@@ -67,6 +67,7 @@ from gateway.proxy.surfaces import (
 )
 from routing.core import RequestRequirements, RoutingError
 from routing.state import GatewayState
+from usage import batch_credential
 from usage.buffer import new_event_id
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MODELS_PATH = "/v1/models"
+BATCH_ERROR_HEADER = b"x-nexus-error-code"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _NO_ENDPOINT: tuple[str | None, Surface] = (None, OPENAI)
 _OLLAMA = ENDPOINTS["/api/chat"][1]  # Ollama's error shape
@@ -128,7 +130,7 @@ class ProxyApp:
             gateway.request_finished()
 
     async def _serve(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        authorization = request_id = content_length = api_key = None
+        authorization = request_id = content_length = api_key = batch = None
         anthropic_client = False
         for name, value in scope["headers"]:
             if name == b"authorization":
@@ -141,6 +143,8 @@ class ProxyApp:
                 api_key = value
             elif name == b"anthropic-version":
                 anthropic_client = True
+            elif name == batch_credential.HEADER_BYTES:
+                batch = value
         path, method = scope["path"], scope["method"]
         endpoint, surface = _endpoint_of(path, anthropic_client)
         rid = _request_id(request_id)
@@ -177,7 +181,10 @@ class ProxyApp:
             state = exchange.state = await self._gateway_state()
             if api_key is not None and surface.accepts_x_api_key:
                 authorization = b"Bearer " + api_key
-            self._identify(exchange, state, authorization, surface)
+            if batch is not None:
+                self._identify_batch_line(exchange, state, batch)
+            else:
+                self._identify(exchange, state, authorization, surface)
             if endpoint:
                 self._check_length(content_length)
             await self._answer(exchange, state, surface, scope, receive, send)
@@ -188,6 +195,12 @@ class ProxyApp:
                 self.accounting.refuse(exchange, error)
             if exchange.trace is not None:
                 traces.refused(exchange, error)
+            if exchange.batch_id and error.code:
+                # The batch runner tells a spent budget from other refusals
+                # by it (Anthropic's error shape has no code).
+                exchange.response_headers.append(
+                    (BATCH_ERROR_HEADER, error.code.encode("latin-1", "replace"))
+                )
             body = surface.error_body(error)
             await _send_json(send, error.status, body, exchange.response_headers)
         except ClientGone:
@@ -265,16 +278,38 @@ class ProxyApp:
         state: GatewayState,
         authorization: bytes | None,
         surface: Surface,
+        key_prefix: str | None = None,
     ) -> None:
-        """Note the client's key and its policy on the exchange (401, expired: 403)."""
-        key_prefix = exchange.key_prefix = self._authenticate(
-            state, authorization, surface
-        )
+        """Note the client's key and its policy on the exchange (401, expired: 403).
+
+        `key_prefix`: the key already known (a batch line's owner).
+        """
+        if key_prefix is None:
+            key_prefix = self._authenticate(state, authorization, surface)
+        exchange.key_prefix = key_prefix
         policy = exchange.policy = (
             state.policies.get(key_prefix) if key_prefix else None
         )
         if policy is not None and policy.expires_at is not None:
             limits.check_expiry(policy, time.time(), self.gateway.metrics)
+
+    def _identify_batch_line(
+        self, exchange: ProxyExchange, state: GatewayState, credential: bytes
+    ) -> None:
+        """A batch job's line: the key that created the batch, as its signed
+        credential says (usage.batch_credential); 401 if it is not valid or
+        the key is gone."""
+        signed = batch_credential.verify(self.gateway.config.batch_secret, credential)
+        if signed is None:
+            raise unauthorized(
+                f"The {batch_credential.HEADER} credential is not valid."
+            )
+        key_prefix, exchange.batch_id = signed
+        if key_prefix and key_prefix not in state.policies:
+            raise unauthorized("The key that created this batch is no longer active.")
+        if not key_prefix and self.auth_required:
+            raise unauthorized("A batch needs the key that created it.")
+        self._identify(exchange, state, None, OPENAI, key_prefix)
 
     def _authenticate(
         self, state: GatewayState, authorization: bytes | None, surface: Surface

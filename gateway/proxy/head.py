@@ -28,6 +28,9 @@ from gateway.proxy.surfaces import (
 KEYED_UPLOAD_PATHS: dict[str, Surface] = {
     **{path: surface for path, (_, surface) in ENDPOINTS.items()},
     COUNT_TOKENS_PATH: ENDPOINTS["/v1/messages"][1],
+    # Batch uploads (gateway/batches/): up to NEXUS_BATCH_MAX_FILE_BYTES each.
+    "/v1/files": OPENAI,
+    "/v1/messages/batches": ENDPOINTS["/v1/messages"][1],
 }
 
 
@@ -89,6 +92,9 @@ class RequestHead:
     content_length: int | None
     authorization: bytes | None
     api_key: bytes | None
+    # A batch line's signed credential (usage.batch_credential): the proxy
+    # checks it, as it checks keys, once the body is in.
+    batch_credential: bool = False
 
 
 def refuse_head(
@@ -118,6 +124,7 @@ def refuse_head(
         and auth_required
         and keys is not None
         and head.method == b"POST"
+        and not head.batch_credential
     ):
         authorization = head.authorization
         if head.api_key is not None and surface.accepts_x_api_key:

@@ -137,6 +137,7 @@ class Pipeline:
                     exchange.payload,
                     exchange.key_prefix,
                     exchange.request_headers,
+                    batch=bool(exchange.batch_id),
                 )
                 if ticket is not None:
                     if exchange.trace is None:

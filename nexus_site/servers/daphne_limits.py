@@ -57,6 +57,7 @@ from typing import Any
 
 from django.conf import settings
 
+from gateway.batches import BATCH_PATH_PREFIXES
 from gateway.process import Gateway
 from gateway.proxy import ProxyApp
 from gateway.proxy.errors import ProxyError
@@ -75,6 +76,7 @@ from nexus_site.servers.unsent import (
     unsent_bytes,
     unsent_of,
 )
+from usage import batch_credential
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,9 @@ _REFUSED = "_nexus_refused"
 _RECEIVED = "_nexus_received"
 _UNREAD = "_nexus_unread"
 _BLOB = "_nexus_blob"
+
+
+_BATCH_PATHS = tuple(prefix.encode() for prefix in BATCH_PATH_PREFIXES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +103,14 @@ class ClientLimits:
     # An Ollama model file (POST /api/blobs/<digest>): its size and deadline.
     max_blob: int = 256 * 1024**3
     blob_timeout: float = 3600.0
+    # A batch input file or Message Batch (gateway/batches/): its size.
+    max_batch: int = 200 * 1024**2
+
+    def max_body_of(self, path: bytes) -> int:
+        """The largest body a request to `path` may send (not a model file)."""
+        if path.startswith(_BATCH_PATHS):
+            return max(self.max_body, self.max_batch)
+        return self.max_body
 
     @classmethod
     def from_settings(cls) -> ClientLimits:
@@ -109,6 +122,7 @@ class ClientLimits:
             stall_seconds=settings.NEXUS_STREAM_STALL_SECONDS,
             max_blob=settings.NEXUS_MAX_BLOB_BYTES,
             blob_timeout=settings.NEXUS_BLOB_TIMEOUT,
+            max_batch=settings.NEXUS_BATCH_MAX_FILE_BYTES,
         )
 
 
@@ -296,6 +310,7 @@ def install_daphne_limits(
             content_length=length,
             authorization=authorization[0] if authorization else None,
             api_key=api_key[0] if api_key else None,
+            batch_credential=headers.hasHeader(batch_credential.HEADER_BYTES),
         )
         policies = None if state is None else state.policies
 
@@ -307,7 +322,7 @@ def install_daphne_limits(
             head,
             None if state is None else state.keys,
             auth_required=gateway.config.auth_required,
-            max_body=limits.max_body,
+            max_body=limits.max_body_of(head.path),
             max_blob=limits.max_blob,
             may_manage=may_manage,
         )
@@ -329,9 +344,11 @@ def install_daphne_limits(
             return
         received = getattr(self, _RECEIVED, 0) + len(data)
         setattr(self, _RECEIVED, received)
-        limit = limits.max_blob if getattr(self, _BLOB, False) else limits.max_body
+        path = getattr(self.channel, "_path", b"")
+        limit = (
+            limits.max_blob if getattr(self, _BLOB, False) else limits.max_body_of(path)
+        )
         if received > limit:  # sent without a length (chunked)
-            path = getattr(self.channel, "_path", b"")
             refuse(self, too_large(limit), surface_of(path))
             return
         handle_content_chunk(self, data)

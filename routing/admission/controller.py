@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from routing.admission.batch_lane import BatchLane, has_batch_room
 from routing.admission.errors import (
     AdmissionError,
     ClientCancelled,
@@ -59,6 +60,8 @@ class Pool:
     stock_by_model: dict[str, int] = field(default_factory=dict)
     queueing: bool = False  # enqueue mode (False: bypass mode)
     mode_changes: int = 0
+    batch: BatchLane = field(default_factory=BatchLane)  # batch lines waiting
+    batch_stock: int = 0  # of the stock: batch lines
 
 
 @dataclass(slots=True)
@@ -134,7 +137,7 @@ class AdmissionController:
         self.pools = {
             key: pool
             for key, pool in self.pools.items()
-            if pool.stock or len(pool.queue)
+            if pool.stock or len(pool.queue) or len(pool.batch)
         }
 
     # Requests --------------------------------------------------------------
@@ -160,6 +163,8 @@ class AdmissionController:
         ticket.pool = pool
         queue = pool.queue
         now = self.clock()
+        if ticket.batch:
+            return self._admit_batch(pool, ticket, now)
         if _can_bypass(pool):
             if pool.queueing:
                 pool.queueing = False
@@ -237,13 +242,18 @@ class AdmissionController:
             return
         outcome = ticket.outcome
         if outcome is None:
-            if pool.queue.remove(ticket):
+            if ticket.batch and pool.batch.remove(ticket):
+                self.counts.cancelled += 1
+                self._decide(ticket, Outcome.CANCELLED, self.clock())
+            elif pool.queue.remove(ticket):
                 self.counts.cancelled += 1
                 self._decide(ticket, Outcome.CANCELLED, self.clock())
                 self._note_if_drained(pool)
             return
         if outcome is Outcome.BYPASSED or outcome is Outcome.DISPATCHED:
             pool.stock -= 1
+            if ticket.batch:
+                pool.batch_stock -= 1
             pool.stock_tokens = pool.stock_tokens - ticket.size if pool.stock else 0.0
             by_model = pool.stock_by_model
             left = by_model[ticket.model] - 1
@@ -293,6 +303,8 @@ class AdmissionController:
             self._let_through(pool, ticket, Outcome.DISPATCHED, now)
             self._call(ticket)
         self._note_if_drained(pool)
+        if pool.batch and not len(queue):
+            self._pump_batch(pool)
 
     def pump_all(self) -> None:
         """Pump every pool (the safety timer, and after any limit changed)."""
@@ -317,9 +329,15 @@ class AdmissionController:
                     self.counts.deadline += 1
                 self._decide(ticket, outcome, now)
             self._note_if_drained(pool)
-            next_expiry = pool.queue.next_expiry()
-            if next_expiry is not None and (soonest is None or next_expiry < soonest):
-                soonest = next_expiry
+            ttl = self.settings.queue_ttl
+            for ticket in pool.batch.expire(now, ttl):
+                self.counts.expired += 1
+                self._decide(ticket, Outcome.EXPIRED, now)
+            for next_expiry in (pool.queue.next_expiry(), pool.batch.next_expiry(ttl)):
+                if next_expiry is not None and (
+                    soonest is None or next_expiry < soonest
+                ):
+                    soonest = next_expiry
         return soonest
 
     # Views -----------------------------------------------------------------
@@ -331,12 +349,23 @@ class AdmissionController:
 
     @property
     def waiting(self) -> int:
-        """Requests waiting, over all pools."""
-        return sum(len(pool.queue) for pool in self.pools.values())
+        """Requests waiting, over all pools (batch lines included)."""
+        return sum(len(pool.queue) + len(pool.batch) for pool in self.pools.values())
+
+    @property
+    def batch_waiting(self) -> int:
+        """Batch lines waiting, over all pools."""
+        return sum(len(pool.batch) for pool in self.pools.values())
+
+    @property
+    def batch_running(self) -> int:
+        """Batch lines let through and not yet released, over all pools."""
+        return sum(pool.batch_stock for pool in self.pools.values())
 
     def waiting_tickets(self) -> Iterable[Ticket]:
         for pool in self.pools.values():
             yield from pool.queue.waiting()
+            yield from pool.batch.waiting()
 
     # Internals -------------------------------------------------------------
 
@@ -369,13 +398,46 @@ class AdmissionController:
 
     def _open(self, pool: Pool, now: float) -> None:
         while True:
-            ticket = pool.queue.pop()
+            ticket = pool.queue.pop() or pool.batch.pop()
             if ticket is None:
                 break
             self.counts.dispatched += 1
             self._let_through(pool, ticket, Outcome.DISPATCHED, now)
             self._call(ticket)
         self._note_if_drained(pool)
+
+    def _admit_batch(self, pool: Pool, ticket: Ticket, now: float) -> Ticket:
+        """A batch line goes only when nothing else waits and there is room
+        below the batch limit; else it waits in the pool's batch lane."""
+        if not len(pool.queue) and not pool.batch and self._has_batch_room(pool):
+            self.counts.bypassed += 1
+            self._let_through(pool, ticket, Outcome.BYPASSED, now)
+            return ticket
+        if ticket.deadline is not None and ticket.deadline <= now:
+            self.count_refusal(DeadlineExceeded.code)
+            raise DeadlineExceeded(_deadline_message(0.0))
+        self.counts.enqueued += 1
+        pool.batch.push(ticket, now)
+        return ticket
+
+    def _pump_batch(self, pool: Pool) -> None:
+        """Send waiting batch lines while the pool has batch room."""
+        lane, counts = pool.batch, self.counts
+        now = -1.0
+        while lane and self._has_batch_room(pool):
+            ticket = lane.pop()
+            if ticket is None:
+                break
+            counts.dispatched += 1
+            if now < 0:
+                now = self.clock()
+            self._let_through(pool, ticket, Outcome.DISPATCHED, now)
+            self._call(ticket)
+
+    def _has_batch_room(self, pool: Pool) -> bool:
+        return has_batch_room(
+            pool.band, self.settings.batch_headroom, pool.stock, pool.stock_tokens
+        )
 
     def _band(self, pool: Pool) -> Band:
         return self.settings.band(
@@ -396,6 +458,8 @@ class AdmissionController:
         self, pool: Pool, ticket: Ticket, outcome: Outcome, now: float
     ) -> None:
         pool.stock += 1
+        if ticket.batch:
+            pool.batch_stock += 1
         pool.stock_tokens += ticket.size
         by_model = pool.stock_by_model
         by_model[ticket.model] = by_model.get(ticket.model, 0) + 1

@@ -72,6 +72,9 @@ class Ticket:
     vfinish: float = 0.0
     queued: bool = False
     held: Any = None  # its gateway-wide queue places (gateway.admission_places)
+    # A batch job's line: waits in the pool's batch lane, behind every
+    # interactive request (routing.admission.batch_lane).
+    batch: bool = False
 
 
 class _Flow:

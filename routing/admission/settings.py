@@ -92,6 +92,9 @@ class AdmissionSettings:
     sheddable_share: int = 5
     stock_unit: StockUnit = StockUnit.REQUESTS
     watermark_tokens_per_backend: float | None = None
+    # The fraction of a pool's dispatch limit batch lines leave free for
+    # interactive arrivals (at least one request; routing.admission.batch_lane).
+    batch_headroom: float = 0.125
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "flow_key", FlowKey(self.flow_key))
@@ -244,6 +247,10 @@ class AdmissionSettings:
             found["critical_share"] = (
                 "one of critical_share, default_share and sheddable_share must "
                 "be above 0"
+            )
+        if not _finite_in(self.batch_headroom, 0, 1) or self.batch_headroom >= 1:
+            found["batch_headroom"] = (
+                f"must be from 0 to less than 1, got {self.batch_headroom!r}"
             )
         per_backend = self.watermark_tokens_per_backend
         if per_backend is not None and not _finite_in(

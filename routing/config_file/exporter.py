@@ -178,6 +178,9 @@ def export_config() -> str:
         if price.cache_hit_per_million:
             cache_hit = format_scalar(float(price.cache_hit_per_million))
             values.append(f"cache_hit = {cache_hit}")
+        if price.batch_price_factor != 1:
+            factor = format_scalar(float(price.batch_price_factor))
+            values.append(f"batch_factor = {factor}")
         lines.append(f"{format_string(price.model)} = {{ {', '.join(values)} }}")
     defaults = {s.field: get_field_default(ApiKey, s.field) for s in KEY_SETTINGS}
     keys = [

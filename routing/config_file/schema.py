@@ -255,7 +255,14 @@ KEY_BUDGET_USD = "budget_usd"
 KEY_KEYS = (*(s.key for s in KEY_SETTINGS), KEY_MODELS, KEY_EXPIRES, KEY_BUDGET_USD)
 # USD per million tokens: input, output, cached input read, cache writes, and
 # an answer from the response cache.
-PRICE_KEYS = ("input", "output", "cached_input", "cache_write", "cache_hit")
+PRICE_KEYS = (
+    "input",
+    "output",
+    "cached_input",
+    "cache_write",
+    "cache_hit",
+    "batch_factor",
+)
 
 ROUTING_KEYS = (
     "strategy",
@@ -306,6 +313,7 @@ PRICE_KEY_FOR_FIELD = {
     "cached_input_per_million": "cached_input",
     "cache_write_per_million": "cache_write",
     "cache_hit_per_million": "cache_hit",
+    "batch_price_factor": "batch_factor",
 }
 
 

@@ -115,15 +115,19 @@ def read_prices(reader: ValueReader, value: object) -> tuple[PriceEntry, ...]:
             ("cached_input", "cached_input_per_million"),
             ("cache_write", "cache_write_per_million"),
             ("cache_hit", "cache_hit_per_million"),
+            ("batch_factor", "batch_price_factor"),
         ):
             if key not in price:
                 continue
             number = coerce(price[key], float)
             if number is None:
+                expected = (
+                    "a fraction of the price"
+                    if key == "batch_factor"
+                    else "a number of USD per million tokens"
+                )
                 reader.add(
-                    f"{path}.{key}",
-                    "expected a number of USD per million tokens, got "
-                    + describe(price[key]),
+                    f"{path}.{key}", f"expected {expected}, got {describe(price[key])}"
                 )
                 invalid.add(field)
             else:
@@ -135,6 +139,7 @@ def read_prices(reader: ValueReader, value: object) -> tuple[PriceEntry, ...]:
             "cached_input_per_million": None,
             "cache_write_per_million": None,
             "cache_hit_per_million": Decimal(0),
+            "batch_price_factor": Decimal(1),
         }
         entries.append(
             PriceEntry(path, model.strip(), defaults | values, frozenset(invalid))

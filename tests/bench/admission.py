@@ -89,6 +89,21 @@ def _set_admission(enabled: bool, max_concurrency: int | None = None) -> None:
 async def _light(
     client: httpx.AsyncClient, key: str, seconds: float
 ) -> tuple[list[float], int]:
+    end = time.monotonic() + seconds
+    return await paced_requests(
+        client, key, BODY, LIGHT_RATE, lambda: time.monotonic() >= end
+    )
+
+
+async def paced_requests(
+    client: httpx.AsyncClient,
+    key: str,
+    body: dict[str, Any],
+    rate: float,
+    until: Callable[[], bool],
+) -> tuple[list[float], int]:
+    """Send `rate` chat requests a second (open loop) until `until()`; return
+    the latencies of those answered 200 and how many failed."""
     latencies: list[float] = []
     failures = 0
 
@@ -97,7 +112,7 @@ async def _light(
         started = time.perf_counter()
         reply = await client.post(
             "/v1/chat/completions",
-            json=BODY,
+            json=body,
             headers={"authorization": f"Bearer {key}"},
         )
         if reply.status_code == 200:
@@ -106,10 +121,9 @@ async def _light(
             failures += 1
 
     tasks = []
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    while not until():
         tasks.append(asyncio.create_task(one()))
-        await asyncio.sleep(1 / LIGHT_RATE)
+        await asyncio.sleep(1 / rate)
     await asyncio.gather(*tasks)
     return latencies, failures
 

@@ -125,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
         "client (POST /api/chat) translated for the OpenAI mock.",
     )
     parser.add_argument(
+        "--batches",
+        action="store_true",
+        help="Instead: the batch benchmark (interactive latency alone and beside "
+        "a 500-line batch on 8 slots, and the batch's share of the idle slots).",
+    )
+    parser.add_argument(
         "--admission",
         action="store_true",
         help="Instead: admission control's benchmark (two tenants on a fleet "
@@ -220,6 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = parser.parse_args(argv)
     if options.admission:
         return _admission(options)
+    if options.batches:
+        return _batches(options)
     if options.limits:
         return _limits(options)
     if options.cache:
@@ -318,6 +326,20 @@ def _with_mocks(
     (options.output / f"{name}.json").write_text(json.dumps(results, indent=2))
     sys.stdout.write(report(results) + "\n")
     return 0
+
+
+def _batches(options: argparse.Namespace) -> int:
+    from tests.bench.batches import format_batch_report, run_batch_benchmark
+
+    seconds = max(10.0, 2.0 * options.duration)
+    return _with_mocks(
+        options,
+        "batches",
+        lambda env, spawn, logs: run_batch_benchmark(
+            env, spawn, logs, seconds, _progress
+        ),
+        format_batch_report,
+    )
 
 
 def _admission(options: argparse.Namespace) -> int:

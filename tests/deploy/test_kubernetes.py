@@ -138,6 +138,32 @@ def test_migrations_run_in_a_job_and_beat_runs_once(overlay: str) -> None:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_batch_files_are_on_one_shared_volume(overlay: str) -> None:
+    """Uploads land on a gateway pod, results on the worker's: one volume
+    every pod that serves or runs batches mounts at NEXUS_BATCH_DIR."""
+    docs = _render(overlay)
+    claim = _one(docs, "PersistentVolumeClaim", "nexus-batches")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    config = _one(docs, "ConfigMap", "nexus-config")["data"]
+    directory = config["NEXUS_BATCH_DIR"]
+    assert config["NEXUS_BATCH_GATEWAY_URL"].startswith("http://nexus-gateway:")
+    for name in ("nexus-gateway", "nexus-control", "nexus-celery-worker"):
+        spec = _one(docs, "Deployment", name)["spec"]["template"]["spec"]
+        volumes = {
+            volume["name"]
+            for volume in spec["volumes"]
+            if volume.get("persistentVolumeClaim", {}).get("claimName")
+            == "nexus-batches"
+        }
+        mounted = {
+            mount["mountPath"]
+            for mount in spec["containers"][0]["volumeMounts"]
+            if mount["name"] in volumes
+        }
+        assert mounted == {directory}, name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_no_secret_is_in_a_config_map_and_secrets_come_from_the_secret(
     overlay: str,
 ) -> None:

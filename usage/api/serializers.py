@@ -275,6 +275,7 @@ class ModelPriceSerializer(ModelCleanSerializer[ModelPrice]):
             "cached_input_per_million",
             "cache_write_per_million",
             "cache_hit_per_million",
+            "batch_price_factor",
             "updated_at",
         )
         read_only_fields = ("updated_at",)

@@ -70,6 +70,8 @@ class Price:
     cache_write_nanos: int | None = None
     # An answer from the response cache, per token of it (prompt and output).
     cache_hit_nanos: int = 0
+    # What a batch job's line costs, as a fraction of the price (1: the same).
+    batch_factor: float = 1.0
 
     def cost(
         self,
@@ -90,6 +92,10 @@ class Price:
         if cache_write_tokens and self.cache_write_nanos is not None:
             cost += cache_write_tokens * (self.cache_write_nanos - self.input_nanos)
         return max(cost, 0)
+
+    def batch_cost(self, cost: int) -> int:
+        """Return what a batch line costs that would cost `cost` (nano-USD)."""
+        return cost if self.batch_factor == 1.0 else round(cost * self.batch_factor)
 
     def cache_hit_cost(self, total_tokens: int) -> int:
         """Return the cost of a cache hit of `total_tokens` in nano-USD."""

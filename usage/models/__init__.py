@@ -1,6 +1,7 @@
 """Client API keys, model prices, usage records and the aggregates rolled up from them.
 
-One module per concern: ``keys`` (API keys and their daily spend), ``prices``
+One module per concern: ``keys`` (API keys and their daily spend), ``batches``
+(batch jobs and their files), ``prices``
 (model prices and nano-USD), ``records`` (each request's usage before rollup)
 and ``aggregates`` (all-time and per-minute counters, and the usage reports).
 Every model is imported here, so that Django's app registry finds it and
@@ -19,6 +20,16 @@ from usage.models.aggregates import (
     UsageCountersQuerySet,
     add_derived_fields,
     select_usage_rows,
+)
+from usage.models.batches import (
+    ACTIVE_STATUSES,
+    Batch,
+    BatchApi,
+    BatchQuerySet,
+    BatchStatus,
+    File,
+    FilePurpose,
+    new_object_id,
 )
 from usage.models.keys import (
     ANONYMOUS,
@@ -44,6 +55,7 @@ from usage.models.records import (
 )
 
 __all__ = [
+    "ACTIVE_STATUSES",
     "ANONYMOUS",
     "COUNTER_FIELDS",
     "KEY_SCHEME",
@@ -54,8 +66,14 @@ __all__ = [
     "USAGE_DIMENSIONS",
     "ApiKey",
     "ApiKeyQuerySet",
+    "Batch",
+    "BatchApi",
+    "BatchQuerySet",
+    "BatchStatus",
     "Criticality",
     "Endpoint",
+    "File",
+    "FilePurpose",
     "KeySpend",
     "KeySpendQuerySet",
     "ModelPrice",
@@ -71,5 +89,6 @@ __all__ = [
     "describe_key",
     "hash_key",
     "nanos_to_usd",
+    "new_object_id",
     "select_usage_rows",
 ]

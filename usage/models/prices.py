@@ -11,7 +11,7 @@ from __future__ import annotations
 from decimal import Decimal
 
 from django.core.exceptions import ValidationError
-from django.core.validators import MinValueValidator
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 from nexus_lib.model_patterns import is_valid_pattern
@@ -74,6 +74,15 @@ class ModelPrice(models.Model):
         validators=[MinValueValidator(Decimal(0))],
         help_text="What an answer from the response cache costs, per million "
         "of its tokens (0: free).",
+    )
+    batch_price_factor = models.DecimalField(
+        "batch price factor",
+        max_digits=5,
+        decimal_places=3,
+        default=Decimal(1),
+        validators=[MinValueValidator(Decimal(0)), MaxValueValidator(Decimal(10))],
+        help_text="What a batch job's line costs, as a fraction of these prices "
+        "(0.5: half price; 1: the same).",
     )
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -110,6 +110,15 @@ class UsageRecord(models.Model):
         help_text="Answered from the response cache: the tokens are the stored "
         "answer's (saved, not spent); the cost is the model's cache hit price.",
     )
+    batch_id = models.CharField(
+        "batch",
+        max_length=40,
+        blank=True,
+        default="",
+        db_index=True,
+        help_text="A batch job's line: the batch's id (billed at the model's batch "
+        "price factor).",
+    )
     is_error = models.BooleanField(
         "failed", default=False, help_text="Counted in errors (UsageEvent.is_error)."
     )
@@ -197,6 +206,13 @@ class OpenRequest(models.Model):
         blank=True,
         default="",
         help_text="The multiple-opinions ensemble it is a step of, if any.",
+    )
+    batch_id = models.CharField(
+        "batch",
+        max_length=40,
+        blank=True,
+        default="",
+        help_text="The batch job it is a line of, if any.",
     )
     created_at = models.DateTimeField(help_text="When the request was admitted.")
     seen_at = models.DateTimeField(

@@ -144,6 +144,14 @@ class Command(BaseCommand):
         run_dir = Path(settings.NEXUS_STATE_DIR) / f"run-{os.getpid()}"
         restarts_file = run_dir / "restarts.json"
         os.environ[RESTARTS_FILE_ENV] = str(restarts_file)
+        # The batch runner (in the Celery worker) sends lines to these processes.
+        loopback = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        os.environ.setdefault(
+            "NEXUS_BATCH_GATEWAY_URL",
+            f"http://[{loopback}]:{port}"
+            if ":" in loopback
+            else f"http://{loopback}:{port}",
+        )
         supervisor = Supervisor(
             self.stdout,
             grace=settings.NEXUS_DRAIN_SECONDS + 10.0,
@@ -287,6 +295,8 @@ class Command(BaseCommand):
                 "threads",
                 "--concurrency",
                 "4",
+                "--queues",
+                "celery,batches",
                 "--hostname",
                 "nexus-worker@%h",
                 *(() if shared else ("--without-mingle", "--without-gossip")),
