@@ -18,7 +18,7 @@ from backends.models import Backend, BackendModel, Worker
 from backends.signals import backends_changed
 from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
 from routing.versioning import mark_config_changed
-from usage.models import ApiKey, ModelPrice
+from usage.models import ApiKey, ModelPrice, Team
 from usage.signals import api_keys_changed
 
 # Client keys (which are valid, their limits) and model prices are part of what
@@ -31,6 +31,7 @@ GATEWAY_MODELS: tuple[type[Model], ...] = (
     ChainStep,
     RoutingPolicy,
     ApiKey,
+    Team,  # its limits hold its keys
     ModelPrice,
     Worker,  # where a relay worker's socket is (GatewayState.relay_channels)
 )

@@ -100,6 +100,42 @@ FREE = Price()
 
 
 @dataclass(frozen=True, slots=True)
+class TeamPolicy:
+    """A team's limits and budgets, shared by its keys (None: no limit).
+
+    ``prefix`` names the team's counters (``team:<id>``), as a key's prefix
+    names the key's.
+    """
+
+    prefix: str
+    name: str = ""
+    max_concurrency: int | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+    budget_period: str = BudgetPeriod.MONTH
+    budget_tokens: int | None = None
+    budget_nanos: int | None = None
+
+    @property
+    def has_budget(self) -> bool:
+        return self.budget_tokens is not None or self.budget_nanos is not None
+
+    @property
+    def is_limited(self) -> bool:
+        return (
+            self.rpm is not None
+            or self.tpm is not None
+            or self.max_concurrency is not None
+            or self.has_budget
+        )
+
+
+def team_prefix(team_id: int) -> str:
+    """The counter prefix of a team (never a key's: those start with "nx-")."""
+    return f"team:{team_id}"
+
+
+@dataclass(frozen=True, slots=True)
 class KeyPolicy:
     """One client key's allow-list, expiry, limits and budgets (None: no limit)."""
 
@@ -114,6 +150,9 @@ class KeyPolicy:
     budget_nanos: int | None = None
     # May pull, push, copy, create and delete models on Ollama backends.
     can_manage_models: bool = False
+    # The team whose limits the key also draws on; None when it has none, or
+    # its team limits nothing.
+    team: TeamPolicy | None = None
     _exact: frozenset[str] = field(init=False, repr=False, compare=False)
     _glob: re.Pattern[str] | None = field(init=False, repr=False, compare=False)
 
@@ -127,16 +166,24 @@ class KeyPolicy:
 
     @property
     def has_budget(self) -> bool:
+        """Whether the key has a budget of its own."""
         return self.budget_tokens is not None or self.budget_nanos is not None
 
     @property
+    def has_any_budget(self) -> bool:
+        """Whether a budget holds the key's requests: its own or its team's."""
+        return self.has_budget or (self.team is not None and self.team.has_budget)
+
+    @property
     def is_limited(self) -> bool:
-        """Whether admission must ask the limiter (any limit or budget set)."""
+        """Whether admission must ask the limiter (any limit or budget set, the
+        key's or its team's)."""
         return (
             self.rpm is not None
             or self.tpm is not None
             or self.max_concurrency is not None
             or self.has_budget
+            or self.team is not None
         )
 
     def is_expired(self, now: float) -> bool:
@@ -155,6 +202,9 @@ class KeyPolicy:
 
 
 UNLIMITED_KEY = KeyPolicy(prefix="")
+
+# A key's own limits or its team's: the limiter treats both alike.
+LimitLayer = KeyPolicy | TeamPolicy
 
 
 def resolve_prices(

@@ -35,6 +35,7 @@ def limit_arg(value: int | None) -> int:
 _NOW = _read("now")
 
 ADMIT = _NOW + _read("admit").replace("RESERVE_SHARE", repr(RESERVE_SHARE))
+ADMIT_LAYERS = _NOW + _read("admit_layers")
 RETURN = _NOW + _read("return")
 COVER = _NOW + _read("cover")
 SETTLE = _read("settle")

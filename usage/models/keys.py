@@ -13,7 +13,7 @@ import hmac
 import secrets
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
@@ -25,6 +25,9 @@ from nexus_lib.model_patterns import is_valid_pattern, split_patterns
 from usage.limits.policy import NANOS_PER_USD, BudgetPeriod, period_id
 from usage.models.prices import nanos_to_usd
 from usage.signals import api_keys_changed
+
+if TYPE_CHECKING:
+    from usage.models.teams import Team
 
 KEY_SCHEME = "nx-"
 PREFIX_LENGTH = len(KEY_SCHEME) + 8
@@ -39,18 +42,24 @@ class ApiKeyQuerySet(models.QuerySet["ApiKey"]):
     def active(self) -> ApiKeyQuerySet:
         return self.filter(is_active=True)
 
-    def create_key(self, name: str, **limits: Any) -> tuple[ApiKey, str]:
+    def create_key(
+        self, name: str, team: Team | None = None, **limits: Any
+    ) -> tuple[ApiKey, str]:
         """Create a key; return it with the raw secret, which is not stored.
 
         ``limits`` sets any of the key's limit, budget and admission fields
-        (SETTING_FIELDS).
+        (SETTING_FIELDS); ``team`` the team it belongs to.
         """
         unknown = set(limits) - set(SETTING_FIELDS)
         if unknown:
             raise TypeError(f"not a limit field: {', '.join(sorted(unknown))}")
         raw = f"{KEY_SCHEME}{secrets.token_urlsafe(32)}"
         key = self.model(
-            name=name, prefix=raw[:PREFIX_LENGTH], hashed_key=hash_key(raw), **limits
+            name=name,
+            prefix=raw[:PREFIX_LENGTH],
+            hashed_key=hash_key(raw),
+            team=team,
+            **limits,
         )
         key.full_clean()
         key.save()
@@ -164,6 +173,15 @@ class ApiKey(models.Model):
         validators=[MinValueValidator(Decimal("0.0001"))],
         help_text="Spend (at the model prices) per budget period; empty: no limit.",
     )
+    team = models.ForeignKey(
+        "usage.Team",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="keys",
+        help_text="The team whose limits and budgets this key also draws on "
+        "(on top of its own).",
+    )
     can_manage_models = models.BooleanField(
         "may manage Ollama models",
         default=False,
@@ -215,25 +233,36 @@ class ApiKey(models.Model):
     def spend(self, now: datetime | None = None) -> dict[str, Any]:
         """Rolled-up requests, tokens and cost (nano-USD) of the current budget
         period and of all time, with what is left of the budgets."""
-        moment = now or timezone.now()
-        rows = KeySpend.objects.filter(api_key_prefix=self.prefix)
-        totals = rows.totals()
-        period: dict[str, Any] = {
-            **rows.for_period(self.budget_period, moment).totals()
-        }
-        period["period"] = period_id(self.budget_period, moment.timestamp())
-        budget_nanos = self.budget_nanos
-        period["remaining_tokens"] = (
-            None
-            if self.budget_tokens is None
-            else max(self.budget_tokens - period["total_tokens"], 0)
+        return summarize_spend(
+            KeySpend.objects.filter(api_key_prefix=self.prefix),
+            self.budget_period,
+            self.budget_tokens,
+            self.budget_nanos,
+            now,
         )
-        period["remaining_nanos"] = (
-            None
-            if budget_nanos is None
-            else max(budget_nanos - period["cost_nanos"], 0)
-        )
-        return {"period": period, "all_time": totals}
+
+
+def summarize_spend(
+    rows: KeySpendQuerySet,
+    budget_period: str,
+    budget_tokens: int | None,
+    budget_nanos: int | None,
+    now: datetime | None = None,
+) -> dict[str, Any]:
+    """Requests, tokens and cost of `rows` in the budget period that holds now
+    and of all time, with what is left of the budgets (None: no budget)."""
+    moment = now or timezone.now()
+    period: dict[str, Any] = {**rows.for_period(budget_period, moment).totals()}
+    period["period"] = period_id(budget_period, moment.timestamp())
+    period["remaining_tokens"] = (
+        None
+        if budget_tokens is None
+        else max(budget_tokens - period["total_tokens"], 0)
+    )
+    period["remaining_nanos"] = (
+        None if budget_nanos is None else max(budget_nanos - period["cost_nanos"], 0)
+    )
+    return {"period": period, "all_time": rows.totals()}
 
 
 # The fields that limit what a key may do (create_key(), the API, the commands).

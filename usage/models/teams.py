@@ -1,0 +1,128 @@
+"""Teams: a group of client keys with a shared pool of limits and budgets.
+
+A key of a team is held to its own limits and, in the same admission, to its
+team's: requests per minute, tokens per minute, requests in flight, and
+budgets (tokens and/or money per UTC day, UTC month or all time) that every
+key of the team draws on together. A team's admins (users scoped to it)
+manage only its keys and see only its usage.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+from django.conf import settings
+from django.core.validators import MinValueValidator
+from django.db import models
+
+from usage.limits.policy import NANOS_PER_USD, BudgetPeriod
+from usage.models.keys import ApiKey, KeySpend, summarize_spend
+
+# The fields that limit a team's keys together (the API, TOML and commands).
+TEAM_LIMIT_FIELDS = (
+    "max_concurrency",
+    "rpm_limit",
+    "tpm_limit",
+    "budget_period",
+    "budget_tokens",
+    "budget_usd",
+)
+
+
+# The permission of the global roles (key-admin, admin) over every team's keys;
+# a team admin has the key permissions without it, for their own teams only.
+MANAGE_ALL_TEAMS = "manage_all_teams"
+
+
+class TeamQuerySet(models.QuerySet["Team"]):
+    def administered_by(self, user: Any) -> TeamQuerySet:
+        """The teams `user` may manage: all for a global role, else their own."""
+        if user.has_perm(f"usage.{MANAGE_ALL_TEAMS}"):
+            return self
+        return self.filter(admins=user)
+
+
+class Team(models.Model):
+    """A group of client keys sharing limits and budgets on top of each key's own."""
+
+    name = models.CharField(max_length=100, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    admins = models.ManyToManyField(
+        settings.AUTH_USER_MODEL,
+        blank=True,
+        related_name="administered_teams",
+        help_text="Users with the team-admin role who manage this team's keys "
+        "and see its usage (and nothing of other teams).",
+    )
+    max_concurrency = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Requests in flight at once across the team's keys; empty: no limit.",
+    )
+    rpm_limit = models.PositiveIntegerField(
+        "requests per minute",
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Across the team's keys; empty: no limit.",
+    )
+    tpm_limit = models.PositiveIntegerField(
+        "tokens per minute",
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Across the team's keys; empty: no limit.",
+    )
+    budget_period = models.CharField(
+        max_length=8,
+        choices=BudgetPeriod.choices(),
+        default=BudgetPeriod.MONTH,
+        help_text="What the team's budgets cover: the current UTC day, month, "
+        "or all time.",
+    )
+    budget_tokens = models.PositiveBigIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Tokens the team's keys may use together per budget period; "
+        "empty: no limit.",
+    )
+    budget_usd = models.DecimalField(
+        "budget (USD)",
+        max_digits=14,
+        decimal_places=4,
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(Decimal("0.0001"))],
+        help_text="Spend of the team's keys together per budget period; empty: "
+        "no limit.",
+    )
+
+    objects = TeamQuerySet.as_manager()
+
+    class Meta:
+        ordering = ("name",)
+        permissions = ((MANAGE_ALL_TEAMS, "Can manage the keys of every team"),)
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def budget_nanos(self) -> int | None:
+        """The money budget in nano-USD (the unit costs are counted in)."""
+        if self.budget_usd is None:
+            return None
+        return int(self.budget_usd * NANOS_PER_USD)
+
+    def spend(self, now: datetime | None = None) -> dict[str, Any]:
+        """The team's keys' rolled-up requests, tokens and cost (nano-USD) of the
+        current budget period and of all time, with what is left of the budgets."""
+        rows = KeySpend.objects.filter(
+            api_key_prefix__in=ApiKey.objects.filter(team=self).values("prefix")
+        )
+        return summarize_spend(
+            rows, self.budget_period, self.budget_tokens, self.budget_nanos, now
+        )
