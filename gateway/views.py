@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TypedDict
 from urllib.parse import urlsplit, urlunsplit
 
-from django.contrib.admin.views.decorators import staff_member_required
 from django.db import DatabaseError
 from django.http import HttpRequest, JsonResponse
 from django.utils import timezone
@@ -17,6 +16,7 @@ from rest_framework.exceptions import AuthenticationFailed
 from backends.health import redact_error
 from backends.models import Backend, HealthStatus
 from gateway.process import current_gateway
+from usage.access import dashboard_viewer_required
 
 
 class BackendHealthRowDict(TypedDict):
@@ -166,7 +166,7 @@ def health(request: HttpRequest) -> JsonResponse:
 
 @never_cache
 @require_safe
-@staff_member_required
+@dashboard_viewer_required
 def fleet(request: HttpRequest) -> JsonResponse:
     """The fleet scheduler's state in this serving process (the dashboard)."""
     return JsonResponse(dict(current_gateway().fleet.as_dict()))

@@ -24,6 +24,13 @@ class NexusAdminSite(admin.AdminSite):
     # the index and the breadcrumbs lead everywhere it did.
     enable_nav_sidebar = False
 
+    def register(
+        self, model_or_iterable: Any, admin_class: Any = None, **options: Any
+    ) -> None:
+        super().register(model_or_iterable, admin_class, **options)
+        if admin_class is not None:
+            _deny_actions_by_default(admin_class)
+
     def get_app_list(
         self, request: HttpRequest, app_label: str | None = None
     ) -> list[Any]:
@@ -33,3 +40,15 @@ class NexusAdminSite(admin.AdminSite):
                 key = (app["app_label"], model["object_name"].lower())
                 model["name"] = MODEL_NAMES.get(key, model["name"])
         return apps
+
+
+def _deny_actions_by_default(admin_class: Any) -> None:
+    """An admin action that names no permission needs the change permission.
+
+    Django offers such an action to everyone who may view the list: a viewer
+    could run "Drain" or "Check health now". Default deny, as for the API.
+    """
+    for name in admin_class.actions or ():
+        action = getattr(admin_class, name, None) if isinstance(name, str) else name
+        if action is not None and not hasattr(action, "allowed_permissions"):
+            action.allowed_permissions = ("change",)

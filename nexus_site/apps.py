@@ -2,8 +2,10 @@ from __future__ import annotations
 
 from django.apps import AppConfig, apps
 from django.contrib.admin import apps as admin_apps
+from django.db.models.signals import post_migrate
 
 from nexus_lib import live_views
+from nexus_site.roles import sync_roles_after_migrate
 
 # A module, not the class, is imported: Django picks this module's one class
 # marked `default` as the nexus_site app, and Django's AdminConfig is one.
@@ -24,6 +26,10 @@ class NexusSiteConfig(AppConfig):
         # The admin shows what this serving process learned (nexus_lib.live_views).
         live_views.provide_learned_context(_learned_context)
         live_views.provide_cold_load_pause(_cold_load_pause)
+        # The role groups follow their rule after every migrate (new models).
+        post_migrate.connect(
+            sync_roles_after_migrate, dispatch_uid="nexus_site.roles.sync"
+        )
 
 
 def _learned_context(

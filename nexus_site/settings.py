@@ -407,7 +407,9 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.TokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
-    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
+    # Roles (Django groups) decide, per model permission; default deny
+    # (nexus_lib/permissions.py, nexus_site/roles.py).
+    "DEFAULT_PERMISSION_CLASSES": ["nexus_lib.permissions.RolePermission"],
     # A JSON API: bodies are JSON (415 for anything else; the config import
     # also takes TOML). Forms cannot carry its nested objects and lists, and
     # multipart would buffer uploads nobody sends.
@@ -426,7 +428,7 @@ SPECTACULAR_SETTINGS = {
     "or admin token (`Authorization: Token ...`); client API keys are refused.",
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
-    "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAdminUser"],
+    "SERVE_PERMISSIONS": ["nexus_lib.permissions.AnyStaffPermission"],
     # The docs page loads Swagger UI from the project's static files, not a CDN.
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",

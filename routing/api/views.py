@@ -5,11 +5,11 @@ from typing import Any
 
 from drf_spectacular.utils import extend_schema
 from rest_framework import generics, viewsets
-from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from nexus_lib.permissions import requires
 from routing.api.serializers import (
     AliasSerializer,
     EffectiveConfigSerializer,
@@ -25,7 +25,6 @@ class AliasViewSet(viewsets.ModelViewSet[Alias]):
 
     queryset = Alias.objects.all()
     serializer_class = AliasSerializer
-    permission_classes = (IsAdminUser,)
     filterset_fields = ("name", "target")
     ordering_fields = ("name", "target", "updated_at")
     ordering = ("name",)
@@ -36,7 +35,6 @@ class FallbackChainViewSet(viewsets.ModelViewSet[FallbackChain]):
 
     queryset = FallbackChain.objects.prefetch_related("steps")
     serializer_class = FallbackChainSerializer
-    permission_classes = (IsAdminUser,)
     filterset_fields = ("model",)
     ordering_fields = ("model", "updated_at")
     ordering = ("model",)
@@ -50,7 +48,6 @@ class RoutingPolicyView(generics.RetrieveUpdateAPIView[RoutingPolicy]):
     """
 
     serializer_class = RoutingPolicySerializer
-    permission_classes = (IsAdminUser,)
 
     def get_object(self) -> RoutingPolicy:
         stored = RoutingPolicy.objects.filter(pk=RoutingPolicy.SINGLETON_PK).first()
@@ -64,7 +61,7 @@ class EffectiveConfigView(APIView):
     NEXUS_ROUTING_* environment overrides of this process applied.
     """
 
-    permission_classes = (IsAdminUser,)
+    required_permissions = requires(read=("routing.view_routingpolicy",))
 
     @extend_schema(responses=EffectiveConfigSerializer)
     def get(self, request: Request) -> Response:

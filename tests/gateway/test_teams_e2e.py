@@ -95,7 +95,7 @@ def cluster(
 
 
 def _ask(client: openai.OpenAI) -> str:
-    """"ok", or the message of the 429 that refused the request."""
+    """ "ok", or the message of the 429 that refused the request."""
     try:
         client.chat.completions.create(
             model="llama3:8b", messages=MESSAGES, max_tokens=16

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
-from django.db.models import Sum
+from django.db.models import OuterRef, Subquery, Sum
 from django.utils import timezone
 
 from nexus_lib.model_patterns import is_valid_pattern, split_patterns
@@ -342,6 +342,30 @@ class KeySpendQuerySet(models.QuerySet["KeySpend"]):
         for row in rows:
             key = keys.get(row["api_key_prefix"])
             row["key"] = key
+            row["cost_usd"] = nanos_to_usd(row["cost_nanos"])
+        return rows
+
+    def top_teams(self, limit: int = 20) -> list[dict[str, Any]]:
+        """Requests, tokens and cost per team (of its keys now) over these rows,
+        most cost first, with each team (keys in no team are left out)."""
+        from usage.models.teams import Team
+
+        team_of = ApiKey.objects.filter(prefix=OuterRef("api_key_prefix"))
+        rows: list[dict[str, Any]] = list(
+            self.order_by()  # type: ignore[arg-type]
+            .annotate(team_pk=Subquery(team_of.values("team_id")[:1]))
+            .exclude(team_pk=None)
+            .values("team_pk")
+            .annotate(
+                requests=Sum("requests"),
+                total_tokens=Sum("total_tokens"),
+                cost_nanos=Sum("cost_nanos"),
+            )
+            .order_by("-cost_nanos", "-total_tokens", "team_pk")[:limit]
+        )
+        teams = Team.objects.in_bulk([row["team_pk"] for row in rows])
+        for row in rows:
+            row["team"] = teams.get(row["team_pk"])
             row["cost_usd"] = nanos_to_usd(row["cost_nanos"])
         return rows
 
