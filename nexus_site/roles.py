@@ -85,9 +85,12 @@ def sync_roles(apps: Any = django_apps) -> None:
 
 
 def sync_roles_after_migrate(sender: Any, **kwargs: Any) -> None:
-    """Re-apply the rule once per migrate, after the last app's permissions."""
-    configs = list(django_apps.get_app_configs())
-    if sender.label == configs[-1].label:
+    """Re-apply the rule once per migrate, after the last app's permissions.
+
+    post_migrate is sent for each app that has models, in INSTALLED_APPS order.
+    """
+    with_models = [c for c in django_apps.get_app_configs() if c.models_module]
+    if sender.label == with_models[-1].label:
         sync_roles(kwargs.get("apps") or django_apps)
 
 

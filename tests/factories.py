@@ -8,9 +8,17 @@ from django.utils import timezone
 from factory.django import DjangoModelFactory
 
 from backends.models import Backend, BackendKind, BackendModel, HealthStatus
+from nexus_site.roles import set_role
 from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
 from usage.buffer import UsageEvent
-from usage.models import ApiKey, TokenUsage, UsageBucket, UsageRecord, hash_key
+from usage.models import (
+    ApiKey,
+    Team,
+    TokenUsage,
+    UsageBucket,
+    UsageRecord,
+    hash_key,
+)
 
 
 class BackendFactory(DjangoModelFactory):
@@ -168,9 +176,28 @@ class UsageRecordFactory(DjangoModelFactory):
 
 
 class StaffUserFactory(DjangoModelFactory):
+    """A staff user with every permission; ``role="viewer"`` (any role of
+    nexus_site/roles.py) gives them that role instead."""
+
     class Meta:
         model = get_user_model()
         django_get_or_create = ("username",)
 
     username = factory.Sequence(lambda n: f"staff-{n}")
     is_staff = True
+    is_superuser = True
+
+    @factory.post_generation
+    def role(user, create: bool, extracted: str | None, **kwargs: object) -> None:
+        if extracted is None:
+            return
+        user.is_superuser = False
+        user.save(update_fields=["is_superuser"])
+        set_role(user, extracted)
+
+
+class TeamFactory(DjangoModelFactory):
+    class Meta:
+        model = Team
+
+    name = factory.Sequence(lambda n: f"team-{n}")

@@ -130,7 +130,7 @@ def history(request: HttpRequest) -> JsonResponse:
     """Usage history as JSON: ``?range=hour`` (default, per minute) or ``day``."""
     if not may_see_dashboard(request.user):
         return JsonResponse(
-            {"detail": "Log in with a role that may read usage."}, status=403
+            {"detail": "Log in as staff with a role that may read usage."}, status=403
         )
     range_name = request.GET.get("range", "hour")
     if range_name not in HISTORY_RANGES:
