@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.contrib import admin
 from django.http import HttpRequest
 
@@ -23,6 +24,23 @@ class NexusAdminSite(admin.AdminSite):
     # The sidebar of every app took a quarter of a 1280 px screen from lists;
     # the index and the breadcrumbs lead everywhere it did.
     enable_nav_sidebar = False
+
+    def login(self, request: HttpRequest, extra_context: Any = None) -> Any:
+        """The login page, with the "Sign in with ..." button when SSO is on."""
+        failures = {
+            "failed": "Single sign-on did not sign you in: your account may "
+            "have no role in Nexus. Ask an administrator.",
+            "unavailable": "The single sign-on provider cannot be reached; "
+            "try again shortly.",
+        }
+        context = {
+            "sso_enabled": settings.NEXUS_OIDC_ENABLED,
+            "sso_name": settings.NEXUS_OIDC_PROVIDER_NAME,
+            "local_login": settings.NEXUS_LOCAL_LOGIN,
+            "sso_problem": failures.get(request.GET.get("sso", "")),
+            **(extra_context or {}),
+        }
+        return super().login(request, context)
 
     def register(
         self, model_or_iterable: Any, admin_class: Any = None, **options: Any
