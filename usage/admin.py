@@ -30,6 +30,7 @@ from usage.models import (
     describe_key,
     nanos_to_usd,
 )
+from usage.models.limit_fields import describe_budget
 
 if TYPE_CHECKING:
     from django.contrib.admin.options import _FieldsetSpec
@@ -194,12 +195,7 @@ class ApiKeyAdmin(ApiKeyAdminBase):
 
     @admin.display(description="budget")
     def budget_label(self, obj: ApiKey) -> str:
-        parts = []
-        if obj.budget_tokens is not None:
-            parts.append(f"{obj.budget_tokens:,} tokens")
-        if obj.budget_usd is not None:
-            parts.append(f"${obj.budget_usd}")
-        return f"{' + '.join(parts)} / {obj.budget_period}" if parts else "-"
+        return describe_budget(obj.budget_tokens, obj.budget_usd, obj.budget_period)
 
     @admin.display(description="spend this period")
     def spend(self, obj: ApiKey) -> SafeString:

@@ -11,6 +11,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
 from usage.models import Team, nanos_to_usd
+from usage.models.limit_fields import describe_budget
 
 if TYPE_CHECKING:
     TeamAdminBase = admin.ModelAdmin[Team]
@@ -58,12 +59,7 @@ class TeamAdmin(TeamAdminBase):
 
     @admin.display(description="budget")
     def budget_label(self, team: Team) -> str:
-        parts = []
-        if team.budget_tokens is not None:
-            parts.append(f"{team.budget_tokens:,} tokens")
-        if team.budget_usd is not None:
-            parts.append(f"${team.budget_usd}")
-        return f"{' + '.join(parts)} / {team.budget_period}" if parts else "-"
+        return describe_budget(team.budget_tokens, team.budget_usd, team.budget_period)
 
     @admin.display(description="keys")
     def keys(self, team: Team) -> SafeString:

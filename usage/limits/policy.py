@@ -99,8 +99,34 @@ class Price:
 FREE = Price()
 
 
+class _Limits:
+    """What a key's and a team's limits answer alike (their fields: rpm, tpm,
+    max_concurrency, budget_tokens, budget_nanos)."""
+
+    __slots__ = ()
+    rpm: int | None
+    tpm: int | None
+    max_concurrency: int | None
+    budget_tokens: int | None
+    budget_nanos: int | None
+
+    @property
+    def has_budget(self) -> bool:
+        """Whether a budget of its own holds (tokens or money)."""
+        return self.budget_tokens is not None or self.budget_nanos is not None
+
+    @property
+    def has_own_limits(self) -> bool:
+        return (
+            self.rpm is not None
+            or self.tpm is not None
+            or self.max_concurrency is not None
+            or self.has_budget
+        )
+
+
 @dataclass(frozen=True, slots=True)
-class TeamPolicy:
+class TeamPolicy(_Limits):
     """A team's limits and budgets, shared by its keys (None: no limit).
 
     ``prefix`` names the team's counters (``team:<id>``), as a key's prefix
@@ -117,17 +143,8 @@ class TeamPolicy:
     budget_nanos: int | None = None
 
     @property
-    def has_budget(self) -> bool:
-        return self.budget_tokens is not None or self.budget_nanos is not None
-
-    @property
     def is_limited(self) -> bool:
-        return (
-            self.rpm is not None
-            or self.tpm is not None
-            or self.max_concurrency is not None
-            or self.has_budget
-        )
+        return self.has_own_limits
 
 
 def team_prefix(team_id: int) -> str:
@@ -136,7 +153,7 @@ def team_prefix(team_id: int) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class KeyPolicy:
+class KeyPolicy(_Limits):
     """One client key's allow-list, expiry, limits and budgets (None: no limit)."""
 
     prefix: str
@@ -165,11 +182,6 @@ class KeyPolicy:
         )
 
     @property
-    def has_budget(self) -> bool:
-        """Whether the key has a budget of its own."""
-        return self.budget_tokens is not None or self.budget_nanos is not None
-
-    @property
     def has_any_budget(self) -> bool:
         """Whether a budget holds the key's requests: its own or its team's."""
         return self.has_budget or (self.team is not None and self.team.has_budget)
@@ -178,13 +190,7 @@ class KeyPolicy:
     def is_limited(self) -> bool:
         """Whether admission must ask the limiter (any limit or budget set, the
         key's or its team's)."""
-        return (
-            self.rpm is not None
-            or self.tpm is not None
-            or self.max_concurrency is not None
-            or self.has_budget
-            or self.team is not None
-        )
+        return self.has_own_limits or self.team is not None
 
     def is_expired(self, now: float) -> bool:
         return self.expires_at is not None and now >= self.expires_at

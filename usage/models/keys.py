@@ -12,7 +12,6 @@ import hashlib
 import hmac
 import secrets
 from datetime import UTC, datetime
-from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ValidationError
@@ -22,7 +21,15 @@ from django.db.models import OuterRef, Subquery, Sum
 from django.utils import timezone
 
 from nexus_lib.model_patterns import is_valid_pattern, split_patterns
-from usage.limits.policy import NANOS_PER_USD, BudgetPeriod, period_id
+from usage.limits.policy import BudgetPeriod, period_id
+from usage.models.limit_fields import (
+    budget_period_field,
+    budget_tokens_field,
+    budget_usd_field,
+    max_concurrency_field,
+    rate_field,
+    usd_to_nanos,
+)
 from usage.models.prices import nanos_to_usd
 from usage.signals import api_keys_changed
 
@@ -132,46 +139,21 @@ class ApiKey(models.Model):
     expires_at = models.DateTimeField(
         "expires", null=True, blank=True, help_text="After this the key gets 401."
     )
-    max_concurrency = models.PositiveIntegerField(
-        null=True,
-        blank=True,
-        validators=[MinValueValidator(1)],
-        help_text="Requests in flight at once, gateway-wide; empty: no limit.",
+    max_concurrency = max_concurrency_field(
+        "Requests in flight at once, gateway-wide; empty: no limit."
     )
-    rpm_limit = models.PositiveIntegerField(
-        "requests per minute",
-        null=True,
-        blank=True,
-        validators=[MinValueValidator(1)],
-        help_text="Empty: no limit.",
+    rpm_limit = rate_field("requests per minute", "Empty: no limit.")
+    tpm_limit = rate_field(
+        "tokens per minute", "Prompt and completion tokens; empty: no limit."
     )
-    tpm_limit = models.PositiveIntegerField(
-        "tokens per minute",
-        null=True,
-        blank=True,
-        validators=[MinValueValidator(1)],
-        help_text="Prompt and completion tokens; empty: no limit.",
+    budget_period = budget_period_field(
+        "What the budgets cover: the current UTC day, month, or all time."
     )
-    budget_period = models.CharField(
-        max_length=8,
-        choices=BudgetPeriod.choices(),
-        default=BudgetPeriod.MONTH,
-        help_text="What the budgets cover: the current UTC day, month, or all time.",
+    budget_tokens = budget_tokens_field(
+        "Tokens this key may use per budget period; empty: no limit."
     )
-    budget_tokens = models.PositiveBigIntegerField(
-        null=True,
-        blank=True,
-        validators=[MinValueValidator(1)],
-        help_text="Tokens this key may use per budget period; empty: no limit.",
-    )
-    budget_usd = models.DecimalField(
-        "budget (USD)",
-        max_digits=14,
-        decimal_places=4,
-        null=True,
-        blank=True,
-        validators=[MinValueValidator(Decimal("0.0001"))],
-        help_text="Spend (at the model prices) per budget period; empty: no limit.",
+    budget_usd = budget_usd_field(
+        "Spend (at the model prices) per budget period; empty: no limit."
     )
     team = models.ForeignKey(
         "usage.Team",
@@ -221,9 +203,7 @@ class ApiKey(models.Model):
     @property
     def budget_nanos(self) -> int | None:
         """The money budget in nano-USD (the unit costs are counted in)."""
-        if self.budget_usd is None:
-            return None
-        return int(self.budget_usd * NANOS_PER_USD)
+        return usd_to_nanos(self.budget_usd)
 
     def is_expired(self, now: datetime | None = None) -> bool:
         return self.expires_at is not None and self.expires_at <= (

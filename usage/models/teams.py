@@ -10,15 +10,20 @@ manage only its keys and see only its usage.
 from __future__ import annotations
 
 from datetime import datetime
-from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
-from django.core.validators import MinValueValidator
 from django.db import models
 
-from usage.limits.policy import NANOS_PER_USD, BudgetPeriod
 from usage.models.keys import ApiKey, KeySpend, summarize_spend
+from usage.models.limit_fields import (
+    budget_period_field,
+    budget_tokens_field,
+    budget_usd_field,
+    max_concurrency_field,
+    rate_field,
+    usd_to_nanos,
+)
 
 # The fields that limit a team's keys together (the API, TOML and commands).
 TEAM_LIMIT_FIELDS = (
@@ -56,49 +61,23 @@ class Team(models.Model):
         help_text="Users with the team-admin role who manage this team's keys "
         "and see its usage (and nothing of other teams).",
     )
-    max_concurrency = models.PositiveIntegerField(
-        null=True,
-        blank=True,
-        validators=[MinValueValidator(1)],
-        help_text="Requests in flight at once across the team's keys; empty: no limit.",
+    max_concurrency = max_concurrency_field(
+        "Requests in flight at once across the team's keys; empty: no limit."
     )
-    rpm_limit = models.PositiveIntegerField(
-        "requests per minute",
-        null=True,
-        blank=True,
-        validators=[MinValueValidator(1)],
-        help_text="Across the team's keys; empty: no limit.",
+    rpm_limit = rate_field(
+        "requests per minute", "Across the team's keys; empty: no limit."
     )
-    tpm_limit = models.PositiveIntegerField(
-        "tokens per minute",
-        null=True,
-        blank=True,
-        validators=[MinValueValidator(1)],
-        help_text="Across the team's keys; empty: no limit.",
+    tpm_limit = rate_field(
+        "tokens per minute", "Across the team's keys; empty: no limit."
     )
-    budget_period = models.CharField(
-        max_length=8,
-        choices=BudgetPeriod.choices(),
-        default=BudgetPeriod.MONTH,
-        help_text="What the team's budgets cover: the current UTC day, month, "
-        "or all time.",
+    budget_period = budget_period_field(
+        "What the team's budgets cover: the current UTC day, month, or all time."
     )
-    budget_tokens = models.PositiveBigIntegerField(
-        null=True,
-        blank=True,
-        validators=[MinValueValidator(1)],
-        help_text="Tokens the team's keys may use together per budget period; "
-        "empty: no limit.",
+    budget_tokens = budget_tokens_field(
+        "Tokens the team's keys may use together per budget period; empty: no limit."
     )
-    budget_usd = models.DecimalField(
-        "budget (USD)",
-        max_digits=14,
-        decimal_places=4,
-        null=True,
-        blank=True,
-        validators=[MinValueValidator(Decimal("0.0001"))],
-        help_text="Spend of the team's keys together per budget period; empty: "
-        "no limit.",
+    budget_usd = budget_usd_field(
+        "Spend of the team's keys together per budget period; empty: no limit."
     )
 
     objects = TeamQuerySet.as_manager()
@@ -113,9 +92,7 @@ class Team(models.Model):
     @property
     def budget_nanos(self) -> int | None:
         """The money budget in nano-USD (the unit costs are counted in)."""
-        if self.budget_usd is None:
-            return None
-        return int(self.budget_usd * NANOS_PER_USD)
+        return usd_to_nanos(self.budget_usd)
 
     def spend(self, now: datetime | None = None) -> dict[str, Any]:
         """The team's keys' rolled-up requests, tokens and cost (nano-USD) of the

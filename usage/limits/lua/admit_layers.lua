@@ -6,25 +6,12 @@
 -- and per layer its lease ("": none). Returns one string: "ok reason layer retry-ms", then per
 -- layer "rpm-remaining rpm-reset-ms tpm-remaining tpm-reset-ms charged
 -- hold-tokens hold-nanos" (-1 remaining: no such limit); layer is the 1-based
--- layer that refused (0 when allowed). Runs after now.lua.
+-- layer that refused (0 when allowed). Runs after now.lua and gcra.lua.
 
-local W = 60000
 local process = ARGV[2]
 local layers = #KEYS / 4
 local r = 2 + layers * 6
 local est_t, est_n = tonumber(ARGV[r + 1]), tonumber(ARGV[r + 2])
-local function gcra(key, limit, cost)
-  local interval = W / limit
-  local tat = tonumber(redis.call('GET', key) or '0')
-  if tat < now then tat = now end
-  local new = tat + cost * interval
-  if new - now > W + 0.001 then
-    local rem = math.max(math.floor((W - (tat - now)) / interval + 1e-9), 0)
-    return false, tat, rem, tat - now, new - now - W
-  end
-  local rem = math.max(math.floor((W - (new - now)) / interval + 1e-9), 0)
-  return true, new, rem, new - now, 0
-end
 local state = {}
 local function report(ok, reason, layer, wait)
   local out = {ok, reason, layer, int(math.ceil(wait))}
