@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import runpy
 from pathlib import Path
 from typing import Any
 
@@ -13,18 +12,7 @@ from django.test import Client
 
 from nexus_site.sso.discovery import forget_document
 from tests.conftest import _free_port
-
-SETTINGS_FILE = Path(__file__).resolve().parents[1] / "nexus_site" / "settings.py"
-
-
-def _load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **env: str) -> Any:
-    for name in ("DATABASE_URL", "REDIS_URL"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("NEXUS_STATE_DIR", str(tmp_path))
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    return runpy.run_path(str(SETTINGS_FILE))
-
+from tests.test_settings import _load_settings
 
 SSO = {
     "NEXUS_OIDC_DISCOVERY_URL": "https://idp.example.test/realms/main",
@@ -51,14 +39,14 @@ def test_settings_nobody_could_use_stop_startup(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, env: dict[str, str], message: str
 ) -> None:
     with pytest.raises(ImproperlyConfigured, match=re.escape(message)):
-        _load(monkeypatch, tmp_path, **env)
+        _load_settings(monkeypatch, tmp_path, **env)
 
 
 @pytest.mark.mode_independent
 def test_sso_settings_reach_the_oidc_client_and_the_backends(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    values = _load(
+    values = _load_settings(
         monkeypatch,
         tmp_path,
         **SSO,

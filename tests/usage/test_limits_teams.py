@@ -7,13 +7,13 @@ The local limiter runs in every mode; the Redis one where there is a Redis
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-import redis
 from django.conf import settings
 
+from tests.usage.test_limits_redis import redis_url  # noqa: F401 (a fixture)
 from usage.limits.limiter import (
     BUDGET,
     CONCURRENCY,
@@ -31,19 +31,6 @@ def member(prefix: str, team: TeamPolicy = TEAM, **limits: Any) -> KeyPolicy:
     return KeyPolicy(prefix, team=team, **limits)
 
 
-@pytest.fixture
-def redis_url() -> Iterator[str]:
-    if not settings.REDIS_URL:
-        pytest.skip("the embedded default has no Redis of its own here")
-    client = redis.Redis.from_url(settings.REDIS_URL)
-    for key in client.scan_iter("nx:*"):
-        client.delete(key)
-    yield settings.REDIS_URL
-    for key in client.scan_iter("nx:*"):
-        client.delete(key)
-    client.close()
-
-
 @pytest.fixture(params=["local", "redis"])
 def limiters(request: pytest.FixtureRequest) -> tuple[Any, Any]:
     """Two limiters sharing counters: one local limiter twice (one process),
@@ -51,6 +38,8 @@ def limiters(request: pytest.FixtureRequest) -> tuple[Any, Any]:
     if request.param == "local":
         local = LocalLimiter()
         return local, local
+    if not settings.REDIS_URL:
+        pytest.skip("the embedded default has no Redis of its own here")
     url = request.getfixturevalue("redis_url")
     return RedisLimiter(url), RedisLimiter(url)
 
