@@ -41,7 +41,7 @@ CHANGED_APPS = {
     KEY_ADMIN: frozenset({"usage"}),
 }
 # What a team admin may do, on their own teams' keys only (the admin and the
-# API narrow the rows: usage.models.TeamQuerySet.administered_by).
+# API narrow the rows: usage.models.TeamQuerySet.visible_to).
 TEAM_ADMIN_PERMISSIONS = frozenset(
     {
         "usage.view_apikey",

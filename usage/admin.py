@@ -96,15 +96,14 @@ class ApiKeyAdmin(ApiKeyAdminBase):
     def get_queryset(self, request: HttpRequest) -> QuerySet[ApiKey]:
         """Every key for a global role; a team admin's teams' keys for them."""
         keys = super().get_queryset(request)
-        if request.user.has_perm(f"usage.{MANAGE_ALL_TEAMS}"):
-            return keys
-        return keys.filter(team__in=Team.objects.administered_by(request.user))
+        assert isinstance(keys, ApiKeyQuerySet)
+        return keys.visible_to(request.user)
 
     def formfield_for_foreignkey(
         self, db_field: Any, request: HttpRequest, **kwargs: Any
     ) -> Any:
         if db_field.name == "team":
-            kwargs["queryset"] = Team.objects.administered_by(request.user)
+            kwargs["queryset"] = Team.objects.visible_to(request.user)
             # A team admin's keys are in one of their teams.
             kwargs["required"] = not request.user.has_perm(f"usage.{MANAGE_ALL_TEAMS}")
         return super().formfield_for_foreignkey(db_field, request, **kwargs)

@@ -50,7 +50,7 @@ class TeamAdmin(TeamAdminBase):
     readonly_fields = ("keys", "spend")
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Team]:
-        teams = Team.objects.administered_by(request.user)
+        teams = Team.objects.visible_to(request.user)
         return teams.annotate(key_count=Count("keys"))
 
     @admin.display(description="keys", ordering="key_count")

@@ -7,13 +7,17 @@ The local limiter runs in every mode; the Redis one where there is a Redis
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 from django.conf import settings
 
-from tests.usage.test_limits_redis import redis_url  # noqa: F401 (a fixture)
+from tests.usage.test_limits_redis import (  # noqa: F401 (redis_url: a fixture)
+    count_round_trips,
+    redis_url,
+)
 from usage.limits.limiter import (
     BUDGET,
     CONCURRENCY,
@@ -21,7 +25,8 @@ from usage.limits.limiter import (
     Decision,
     LocalLimiter,
 )
-from usage.limits.policy import KeyPolicy, TeamPolicy
+from usage.limits.policy import KeyPolicy, TeamPolicy, period_id
+from usage.limits.redis_keys import budget_key
 from usage.limits.redis_limiter import RedisLimiter
 
 TEAM = TeamPolicy("team:901", name="research", budget_period="day", budget_tokens=1000)
@@ -181,3 +186,32 @@ def test_a_stream_is_covered_by_the_team_budget_until_it_runs_out(limiters) -> N
 
     assert grown and not cut
     assert after.reason == BUDGET and after.scope == "team"  # 550 of 500 used
+
+
+def test_a_team_keys_admission_and_settle_cost_one_round_trip(
+    redis_url: str,  # noqa: F811 (the fixture imported above)
+) -> None:
+    """Key and team together in one script; their settles written unanswered."""
+    if not settings.REDIS_URL:
+        pytest.skip("the embedded default has no Redis of its own here")
+    limiter = RedisLimiter(redis_url)
+    team = TeamPolicy("team:905", rpm=1000, budget_period="day", budget_tokens=10**9)
+    key = member("nx-trips1", team, rpm=1000, budget_period="day", budget_tokens=10**9)
+
+    async def main() -> tuple[int, int]:
+        await limiter._renewing.stop()  # its first renewal is a round trip too
+        trips = count_round_trips(limiter)
+        for _ in range(20):
+            decision = await limiter.admit(key, 10, 0)
+            limiter.settle(decision.ticket, 10, 0)
+        await limiter._writes.flush()
+        return trips[0], int(limiter._holds[budget_key("team:905", _today())][0])
+
+    trips, team_held = run(main, limiter)
+
+    assert trips == 20  # one per admission: none for a settle, none for the team
+    assert team_held == 0  # every hold settled
+
+
+def _today() -> str:
+    return period_id("day", time.time())

@@ -143,3 +143,24 @@ def test_a_key_admin_manages_every_team() -> None:
         "b",
         "c",
     ]
+
+
+def test_a_viewer_sees_every_teams_keys_and_changes_none(
+    teams: dict[str, Any], client: Client
+) -> None:
+    viewer = StaffUserFactory(username="watcher", role="viewer")
+    api = APIClient()
+    api.force_authenticate(viewer)
+
+    names = sorted(key["name"] for key in api.get("/api/v1/keys").json()["results"])
+    teams_seen = sorted(t["name"] for t in api.get("/api/v1/teams").json()["results"])
+    changed = api.patch(
+        f"/api/v1/keys/{teams['mine'].pk}", {"rpm_limit": 1}, format="json"
+    )
+    client.force_login(viewer)
+    listing = client.get("/admin/usage/apikey/")
+
+    assert names == ["loose", "mine", "other"]
+    assert teams_seen == ["ours", "theirs"]
+    assert changed.status_code == 403
+    assert sorted(k.name for k in listing.context["cl"].result_list) == names

@@ -207,7 +207,7 @@ class TeamField(serializers.SlugRelatedField):
         teams = Team.objects.all()
         if request is None:
             return teams
-        return teams.administered_by(request.user)
+        return teams.visible_to(request.user)
 
 
 class ApiKeySerializer(ModelCleanSerializer[ApiKey]):

@@ -29,7 +29,6 @@ from usage.api.serializers import (
     UsageStatsSerializer,
 )
 from usage.models import (
-    MANAGE_ALL_TEAMS,
     SETTING_FIELDS,
     ApiKey,
     ApiKeyQuerySet,
@@ -75,7 +74,7 @@ class TokenUsageView(generics.GenericAPIView[Any]):
         rows = _usage_rows(self.query)
         if not self.request.user.has_perm(DASHBOARD_PERMISSION):
             # A team admin: the usage of their teams' keys, nothing else.
-            teams = Team.objects.administered_by(self.request.user)
+            teams = Team.objects.visible_to(self.request.user)
             rows = rows.for_series(teams=teams)
         return rows.report(self.query["by"])
 
@@ -141,10 +140,8 @@ class ApiKeyViewSet(
     def get_queryset(self) -> QuerySet[ApiKey]:
         """Every key for a global role; a team admin's teams' keys for them."""
         keys = super().get_queryset()
-        user = self.request.user
-        if user.has_perm(f"usage.{MANAGE_ALL_TEAMS}"):
-            return keys
-        return keys.filter(team__in=Team.objects.administered_by(user))
+        assert isinstance(keys, ApiKeyQuerySet)
+        return keys.visible_to(self.request.user)
 
     @extend_schema(responses={201: NewApiKeySerializer})
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
@@ -214,7 +211,7 @@ class TeamViewSet(viewsets.ModelViewSet[Team]):
     def get_queryset(self) -> QuerySet[Team]:
         teams = super().get_queryset()
         assert isinstance(teams, TeamQuerySet)
-        return teams.administered_by(self.request.user)
+        return teams.visible_to(self.request.user)
 
     def perform_destroy(self, instance: Team) -> None:
         if instance.keys.exists():

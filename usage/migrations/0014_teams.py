@@ -32,7 +32,7 @@ class Migration(migrations.Migration):
             ],
             options={
                 'ordering': ('name',),
-                'permissions': (('manage_all_teams', 'Can manage the keys of every team'),),
+                'permissions': (('view_all_teams', 'Can see the keys and usage of every team'), ('manage_all_teams', 'Can manage the keys of every team')),
             },
         ),
         migrations.AddField(

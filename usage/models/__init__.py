@@ -43,7 +43,13 @@ from usage.models.records import (
     UsageRecord,
     UsageRecordQuerySet,
 )
-from usage.models.teams import MANAGE_ALL_TEAMS, TEAM_LIMIT_FIELDS, Team, TeamQuerySet
+from usage.models.teams import (
+    MANAGE_ALL_TEAMS,
+    TEAM_LIMIT_FIELDS,
+    VIEW_ALL_TEAMS,
+    Team,
+    TeamQuerySet,
+)
 
 __all__ = [
     "ANONYMOUS",
@@ -56,6 +62,7 @@ __all__ = [
     "SETTING_FIELDS",
     "TEAM_LIMIT_FIELDS",
     "USAGE_DIMENSIONS",
+    "VIEW_ALL_TEAMS",
     "ApiKey",
     "ApiKeyQuerySet",
     "Criticality",

@@ -80,6 +80,13 @@ class ApiKeyQuerySet(models.QuerySet["ApiKey"]):
             api_keys_changed.send(sender=self.model, using=self.db)
         return count
 
+    def visible_to(self, user: Any) -> ApiKeyQuerySet:
+        """The keys `user` sees: all for a global role, their teams' keys for a
+        team admin (usage.models.teams)."""
+        if user.has_perm("usage.view_all_teams"):
+            return self
+        return self.filter(team__admins=user)
+
     def for_raw_key(self, raw_key: str) -> ApiKey | None:
         """Return the active key matching a raw secret, or None."""
         key = self.active().filter(hashed_key=hash_key(raw_key)).first()

@@ -36,15 +36,18 @@ TEAM_LIMIT_FIELDS = (
 )
 
 
-# The permission of the global roles (key-admin, admin) over every team's keys;
-# a team admin has the key permissions without it, for their own teams only.
+# The global roles see every team's keys (viewer and up: VIEW_ALL_TEAMS) and
+# key-admin and admin manage them all (MANAGE_ALL_TEAMS); a team admin has the
+# key permissions without these, for the teams they administer only.
+VIEW_ALL_TEAMS = "view_all_teams"
 MANAGE_ALL_TEAMS = "manage_all_teams"
 
 
 class TeamQuerySet(models.QuerySet["Team"]):
-    def administered_by(self, user: Any) -> TeamQuerySet:
-        """The teams `user` may manage: all for a global role, else their own."""
-        if user.has_perm(f"usage.{MANAGE_ALL_TEAMS}"):
+    def visible_to(self, user: Any) -> TeamQuerySet:
+        """The teams `user` sees (and, with the permission, manages): all for a
+        global role, a team admin's own teams for them."""
+        if user.has_perm(f"usage.{VIEW_ALL_TEAMS}"):
             return self
         return self.filter(admins=user)
 
@@ -84,7 +87,10 @@ class Team(models.Model):
 
     class Meta:
         ordering = ("name",)
-        permissions = ((MANAGE_ALL_TEAMS, "Can manage the keys of every team"),)
+        permissions = (
+            (VIEW_ALL_TEAMS, "Can see the keys and usage of every team"),
+            (MANAGE_ALL_TEAMS, "Can manage the keys of every team"),
+        )
 
     def __str__(self) -> str:
         return self.name
