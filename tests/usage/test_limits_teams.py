@@ -188,12 +188,11 @@ def test_a_stream_is_covered_by_the_team_budget_until_it_runs_out(limiters) -> N
     assert after.reason == BUDGET and after.scope == "team"  # 550 of 500 used
 
 
+@pytest.mark.skipif(not settings.REDIS_URL, reason="the embedded default has no Redis")
 def test_a_team_keys_admission_and_settle_cost_one_round_trip(
     redis_url: str,  # noqa: F811 (the fixture imported above)
 ) -> None:
     """Key and team together in one script; their settles written unanswered."""
-    if not settings.REDIS_URL:
-        pytest.skip("the embedded default has no Redis of its own here")
     limiter = RedisLimiter(redis_url)
     team = TeamPolicy("team:905", rpm=1000, budget_period="day", budget_tokens=10**9)
     key = member("nx-trips1", team, rpm=1000, budget_period="day", budget_tokens=10**9)
