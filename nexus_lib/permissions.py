@@ -2,7 +2,7 @@
 
 Every management API view is guarded by ``RolePermission`` (the default
 permission class): an active staff user passes when their roles (Django
-groups with permissions, nexus_site/roles.py) grant what the view needs. A
+groups with permissions, nexus_site/staff_roles.py) grant what the view needs. A
 view over a model needs that model's permission for the action: view for
 reads, add for a create, change for an update or any other write (a
 viewset's custom actions: drain, revoke, rotate), delete for a delete. A

@@ -5,7 +5,7 @@ from django.contrib.admin import apps as admin_apps
 from django.db.models.signals import post_migrate
 
 from nexus_lib import live_views
-from nexus_site.roles import sync_roles_after_migrate
+from nexus_site.staff_roles import sync_roles_after_migrate
 
 # A module, not the class, is imported: Django picks this module's one class
 # marked `default` as the nexus_site app, and Django's AdminConfig is one.
@@ -28,7 +28,7 @@ class NexusSiteConfig(AppConfig):
         live_views.provide_cold_load_pause(_cold_load_pause)
         # The role groups follow their rule after every migrate (new models).
         post_migrate.connect(
-            sync_roles_after_migrate, dispatch_uid="nexus_site.roles.sync"
+            sync_roles_after_migrate, dispatch_uid="nexus_site.staff_roles.sync"
         )
 
 

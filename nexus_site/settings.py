@@ -456,7 +456,7 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     # Roles (Django groups) decide, per model permission; default deny
-    # (nexus_lib/permissions.py, nexus_site/roles.py).
+    # (nexus_lib/permissions.py, nexus_site/staff_roles.py).
     "DEFAULT_PERMISSION_CLASSES": ["nexus_lib.permissions.RolePermission"],
     # A JSON API: bodies are JSON (415 for anything else; the config import
     # also takes TOML). Forms cannot carry its nested objects and lists, and

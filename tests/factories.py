@@ -8,7 +8,7 @@ from django.utils import timezone
 from factory.django import DjangoModelFactory
 
 from backends.models import Backend, BackendKind, BackendModel, HealthStatus
-from nexus_site.roles import set_role
+from nexus_site.staff_roles import set_role
 from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
 from usage.buffer import UsageEvent
 from usage.models import (
@@ -177,7 +177,7 @@ class UsageRecordFactory(DjangoModelFactory):
 
 class StaffUserFactory(DjangoModelFactory):
     """A staff user with every permission; ``role="viewer"`` (any role of
-    nexus_site/roles.py) gives them that role instead."""
+    nexus_site/staff_roles.py) gives them that role instead."""
 
     class Meta:
         model = get_user_model()

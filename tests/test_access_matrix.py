@@ -23,7 +23,7 @@ from rest_framework.authtoken.models import Token
 
 from backends.models import Backend, BackendModel, HealthStatus
 from nexus_lib.permissions import AnyStaffPermission, required_permissions
-from nexus_site.roles import (
+from nexus_site.staff_roles import (
     ADMIN,
     KEY_ADMIN,
     OPERATOR,
@@ -32,7 +32,7 @@ from nexus_site.roles import (
     grants,
     set_role,
 )
-from nexus_site.roles import ROLES as ROLE_NAMES
+from nexus_site.staff_roles import ROLES as ROLE_NAMES
 from tests.conftest import NexusServer
 from usage.models import ApiKey
 
@@ -147,7 +147,7 @@ def test_each_role_reaches_exactly_what_it_should(
 # Every role against every management API endpoint and every admin list,
 # found in the URL conf and the admin registry (so endpoints and models added
 # later are covered without editing this file), plus the pages, each against
-# the one rule of nexus_site/roles.py: default deny.
+# the one rule of nexus_site/staff_roles.py: default deny.
 
 STAFF_ROLES = (*ROLE_NAMES, "no role")
 PROBE_ID = "999999"  # detail routes: the permission is checked before the lookup

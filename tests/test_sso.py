@@ -22,7 +22,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 
-from nexus_site.roles import ADMIN, OPERATOR, TEAM_ADMIN
+from nexus_site.staff_roles import ADMIN, OPERATOR, TEAM_ADMIN
 from tests.conftest import NexusServer, _free_port, start_nexus_server
 from tests.oidc_provider.accounts import CLIENT_ID, CLIENT_SECRET, USERS
 from tests.oidc_provider.process import Provider, start_provider

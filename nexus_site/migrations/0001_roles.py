@@ -7,7 +7,7 @@ from typing import Any
 from django.contrib.auth.management import create_permissions
 from django.db import migrations
 
-from nexus_site.roles import sync_roles
+from nexus_site.staff_roles import sync_roles
 
 
 def create_roles(apps: Any, schema_editor: Any) -> None:

@@ -7,8 +7,8 @@ from typing import Any
 
 from django.contrib.auth.models import Group
 
-from nexus_site.roles import ROLES, TEAM_ADMIN
 from nexus_site.sso.role_map import TEAM_ADMIN_PREFIX
+from nexus_site.staff_roles import ROLES, TEAM_ADMIN
 from usage.models import Team
 
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from django.core.exceptions import ImproperlyConfigured
 
-from nexus_site.roles import ROLES, TEAM_ADMIN
+from nexus_site.staff_roles import ROLES, TEAM_ADMIN
 
 # A claim value may map to "team-admin:TEAM": team admin of that team.
 TEAM_ADMIN_PREFIX = f"{TEAM_ADMIN}:"
