@@ -72,7 +72,7 @@ bench: $(VENV)/.installed-dev test-tools
 # 1,000 simulated relay workers heartbeating for 60 s against one serving
 # process (production mode), then the same with no heartbeat due: its CPU and
 # database writes, appended to bench-results/relay-heartbeats.txt.
-HEARTBEATS := NEXUS_HEARTBEAT_BENCH_SECONDS=60 \
+HEARTBEATS := NEXUS_HEARTBEAT_BENCH_SECONDS=60 NEXUS_HEARTBEAT_BENCH_WORKERS=1000 \
 	NEXUS_HEARTBEAT_BENCH_REPORT=$(CURDIR)/bench-results/relay-heartbeats.txt
 bench-heartbeats: $(VENV)/.installed-dev test-tools
 	@mkdir -p bench-results

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from gateway.cache.entries import Pending
+from gateway.tracing import RequestTrace
 from routing.core import RequestRequirements, Route
 from routing.state import GatewayState
 from usage.limits.limiter import Ticket
@@ -94,3 +95,5 @@ class Exchange(Generic[CallT, MeterT]):
     cache: Pending | None = None
     # Answered from the response cache (no backend).
     cache_hit: bool = False
+    # The request's spans while traces are on (gateway/tracing/); None when off.
+    trace: RequestTrace | None = None

@@ -46,6 +46,7 @@ from gateway.prefix import PrefixIndex
 from gateway.relay.dispatch import LOAD_GROUP, RelayHub
 from gateway.relay.heartbeats import HeartbeatClock
 from gateway.relay.limits import RelayGuard
+from gateway.tracing import Tracing
 from nexus_lib.groups import listen_to_group
 from nexus_lib.service import (
     Service,
@@ -89,6 +90,8 @@ STOP_SECONDS_MAX = 8.0
 # Collect the young generation less often: a proxy allocates many short-lived
 # objects per request and keeps few, so the default 700 runs it constantly.
 GC_THRESHOLDS = (7000, 20, 20)
+# What a stopping process waits for its last spans to be exported.
+TRACES_FLUSH_SECONDS = 3.0
 
 
 class UsageSink(Protocol):
@@ -286,6 +289,9 @@ class Gateway:
         # What each worker may cost this process (its consumers share it).
         self.relay_guard = RelayGuard()
         self.metrics = GatewayMetrics(per_key=config.metrics_per_key)
+        # OpenTelemetry traces of the proxy's requests: None unless the OTEL_*
+        # environment asks for them.
+        self.tracing = Tracing.from_environment()
         self.limiter = _make_limiter(config, self.metrics.limiter_errors.inc)
         self.cache = ResponseCache.from_settings(
             self.metrics,
@@ -394,6 +400,8 @@ class Gateway:
         ]
         if isinstance(self.limiter, LocalLimiter):
             services.append(self._reconciliation(self.limiter))
+        if self.tracing is not None:
+            services.insert(1, _TracingService(self.tracing))
         return [
             *services,
             # The breaker's openings and the error cache's failures.
@@ -569,6 +577,22 @@ class _UpstreamService:
     async def stop(self) -> None:
         """Close the session and its connections."""
         await self.client.close()
+
+
+class _TracingService:
+    """Traces as a service: what is still batched is exported as it stops."""
+
+    name = "tracing"
+
+    def __init__(self, tracing: Tracing) -> None:
+        self.tracing = tracing
+
+    def start(self) -> None:
+        """Nothing to start: the batch processor's thread runs from the first span."""
+
+    async def stop(self) -> None:
+        """Export the last spans, off the loop, within a few seconds."""
+        await asyncio.to_thread(self.tracing.flush, TRACES_FLUSH_SECONDS)
 
 
 def _listener(

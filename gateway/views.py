@@ -16,7 +16,6 @@ from rest_framework.exceptions import AuthenticationFailed
 from backends.health import redact_error
 from backends.models import Backend, HealthStatus
 from gateway.process import current_gateway
-from usage.access import dashboard_viewer_required
 
 
 class BackendHealthRowDict(TypedDict):
@@ -164,17 +163,11 @@ def health(request: HttpRequest) -> JsonResponse:
     return response
 
 
-@never_cache
-@require_safe
-@dashboard_viewer_required
-def fleet(request: HttpRequest) -> JsonResponse:
-    """The fleet scheduler's state in this serving process (the dashboard)."""
-    return JsonResponse(dict(current_gateway().fleet.as_dict()))
-
-
 def _is_staff(request: HttpRequest) -> bool:
     """A staff session, or a staff user's management API token."""
-    if request.user.is_authenticated and request.user.is_staff:
+    # No session (nor user) in a gateway-only process (NEXUS_ROLE=gateway).
+    user = getattr(request, "user", None)
+    if user is not None and user.is_authenticated and user.is_staff:
         return True
     try:
         found = TokenAuthentication().authenticate(request)  # type: ignore[arg-type]

@@ -19,6 +19,8 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.migrations.executor import MigrationExecutor
 
+from nexus_lib.authorship import VIA_COMMAND, ChangeAuthor, acting_as
+
 
 def unapplied_migrations() -> int:
     """How many migrations the default database still lacks."""
@@ -43,4 +45,7 @@ class DatabaseCommand(BaseCommand):
                 "nexus_run would have done it on its first start."
             )
             call_command("migrate", interactive=False, verbosity=0)
-        return super().execute(*args, **options)
+        # The configuration history names the command behind its changes.
+        name = type(self).__module__.rsplit(".", 1)[-1]
+        with acting_as(ChangeAuthor(f"command {name}", VIA_COMMAND)):
+            return super().execute(*args, **options)

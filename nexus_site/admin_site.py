@@ -13,6 +13,7 @@ from django.http import HttpRequest
 MODEL_NAMES = {
     ("authtoken", "tokenproxy"): "Admin tokens (for scripts)",
     ("usage", "apikey"): "Client API keys (for /v1)",
+    ("routing", "configrevision"): "Configuration history",
 }
 
 

@@ -35,6 +35,7 @@ INDEX = {
     "config": "effective-config",
     "config_import": "config-import",
     "config_export": "config-export",
+    "config_versions": "config-version-list",
     "cache": "cache",
     "cache_purge": "cache-purge",
     "route_explain": "route-explain",

@@ -1,14 +1,13 @@
 from __future__ import annotations
 
 from django.apps import AppConfig, apps
-from django.contrib.admin import apps as admin_apps
 from django.db.models.signals import post_migrate
 
 from nexus_lib import live_views
 from nexus_site.staff_roles import sync_roles_after_migrate
 
-# A module, not the class, is imported: Django picks this module's one class
-# marked `default` as the nexus_site app, and Django's AdminConfig is one.
+# The admin's app config is in nexus_site/admin_config.py: importing it loads
+# the admin, which a gateway-only process (NEXUS_ROLE=gateway) never does.
 
 
 class NexusSiteConfig(AppConfig):
@@ -22,7 +21,8 @@ class NexusSiteConfig(AppConfig):
         # DRF's tokens are admin tokens for the management API; its app must
         # stay "rest_framework.authtoken" in INSTALLED_APPS (its models check
         # for that name), so the admin's heading is renamed here.
-        apps.get_app_config("authtoken").verbose_name = "Management API"
+        if apps.is_installed("rest_framework.authtoken"):
+            apps.get_app_config("authtoken").verbose_name = "Management API"
         # The admin shows what this serving process learned (nexus_lib.live_views).
         live_views.provide_learned_context(_learned_context)
         live_views.provide_cold_load_pause(_cold_load_pause)
@@ -44,10 +44,3 @@ def _cold_load_pause(backend: str) -> str:
     from gateway.process import current_gateway
 
     return current_gateway().fleet.cold_load_pause(backend)
-
-
-class NexusAdminConfig(admin_apps.AdminConfig):
-    """Django's admin, on Nexus's admin site (nexus_site/admin_site.py)."""
-
-    default = False
-    default_site = "nexus_site.admin_site.NexusAdminSite"

@@ -20,14 +20,15 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "nexus_site.settings")
 # consumers and the proxy are imported below this line for that reason.
 django_asgi_app = get_asgi_application()
 
-from channels.auth import AuthMiddlewareStack
 from channels.routing import ProtocolTypeRouter, URLRouter
+from django.conf import settings
 from django.urls import re_path
 
 from gateway.process import Gateway, install_gateway
 from gateway.proxy import OLLAMA_PATHS, ProxyApp, is_ollama_blob
 from gateway.proxy.surfaces import near_miss
 from gateway.relay.consumer import WorkerConsumer
+from nexus_site.roles import NotServedHere, RelayElsewhere
 from nexus_site.servers import serving
 from usage.consumers import UsageStreamConsumer
 
@@ -183,6 +184,14 @@ class _BoundedBody:
         return {"type": "http.disconnect"}
 
 
+def _with_session(app: Any) -> Any:
+    """`app` with the user of the session cookie (imported only where needed:
+    a gateway-only process loads no session machinery)."""
+    from channels.auth import AuthMiddlewareStack
+
+    return AuthMiddlewareStack(app)
+
+
 async def _send(send: Any, status: int, body: bytes) -> None:
     await send(
         {
@@ -204,15 +213,26 @@ install_gateway(gateway)
 # lifespan events, stopped by a signal) still hands its usage on.
 atexit.register(gateway.usage_sink.flush_on_exit)
 
+# NEXUS_ROLE (docs/kubernetes.md): a gateway-only process serves no usage
+# stream (the dashboard's, a control page); a control-only process serves no
+# model requests and no relay WebSocket: relayed requests are model traffic,
+# which belongs with the gateway processes that forward it.
+role = settings.NEXUS_ROLE
 http_routes = URLRouter(
     [
         # The usage stream needs the session (staff login) from the cookie.
         # With or without a trailing slash, as every path of the API.
-        re_path(
-            r"^api/usage-stream/?$",
-            AuthMiddlewareStack(
-                UsageStreamConsumer.as_asgi(publisher=gateway.publisher)
-            ),
+        *(
+            []
+            if role == "gateway"
+            else [
+                re_path(
+                    r"^api/usage-stream/?$",
+                    _with_session(
+                        UsageStreamConsumer.as_asgi(publisher=gateway.publisher)
+                    ),
+                )
+            ]
         ),
         # Everything else is Django's. URLRouter takes ASGI apps; django-stubs
         # types re_path() for views only.
@@ -224,14 +244,16 @@ websocket_routes = URLRouter(
     [
         re_path(
             r"^ws/workers/?$",
-            WorkerConsumer.as_asgi(hub=gateway.relay, guard=gateway.relay_guard),
+            RelayElsewhere()  # type: ignore[arg-type]
+            if role == "control"
+            else WorkerConsumer.as_asgi(hub=gateway.relay, guard=gateway.relay_guard),
         )
     ]
 )
 proxy = ProxyApp(gateway)
 application = NexusApplication(
     gateway,
-    proxy,
+    NotServedHere() if role == "control" else proxy,
     ProtocolTypeRouter({"http": http_routes, "websocket": websocket_routes}),
 )
 serving.prepare_daphne(gateway, proxy)

@@ -6,11 +6,14 @@ import logging
 import os
 import stat
 import warnings
+from contextvars import Token
 from pathlib import Path
 from typing import Any
 
 from celery import Celery, signals
 from celery.exceptions import SecurityWarning
+
+from nexus_lib.authorship import VIA_TASK, ChangeAuthor, start_acting_as, stop_acting_as
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "nexus_site.settings")
 
@@ -67,3 +70,21 @@ def is_private_dir(path: Path) -> bool:
     except OSError:
         return False
     return info.st_uid == os.geteuid() and not stat.S_IMODE(info.st_mode) & 0o077
+
+
+# The configuration history names the task behind a change (model discovery).
+_acting: dict[str, Token[ChangeAuthor | None]] = {}
+
+
+@signals.task_prerun.connect
+def attribute_changes_to_task(task_id: str, task: Any, **kwargs: Any) -> None:
+    """Changes a task makes are the task's in the configuration history."""
+    name = str(task.name).rsplit(".", 1)[-1]
+    _acting[task_id] = start_acting_as(ChangeAuthor(f"task {name}", VIA_TASK))
+
+
+@signals.task_postrun.connect
+def end_task_attribution(task_id: str, **kwargs: Any) -> None:
+    token = _acting.pop(task_id, None)
+    if token is not None:
+        stop_acting_as(token)

@@ -53,27 +53,32 @@ class DatabaseOutageMiddleware:
     def process_exception(
         self, request: HttpRequest, exception: Exception
     ) -> HttpResponse | None:
-        if not isinstance(exception, OperationalError | InterfaceError):
-            return None
-        if is_conflict(exception):
-            return _busy(request, exception)
-        logger.warning(
-            "Database unreachable while serving %s: %s", request.path, exception
+        return database_error_response(request, exception)
+
+
+def database_error_response(
+    request: HttpRequest, exception: Exception
+) -> HttpResponse | None:
+    """The 503 for a database error (outage or lost conflict); None for others."""
+    if not isinstance(exception, OperationalError | InterfaceError):
+        return None
+    if is_conflict(exception):
+        return _busy(request, exception)
+    logger.warning("Database unreachable while serving %s: %s", request.path, exception)
+    response: HttpResponse
+    if request.path.startswith("/api/"):
+        response = JsonResponse(
+            {"detail": OUTAGE_MESSAGE, "code": "database_unreachable"}, status=503
         )
-        response: HttpResponse
-        if request.path.startswith("/api/"):
-            response = JsonResponse(
-                {"detail": OUTAGE_MESSAGE, "code": "database_unreachable"}, status=503
-            )
-        else:
-            # Rendered without the request: context processors would query
-            # the database (the user, messages) and fail again.
-            response = HttpResponse(
-                loader.render_to_string("503_database.html"), status=503
-            )
-        response["Retry-After"] = RETRY_AFTER
-        response["Cache-Control"] = "no-store"
-        return response
+    else:
+        # Rendered without the request: context processors would query
+        # the database (the user, messages) and fail again.
+        response = HttpResponse(
+            loader.render_to_string("503_database.html"), status=503
+        )
+    response["Retry-After"] = RETRY_AFTER
+    response["Cache-Control"] = "no-store"
+    return response
 
 
 def is_conflict(exception: Exception) -> bool:

@@ -206,7 +206,7 @@ if NEXUS_BEHIND_TLS:
 
 INSTALLED_APPS = [
     "daphne",
-    "nexus_site.apps.NexusAdminConfig",  # django.contrib.admin, Nexus's site
+    "nexus_site.admin_config.NexusAdminConfig",  # django.contrib.admin, Nexus's site
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
@@ -238,6 +238,8 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    # An admin or API request's changes: one transaction, one history version.
+    "nexus_site.change_recording.ConfigHistoryMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     # Last, as django-axes requires: answers 429 to a locked-out login.
@@ -298,6 +300,33 @@ STATICFILES_FINDERS = [
 WHITENOISE_USE_FINDERS = env.bool(
     "WHITENOISE_USE_FINDERS", default=not NEXUS_PRODUCTION
 )
+
+# What this serving process serves (docs/kubernetes.md): "all" (the default,
+# and what nexus_run starts), "gateway" (the data plane: /v1, Ollama's API,
+# /health, /metrics and the relay WebSocket; no admin, management API,
+# dashboard, sessions, templates or static files are loaded) or "control"
+# (the admin, management API, dashboard and usage stream; /v1 answers 404).
+NEXUS_ROLE = _choice("NEXUS_ROLE", "all", ("all", "gateway", "control"))
+if NEXUS_ROLE == "gateway":
+    _CONTROL_APPS = (
+        "nexus_site.admin_config.NexusAdminConfig",
+        "django.contrib.sessions",
+        "django.contrib.messages",
+        "django.contrib.staticfiles",
+        "axes",
+        "django_filters",
+        "drf_spectacular",
+        "drf_spectacular_sidecar",
+    )
+    INSTALLED_APPS = [app for app in INSTALLED_APPS if app not in _CONTROL_APPS]
+    # /health answers a database outage itself (gateway/views.py).
+    MIDDLEWARE = [
+        "django.middleware.security.SecurityMiddleware",
+        "django.middleware.common.CommonMiddleware",
+    ]
+    AUTHENTICATION_BACKENDS = ["django.contrib.auth.backends.ModelBackend"]
+    TEMPLATES = []
+    ROOT_URLCONF = "nexus_site.urls_gateway"
 
 LOGIN_URL = "admin:login"
 
@@ -361,13 +390,23 @@ if bool(NEXUS_BREAK_GLASS_USER) != bool(NEXUS_BREAK_GLASS_PASSWORD):
     raise ImproperlyConfigured(
         "Set both NEXUS_BREAK_GLASS_USER and NEXUS_BREAK_GLASS_PASSWORD, or neither."
     )
-AUTHENTICATION_BACKENDS += [
-    *(["nexus_site.sso.backends.NexusOIDCBackend"] if NEXUS_OIDC_ENABLED else []),
-    *(["nexus_site.sso.backends.BreakGlassBackend"] if NEXUS_BREAK_GLASS_USER else []),
-]
+if NEXUS_ROLE != "gateway":  # a gateway-only process signs nobody in
+    AUTHENTICATION_BACKENDS += [
+        *(["nexus_site.sso.backends.NexusOIDCBackend"] if NEXUS_OIDC_ENABLED else []),
+        *(
+            ["nexus_site.sso.backends.BreakGlassBackend"]
+            if NEXUS_BREAK_GLASS_USER
+            else []
+        ),
+    ]
 if not NEXUS_LOCAL_LOGIN:
     # Roles still come from groups; passwords are no longer checked.
-    AUTHENTICATION_BACKENDS[1] = "nexus_site.sso.backends.PermissionsOnlyBackend"
+    AUTHENTICATION_BACKENDS = [
+        "nexus_site.sso.backends.PermissionsOnlyBackend"
+        if backend == "django.contrib.auth.backends.ModelBackend"
+        else backend
+        for backend in AUTHENTICATION_BACKENDS
+    ]
 
 LOGGING = {
     "version": 1,
@@ -573,6 +612,9 @@ NEXUS_KEY_MAX_STREAMS = _bounded_int("NEXUS_KEY_MAX_STREAMS", 64, 0, 1_000_000)
 NEXUS_CONFIG_POLL_INTERVAL = _bounded_float(
     "NEXUS_CONFIG_POLL_INTERVAL", 1.0, 0.01, 3600
 )
+# Versions of the configuration history kept (docs/configuration.md); older
+# ones are deleted as new ones are recorded.
+NEXUS_CONFIG_HISTORY_KEEP = _bounded_int("NEXUS_CONFIG_HISTORY_KEEP", 500, 1, 1_000_000)
 # Override the stored routing policy ("" / None: keep it). An unknown strategy
 # means smart, with a warning (routing.core.policy.apply_overrides).
 NEXUS_ROUTING_STRATEGY = env.str("NEXUS_ROUTING_STRATEGY", default="").strip()

@@ -5,6 +5,7 @@ from django.contrib.admin.views.decorators import staff_member_required
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from gateway import dashboard as gateway_dashboard
 from gateway import views as gateway_views
 from nexus_site import api
 from usage import views as usage_views
@@ -17,7 +18,7 @@ urlpatterns = [
     path("oidc/", include("mozilla_django_oidc.urls")),
     path("dashboard/", usage_views.dashboard, name="dashboard"),
     path("dashboard/history", usage_views.history, name="dashboard-history"),
-    path("dashboard/fleet", gateway_views.fleet, name="dashboard-fleet"),
+    path("dashboard/fleet", gateway_dashboard.fleet, name="dashboard-fleet"),
     path("api/v1/", api.ApiIndexView.as_view(), name="api-index"),
     path("api/v1/", include("gateway.urls")),
     path("api/v1/", include("routing.api.urls")),

@@ -32,7 +32,8 @@ KINDS = ("auto", "ollama", "openai")
 MAX_LISTING_BYTES = 4 * 1024 * 1024
 MAX_MODELS = 2000
 # The request headers the gateway may pass on, and the response headers sent back.
-FORWARDED_REQUEST_HEADERS = ("content-type", "accept")
+# (traceparent and tracestate: the gateway's trace continues at the backend.)
+FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "traceparent", "tracestate")
 FORWARDED_RESPONSE_HEADERS = ("content-type", "retry-after")
 
 

@@ -338,6 +338,11 @@ class Worker:
                         "too many failed authentications from this address: "
                         "the gateway refuses it for a while (4030)"
                     )
+                if code == CloseCode.NOT_SERVED_HERE:
+                    raise ConnectionLost(
+                        "this address is a control-only Nexus (NEXUS_ROLE=control, "
+                        "4404): point the worker at the gateway's address"
+                    )
                 raise ConnectionLost(f"the gateway closed the connection ({code})")
             if frame.type == aiohttp.WSMsgType.ERROR:
                 raise ConnectionLost(f"WebSocket error: {ws.exception()!r}")

@@ -122,6 +122,8 @@ class CloseCode(IntEnum):
     RATE_LIMITED = 4029
     # Too many failed authentications from this address: refused unchecked.
     AUTH_THROTTLED = 4030
+    # A control-only Nexus process (NEXUS_ROLE=control): workers dial the gateway.
+    NOT_SERVED_HERE = 4404
 
 
 class ProtocolError(ValueError):

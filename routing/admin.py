@@ -16,6 +16,7 @@ from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
 
+import routing.history.admin  # noqa: F401  (registers the configuration history)
 from routing.cache_purge import cache_report, purge_cache
 from routing.core import FLEET_SETTING_NAMES, RouterSnapshot
 from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy

@@ -10,6 +10,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import BaseConstraint, CheckConstraint, F, Q
 from django.db.models.lookups import Exact
+from django.utils import timezone
 
 from routing.admission import AdmissionSettings, FlowKey, Sizing, StockUnit
 from routing.core import FLEET_SETTINGS, FleetPolicy, Strategy
@@ -796,3 +797,35 @@ class ConfigVersion(models.Model):
 
     def __str__(self) -> str:
         return f"Configuration version {self.version}"
+
+
+class ConfigRevision(models.Model):
+    """One version of the configuration history: who changed what, and when.
+
+    ``snapshot`` is the canonical export (``nexus_export_config``) right after
+    the change, so that any version can be restored through the import; it
+    never holds a secret. ``secret_marks`` tells, per backend, whether its API
+    key changed (a keyed fingerprint, never the key); ``diff`` is the
+    structural difference from the version before (routing/history/diff.py).
+    The API and the admin call these "versions"; ``ConfigVersion`` above is
+    the serving processes' change counter.
+    """
+
+    number = models.PositiveIntegerField(unique=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    author = models.CharField(max_length=200)
+    via = models.CharField(max_length=20)
+    reverted_to = models.PositiveIntegerField(null=True, blank=True)
+    snapshot = models.TextField()
+    secret_marks = models.JSONField(default=dict)
+    diff = models.JSONField(default=list)
+
+    class Meta:
+        ordering = ("-number",)
+        verbose_name = "configuration version"
+        permissions = (
+            ("revert_configrevision", "Can revert the configuration to a version"),
+        )
+
+    def __str__(self) -> str:
+        return f"Version {self.number}"

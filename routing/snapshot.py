@@ -264,11 +264,13 @@ def build_state() -> GatewayState:
             .values_list("backend__name", "channel_name")
         )
     keys: dict[str, str] = {}
+    key_names: dict[str, str] = {}
     key_admission: dict[str, KeyAdmission] = {}
     policies: dict[str, KeyPolicy] = {}
     teams: dict[int, TeamPolicy | None] = {}
     for key in active:
         keys[key.hashed_key] = key.prefix
+        key_names[key.prefix] = key.name
         limits = KeyAdmission(
             key.admission_weight, Criticality.parse(key.max_criticality)
         )
@@ -288,6 +290,7 @@ def build_state() -> GatewayState:
         version=routes.version,
         routes=routes,
         keys=MappingProxyType(keys),
+        key_names=MappingProxyType(key_names),
         admission=_admission(policy),
         key_admission=MappingProxyType(key_admission),
         policies=MappingProxyType(policies),

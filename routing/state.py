@@ -32,6 +32,8 @@ class GatewayState:
     routes: RouterSnapshot
     # SHA-256 hex of every active client key -> its visible prefix.
     keys: Mapping[str, str]
+    # Key prefix -> its name (traces name the key, never its secret).
+    key_names: Mapping[str, str] = field(default_factory=dict)
     # Key prefix -> its allow-list, expiry, limits and budgets (every active key).
     policies: Mapping[str, KeyPolicy] = field(default_factory=dict)
     # Served model name -> its price (models without a price are free).

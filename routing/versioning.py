@@ -4,7 +4,8 @@ routing/signals.py calls ``mark_config_changed()`` when a routing, backend or
 client-key row is saved or deleted, and when ``backends`` or ``usage`` announce
 a bulk write (they never call up into routing); routing's own writers may call
 it directly inside their transaction. Once the transaction commits, the
-persisted version goes up by one and the new number is sent to the
+persisted version goes up by one (and the configuration history records the
+change: routing/history/recording.py) and the new number is sent to the
 ``CONFIG_GROUP`` group on the Channels layer, where every serving process
 listens. A lost message only delays a process until its next periodic version
 check.
@@ -29,6 +30,7 @@ from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.models import F
 
 from nexus_lib.layer import run_on_layer
+from routing.history.recording import note_config_change
 from routing.models import ConfigVersion
 
 logger = logging.getLogger(__name__)
@@ -79,6 +81,7 @@ def mark_config_changed(using: str = DEFAULT_DB_ALIAS) -> None:
     if deferred is not None:
         transaction.on_commit(deferred.note, using=using)
         return
+    note_config_change(using)  # the configuration history
     connection = connections[using]
     # Savepoint rollbacks discard their on-commit callbacks, so looking at the
     # pending list (rather than keeping a flag of our own) stays correct.

@@ -237,6 +237,7 @@ def test_every_numeric_setting_is_range_checked(
         ("NEXUS_HEALTH_LATENCY_ALPHA", "1.5", "NEXUS_HEALTH_LATENCY_ALPHA must be"),
         ("NEXUS_ROUTING_MAX_RETRIES", "11", "from 0 to 10"),
         ("NEXUS_SERVER", "gunicorn", "NEXUS_SERVER must be one of daphne, uvicorn"),
+        ("NEXUS_ROLE", "admin", "NEXUS_ROLE must be one of all, gateway, control"),
         ("NEXUS_METRICS_ALLOW", "10.0.0.0/33", "NEXUS_METRICS_ALLOW must list CIDR"),
         ("NEXUS_METRICS_ALLOW", "127.0.0.0/8,localhost", "NEXUS_METRICS_ALLOW"),
         ("NEXUS_USAGE_TRANSPORT", "kafka", "NEXUS_USAGE_TRANSPORT must be one of"),

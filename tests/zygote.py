@@ -33,12 +33,15 @@ import sys
 import threading
 import traceback
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import IO, Any
 
 PRELOAD = "tests.zygote_preload"
 _context: Any = None
+# Called with each ForkedProcess once it has started (tests/cpu_report.py
+# watches their CPU, which no os.times() of the test worker counts).
+ON_START: list[Callable[[ForkedProcess], None]] = []
 
 
 def _forkserver() -> Any:
@@ -193,6 +196,8 @@ class ForkedProcess:
                 if pipe is not None:
                     pipe.close()
         self.pid: int = self._process.pid
+        for hook in ON_START:
+            hook(self)
 
     @property
     def returncode(self) -> int | None:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from gateway.exchange import Exchange, Headers
 from gateway.protocols import anthropic as anthropic_translate
 from gateway.protocols.base import loads
-from gateway.proxy import limits
+from gateway.proxy import limits, traces
 from gateway.proxy.accounting import Accounting
 from gateway.proxy.bodies import (
     ClientGone,
@@ -153,6 +153,9 @@ class ProxyApp:
             unsent_bytes=_transport_hook(scope, "unsent_bytes"),
             abort=_transport_hook(scope, "abort"),
         )
+        tracing = self.gateway.tracing
+        if tracing is not None:
+            traces.start(tracing, exchange, method)
         try:
             if path in OLLAMA_MANAGEMENT_PATHS or is_ollama_blob(path):
                 state = exchange.state = await self._gateway_state()
@@ -183,10 +186,15 @@ class ProxyApp:
                 # Refused before any backend (401, 413, a body that does not
                 # parse, draining): a request and an error all the same.
                 self.accounting.refuse(exchange, error)
+            if exchange.trace is not None:
+                traces.refused(exchange, error)
             body = surface.error_body(error)
             await _send_json(send, error.status, body, exchange.response_headers)
         except ClientGone:
             pass
+        finally:
+            if exchange.trace is not None:
+                traces.finish(exchange)
 
     def record_head_refusal(
         self, error: ProxyError, path: str, request_id: bytes | None
@@ -330,6 +338,8 @@ class ProxyApp:
             if requirements is None:
                 return  # answered without a backend
             exchange.started = time.perf_counter()
+            if exchange.trace is not None:
+                traces.note_request(exchange)
             if state.routes.policy.cache.enabled and await self._answer_cached(
                 exchange, state, surface, requirements, send
             ):
@@ -349,7 +359,11 @@ class ProxyApp:
     ) -> bool:
         """Answer from the response cache if it has the answer (recorded)."""
         cached = self.pipeline.cached
+        trace = exchange.trace
+        span = None if trace is None else trace.child("cache lookup")
         entry = await cached.look_up(exchange, state, requirements)
+        if trace is not None:
+            traces.end_cache_lookup(exchange, trace, span, entry is not None)
         if entry is None:
             return False
         try:

@@ -21,7 +21,7 @@ from gateway.context_limits import ContextLimits
 from gateway.error_cache import ErrorCache
 from gateway.fleet.scheduler import FleetScheduler, Placement
 from gateway.metrics import GatewayMetrics
-from gateway.proxy import checks, sse
+from gateway.proxy import checks, sse, traces
 from gateway.proxy.context_shift import RequestShift, overflow_possible
 from gateway.proxy.errors import ProxyError
 from gateway.proxy.legs import Call, Leg, ProxyExchange, Unservable, openai_call
@@ -208,12 +208,18 @@ class _Tries:
         response: aiohttp.ClientResponse | None = None
         shift = self.shift
         context = target.model.context_length
+        trace = exchange.trace
+        span = None if trace is None else traces.start_attempt(exchange, target)
+        failed_before = len(self.failures)
+        raised: BaseException | None = None
         try:
             if shift is not None and shift.pre_trim(backend.name, model, context):
                 self.call = exchange.call
                 leg = self.leg_for(target)
             while True:  # again with the request trimmed after an overflow
                 url, data, headers = self._request_for(target, leg)
+                if span is not None:
+                    headers = traces.inject(exchange, span, headers)
                 asked = time.perf_counter()
                 try:
                     # The head too within the timeout, not just each read of
@@ -274,7 +280,16 @@ class _Tries:
             if leg is None:
                 return await self._answer(target, response, error_body)
             return await self._answer_leg(target, response, leg, error_body)
+        except BaseException as error:
+            raised = error
+            raise
         finally:
+            if span is not None:
+                failure = (
+                    self.failures[-1] if len(self.failures) > failed_before else ""
+                )
+                answer = None if response is None else response.status
+                traces.end_attempt(exchange, target, span, answer, failure, raised)
             if response is not None:
                 # Closed, not released, unless read to the end: a reply cut
                 # short (client gone, error) must not go back to the pool.

@@ -16,11 +16,12 @@ its steps (gateway/proxy/ensemble/) and records each.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from gateway.admission import BadAdmissionHeader
 from gateway.fleet.errors import FleetRefusal
-from gateway.proxy import limits
+from gateway.proxy import limits, traces
 from gateway.proxy.accounting import Accounting
 from gateway.proxy.bodies import Receive
 from gateway.proxy.cached import CachedAnswers
@@ -136,7 +137,10 @@ class Pipeline:
                     exchange.request_headers,
                 )
                 if ticket is not None:
-                    await gateway.admission.admit(ticket)
+                    if exchange.trace is None:
+                        await gateway.admission.admit(ticket)
+                    else:
+                        await traces.admit(gateway.admission, ticket, exchange.trace)
                     if ticket.outcome is Outcome.DISPATCHED:
                         # It waited: route with what is ready now (a backend
                         # that turned ready meanwhile is why it goes).
@@ -152,13 +156,15 @@ class Pipeline:
                 return
             prefix = self._prefix_request(exchange, state)
             try:
-                route, routes = await self._route(state, requirements, prefix)
+                route, routes = await self._routing(
+                    exchange, state, requirements, prefix
+                )
             except ProxyError as error:
                 # Longer than every candidate's known context: trimmed to fit.
                 fitted = fit_known_context(exchange, error.__cause__)
                 if fitted is None:
                     raise
-                route, routes = await self._route(state, fitted, prefix)
+                route, routes = await self._routing(exchange, state, fitted, prefix)
             exchange.route = route
             if prefix is not None:
                 self._note_prefix(exchange, route, routes, prefix)
@@ -213,6 +219,18 @@ class Pipeline:
             choice.signal, choice.matched_blocks, choice.overridden is not None
         )
         exchange.response_headers.append((ROUTE_REASON, choice.reason().encode()))
+
+    def _routing(
+        self,
+        exchange: ProxyExchange,
+        state: GatewayState,
+        requirements: RequestRequirements,
+        prefix: PrefixRequest | None,
+    ) -> Awaitable[tuple[Route, RouterSnapshot]]:
+        """Route the request (``_route``), in a span of its own when traced."""
+        routing = self._route(state, requirements, prefix)
+        trace = exchange.trace
+        return routing if trace is None else traces.route(trace, routing)
 
     async def _route(
         self,

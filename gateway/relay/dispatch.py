@@ -64,7 +64,9 @@ LOAD_EVENT = "relay.load"
 GONE_SECONDS = 120.0
 MAX_GONE = 4096
 # Headers the worker passes to its local backend (never the client's auth).
-_FORWARDED_HEADERS = ("content-type", "accept")
+# W3C Trace Context too: the attempt's span reaches the worker's backend
+# (gateway/tracing/) when traces are on.
+_FORWARDED_HEADERS = ("content-type", "accept", "traceparent", "tracestate")
 
 # A reply event: (kind, payload). Kinds: "accepted" (None: a consumer in
 # another process took the request), "chunk" (text), "complete"

@@ -22,9 +22,11 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from nexus_lib.authorship import VIA_IMPORT
 from nexus_lib.parsers import BoundedJSONParser
 from nexus_lib.permissions import requires
 from routing.config_file import ConfigError, export_config, import_config, read_config
+from routing.history.recording import recording_changes
 
 TOML_MEDIA_TYPE = "application/toml"
 SOURCE = "request body"
@@ -136,23 +138,29 @@ class ConfigImportView(APIView):
         params = options.validated_data
         try:
             config = read_config(params["toml"], SOURCE, environ={})
-            summary = import_config(
-                config,
-                source=SOURCE,
-                replace=params["replace"],
-                dry_run=params["dry_run"],
-            )
+            with recording_changes(via=VIA_IMPORT):
+                summary = import_config(
+                    config,
+                    source=SOURCE,
+                    replace=params["replace"],
+                    dry_run=params["dry_run"],
+                )
         except ConfigError as error:
-            count = len(error.problems)
-            return Response(
-                {
-                    "detail": f"{count} problem{'s' if count != 1 else ''} in the "
-                    "configuration; nothing was changed.",
-                    "problems": error.problems,
-                },
-                status=400,
-            )
+            return problems_response(error)
         return Response(summary.as_dict())
+
+
+def problems_response(error: ConfigError) -> Response:
+    """The 400 answer listing every problem of a configuration not applied."""
+    count = len(error.problems)
+    return Response(
+        {
+            "detail": f"{count} problem{'s' if count != 1 else ''} in the "
+            "configuration; nothing was changed.",
+            "problems": error.problems,
+        },
+        status=400,
+    )
 
 
 class ConfigExportView(APIView):

@@ -5,6 +5,11 @@ from rest_framework.routers import SimpleRouter
 
 from routing.api.cache import CachePurgeView, CacheView
 from routing.api.config_file import ConfigExportView, ConfigImportView
+from routing.api.history import (
+    ConfigVersionDetailView,
+    ConfigVersionListView,
+    ConfigVersionRevertView,
+)
 from routing.api.views import (
     AliasViewSet,
     EffectiveConfigView,
@@ -23,5 +28,18 @@ urlpatterns = [
     path("cache/purge", CachePurgeView.as_view(), name="cache-purge"),
     path("config/import", ConfigImportView.as_view(), name="config-import"),
     path("config/export", ConfigExportView.as_view(), name="config-export"),
+    path(
+        "config/versions", ConfigVersionListView.as_view(), name="config-version-list"
+    ),
+    path(
+        "config/versions/<int:number>",
+        ConfigVersionDetailView.as_view(),
+        name="config-version-detail",
+    ),
+    path(
+        "config/versions/<int:number>/revert",
+        ConfigVersionRevertView.as_view(),
+        name="config-version-revert",
+    ),
     *router.urls,
 ]

@@ -86,10 +86,9 @@ def read_keys(reader: ValueReader, value: object) -> tuple[KeyEntry, ...]:
             continue
         name = values.pop("name").strip()
         if reader.is_first(name, f"{path}.name", seen, "key name"):
-            defaults = {
-                field: get_field_default(ApiKey, field) for field in _KEY_FIELDS
-            }
-            entries.append(KeyEntry(path, name, defaults | values, frozenset(invalid)))
+            entries.append(
+                KeyEntry(path, name, default_key_values() | values, frozenset(invalid))
+            )
     return tuple(entries)
 
 
@@ -134,6 +133,11 @@ def _read_usd(
         invalid.add("budget_usd")
     else:
         values["budget_usd"] = Decimal(str(usd))
+
+
+def default_key_values() -> dict[str, Any]:
+    """What a ``[[keys]]`` entry that gives nothing but a name sets: no limit."""
+    return {field: get_field_default(ApiKey, field) for field in _KEY_FIELDS}
 
 
 def read_prices(reader: ValueReader, value: object) -> tuple[PriceEntry, ...]:

@@ -194,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
         "versus the same mock by URL, c=8, one process without Redis and two "
         "processes over Redis).",
     )
+    parser.add_argument(
+        "--tracing",
+        action="store_true",
+        help="Instead: what OpenTelemetry traces cost (the same chat through a "
+        "Nexus with traces off and one exporting to an OTLP receiver: raw p50 "
+        "and CPU per request at c=1, wrk throughput).",
+    )
     parser.add_argument("--wrk", default="wrk", help="The wrk executable.")
     parser.add_argument(
         "--json",
@@ -229,6 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _prefix(options)
     if options.relay:
         return _relay(options)
+    if options.tracing:
+        return _tracing(options)
     if options.duration < 1:
         parser.error("--duration must be at least 1 second.")
     if not 2 <= options.workers <= 64:
@@ -410,6 +419,20 @@ def _cache(options: argparse.Namespace) -> int:
             options.output if options.profile else None,
         ),
         format_cache_report,
+    )
+
+
+def _tracing(options: argparse.Namespace) -> int:
+    from tests.bench.tracing import format_tracing_report, run_tracing_benchmark
+
+    seconds = max(6.0, 3.0 * options.duration)
+    return _with_mocks(
+        options,
+        "tracing",
+        lambda env, spawn, logs: run_tracing_benchmark(
+            env, spawn, logs, seconds, options.wrk, _progress
+        ),
+        format_tracing_report,
     )
 
 

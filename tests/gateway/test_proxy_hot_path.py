@@ -10,7 +10,7 @@ import pytest
 
 from gateway.process import Gateway, GatewayConfig
 from gateway.proxy import ProxyApp
-from tests.conftest import MockBackendProcess
+from tests.conftest import MockBackendProcess, mock_stats
 from tests.factories import BackendFactory, BackendModelFactory
 from usage.buffer import UsageEvent, UsageOpen
 from usage.models import ApiKey
@@ -149,3 +149,31 @@ def test_a_cached_miss_and_hit_make_no_database_queries(
     events = [e for e in gateway.buffer.drain() if isinstance(e, UsageEvent)]
     assert [e.cache_hit for e in events] == [False, True]
     assert events[1].total_tokens == events[0].total_tokens > 0
+
+
+@pytest.mark.django_db
+def test_with_traces_off_the_proxy_makes_no_tracing_call(
+    mock_backend: MockBackendProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gateway.proxy import traces
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a tracing call with traces off")
+
+    for name in ("start", "note_request", "finish", "start_attempt", "route"):
+        monkeypatch.setattr(traces, name, refuse)
+    backend = BackendFactory(name="mock-untraced", base_url=mock_backend.base_url)
+    BackendModelFactory(backend=backend, name="llama3:8b")
+    _, key = ApiKey.objects.create_key("untraced")
+    gateway = make_gateway()
+    assert gateway.tracing is None  # no OTEL_* in the tests' environment
+
+    (response,) = asyncio.run(
+        serve(
+            gateway,
+            json={"model": "llama3:8b", "messages": [{"role": "user", "content": "x"}]},
+            headers={"authorization": f"Bearer {key}"},
+        )
+    )
+    assert response.status_code == 200
+    assert "traceparent" not in mock_stats(mock_backend)["last_requests"][-1]["headers"]

@@ -201,7 +201,13 @@ def test_reconnect_churn_bumps_the_configuration_a_bounded_number_of_times(
     assert seen.total() == 200
     # A burst of registrations, then "slow down" before any database work.
     assert 1 <= seen["registered"] <= 10, seen
-    assert seen[f"refused {protocol.CloseCode.RATE_LIMITED}"] >= 190, seen
+    # Refused with "slow down" (4029). A client that does not answer the
+    # close frame within autobahn's close handshake timeout (1 s) has its
+    # connection dropped, and can then see an abnormal close (1006): at load
+    # 15 three of 200 did.
+    refused = seen[f"refused {protocol.CloseCode.RATE_LIMITED}"]
+    assert refused + seen["refused 1006"] >= 190, seen
+    assert refused >= 150, seen
     wait_until(lambda: Worker.objects.get(name="churn").channel_name == "")
     assert read_config_version() - before <= 12
     _assert_costs_no_more(run, stranger)

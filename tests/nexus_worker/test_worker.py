@@ -464,7 +464,13 @@ async def test_the_clients_authorization_stays_home_and_the_backend_key_is_added
     start_worker(backend=locked.base_url, backend_key="local-key")
     peer = await gateway.next_peer()
     await peer.register()
-    headers = {"authorization": "Bearer client-key", "x-forwarded-for": "10.0.0.1"}
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    headers = {
+        "authorization": "Bearer client-key",
+        "x-forwarded-for": "10.0.0.1",
+        "traceparent": traceparent,  # the gateway's attempt span (docs/tracing.md)
+        "tracestate": "vendor=1",
+    }
     await peer.send(chat_request("k1", stream=False, headers=headers))
     _, complete = await peer.response("k1")
     assert complete.status == 200
@@ -472,6 +478,8 @@ async def test_the_clients_authorization_stays_home_and_the_backend_key_is_added
     seen = {name.lower(): value for name, value in seen.items()}
     assert seen["authorization"] == "Bearer local-key"
     assert "x-forwarded-for" not in seen
+    assert seen["traceparent"] == traceparent
+    assert seen["tracestate"] == "vendor=1"
 
 
 async def test_an_unreachable_backend_answers_502_in_openai_shape(

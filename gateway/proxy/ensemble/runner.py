@@ -337,6 +337,8 @@ class Ensembles:
             payload=request,
             raw=dumps(request),
             ensemble_id=plan.ensemble_id,
+            # Each step's attempts are spans of the request's trace.
+            trace=exchange.trace,
         )
         return step
 

@@ -98,6 +98,12 @@ class Command(BaseCommand):
         web_only: bool,
         **options: Any,
     ) -> None:
+        if settings.NEXUS_ROLE != "all":
+            raise CommandError(
+                f"nexus_run serves every role in one; NEXUS_ROLE={settings.NEXUS_ROLE}"
+                " is for a process started on its own (daphne, as the Docker image"
+                " and docs/kubernetes.md do). Unset NEXUS_ROLE to run nexus_run."
+            )
         if settings.NEXUS_PRIVATE_REDIS_JOINED:
             raise CommandError(
                 f"Another nexus_run serves from {settings.NEXUS_STATE_DIR} (its "

@@ -8,8 +8,10 @@ from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
 
+from nexus_lib.authorship import VIA_IMPORT, ChangeAuthor, acting_as
 from nexus_lib.commands import DatabaseCommand
 from routing.config_file import ConfigError, ImportSummary, import_config_file
+from routing.history.recording import recording_changes
 
 
 class Command(DatabaseCommand):
@@ -55,7 +57,11 @@ class Command(DatabaseCommand):
         **options: Any,
     ) -> None:
         try:
-            summary = import_config_file(path, replace=replace, dry_run=dry_run)
+            with (
+                acting_as(ChangeAuthor("import", VIA_IMPORT)),
+                recording_changes(),
+            ):
+                summary = import_config_file(path, replace=replace, dry_run=dry_run)
         except ConfigError as error:
             if as_json:
                 problems = {
