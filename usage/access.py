@@ -12,7 +12,6 @@ from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
-from django.contrib.admin.views.decorators import staff_member_required
 from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
 
@@ -33,6 +32,11 @@ def dashboard_viewer_required(
     view: Callable[..., HttpResponse],
 ) -> Callable[..., HttpResponse]:
     """Send anonymous browsers to the login page; refuse staff without the role."""
+    # Here, not at the top: a gateway-only process (NEXUS_ROLE=gateway) imports
+    # this module (the usage stream's check) and must not load the admin.
+    from django.contrib.admin.views.decorators import (
+        staff_member_required,
+    )
 
     @wraps(view)
     def checked(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
