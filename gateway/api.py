@@ -12,12 +12,12 @@ import os
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
-from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from gateway.process import current_gateway
+from nexus_lib.permissions import requires
 from routing.core import InvalidRequest, RequestRequirements
 from routing.explain import describe_weights
 from usage.api.serializers import LiveUsageSerializer
@@ -35,7 +35,10 @@ class RouteExplainView(APIView):
     ``x-session-id`` header counts as the request's would).
     """
 
-    permission_classes = (IsAdminUser,)
+    # A read, though a POST: it sends nothing.
+    required_permissions = requires(
+        read=("routing.view_routingpolicy",), write=("routing.view_routingpolicy",)
+    )
 
     @extend_schema(request=OpenApiTypes.OBJECT, responses=OpenApiTypes.OBJECT)
     def post(self, request: Request) -> Response:
@@ -71,7 +74,7 @@ class LiveUsageView(APIView):
     which sums them).
     """
 
-    permission_classes = (IsAdminUser,)
+    required_permissions = requires(read=("usage.view_tokenusage",))
 
     @extend_schema(responses=LiveUsageSerializer)
     def get(self, request: Request) -> Response:

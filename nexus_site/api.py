@@ -15,10 +15,11 @@ from django.urls import Resolver404, resolve, reverse
 from django.views import defaults
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
-from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
+
+from nexus_lib.permissions import AnyStaffPermission
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ INDEX = {
     "cache_purge": "cache-purge",
     "route_explain": "route-explain",
     "keys": "api-key-list",
+    "teams": "team-list",
     "usage_tokens": "usage-tokens",
     "usage_stats": "usage-stats",
     "usage_live": "usage-live",
@@ -50,7 +52,8 @@ INDEX = {
 class ApiIndexView(APIView):
     """Every endpoint of the management API, by name, as absolute URLs."""
 
-    permission_classes = (IsAdminUser,)
+    permission_classes = (AnyStaffPermission,)
+
     pagination_class = None
 
     @extend_schema(responses=OpenApiTypes.OBJECT)

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 from django.apps import AppConfig, apps
+from django.db.models.signals import post_migrate
 
 from nexus_lib import live_views
+from nexus_site.staff_roles import sync_roles_after_migrate
 
 # The admin's app config is in nexus_site/admin_config.py: importing it loads
 # the admin, which a gateway-only process (NEXUS_ROLE=gateway) never does.
@@ -24,6 +26,10 @@ class NexusSiteConfig(AppConfig):
         # The admin shows what this serving process learned (nexus_lib.live_views).
         live_views.provide_learned_context(_learned_context)
         live_views.provide_cold_load_pause(_cold_load_pause)
+        # The role groups follow their rule after every migrate (new models).
+        post_migrate.connect(
+            sync_roles_after_migrate, dispatch_uid="nexus_site.staff_roles.sync"
+        )
 
 
 def _learned_context(

@@ -36,6 +36,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 # Pure Python (no Django): the one table of the fleet strategy's settings.
 from nexus_site import private_redis
+from nexus_site.sso.role_map import check_role_map
 from routing.core.fleet_policy import FLEET_SETTINGS
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -350,6 +351,63 @@ AXES_VERBOSE = False  # no banner from every process at start-up
 # Log the user name and address tried (an operator needs them); never a password.
 AXES_SENSITIVE_PARAMETERS: list[str] = []
 
+# Single sign-on (docs/sso.md): OpenID Connect login for the admin, dashboard
+# and API docs, on when NEXUS_OIDC_DISCOVERY_URL names the provider (its
+# issuer, or its discovery document). Group claim values map to roles
+# (NEXUS_OIDC_ROLE_MAP="nexus-admins=admin,ml-ops=operator,team-a=team-admin:A").
+NEXUS_OIDC_DISCOVERY_URL = env.str("NEXUS_OIDC_DISCOVERY_URL", default="")
+NEXUS_OIDC_ENABLED = bool(NEXUS_OIDC_DISCOVERY_URL)
+NEXUS_OIDC_PROVIDER_NAME = env.str("NEXUS_OIDC_PROVIDER_NAME", default="single sign-on")
+NEXUS_OIDC_GROUPS_CLAIM = env.str("NEXUS_OIDC_GROUPS_CLAIM", default="groups")
+NEXUS_OIDC_ROLE_MAP = check_role_map(env.dict("NEXUS_OIDC_ROLE_MAP", default={}))
+NEXUS_OIDC_TIMEOUT = _bounded_float("NEXUS_OIDC_TIMEOUT", 10.0, 0.5, 120.0)
+OIDC_RP_CLIENT_ID = env.str("NEXUS_OIDC_CLIENT_ID", default="")
+OIDC_RP_CLIENT_SECRET = env.str("NEXUS_OIDC_CLIENT_SECRET", default="")
+OIDC_RP_SCOPES = env.str("NEXUS_OIDC_SCOPES", default="openid email profile")
+OIDC_RP_SIGN_ALGO = env.str("NEXUS_OIDC_SIGN_ALGO", default="RS256")
+OIDC_TIMEOUT = NEXUS_OIDC_TIMEOUT
+OIDC_USE_PKCE = True
+OIDC_AUTHENTICATE_CLASS = "nexus_site.sso.views.SignInView"
+LOGIN_REDIRECT_URL = "/dashboard/"
+LOGIN_REDIRECT_URL_FAILURE = "/admin/login/?sso=failed"
+if NEXUS_OIDC_ENABLED and not (OIDC_RP_CLIENT_ID and OIDC_RP_CLIENT_SECRET):
+    raise ImproperlyConfigured(
+        "NEXUS_OIDC_DISCOVERY_URL is set: set NEXUS_OIDC_CLIENT_ID and "
+        "NEXUS_OIDC_CLIENT_SECRET too."
+    )
+# NEXUS_LOCAL_LOGIN=false: no password logins but the break-glass superuser's,
+# whose name and password come from the environment.
+NEXUS_LOCAL_LOGIN = env.bool("NEXUS_LOCAL_LOGIN", default=True)
+NEXUS_BREAK_GLASS_USER = env.str("NEXUS_BREAK_GLASS_USER", default="")
+NEXUS_BREAK_GLASS_PASSWORD = env.str("NEXUS_BREAK_GLASS_PASSWORD", default="")
+if not NEXUS_LOCAL_LOGIN and not (NEXUS_OIDC_ENABLED or NEXUS_BREAK_GLASS_USER):
+    raise ImproperlyConfigured(
+        "NEXUS_LOCAL_LOGIN=false needs NEXUS_OIDC_DISCOVERY_URL or a break-glass "
+        "user (NEXUS_BREAK_GLASS_USER and NEXUS_BREAK_GLASS_PASSWORD): nobody "
+        "could sign in."
+    )
+if bool(NEXUS_BREAK_GLASS_USER) != bool(NEXUS_BREAK_GLASS_PASSWORD):
+    raise ImproperlyConfigured(
+        "Set both NEXUS_BREAK_GLASS_USER and NEXUS_BREAK_GLASS_PASSWORD, or neither."
+    )
+if NEXUS_ROLE != "gateway":  # a gateway-only process signs nobody in
+    AUTHENTICATION_BACKENDS += [
+        *(["nexus_site.sso.backends.NexusOIDCBackend"] if NEXUS_OIDC_ENABLED else []),
+        *(
+            ["nexus_site.sso.backends.BreakGlassBackend"]
+            if NEXUS_BREAK_GLASS_USER
+            else []
+        ),
+    ]
+if not NEXUS_LOCAL_LOGIN:
+    # Roles still come from groups; passwords are no longer checked.
+    AUTHENTICATION_BACKENDS = [
+        "nexus_site.sso.backends.PermissionsOnlyBackend"
+        if backend == "django.contrib.auth.backends.ModelBackend"
+        else backend
+        for backend in AUTHENTICATION_BACKENDS
+    ]
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
@@ -436,7 +494,9 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.TokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
-    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAdminUser"],
+    # Roles (Django groups) decide, per model permission; default deny
+    # (nexus_lib/permissions.py, nexus_site/staff_roles.py).
+    "DEFAULT_PERMISSION_CLASSES": ["nexus_lib.permissions.RolePermission"],
     # A JSON API: bodies are JSON (415 for anything else; the config import
     # also takes TOML). Forms cannot carry its nested objects and lists, and
     # multipart would buffer uploads nobody sends.
@@ -455,7 +515,7 @@ SPECTACULAR_SETTINGS = {
     "or admin token (`Authorization: Token ...`); client API keys are refused.",
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
-    "SERVE_PERMISSIONS": ["rest_framework.permissions.IsAdminUser"],
+    "SERVE_PERMISSIONS": ["nexus_lib.permissions.AnyStaffPermission"],
     # The docs page loads Swagger UI from the project's static files, not a CDN.
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",

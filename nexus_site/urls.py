@@ -14,6 +14,8 @@ urlpatterns = [
     # For load balancers and monitoring: no login, no secrets (gateway/views.py).
     path("health", gateway_views.health, name="health"),
     path("admin/", admin.site.urls),
+    # Single sign-on: /oidc/authenticate/ and /oidc/callback/ (nexus_site/sso).
+    path("oidc/", include("mozilla_django_oidc.urls")),
     path("dashboard/", usage_views.dashboard, name="dashboard"),
     path("dashboard/history", usage_views.history, name="dashboard-history"),
     path("dashboard/fleet", gateway_dashboard.fleet, name="dashboard-fleet"),

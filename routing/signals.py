@@ -27,7 +27,7 @@ from routing.models import (
     TrafficSplit,
 )
 from routing.versioning import mark_config_changed
-from usage.models import ApiKey, ModelPrice
+from usage.models import ApiKey, ModelPrice, Team
 from usage.signals import api_keys_changed
 
 # Client keys (which are valid, their limits) and model prices are part of what
@@ -44,6 +44,7 @@ GATEWAY_MODELS: tuple[type[Model], ...] = (
     Shadow,
     Hedging,
     ApiKey,
+    Team,  # its limits hold its keys
     ModelPrice,
     Worker,  # where a relay worker's socket is (GatewayState.relay_channels)
 )

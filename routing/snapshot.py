@@ -41,9 +41,15 @@ from routing.models import (
 )
 from routing.state import GatewayState, KeyAdmission
 from routing.versioning import read_config_version
-from usage.limits.policy import KeyPolicy, Price, resolve_prices
+from usage.limits.policy import (
+    KeyPolicy,
+    Price,
+    TeamPolicy,
+    resolve_prices,
+    team_prefix,
+)
 from usage.limits.spend import read_budget_spend
-from usage.models import ApiKey, ModelPrice
+from usage.models import ApiKey, ModelPrice, Team
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +266,7 @@ def build_state() -> GatewayState:
     """Read the routing tables and the active client keys (sync code only)."""
     with transaction.atomic():
         routes = build_snapshot()
-        active = list(ApiKey.objects.active())
+        active = list(ApiKey.objects.active().select_related("team"))
         stored_prices = {
             price.model: Price(
                 price.input_nanos,
@@ -285,6 +291,7 @@ def build_state() -> GatewayState:
     key_names: dict[str, str] = {}
     key_admission: dict[str, KeyAdmission] = {}
     policies: dict[str, KeyPolicy] = {}
+    teams: dict[int, TeamPolicy | None] = {}
     for key in active:
         keys[key.hashed_key] = key.prefix
         key_names[key.prefix] = key.name
@@ -293,7 +300,12 @@ def build_state() -> GatewayState:
         )
         if limits != KeyAdmission():
             key_admission[key.prefix] = limits
-        policies[key.prefix] = key_policy(key)
+        team = None
+        if key.team is not None:
+            if key.team.pk not in teams:
+                teams[key.team.pk] = team_policy(key.team)
+            team = teams[key.team.pk]
+        policies[key.prefix] = key_policy(key, team)
     models = {
         model.name for backend in routes.backends for model in backend.models
     } | set(routes.routes)
@@ -327,8 +339,24 @@ def _hedge(row: Hedging) -> HedgePolicy | None:
         return None
 
 
-def key_policy(key: ApiKey) -> KeyPolicy:
-    """The frozen policy the gateway enforces for one stored key."""
+def team_policy(team: Team) -> TeamPolicy | None:
+    """The frozen limits of a team (None when it limits nothing)."""
+    policy = TeamPolicy(
+        prefix=team_prefix(team.pk),
+        name=team.name,
+        max_concurrency=team.max_concurrency,
+        rpm=team.rpm_limit,
+        tpm=team.tpm_limit,
+        budget_period=team.budget_period,
+        budget_tokens=team.budget_tokens,
+        budget_nanos=team.budget_nanos,
+    )
+    return policy if policy.is_limited else None
+
+
+def key_policy(key: ApiKey, team: TeamPolicy | None = None) -> KeyPolicy:
+    """The frozen policy the gateway enforces for one stored key (and `team`,
+    its team's limits, which it also draws on)."""
     return KeyPolicy(
         prefix=key.prefix,
         allowed_models=key.model_patterns,
@@ -340,6 +368,7 @@ def key_policy(key: ApiKey) -> KeyPolicy:
         budget_tokens=key.budget_tokens,
         budget_nanos=key.budget_nanos,
         can_manage_models=key.can_manage_models,
+        team=team,
     )
 
 

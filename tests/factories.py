@@ -10,12 +10,14 @@ from django.utils import timezone
 from factory.django import DjangoModelFactory
 
 from backends.models import Backend, BackendKind, BackendModel, HealthStatus
+from nexus_site.staff_roles import set_role
 from routing.models import Alias, ChainStep, FallbackChain, RoutingPolicy
 from usage.buffer import UsageEvent
 from usage.models import (
     ApiKey,
     Batch,
     File,
+    Team,
     TokenUsage,
     UsageBucket,
     UsageRecord,
@@ -212,9 +214,28 @@ class UsageRecordFactory(DjangoModelFactory):
 
 
 class StaffUserFactory(DjangoModelFactory):
+    """A staff user with every permission; ``role="viewer"`` (any role of
+    nexus_site/staff_roles.py) gives them that role instead."""
+
     class Meta:
         model = get_user_model()
         django_get_or_create = ("username",)
 
     username = factory.Sequence(lambda n: f"staff-{n}")
     is_staff = True
+    is_superuser = True
+
+    @factory.post_generation
+    def role(user, create: bool, extracted: str | None, **kwargs: object) -> None:
+        if extracted is None:
+            return
+        user.is_superuser = False
+        user.save(update_fields=["is_superuser"])
+        set_role(user, extracted)
+
+
+class TeamFactory(DjangoModelFactory):
+    class Meta:
+        model = Team
+
+    name = factory.Sequence(lambda n: f"team-{n}")

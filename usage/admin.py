@@ -18,16 +18,19 @@ from usage.limits.policy import period_id
 from usage.models import (
     ANONYMOUS,
     LIMIT_FIELDS,
+    MANAGE_ALL_TEAMS,
     PERMISSION_FIELDS,
     ApiKey,
     ApiKeyQuerySet,
     KeySpend,
     ModelPrice,
+    Team,
     TokenUsage,
     UsageBucket,
     describe_key,
     nanos_to_usd,
 )
+from usage.models.limit_fields import describe_budget
 
 if TYPE_CHECKING:
     from django.contrib.admin.options import _FieldsetSpec
@@ -76,6 +79,7 @@ class ApiKeyAdmin(ApiKeyAdminBase):
     list_display = (
         "name",
         "prefix_label",
+        "team",
         "is_active",
         "expires_at",
         "rpm_limit",
@@ -84,9 +88,25 @@ class ApiKeyAdmin(ApiKeyAdminBase):
         "created_at",
         "last_used_at",
     )
-    list_filter = ("is_active", "budget_period", "can_manage_models")
+    list_filter = ("is_active", "team", "budget_period", "can_manage_models")
+    list_select_related = ("team",)
     search_fields = ("name", "prefix")
     actions = ("deactivate_keys",)
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[ApiKey]:
+        """Every key for a global role; a team admin's teams' keys for them."""
+        keys = super().get_queryset(request)
+        assert isinstance(keys, ApiKeyQuerySet)
+        return keys.visible_to(request.user)
+
+    def formfield_for_foreignkey(
+        self, db_field: Any, request: HttpRequest, **kwargs: Any
+    ) -> Any:
+        if db_field.name == "team":
+            kwargs["queryset"] = Team.objects.visible_to(request.user)
+            # A team admin's keys are in one of their teams.
+            kwargs["required"] = not request.user.has_perm(f"usage.{MANAGE_ALL_TEAMS}")
+        return super().formfield_for_foreignkey(db_field, request, **kwargs)
 
     def get_fieldsets(
         self, request: HttpRequest, obj: ApiKey | None = None
@@ -96,7 +116,7 @@ class ApiKeyAdmin(ApiKeyAdminBase):
                 (
                     None,
                     {
-                        "fields": ("name",),
+                        "fields": ("name", "team"),
                         "description": "The key is generated when you save, and "
                         "shown once: Nexus stores only a hash of it.",
                     },
@@ -110,6 +130,7 @@ class ApiKeyAdmin(ApiKeyAdminBase):
                 {
                     "fields": (
                         "name",
+                        "team",
                         "is_active",
                         "prefix",
                         "created_at",
@@ -146,6 +167,7 @@ class ApiKeyAdmin(ApiKeyAdminBase):
             return
         created, raw_key = ApiKey.objects.create_key(
             obj.name,
+            team=obj.team,
             **{
                 name: getattr(obj, name) for name in (*LIMIT_FIELDS, *PERMISSION_FIELDS)
             },
@@ -172,12 +194,7 @@ class ApiKeyAdmin(ApiKeyAdminBase):
 
     @admin.display(description="budget")
     def budget_label(self, obj: ApiKey) -> str:
-        parts = []
-        if obj.budget_tokens is not None:
-            parts.append(f"{obj.budget_tokens:,} tokens")
-        if obj.budget_usd is not None:
-            parts.append(f"${obj.budget_usd}")
-        return f"{' + '.join(parts)} / {obj.budget_period}" if parts else "-"
+        return describe_budget(obj.budget_tokens, obj.budget_usd, obj.budget_period)
 
     @admin.display(description="spend this period")
     def spend(self, obj: ApiKey) -> SafeString:
@@ -404,4 +421,8 @@ class UsageBucketAdmin(UsageAdmin):
 
 
 # Batch jobs' admin lives in its own module; importing it registers it.
-from usage import batch_admin  # noqa: F401
+# The teams' admin lives in its own module (this one is long enough).
+from usage import (
+    batch_admin,  # noqa: F401
+    team_admin,  # noqa: F401
+)

@@ -23,6 +23,7 @@ from channels.generic.http import AsyncHttpConsumer
 from rest_framework.authtoken.models import Token
 
 from backends.health import BackendHealthDict, read_backend_health
+from usage.access import may_see_dashboard
 from usage.live import AdmissionLiveDict, SeriesDict, SlotDict
 from usage.publisher import (
     ClusterUsageDict,
@@ -62,7 +63,7 @@ def _token_refusal(raw: str) -> int:
     token = Token.objects.select_related("user").filter(key=raw).first()
     if token is None or not token.user.is_active:
         return 401
-    return 0 if token.user.is_staff else 403
+    return 0 if may_see_dashboard(token.user) else 403
 
 
 def build_stream_event(
@@ -168,7 +169,9 @@ class UsageStreamConsumer(AsyncHttpConsumer):
         """0 for a staff session or admin token, else the status to refuse with."""
         user = self.scope.get("user")
         if user is not None and user.is_authenticated:
-            return 0 if user.is_active and user.is_staff else 403
+            # Reading the user's roles is a query.
+            allowed = await database_sync_to_async(may_see_dashboard)(user)
+            return 0 if allowed else 403
         for name, value in self.scope.get("headers", []):
             if name == b"authorization":
                 scheme, _, raw = value.decode("latin-1").partition(" ")

@@ -5,12 +5,12 @@ from __future__ import annotations
 from datetime import UTC, date, datetime, timedelta
 from typing import Any, TypedDict
 
-from django.contrib.admin.views.decorators import staff_member_required
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.utils import timezone
 from django.views.decorators.http import require_GET
 
+from usage.access import dashboard_viewer_required, may_see_dashboard
 from usage.batches.report import dashboard_summary
 from usage.models import COUNTER_FIELDS, KeySpend, UsageBucket, add_derived_fields
 from usage.split_report import split_report
@@ -85,16 +85,17 @@ def build_history(range_name: str, *, now: datetime | None = None) -> HistoryDic
 
 
 @require_GET
-@staff_member_required
+@dashboard_viewer_required
 def dashboard(request: HttpRequest) -> HttpResponse:
     """The live dashboard page; its script does the rest.
 
-    Spend per key (this UTC month, from the rolled-up usage), the response
-    cache's hits per model and the splits' sides compared (the last 24 hours)
-    are rendered with the page.
+    Spend per key and per team (this UTC month, from the rolled-up usage), the
+    response cache's hits per model and the splits' sides compared (the last
+    24 hours) are rendered with the page.
     """
     month_start = timezone.now().astimezone(UTC).date().replace(day=1)
-    spenders = KeySpend.objects.filter(day__gte=month_start).top_spenders()
+    month = KeySpend.objects.filter(day__gte=month_start)
+    spenders = month.top_spenders()
     day = UsageBucket.objects.between(timezone.now() - timedelta(days=1))
     cache_totals = day.totals()
     cache_rows = (
@@ -106,6 +107,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         {
             "batches": dashboard_summary(timezone.now(), cache_totals["total_tokens"]),
             "spenders": spenders,
+            "team_spenders": month.top_teams(),
             "month": month_start,
             "prompt_cache": prompt_cache_rows(month_start),
             "cache_totals": cache_totals,
@@ -131,9 +133,10 @@ def prompt_cache_rows(since: date) -> list[dict[str, Any]]:
 @require_GET
 def history(request: HttpRequest) -> JsonResponse:
     """Usage history as JSON: ``?range=hour`` (default, per minute) or ``day``."""
-    user = request.user
-    if not (user.is_active and user.is_staff):
-        return JsonResponse({"detail": "Log in as staff to read usage."}, status=403)
+    if not may_see_dashboard(request.user):
+        return JsonResponse(
+            {"detail": "Log in as staff with a role that may read usage."}, status=403
+        )
     range_name = request.GET.get("range", "hour")
     if range_name not in HISTORY_RANGES:
         choices = ", ".join(HISTORY_RANGES)

@@ -8,7 +8,6 @@ import django_filters
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -28,7 +27,6 @@ class BackendViewSet(viewsets.ModelViewSet[Backend]):
 
     queryset = Backend.objects.with_model_count()
     serializer_class = BackendSerializer
-    permission_classes = (IsAdminUser,)
     filterset_fields = ("name", "kind", "enabled", "status", "is_demo")
     ordering_fields = ("name", "priority", "status", "created_at")
     ordering = ("priority", "name")
@@ -77,7 +75,6 @@ class BackendModelViewSet(viewsets.ModelViewSet[BackendModel]):
 
     queryset = BackendModel.objects.select_related("backend")
     serializer_class = BackendModelSerializer
-    permission_classes = (IsAdminUser,)
     filterset_class = BackendModelFilter
     ordering_fields = ("name", "backend__name", "created_at")
     ordering = ("backend__priority", "backend__name", "name")
@@ -104,7 +101,6 @@ class WorkerViewSet(
 
     queryset = Worker.objects.select_related("backend")
     serializer_class = WorkerSerializer
-    permission_classes = (IsAdminUser,)
     filterset_fields = ("name", "prefix", "is_active")
     ordering_fields = ("name", "created_at", "last_seen_at")
     ordering = ("name",)

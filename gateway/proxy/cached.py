@@ -204,7 +204,12 @@ class CachedAnswers:
         not its tokens per minute nor its budget (nothing was computed)."""
         policy = exchange.policy
         if policy is not None and policy.is_limited:
-            counted = replace(policy, tpm=None, budget_tokens=None, budget_nanos=None)
+            team = policy.team and replace(
+                policy.team, tpm=None, budget_tokens=None, budget_nanos=None
+            )
+            counted = replace(
+                policy, tpm=None, budget_tokens=None, budget_nanos=None, team=team
+            )
             exchange.limit_ticket = await limits.admit(
                 self.gateway.limiter,
                 counted,

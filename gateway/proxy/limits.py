@@ -33,9 +33,10 @@ from usage.limits.limiter import (
     UNAVAILABLE,
     Decision,
     Limiter,
+    TeamTicket,
     Ticket,
 )
-from usage.limits.policy import FREE, KeyPolicy, Price
+from usage.limits.policy import FREE, KeyPolicy, LimitLayer, Price
 
 if TYPE_CHECKING:
     from gateway.metrics import GatewayMetrics
@@ -168,6 +169,14 @@ async def admit(
 
 
 def refusal(decision: Decision, policy: KeyPolicy, headers: Headers) -> ProxyError:
+    if decision.scope == "team" and policy.team is not None:
+        return _refusal(decision, policy.team, "this key's team", headers)
+    return _refusal(decision, policy, "this key", headers)
+
+
+def _refusal(
+    decision: Decision, layer: LimitLayer, whose: str, headers: Headers
+) -> ProxyError:
     wait = decision.retry_after
     if wait > 0:
         headers += (
@@ -178,31 +187,31 @@ def refusal(decision: Decision, policy: KeyPolicy, headers: Headers) -> ProxyErr
     if reason == REQUESTS:
         return ProxyError(
             429,
-            f"Rate limit reached for requests per minute on this key (limit "
-            f"{policy.rpm}). Please try again in {wait:.3g}s.",
+            f"Rate limit reached for requests per minute on {whose} (limit "
+            f"{layer.rpm}). Please try again in {wait:.3g}s.",
             error_type="requests",
             code="rate_limit_exceeded",
         )
     if reason == TOKENS:
         return ProxyError(
             429,
-            f"Rate limit reached for tokens per minute on this key (limit "
-            f"{policy.tpm}). Please try again in {wait:.3g}s.",
+            f"Rate limit reached for tokens per minute on {whose} (limit "
+            f"{layer.tpm}). Please try again in {wait:.3g}s.",
             error_type="tokens",
             code="rate_limit_exceeded",
         )
     if reason == CONCURRENCY:
         return ProxyError(
             429,
-            f"This key already has {policy.max_concurrency} requests in flight, "
-            "its limit. Retry when one has finished.",
+            f"{whose.capitalize()} already has {layer.max_concurrency} requests "
+            "in flight, its limit. Retry when one has finished.",
             error_type="requests",
             code="concurrency_limit_exceeded",
         )
     if reason == BUDGET:
         return ProxyError(
             429,
-            f"This key's budget ({_describe_budget(policy)}) is used up.",
+            f"The budget of {whose} ({_describe_budget(layer)}) is used up.",
             error_type="insufficient_quota",
             code="budget_exceeded",
         )
@@ -215,7 +224,7 @@ def refusal(decision: Decision, policy: KeyPolicy, headers: Headers) -> ProxyErr
     )
 
 
-def _describe_budget(policy: KeyPolicy) -> str:
+def _describe_budget(policy: LimitLayer) -> str:
     parts = []
     if policy.budget_tokens is not None:
         parts.append(f"{policy.budget_tokens:,} tokens")
@@ -318,8 +327,13 @@ class BudgetMeter:
         tokens, nanos = self._usage(chars, events)
         ticket = self.ticket
         policy = ticket.policy
-        return (policy.budget_tokens is not None and tokens > ticket.held_tokens) or (
-            policy.budget_nanos is not None and nanos > ticket.held_nanos
+        if _is_past(policy, ticket, tokens, nanos):
+            return True
+        team = ticket.team
+        return (
+            team is not None
+            and policy.team is not None
+            and _is_past(policy.team, team, tokens, nanos)
         )
 
     async def _cover(self) -> bool:
@@ -332,10 +346,30 @@ class BudgetMeter:
 
     def cut_error(self) -> ProxyError:
         """The error a cut stream ends with (each surface writes its event)."""
+        policy = self.ticket.policy
+        tokens, nanos = self._usage(self.chars, self.events)
+        team = self.ticket.team
+        whose = "This key's budget"
+        layer: LimitLayer = policy
+        if (
+            policy.team is not None
+            and team is not None
+            and _is_past(policy.team, team, tokens, nanos)
+        ):
+            whose, layer = "This key's team's budget", policy.team
         return ProxyError(
             429,
-            f"This key's budget ({_describe_budget(self.ticket.policy)}) ran out "
+            f"{whose} ({_describe_budget(layer)}) ran out "
             "during the answer; the response is incomplete.",
             error_type="insufficient_quota",
             code="budget_exceeded",
         )
+
+
+def _is_past(
+    layer: LimitLayer, hold: Ticket | TeamTicket, tokens: int, nanos: int
+) -> bool:
+    """Whether usage is past what a ticket holds of a key's or team's budget."""
+    return (layer.budget_tokens is not None and tokens > hold.held_tokens) or (
+        layer.budget_nanos is not None and nanos > hold.held_nanos
+    )

@@ -332,7 +332,7 @@ class Pipeline:
             metrics,
         )
         exchange.limit_ticket = ticket
-        if exchange.stream and policy.has_budget and plan is None:
+        if exchange.stream and policy.has_any_budget and plan is None:
             exchange.meter = limits.BudgetMeter(
                 gateway.limiter, ticket, state.prices, model, prompt
             )

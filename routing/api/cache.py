@@ -7,11 +7,11 @@ from typing import Any
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
-from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from nexus_lib.permissions import requires
 from routing.cache_purge import cache_report, purge_cache
 from routing.models import RoutingPolicy
 
@@ -26,7 +26,7 @@ class CachePurgeSerializer(serializers.Serializer[Any]):
 class CacheView(APIView):
     """The response cache's settings and its hits per model and per key."""
 
-    permission_classes = (IsAdminUser,)
+    required_permissions = requires(read=("routing.view_routingpolicy",))
 
     @extend_schema(responses=OpenApiTypes.OBJECT)
     def get(self, request: Request) -> Response:
@@ -45,7 +45,7 @@ class CacheView(APIView):
 class CachePurgeView(APIView):
     """Purge cached answers: ``{"model": ...}``, ``{"key": <prefix>}`` or ``{}``."""
 
-    permission_classes = (IsAdminUser,)
+    required_permissions = requires(write=("routing.change_routingpolicy",))
 
     @extend_schema(request=CachePurgeSerializer, responses=OpenApiTypes.OBJECT)
     def post(self, request: Request) -> Response:

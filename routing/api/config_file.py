@@ -18,13 +18,13 @@ from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import serializers
 from rest_framework.exceptions import ParseError
 from rest_framework.parsers import BaseParser
-from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from nexus_lib.authorship import VIA_IMPORT
 from nexus_lib.parsers import BoundedJSONParser
+from nexus_lib.permissions import requires
 from routing.config_file import ConfigError, export_config, import_config, read_config
 from routing.history.recording import recording_changes
 
@@ -102,7 +102,17 @@ class ConfigImportView(APIView):
     400 answer, and then nothing is changed.
     """
 
-    permission_classes = (IsAdminUser,)
+    # A file sets backends, routing, keys' limits, teams and prices at once.
+    required_permissions = requires(
+        write=(
+            "backends.change_backend",
+            "routing.change_routingpolicy",
+            "usage.change_apikey",
+            "usage.change_team",
+            "usage.change_modelprice",
+        )
+    )
+
     parser_classes = (BoundedJSONParser, TomlParser)
 
     @extend_schema(
@@ -159,7 +169,14 @@ class ConfigExportView(APIView):
     API keys are never written; demo backends are left out.
     """
 
-    permission_classes = (IsAdminUser,)
+    required_permissions = requires(
+        read=(
+            "backends.view_backend",
+            "routing.view_routingpolicy",
+            "usage.view_apikey",
+            "usage.view_team",
+        )
+    )
 
     @extend_schema(
         responses={(200, TOML_MEDIA_TYPE): OpenApiTypes.STR},

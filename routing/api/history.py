@@ -16,12 +16,15 @@ from typing import Any
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import generics, serializers
 from rest_framework.exceptions import NotFound
-from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from routing.api.config_file import ConfigProblemsSerializer, problems_response
+from routing.api.config_file import (
+    ConfigImportView,
+    ConfigProblemsSerializer,
+    problems_response,
+)
 from routing.config_file import ConfigError
 from routing.history.revert import VersionNotFound, find_version, revert_to
 from routing.models import ConfigRevision
@@ -81,7 +84,6 @@ class ConfigVersionListView(generics.ListAPIView[ConfigRevision]):
         "-number"
     )
     serializer_class = ConfigVersionSerializer
-    permission_classes = (IsAdminUser,)
     filter_backends = ()
 
 
@@ -89,7 +91,6 @@ class ConfigVersionDetailView(generics.RetrieveAPIView[ConfigRevision]):
     """One version, with its TOML export."""
 
     serializer_class = ConfigVersionDetailSerializer
-    permission_classes = (IsAdminUser,)
 
     def get_object(self) -> ConfigRevision:
         try:
@@ -101,7 +102,8 @@ class ConfigVersionDetailView(generics.RetrieveAPIView[ConfigRevision]):
 class ConfigVersionRevertView(APIView):
     """Make the configuration what it was at a version (recorded as a new one)."""
 
-    permission_classes = (IsAdminUser,)
+    # A revert is an import of the old version: it needs what an import needs.
+    required_permissions = ConfigImportView.required_permissions
 
     @extend_schema(
         request=RevertOptionsSerializer,

@@ -6,7 +6,6 @@ from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import serializers, viewsets
-from rest_framework.permissions import IsAdminUser
 
 from nexus_lib.serializers import ModelCleanSerializer, saving
 from routing.core.traffic import SIDES_LIMIT
@@ -113,7 +112,6 @@ class TrafficSplitViewSet(viewsets.ModelViewSet[TrafficSplit]):
 
     queryset = TrafficSplit.objects.prefetch_related("targets")
     serializer_class = TrafficSplitSerializer
-    permission_classes = (IsAdminUser,)
     filterset_fields = ("name",)
     ordering = ("name",)
 
@@ -123,7 +121,6 @@ class ShadowViewSet(viewsets.ModelViewSet[Shadow]):
 
     queryset = Shadow.objects.all()
     serializer_class = ShadowSerializer
-    permission_classes = (IsAdminUser,)
     filterset_fields = ("model",)
     ordering = ("model",)
 
@@ -133,6 +130,5 @@ class HedgingViewSet(viewsets.ModelViewSet[Hedging]):
 
     queryset = Hedging.objects.all()
     serializer_class = HedgingSerializer
-    permission_classes = (IsAdminUser,)
     filterset_fields = ("model",)
     ordering = ("model",)

@@ -6,11 +6,11 @@ from typing import Any
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
 from rest_framework import generics, viewsets
-from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from nexus_lib.permissions import requires
 from routing.api.serializers import (
     AliasSerializer,
     EffectiveConfigSerializer,
@@ -27,7 +27,6 @@ class AliasViewSet(viewsets.ModelViewSet[Alias]):
 
     queryset = Alias.objects.all()
     serializer_class = AliasSerializer
-    permission_classes = (IsAdminUser,)
     filterset_fields = ("name", "target")
     ordering_fields = ("name", "target", "updated_at")
     ordering = ("name",)
@@ -38,7 +37,6 @@ class FallbackChainViewSet(viewsets.ModelViewSet[FallbackChain]):
 
     queryset = FallbackChain.objects.prefetch_related("steps")
     serializer_class = FallbackChainSerializer
-    permission_classes = (IsAdminUser,)
     filterset_fields = ("model",)
     ordering_fields = ("model", "updated_at")
     ordering = ("model",)
@@ -52,7 +50,6 @@ class RoutingPolicyView(generics.RetrieveUpdateAPIView[RoutingPolicy]):
     """
 
     serializer_class = RoutingPolicySerializer
-    permission_classes = (IsAdminUser,)
 
     def get_object(self) -> RoutingPolicy:
         stored = RoutingPolicy.objects.filter(pk=RoutingPolicy.SINGLETON_PK).first()
@@ -66,7 +63,7 @@ class EffectiveConfigView(APIView):
     NEXUS_ROUTING_* environment overrides of this process applied.
     """
 
-    permission_classes = (IsAdminUser,)
+    required_permissions = requires(read=("routing.view_routingpolicy",))
 
     @extend_schema(responses=EffectiveConfigSerializer)
     def get(self, request: Request) -> Response:
@@ -113,7 +110,10 @@ class PastRequestExplainView(APIView):
     NEXUS_USAGE_RECORD_RETENTION_HOURS).
     """
 
-    permission_classes = (IsAdminUser,)
+    # The decision and the usage record's figures: what may read usage.
+    required_permissions = requires(
+        read=("usage.view_usagerecord", "routing.view_routingpolicy")
+    )
 
     @extend_schema(responses=OpenApiTypes.OBJECT)
     def get(self, request: Request, request_id: str) -> Response:

@@ -19,13 +19,14 @@ from routing.config_file.schema import (
     MODEL_SETTINGS,
     POLICY_SETTINGS,
     PREFIX_SETTINGS,
+    TEAM_SETTINGS,
     WEIGHT_SETTINGS,
     Setting,
     get_field_default,
 )
 from routing.config_file.traffic_tables import export_traffic
 from routing.models import Alias, FallbackChain, RoutingPolicy, Strategy
-from usage.models import ApiKey, ModelPrice
+from usage.models import ApiKey, ModelPrice, Team
 
 HEADER = """\
 # Nexus routing configuration, written by `manage.py nexus_export_config`.
@@ -37,6 +38,10 @@ KEYS_NOTE = """\
 # Limits of client keys (docs/tenancy.md), matched by name.
 # The keys themselves are created with nexus_create_key, the admin or the API;
 # their secrets are never in a file. Keys without any limit are left out.
+"""
+TEAMS_NOTE = """\
+# Teams of client keys: limits and budgets their keys share, on top of each
+# key's own (docs/tenancy.md). A key joins one with team = "NAME" below.
 """
 API_KEY_NOTE = """\
 # This backend has an API key, which is never exported. Re-importing this file
@@ -182,11 +187,23 @@ def export_config() -> str:
             factor = format_scalar(float(price.batch_price_factor))
             values.append(f"batch_factor = {factor}")
         lines.append(f"{format_string(price.model)} = {{ {', '.join(values)} }}")
+    teams = list(Team.objects.order_by("name"))
+    if teams:
+        lines += ["", TEAMS_NOTE.rstrip("\n")]
+    for team in teams:
+        lines += ["[[teams]]"]
+        lines += _settings(team, TEAM_SETTINGS)
+        if team.budget_usd is not None:
+            lines.append(f"budget_usd = {format_scalar(float(team.budget_usd))}")
+        lines.append("")
     defaults = {s.field: get_field_default(ApiKey, s.field) for s in KEY_SETTINGS}
     keys = [
         key
-        for key in ApiKey.objects.active().order_by("name", "created_at")
-        if key.allowed_models
+        for key in ApiKey.objects.active()
+        .select_related("team")
+        .order_by("name", "created_at")
+        if key.team is not None
+        or key.allowed_models
         or key.expires_at is not None
         or key.budget_usd is not None
         or any(
@@ -207,6 +224,8 @@ def export_config() -> str:
             lines.append(f"expires = {key.expires_at.astimezone(UTC).isoformat()}")
         if key.budget_usd is not None:
             lines.append(f"budget_usd = {format_scalar(float(key.budget_usd))}")
+        if key.team is not None:
+            lines.append(f"team = {format_string(key.team.name)}")
         lines.append("")
     return "\n".join(lines).rstrip("\n") + "\n"
 

@@ -21,10 +21,12 @@ from routing.config_file.schema import (
     MODEL_SETTINGS,
     POLICY_KEY_FOR_FIELD,
     PRICE_KEY_FOR_FIELD,
+    TEAM_KEY_FOR_FIELD,
     BackendEntry,
     ChainEntry,
     ConfigFile,
     KeyEntry,
+    TeamEntry,
     get_field_default,
 )
 from routing.models import (
@@ -35,13 +37,14 @@ from routing.models import (
     RoutingPolicy,
     Shadow,
 )
-from usage.models import ApiKey, ModelPrice
+from usage.models import ApiKey, ModelPrice, Team
 
 POLICY_FIELDS = tuple(POLICY_KEY_FOR_FIELD)
 BACKEND_FIELDS = tuple(s.field for s in BACKEND_SETTINGS if s.field != "name")
 MODEL_FIELDS = tuple(s.field for s in MODEL_SETTINGS if s.field != "name")
 KEY_FIELDS = tuple(field for field in KEY_KEY_FOR_FIELD if field != "name")
 PRICE_FIELDS = tuple(PRICE_KEY_FOR_FIELD)
+TEAM_FIELDS = tuple(field for field in TEAM_KEY_FOR_FIELD if field != "name")
 
 
 @dataclass
@@ -64,6 +67,7 @@ class ImportSummary:
     fallback_chains: TableChanges = field(default_factory=TableChanges)
     routing_policy: TableChanges = field(default_factory=TableChanges)
     client_keys: TableChanges = field(default_factory=TableChanges)
+    teams: TableChanges = field(default_factory=TableChanges)
     model_prices: TableChanges = field(default_factory=TableChanges)
     splits: TableChanges = field(default_factory=TableChanges)
     shadows: TableChanges = field(default_factory=TableChanges)
@@ -80,6 +84,7 @@ class ImportSummary:
             ("fallback chains", self.fallback_chains),
             ("routing policy", self.routing_policy),
             ("client keys", self.client_keys),
+            ("teams", self.teams),
             ("model prices", self.model_prices),
             ("splits", self.splits),
             ("shadows", self.shadows),
@@ -176,16 +181,35 @@ def check_config(config: ConfigFile, *, replace: bool) -> list[str]:
                 in_context=False,
             )
     problems += _check_aliases_and_chains(config, replace=replace)
+    for team_entry in config.teams:
+        team = Team(name=team_entry.name)
+        _assign(team, team_entry.values)
+        _clean(
+            team,
+            problems,
+            team_entry.path,
+            TEAM_KEY_FOR_FIELD,
+            exclude=team_entry.invalid,
+            in_context=False,
+        )
+    teams = {entry.name for entry in config.teams}
+    teams.update(Team.objects.values_list("name", flat=True))
     for key_entry in config.keys:
         key = _only_key(key_entry, problems)
+        team_name = key_entry.values.get("team")
+        if team_name is not None and team_name not in teams:
+            problems.append(
+                f"{key_entry.path}.team: no team is named {format_string(team_name)}; "
+                "add it under [[teams]] or create it first"
+            )
         if key is not None:
-            _assign(key, key_entry.values)
+            _assign(key, {**key_entry.values, "team": None})
             _clean(
                 key,
                 problems,
                 key_entry.path,
                 KEY_KEY_FOR_FIELD,
-                exclude=key_entry.invalid,
+                exclude=key_entry.invalid | {"team"},
                 in_context=False,
             )
     for price_entry in config.prices:
@@ -286,9 +310,19 @@ class _Importer:
         self._apply_aliases()
         for chain_entry in self.config.fallbacks:
             self._apply_chain(chain_entry)
+        for team_entry in self.config.teams:
+            self._apply_team(team_entry)
         for key_entry in self.config.keys:
             self._apply_key(key_entry)
         self._apply_prices()
+        if self.replace:
+            # After the keys: a team the file drops goes once no key is in it.
+            _, deleted = (
+                Team.objects.exclude(name__in=[e.name for e in self.config.teams])
+                .filter(keys=None)
+                .delete()
+            )
+            self.summary.teams.deleted += deleted.get(Team._meta.label, 0)
         self._apply_traffic()
 
     def _apply_traffic(self) -> None:
@@ -412,12 +446,37 @@ class _Importer:
             if self._clean(alias, entry.path, {}):
                 _save(alias, before, ("target",), self.summary.aliases)
 
+    def _apply_team(self, entry: TeamEntry) -> None:
+        stored = Team.objects.filter(name=entry.name).first()
+        before = _values(stored, TEAM_FIELDS)
+        team = stored or Team(name=entry.name)
+        _assign(team, entry.values)
+        if not self._clean(team, entry.path, TEAM_KEY_FOR_FIELD):
+            return
+        if before is None:
+            team.save()
+            self.summary.teams.created += 1
+            return
+        changed = [name for name in TEAM_FIELDS if getattr(team, name) != before[name]]
+        if changed:
+            team.save(update_fields=changed)
+            self.summary.teams.updated += 1
+        else:
+            self.summary.teams.unchanged += 1
+
     def _apply_key(self, entry: KeyEntry) -> None:
         key = _only_key(entry, self.problems)
         if key is None:
             return
         before = _values(key, KEY_FIELDS)
-        _assign(key, entry.values)
+        team = entry.values.get("team")
+        _assign(
+            key,
+            {
+                **entry.values,
+                "team": None if team is None else Team.objects.get(name=team),
+            },
+        )
         if not self._clean(key, entry.path, KEY_KEY_FOR_FIELD):
             return
         assert before is not None

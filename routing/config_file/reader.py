@@ -41,7 +41,7 @@ from routing.config_file.schema import (
     Setting,
 )
 from routing.config_file.traffic_tables import read_model_tables, read_splits
-from routing.config_file.usage_tables import read_keys, read_prices
+from routing.config_file.usage_tables import read_keys, read_prices, read_teams
 from routing.config_file.values import ValueReader, coerce, describe
 from routing.core.aliases import check_alias_pattern, is_alias_pattern
 
@@ -82,7 +82,7 @@ def _read_document(reader: ValueReader, data: dict[str, Any]) -> ConfigFile:
     """Read every table of the parsed document, in the order problems are listed."""
     reader.reject_nul_characters(data, "")
     reader.reject_unknown_keys(
-        data, "", ("routing", "cache", "backends", "keys", "prices")
+        data, "", ("routing", "cache", "backends", "keys", "teams", "prices")
     )
     policy: dict[str, Any] = {}
     policy_invalid: set[str] = set()
@@ -131,6 +131,7 @@ def _read_document(reader: ValueReader, data: dict[str, Any]) -> ConfigFile:
         fallbacks=fallbacks,
         backends=backends,
         keys=read_keys(reader, data.get("keys")),
+        teams=read_teams(reader, data.get("teams")),
         prices=read_prices(reader, data.get("prices")),
         **traffic,
         policy_invalid=frozenset(policy_invalid),

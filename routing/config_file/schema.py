@@ -252,7 +252,24 @@ KEY_SETTINGS = (
 KEY_MODELS = "models"
 KEY_EXPIRES = "expires"
 KEY_BUDGET_USD = "budget_usd"
-KEY_KEYS = (*(s.key for s in KEY_SETTINGS), KEY_MODELS, KEY_EXPIRES, KEY_BUDGET_USD)
+KEY_TEAM = "team"
+KEY_KEYS = (
+    *(s.key for s in KEY_SETTINGS),
+    KEY_MODELS,
+    KEY_EXPIRES,
+    KEY_BUDGET_USD,
+    KEY_TEAM,
+)
+# [[teams]]: teams of client keys and the limits they share (created by name).
+TEAM_SETTINGS = (
+    Setting("name", "name", str, "a string", required=True),
+    Setting("rpm", "rpm_limit", int, "a positive integer"),
+    Setting("tpm", "tpm_limit", int, "a positive integer"),
+    Setting("max_concurrency", "max_concurrency", int, "a positive integer"),
+    Setting("budget_period", "budget_period", str, '"day", "month" or "total"'),
+    Setting("budget_tokens", "budget_tokens", int, "a positive integer"),
+)
+TEAM_KEYS = (*(s.key for s in TEAM_SETTINGS), KEY_BUDGET_USD)
 # USD per million tokens: input, output, cached input read, cache writes, and
 # an answer from the response cache.
 PRICE_KEYS = (
@@ -305,6 +322,10 @@ MODEL_KEY_FOR_FIELD = {s.field: s.key for s in MODEL_SETTINGS}
 KEY_KEY_FOR_FIELD = {s.field: s.key for s in KEY_SETTINGS} | {
     "allowed_models": KEY_MODELS,
     "expires_at": KEY_EXPIRES,
+    "budget_usd": KEY_BUDGET_USD,
+    "team": KEY_TEAM,
+}
+TEAM_KEY_FOR_FIELD = {s.field: s.key for s in TEAM_SETTINGS} | {
     "budget_usd": KEY_BUDGET_USD,
 }
 PRICE_KEY_FOR_FIELD = {
@@ -393,6 +414,17 @@ class KeyEntry:
 
 
 @dataclass(frozen=True)
+class TeamEntry:
+    """One ``[[teams]]`` table: a team of client keys and its shared limits."""
+
+    path: str
+    name: str
+    # Every setting; keys the file leaves out hold the default (no limit).
+    values: Mapping[str, Any]
+    invalid: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
 class PriceEntry:
     """One ``model = { input = ..., output = ... }`` line of ``[prices]``."""
 
@@ -417,6 +449,7 @@ class ConfigFile:
     backends: tuple[BackendEntry, ...]
     keys: tuple[KeyEntry, ...] = ()
     prices: tuple[PriceEntry, ...] = ()
+    teams: tuple[TeamEntry, ...] = ()
     splits: tuple[SplitEntry, ...] = ()
     shadows: tuple[ModelTableEntry, ...] = ()
     hedging: tuple[ModelTableEntry, ...] = ()

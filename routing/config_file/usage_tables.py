@@ -1,4 +1,4 @@
-"""Read the ``[[keys]]`` and ``[prices]`` tables, which become usage rows.
+"""Read the ``[[keys]]``, ``[[teams]]`` and ``[prices]`` tables: usage rows.
 
 A key entry gives an API key's name, limits, the models it may use (names or
 glob patterns), when it expires (a date, or a date-time with its offset) and
@@ -19,9 +19,14 @@ from routing.config_file.schema import (
     KEY_KEYS,
     KEY_MODELS,
     KEY_SETTINGS,
+    KEY_TEAM,
     PRICE_KEYS,
+    TEAM_KEY_FOR_FIELD,
+    TEAM_KEYS,
+    TEAM_SETTINGS,
     KeyEntry,
     PriceEntry,
+    TeamEntry,
     get_field_default,
 )
 from routing.config_file.values import (
@@ -31,7 +36,7 @@ from routing.config_file.values import (
     format_entry_path,
     join_path,
 )
-from usage.models import ApiKey
+from usage.models import ApiKey, Team
 
 
 def read_keys(reader: ValueReader, value: object) -> tuple[KeyEntry, ...]:
@@ -65,16 +70,18 @@ def read_keys(reader: ValueReader, value: object) -> tuple[KeyEntry, ...]:
                 invalid.add("expires_at")
             else:
                 values["expires_at"] = expires
-        if KEY_BUDGET_USD in table:
-            usd = coerce(table[KEY_BUDGET_USD], float)
-            if usd is None:
-                reader.add(
-                    join_path(path, KEY_BUDGET_USD),
-                    "expected a number of USD, got " + describe(table[KEY_BUDGET_USD]),
-                )
-                invalid.add("budget_usd")
+        _read_usd(reader, table, path, values, invalid)
+        if KEY_TEAM in table:
+            team = table[KEY_TEAM]
+            if isinstance(team, str) and team.strip():
+                # A name: the importer finds the team (or the file's own).
+                values["team"] = team.strip()
             else:
-                values["budget_usd"] = Decimal(str(usd))
+                reader.add(
+                    join_path(path, KEY_TEAM),
+                    "expected a team's name, got " + describe(team),
+                )
+                invalid.add("team")
         if "name" not in values:
             continue
         name = values.pop("name").strip()
@@ -83,6 +90,49 @@ def read_keys(reader: ValueReader, value: object) -> tuple[KeyEntry, ...]:
                 KeyEntry(path, name, default_key_values() | values, frozenset(invalid))
             )
     return tuple(entries)
+
+
+def read_teams(reader: ValueReader, value: object) -> tuple[TeamEntry, ...]:
+    """Read ``[[teams]]``; an entry without a usable name is left out."""
+    entries = []
+    seen: dict[str, str] = {}
+    for index, table in enumerate(reader.read_array_of_tables(value, "teams", "teams")):
+        path = format_entry_path(f"teams[{index}]", table.get("name"))
+        reader.reject_unknown_keys(table, path, TEAM_KEYS)
+        values, invalid = reader.read_settings(table, path, TEAM_SETTINGS)
+        _read_usd(reader, table, path, values, invalid)
+        if "name" not in values:
+            continue
+        name = values.pop("name").strip()
+        if reader.is_first(name, f"{path}.name", seen, "team name"):
+            defaults = {
+                field: get_field_default(Team, field)
+                for field in TEAM_KEY_FOR_FIELD
+                if field != "name"
+            }
+            entries.append(TeamEntry(path, name, defaults | values, frozenset(invalid)))
+    return tuple(entries)
+
+
+def _read_usd(
+    reader: ValueReader,
+    table: dict[str, Any],
+    path: str,
+    values: dict[str, Any],
+    invalid: set[str],
+) -> None:
+    """Read a ``budget_usd`` (a key's or a team's) into ``values``."""
+    if KEY_BUDGET_USD not in table:
+        return
+    usd = coerce(table[KEY_BUDGET_USD], float)
+    if usd is None:
+        reader.add(
+            join_path(path, KEY_BUDGET_USD),
+            "expected a number of USD, got " + describe(table[KEY_BUDGET_USD]),
+        )
+        invalid.add("budget_usd")
+    else:
+        values["budget_usd"] = Decimal(str(usd))
 
 
 def default_key_values() -> dict[str, Any]:
@@ -152,6 +202,7 @@ _KEY_FIELDS = (
     "allowed_models",
     "expires_at",
     "budget_usd",
+    "team",
 )
 
 

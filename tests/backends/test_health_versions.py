@@ -222,7 +222,9 @@ def test_health_shows_versions_to_staff_only(client: Client) -> None:
     assert "0.6.2" not in anonymous.content.decode()
     assert "backends" not in anonymous.json()
 
-    staff = get_user_model().objects.create_user("ops", is_staff=True)
+    staff = get_user_model().objects.create_user(
+        "ops", is_staff=True, is_superuser=True
+    )
     token = Token.objects.create(user=staff)
     rows = client.get("/health", HTTP_AUTHORIZATION=f"Token {token.key}").json()[
         "backends"

@@ -103,7 +103,7 @@ def setup(django_db_setup: None, django_db_blocker) -> Iterator[Setup]:
             BackendModel.objects.create(backend=backend, name=MODEL)
             _, key = ApiKey.objects.create_key("bad-clients")
             staff = get_user_model().objects.create_user(
-                "bad-clients-ops", is_staff=True
+                "bad-clients-ops", is_staff=True, is_superuser=True
             )
             token = Token.objects.create(user=staff).key
         nexus = start_nexus_server(

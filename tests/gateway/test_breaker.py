@@ -287,7 +287,9 @@ def test_an_opening_in_one_process_stops_routing_in_a_serving_process(
     for name in ("gpu-1", "gpu-2"):
         backend = BackendFactory(name=name, status=HealthStatus.HEALTHY)
         BackendModelFactory(backend=backend, name="llama3:8b")
-    staff = get_user_model().objects.create_user("ops", is_staff=True)
+    staff = get_user_model().objects.create_user(
+        "ops", is_staff=True, is_superuser=True
+    )
     token = Token.objects.create(user=staff).key
     server = nexus_server_factory()
 

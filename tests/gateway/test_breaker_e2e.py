@@ -56,7 +56,9 @@ def test_failures_seen_by_the_proxy_open_the_breaker_before_any_probe(
     policy.strategy = "priority_only"
     policy.save()
     _, key = ApiKey.objects.create_key("breaker")
-    staff = get_user_model().objects.create_user("breaker-ops", is_staff=True)
+    staff = get_user_model().objects.create_user(
+        "breaker-ops", is_staff=True, is_superuser=True
+    )
     token = Token.objects.create(user=staff).key
     env = {
         "NEXUS_BREAKER_FAILURES": str(FAILURES),

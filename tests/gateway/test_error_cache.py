@@ -363,7 +363,9 @@ def test_a_killed_backend_is_skipped_without_a_connection_until_the_time_is_up(
 ) -> None:
     dead, alive = _two_backends(mock_backend_factory)
     _, key = ApiKey.objects.create_key("error-cache")
-    staff = get_user_model().objects.create_user("ops", is_staff=True)
+    staff = get_user_model().objects.create_user(
+        "ops", is_staff=True, is_superuser=True
+    )
     token = Token.objects.create(user=staff).key
     server = nexus_server_factory(**ENV, **shared_redis_env)
     other = nexus_server_factory(**ENV, **shared_redis_env)

@@ -190,7 +190,9 @@ def test_repeated_out_of_memory_loads_pause_cold_loads_on_that_node(
     # only by failing the load ("CUDA error: out of memory").
     a, b = _short_of_memory_fleet(mock_backend_factory)
     _, key = ApiKey.objects.create_key("capacity")
-    staff = get_user_model().objects.create_user("capacity-ops", is_staff=True)
+    staff = get_user_model().objects.create_user(
+        "capacity-ops", is_staff=True, is_superuser=True
+    )
     token = Token.objects.create(user=staff).key
     server = nexus_server_factory()
     sdk = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0)

@@ -99,7 +99,9 @@ def setup(django_db_setup: None, django_db_blocker) -> Iterator[Setup]:
             policy.max_retries = 0
             policy.save()
             _, key = ApiKey.objects.create_key("hostile-tests")
-            staff = get_user_model().objects.create_user("hostile-ops", is_staff=True)
+            staff = get_user_model().objects.create_user(
+                "hostile-ops", is_staff=True, is_superuser=True
+            )
             token = Token.objects.create(user=staff).key
         nexus = start_nexus_server(
             NEXUS_UPSTREAM_MAX_REPLY_BYTES=str(MAX_REPLY),

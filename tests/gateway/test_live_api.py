@@ -19,7 +19,7 @@ pytestmark = pytest.mark.django_db
 def api() -> APIClient:
     client = APIClient()
     client.force_authenticate(
-        get_user_model().objects.create_user("ops", is_staff=True)
+        get_user_model().objects.create_user("ops", is_staff=True, is_superuser=True)
     )
     return client
 

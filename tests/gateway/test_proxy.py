@@ -165,7 +165,9 @@ def gateway(django_db_setup: None, django_db_blocker) -> Iterator[Gateway]:
         policy.admission_flow_capacity = 1000
         policy.save()
         _, key = ApiKey.objects.create_key("proxy-tests")
-        staff = get_user_model().objects.create_user("proxy-ops", is_staff=True)
+        staff = get_user_model().objects.create_user(
+            "proxy-ops", is_staff=True, is_superuser=True
+        )
         token = Token.objects.create(user=staff).key
     # The breaker would rightly shun a mock that a test made fail; tests here
     # share the mocks, so it is off (tests/gateway/test_breaker_e2e.py covers it).

@@ -112,7 +112,9 @@ def gateway(django_db_setup: None, django_db_blocker: Any) -> Iterator[Gateway]:
         )
         BackendModel.objects.create(backend=translated, name="text-embed")
         _, key = ApiKey.objects.create_key("ollama-tests")
-        staff = get_user_model().objects.create_user("ollama-ops", is_staff=True)
+        staff = get_user_model().objects.create_user(
+            "ollama-ops", is_staff=True, is_superuser=True
+        )
         token = Token.objects.create(user=staff).key
     server = start_nexus_server(NEXUS_BREAKER_FAILURES="1000000")
     try:

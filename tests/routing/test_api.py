@@ -26,7 +26,7 @@ VISION_CHAT = {
 
 @pytest.fixture
 def staff_client() -> APIClient:
-    user = get_user_model().objects.create_user("ops", is_staff=True)
+    user = get_user_model().objects.create_user("ops", is_staff=True, is_superuser=True)
     client = APIClient()
     client.force_authenticate(user)
     return client
@@ -68,7 +68,9 @@ def test_bad_bodies_get_an_openai_shaped_400(staff_client: APIClient, body) -> N
 
 
 def test_admin_token_authenticates() -> None:
-    user = get_user_model().objects.create_user("robot", is_staff=True)
+    user = get_user_model().objects.create_user(
+        "robot", is_staff=True, is_superuser=True
+    )
     token = Token.objects.create(user=user)
     client = APIClient()
     response = client.post(

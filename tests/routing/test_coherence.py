@@ -40,7 +40,7 @@ POLL_BOUND_SECONDS = 3.0
 
 @pytest.fixture
 def token() -> str:
-    user = get_user_model().objects.create_user("ops", is_staff=True)
+    user = get_user_model().objects.create_user("ops", is_staff=True, is_superuser=True)
     return Token.objects.create(user=user).key
 
 

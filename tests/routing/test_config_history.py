@@ -544,6 +544,8 @@ def test_the_admin_history_shows_diffs_and_reverts(
 def test_the_admin_revert_needs_its_permission(client: Client, staff: Any) -> None:
     from django.contrib.auth.models import Permission
 
+    staff.is_superuser = False  # StaffUserFactory's users have every permission
+    staff.save(update_fields=["is_superuser"])
     staff.user_permissions.add(Permission.objects.get(codename="view_configrevision"))
     client.force_login(staff)
     listing = client.get(reverse("admin:routing_configrevision_changelist"))

@@ -257,7 +257,7 @@ def test_the_explain_api_shows_the_signals_per_candidate() -> None:
     BackendModelFactory(backend=hot, name="m", loaded=True, discovered=True)
     cold = BackendFactory(name="cold", kind="ollama", priority=1)
     BackendModelFactory(backend=cold, name="m", discovered=True)
-    user = get_user_model().objects.create_user("ops", is_staff=True)
+    user = get_user_model().objects.create_user("ops", is_staff=True, is_superuser=True)
     api = APIClient()
     api.force_authenticate(user)
 
@@ -349,7 +349,7 @@ def test_the_admin_saves_fleet_settings_and_names_bad_ones(
 
 @pytest.mark.django_db
 def test_the_api_reads_and_validates_fleet_settings() -> None:
-    user = get_user_model().objects.create_user("ops", is_staff=True)
+    user = get_user_model().objects.create_user("ops", is_staff=True, is_superuser=True)
     api = APIClient()
     api.force_authenticate(user)
 

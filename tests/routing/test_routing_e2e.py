@@ -110,7 +110,9 @@ def fleet(django_db_setup: None, django_db_blocker) -> Iterator[Fleet]:
         )
         Alias.objects.create(name="legacy", target="old-model")
         _, key = ApiKey.objects.create_key("routing-e2e")
-        staff = get_user_model().objects.create_user("routing-ops", is_staff=True)
+        staff = get_user_model().objects.create_user(
+            "routing-ops", is_staff=True, is_superuser=True
+        )
         token = Token.objects.create(user=staff).key
     server = start_nexus_server(
         NEXUS_HEALTH_INTERVAL=str(HEALTH_INTERVAL),

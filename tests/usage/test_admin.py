@@ -59,6 +59,7 @@ def test_add_form_asks_for_a_name_and_the_keys_limits(admin_client: Client) -> N
 
     assert list(form.fields) == [
         "name",
+        "team",
         "allowed_models",
         "expires_at",
         "rpm_limit",

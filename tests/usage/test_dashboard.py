@@ -173,3 +173,25 @@ def test_dashboard_shows_the_cache_hit_rate_and_tokens_saved(
     section = section[: section.index("</table>")]
     assert "llama3:8b" in section and "75 %" in section and "300" in section
     assert "3 of 4 requests answered from the cache (75 %), 300 tokens saved" in page
+
+
+def test_the_dashboard_shows_spend_per_team(admin_client: Client) -> None:
+    from datetime import UTC, datetime
+
+    from tests.factories import TeamFactory
+    from usage.models import ApiKey, KeySpend
+
+    team = TeamFactory(name="research", budget_tokens=5000)
+    one, _ = ApiKey.objects.create_key("one", team=team)
+    two, _ = ApiKey.objects.create_key("two", team=team)
+    today = datetime.now(UTC).date()
+    for key, tokens in ((one, 100), (two, 250)):
+        KeySpend.objects.create(
+            api_key_prefix=key.prefix, day=today, requests=1, total_tokens=tokens
+        )
+
+    page = admin_client.get("/dashboard/").content.decode()
+
+    table = page[page.index('id="team-spend"') :]
+    table = table[: table.index("</table>")]
+    assert "research" in table and ">350<" in table and "5000 tokens" in table

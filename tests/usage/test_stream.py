@@ -103,7 +103,7 @@ def setup(
         last_error="connection refused",
     )
     _, key = ApiKey.objects.create_key("stream-tests")
-    admin = User.objects.create_user("stream-admin", is_staff=True)
+    admin = User.objects.create_user("stream-admin", is_staff=True, is_superuser=True)
     token = Token.objects.create(user=admin)
     return Setup(nexus_server_factory(), key, token.key)
 

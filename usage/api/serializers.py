@@ -6,15 +6,19 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, ClassVar
 
+from django.db.models import QuerySet
 from rest_framework import serializers
 
 from nexus_lib.serializers import ModelCleanSerializer
 from usage.models import (
     ANONYMOUS,
+    MANAGE_ALL_TEAMS,
     SETTING_FIELDS,
+    TEAM_LIMIT_FIELDS,
     USAGE_DIMENSIONS,
     ApiKey,
     ModelPrice,
+    Team,
     nanos_to_usd,
 )
 from usage.periods import PERIOD_HELP, parse_moment
@@ -57,8 +61,8 @@ class TokenQuerySerializer(UsageQuerySerializer):
     by = serializers.CharField(
         required=False,
         default="backend,model,key",
-        help_text="Comma-separated dimensions to group by: backend, model, key "
-        "(default: all three).",
+        help_text="Comma-separated dimensions to group by: backend, model, key, "
+        "team (default: backend,model,key).",
     )
 
     def validate_by(self, value: str) -> list[str]:
@@ -136,6 +140,12 @@ class TokenUsageRowSerializer(CountersSerializer):
         help_text='Client key prefix; "" for requests made without a key.',
     )
     key_name = serializers.CharField(allow_null=True, default=None)
+    team = serializers.CharField(
+        source="team_name",
+        allow_null=True,
+        default=None,
+        help_text="The key's team (grouped by team; null: keys in no team).",
+    )
 
 
 class StatsRowSerializer(CountersSerializer):
@@ -189,8 +199,27 @@ class LiveUsageSerializer(serializers.Serializer[Any]):
     at = serializers.DateTimeField()
 
 
+class TeamField(serializers.SlugRelatedField):
+    """A key's team by name: one of the teams the user may manage."""
+
+    def get_queryset(self) -> QuerySet[Team]:
+        request = self.context.get("request")
+        teams = Team.objects.all()
+        if request is None:
+            return teams
+        return teams.visible_to(request.user)
+
+
 class ApiKeySerializer(ModelCleanSerializer[ApiKey]):
     """A client API key. The secret is shown once, when the key is created."""
+
+    team = TeamField(
+        slug_field="name",
+        required=False,
+        allow_null=True,
+        help_text="The team (by name) whose limits and budgets also hold this "
+        "key; null: none. A team admin's keys must be in one of their teams.",
+    )
 
     read_only_hints: ClassVar[Mapping[str, str]] = {
         "is_active": "Revoke a key with POST /api/v1/keys/{id}/revoke; a revoked "
@@ -206,9 +235,40 @@ class ApiKeySerializer(ModelCleanSerializer[ApiKey]):
             "is_active",
             "created_at",
             "last_used_at",
+            "team",
             *SETTING_FIELDS,
         )
         read_only_fields = ("prefix", "is_active", "created_at", "last_used_at")
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        request = self.context.get("request")
+        team = attrs.get("team", getattr(self.instance, "team", None))
+        if (
+            team is None
+            and request is not None
+            and not request.user.has_perm(f"usage.{MANAGE_ALL_TEAMS}")
+        ):
+            raise serializers.ValidationError(
+                {"team": "Choose one of your teams: a team admin's keys are in one."}
+            )
+        return super().validate(attrs)
+
+
+class TeamSerializer(ModelCleanSerializer[Team]):
+    """A team of client keys: limits and budgets all its keys draw on together,
+    on top of each key's own (null: no limit)."""
+
+    keys = serializers.SerializerMethodField(
+        help_text="The prefixes of the team's keys."
+    )
+
+    class Meta:
+        model = Team
+        fields = ("id", "name", "created_at", "keys", *TEAM_LIMIT_FIELDS)
+        read_only_fields = ("created_at",)
+
+    def get_keys(self, team: Team) -> list[str]:
+        return [key.prefix for key in team.keys.all()]
 
 
 class NewApiKeySerializer(ApiKeySerializer):

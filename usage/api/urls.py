@@ -6,6 +6,7 @@ from rest_framework.routers import SimpleRouter
 from usage.api.views import (
     ApiKeyViewSet,
     ModelPriceViewSet,
+    TeamViewSet,
     TokenUsageView,
     UsageStatsView,
 )
@@ -13,6 +14,7 @@ from usage.api.views import (
 router = SimpleRouter(trailing_slash=False)
 router.register("keys", ApiKeyViewSet, basename="api-key")
 router.register("prices", ModelPriceViewSet, basename="model-price")
+router.register("teams", TeamViewSet, basename="team")
 
 urlpatterns = [
     path("usage/tokens", TokenUsageView.as_view(), name="usage-tokens"),

@@ -10,17 +10,20 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema
 from rest_framework import generics, mixins, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.permissions import IsAdminUser
+from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from nexus_lib.permissions import requires
+from usage.access import DASHBOARD_PERMISSION
 from usage.api.serializers import (
     ApiKeySerializer,
     ApiKeyUsageSerializer,
     ModelPriceSerializer,
     NewApiKeySerializer,
     StatsQuerySerializer,
+    TeamSerializer,
     TokenQuerySerializer,
     TokenUsageRowSerializer,
     UsageStatsSerializer,
@@ -30,6 +33,8 @@ from usage.models import (
     ApiKey,
     ApiKeyQuerySet,
     ModelPrice,
+    Team,
+    TeamQuerySet,
     UsageCountersQuerySet,
     UsageRecord,
     select_usage_rows,
@@ -50,11 +55,13 @@ class TokenUsageView(generics.GenericAPIView[Any]):
     Without since/until: all-time totals. With them: the sum of the per-minute
     buckets in the range (kept for NEXUS_USAGE_RETENTION_DAYS). Rows are ordered
     by total tokens, largest first. Requests finish counting here after the
-    next rollup (every 10 s by default).
+    next rollup (every 10 s by default). A team admin sees the usage of their
+    teams' keys only.
     """
 
+    required_permissions = requires(read=("usage.view_keyspend",))
+
     serializer_class = TokenUsageRowSerializer
-    permission_classes = (IsAdminUser,)
     filter_backends = ()
 
     @cached_property
@@ -64,7 +71,12 @@ class TokenUsageView(generics.GenericAPIView[Any]):
         return params.validated_data
 
     def get_queryset(self) -> QuerySet[Any, dict[str, Any]]:
-        return _usage_rows(self.query).report(self.query["by"])
+        rows = _usage_rows(self.query)
+        if not self.request.user.has_perm(DASHBOARD_PERMISSION):
+            # A team admin: the usage of their teams' keys, nothing else.
+            teams = Team.objects.visible_to(self.request.user)
+            rows = rows.for_series(teams=teams)
+        return rows.report(self.query["by"])
 
     @extend_schema(parameters=[TokenQuerySerializer])
     def get(self, request: Request) -> Response:
@@ -80,7 +92,7 @@ class UsageStatsView(APIView):
     buckets, so requests not rolled up yet (``pending_records``) are not in it.
     """
 
-    permission_classes = (IsAdminUser,)
+    required_permissions = requires(read=("usage.view_tokenusage",))
 
     @extend_schema(parameters=[StatsQuerySerializer], responses=UsageStatsSerializer)
     def get(self, request: Request) -> Response:
@@ -119,12 +131,17 @@ class ApiKeyViewSet(
     process within a second or so, and stays revoked (create a new one).
     """
 
-    queryset = ApiKey.objects.all()
+    queryset = ApiKey.objects.select_related("team")
     serializer_class = ApiKeySerializer
-    permission_classes = (IsAdminUser,)
     filterset_fields = ("name", "prefix", "is_active", "budget_period")
     ordering_fields = ("name", "created_at", "last_used_at")
     ordering = ("name", "created_at")
+
+    def get_queryset(self) -> QuerySet[ApiKey]:
+        """Every key for a global role; a team admin's teams' keys for them."""
+        keys = super().get_queryset()
+        assert isinstance(keys, ApiKeyQuerySet)
+        return keys.visible_to(self.request.user)
 
     @extend_schema(responses={201: NewApiKeySerializer})
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
@@ -132,9 +149,11 @@ class ApiKeyViewSet(
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
         settings = {name: data[name] for name in SETTING_FIELDS if name in data}
-        key, raw = ApiKey.objects.create_key(data["name"], **settings)
+        key, raw = ApiKey.objects.create_key(
+            data["name"], team=data.get("team"), **settings
+        )
         # The secret is in this answer and nowhere else (NewApiKeySerializer).
-        data = {**ApiKeySerializer(key).data, "key": raw}
+        data = {**self.get_serializer(key).data, "key": raw}
         return Response(data, status=status.HTTP_201_CREATED)
 
     @extend_schema(request=None, responses=ApiKeySerializer)
@@ -168,7 +187,42 @@ class ModelPriceViewSet(viewsets.ModelViewSet[ModelPrice]):
 
     queryset = ModelPrice.objects.all()
     serializer_class = ModelPriceSerializer
-    permission_classes = (IsAdminUser,)
     filterset_fields = ("model",)
     ordering_fields = ("model", "updated_at")
     ordering = ("model",)
+
+
+class TeamViewSet(viewsets.ModelViewSet[Team]):
+    """Teams of client keys: limits and budgets (tokens and/or USD per UTC day,
+    month or all time; RPM, TPM, concurrency) that all a team's keys draw on
+    together, in the same admission as each key's own (docs/tenancy.md).
+
+    A key joins a team through its ``team`` field (``/api/v1/keys``). A team
+    admin sees only their own teams, read-only. A team with keys cannot be
+    deleted (move or revoke its keys first).
+    """
+
+    queryset = Team.objects.prefetch_related("keys")
+    serializer_class = TeamSerializer
+    filterset_fields = ("name",)
+    ordering_fields = ("name", "created_at")
+    ordering = ("name",)
+
+    def get_queryset(self) -> QuerySet[Team]:
+        teams = super().get_queryset()
+        assert isinstance(teams, TeamQuerySet)
+        return teams.visible_to(self.request.user)
+
+    def perform_destroy(self, instance: Team) -> None:
+        if instance.keys.exists():
+            raise ValidationError(
+                {"detail": "The team has keys: move them to another team first."}
+            )
+        instance.delete()
+
+    @extend_schema(responses=ApiKeyUsageSerializer)
+    @action(detail=True, methods=["get"])
+    def usage(self, request: Request, pk: str | None = None) -> Response:
+        """The team's keys' rolled-up requests, tokens and cost: the current
+        budget period (with what is left of its budgets) and all time."""
+        return Response(ApiKeyUsageSerializer(self.get_object().spend()).data)

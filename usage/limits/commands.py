@@ -5,11 +5,71 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from usage.limits.limiter import WINDOW, Decision, RateState, Ticket, rate_headers
-from usage.limits.policy import KeyPolicy
+from usage.limits.policy import KeyPolicy, LimitLayer, TeamPolicy
 from usage.limits.redis_keys import LEASE_SECONDS, budget_key, budget_ttl, counter_key
 from usage.limits.reserve import Reserve
 from usage.limits.resp import encode_parts
 from usage.limits.scripts import SETTLE, limit_arg
+
+
+def _layer_keys(layer: LimitLayer, period: str) -> tuple[str, str, str, str]:
+    prefix = layer.prefix
+    return (
+        counter_key(prefix, "rpm"),
+        counter_key(prefix, "tpm"),
+        counter_key(prefix, "concurrency"),
+        budget_key(prefix, period or "none"),
+    )
+
+
+def _settle_command(layer: LimitLayer, keys: tuple[str, ...], process: str) -> bytes:
+    # 3 + 3 keys + 3 static + 6 per-request arguments. EVAL, not EVALSHA:
+    # nobody awaits a settle, and a NOSCRIPT answer (a Redis that lost its
+    # scripts) would be sent again behind the commands written after it, such
+    # as the next admission that needs the slot it frees.
+    return b"*15\r\n" + encode_parts(
+        (
+            "EVAL",
+            SETTLE,
+            3,
+            *keys[1:],
+            layer.tpm or 0,
+            process,
+            budget_ttl(layer.budget_period),
+        )
+    )
+
+
+def _layer_args(layer: LimitLayer) -> tuple[int, ...]:
+    return (
+        layer.rpm or 0,
+        layer.tpm or 0,
+        layer.max_concurrency or 0,
+        limit_arg(layer.budget_tokens),
+        limit_arg(layer.budget_nanos),
+        budget_ttl(layer.budget_period),
+    )
+
+
+class TeamCommands:
+    """The team part of a team key's commands: its counters, holds and settle."""
+
+    __slots__ = ("concurrency_key", "holds", "keys", "period", "settle")
+
+    def __init__(
+        self,
+        team: TeamPolicy,
+        period: str,
+        process: str,
+        holds_of: Callable[[str, int], list[int]],
+    ) -> None:
+        self.period = period
+        self.keys = _layer_keys(team, period)
+        self.concurrency_key = self.keys[2]
+        self.holds = (
+            holds_of(self.keys[3], budget_ttl(team.budget_period)) if period else None
+        )
+        self.settle = _settle_command(team, self.keys, process)
 
 
 class KeyCommands:
@@ -29,6 +89,7 @@ class KeyCommands:
         "reserve",
         "reserving",
         "settle",
+        "team",
         "unsettled",
     )
 
@@ -40,19 +101,17 @@ class KeyCommands:
         process: str,
         admit_sha: str,
         holds_of: Callable[[str, int], list[int]],
+        team: TeamCommands | None = None,
     ) -> None:
-        prefix = policy.prefix
-        budget = budget_key(prefix, period or "none")
+        self.keys = _layer_keys(policy, period)
+        budget = self.keys[3]
         ttl = budget_ttl(policy.budget_period)
         self.period = period
-        self.ends = ends  # Unix time the period ends (inf: never)
-        self.concurrency_key = counter_key(prefix, "concurrency")
-        self.keys = (
-            counter_key(prefix, "rpm"),
-            counter_key(prefix, "tpm"),
-            self.concurrency_key,
-            budget,
-        )
+        self.ends = ends  # Unix time a budget period (the key's or team's) ends
+        self.concurrency_key = self.keys[2]
+        # A key with team limits: admitted by the layered script (the key's
+        # and the team's limits together), never from a reserve.
+        self.team = team
         self.rates = (policy.rpm or 0, policy.tpm or 0)
         # What this process holds against the budget, shared by every
         # KeyCommands of the same budget counter (see RedisLimiter.renew).
@@ -66,6 +125,24 @@ class KeyCommands:
         # Settles summed, not written yet: TPM delta, held tokens, held nanos,
         # used tokens, used nanos (see RedisLimiter.settle).
         self.unsettled: list[int] | None = None
+        self.settle = _settle_command(policy, self.keys, process)
+        if team is not None:
+            assert policy.team is not None
+            # 3 + 8 keys + 2 + 12 static + 4 per-request arguments.
+            self.admit = b"*29\r\n" + encode_parts(
+                (
+                    "EVALSHA",
+                    admit_sha,
+                    8,
+                    *self.keys,
+                    *team.keys,
+                    LEASE_SECONDS * 1000,
+                    process,
+                    *_layer_args(policy),
+                    *_layer_args(policy.team),
+                )
+            )
+            return
         # 3 + 4 keys + 8 static + 5 per-request arguments.
         self.admit = b"*20\r\n" + encode_parts(
             (
@@ -79,21 +156,6 @@ class KeyCommands:
                 limit_arg(policy.budget_tokens),
                 limit_arg(policy.budget_nanos),
                 LEASE_SECONDS * 1000,
-                process,
-                ttl,
-            )
-        )
-        # 3 + 3 keys + 3 static + 6 per-request arguments. EVAL, not EVALSHA:
-        # nobody awaits a settle, and a NOSCRIPT answer (a Redis that lost
-        # its scripts) would be sent again behind the commands written after
-        # it, such as the next admission that needs the slot it frees.
-        self.settle = b"*15\r\n" + encode_parts(
-            (
-                "EVAL",
-                SETTLE,
-                3,
-                *self.keys[1:],
-                policy.tpm or 0,
                 process,
                 ttl,
             )

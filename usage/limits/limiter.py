@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from usage.limits.policy import KeyPolicy, period_end, period_id
+from usage.limits.policy import KeyPolicy, LimitLayer, period_end, period_id
 
 WINDOW = 60.0  # seconds: RPM and TPM are per minute
 
@@ -36,6 +36,17 @@ TOKENS = "tokens"
 CONCURRENCY = "concurrency"
 BUDGET = "budget"
 UNAVAILABLE = "unavailable"
+
+
+@dataclass(slots=True)
+class TeamTicket:
+    """What admission took from the key's team's limits for one request."""
+
+    period: str = ""
+    lease: str = ""
+    charged_tokens: int = 0
+    held_tokens: int = 0
+    held_nanos: int = 0
 
 
 @dataclass(slots=True)
@@ -53,6 +64,8 @@ class Ticket:
     # The limiter's own data about the admission (the Redis limiter's
     # pre-encoded settle command).
     handle: object = None
+    # What was taken from the team's limits (None: the key has no team limits).
+    team: TeamTicket | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +87,8 @@ class Decision:
     requests: RateState | None = None
     tokens: RateState | None = None
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    # Whose limit refused: the key's own ("key") or its team's ("team").
+    scope: str = "key"
 
     @property
     def allowed(self) -> bool:
@@ -124,7 +139,14 @@ def rate_headers(
     return headers
 
 
-def budget_retry_after(policy: KeyPolicy, now: float) -> float:
+def tighter(a: RateState | None, b: RateState | None) -> RateState | None:
+    """The bucket with less left (a key's or its team's), for the headers."""
+    if a is None or b is None:
+        return a or b
+    return b if b.remaining < a.remaining else a
+
+
+def budget_retry_after(policy: LimitLayer, now: float) -> float:
     end = period_end(policy.budget_period, now)
     return 0.0 if end is None else end - now
 
@@ -211,54 +233,30 @@ class LocalLimiter:
         return self.admit_now(policy, tokens, nanos)
 
     def admit_now(self, policy: KeyPolicy, tokens: int, nanos: int) -> Decision:
+        """Admit against the key's limits and its team's, all or nothing."""
         now = self.clock()
-        prefix = policy.prefix
-        ticket = Ticket(policy)
-        at_limit = policy.max_concurrency is not None and (
-            self._concurrent.get(prefix, 0) >= policy.max_concurrency
-        )
-        if at_limit:
-            return Decision(None, CONCURRENCY, 1.0)
-        requests = tokens_state = None
-        rpm_tat = tpm_tat = 0.0
-        if policy.rpm is not None:
-            ok, rpm_tat, requests, wait = gcra(
-                self._rpm.get(prefix, 0.0), now, policy.rpm, 1
-            )
-            if not ok:
-                return _denied(REQUESTS, wait, requests, None)
-        if policy.tpm is not None:
-            charge = min(tokens, policy.tpm)
-            ok, tpm_tat, tokens_state, wait = gcra(
-                self._tpm.get(prefix, 0.0), now, policy.tpm, charge
-            )
-            if not ok:
-                return _denied(TOKENS, wait, requests, tokens_state)
-            ticket.charged_tokens = charge
-        budget: list[int] | None = None
-        if policy.has_budget:
-            ticket.period = period_id(policy.budget_period, now)
-            budget = self._budgets.setdefault((prefix, ticket.period), [0, 0, 0, 0])
-            ok_t, hold_t = hold_for(policy.budget_tokens, budget[0], budget[2], tokens)
-            ok_n, hold_n = hold_for(policy.budget_nanos, budget[1], budget[3], nanos)
-            if not (ok_t and ok_n):
-                return _denied(
-                    BUDGET,
-                    budget_retry_after(policy, now),
-                    requests,
-                    tokens_state,
-                )
-            ticket.held_tokens, ticket.held_nanos = hold_t, hold_n
-            budget[2] += hold_t
-            budget[3] += hold_n
+        key = self._check(policy, tokens, nanos, now)
+        if isinstance(key, Decision):
+            return key
+        team: _Taking | None = None
+        if policy.team is not None:
+            checked = self._check(policy.team, tokens, nanos, now)
+            if isinstance(checked, Decision):
+                checked.scope = "team"
+                checked.requests = tighter(key.requests, checked.requests)
+                checked.tokens = tighter(key.tokens, checked.tokens)
+                checked.headers = rate_headers(checked.requests, checked.tokens)
+                return checked
+            team = checked
         # Every check passed: take it all.
-        if policy.max_concurrency is not None:
-            self._concurrent[prefix] = self._concurrent.get(prefix, 0) + 1
-            ticket.lease = "local"
-        if policy.rpm is not None:
-            self._rpm[prefix] = rpm_tat
-        if policy.tpm is not None:
-            self._tpm[prefix] = tpm_tat
+        ticket = Ticket(policy)
+        self._take(policy, key, ticket)
+        requests, tokens_state = key.requests, key.tokens
+        if team is not None and policy.team is not None:
+            ticket.team = TeamTicket()
+            self._take(policy.team, team, ticket.team)
+            requests = tighter(requests, team.requests)
+            tokens_state = tighter(tokens_state, team.tokens)
         return Decision(
             ticket,
             requests=requests,
@@ -266,18 +264,94 @@ class LocalLimiter:
             headers=rate_headers(requests, tokens_state),
         )
 
+    def _check(
+        self, layer: LimitLayer, tokens: int, nanos: int, now: float
+    ) -> _Taking | Decision:
+        """What admitting takes from one layer's limits, or its refusal."""
+        prefix = layer.prefix
+        taking = _Taking()
+        at_limit = layer.max_concurrency is not None and (
+            self._concurrent.get(prefix, 0) >= layer.max_concurrency
+        )
+        if at_limit:
+            return Decision(None, CONCURRENCY, 1.0)
+        if layer.rpm is not None:
+            ok, taking.rpm_tat, taking.requests, wait = gcra(
+                self._rpm.get(prefix, 0.0), now, layer.rpm, 1
+            )
+            if not ok:
+                return _denied(REQUESTS, wait, taking.requests, None)
+        if layer.tpm is not None:
+            taking.charge = min(tokens, layer.tpm)
+            ok, taking.tpm_tat, taking.tokens, wait = gcra(
+                self._tpm.get(prefix, 0.0), now, layer.tpm, taking.charge
+            )
+            if not ok:
+                return _denied(TOKENS, wait, taking.requests, taking.tokens)
+        if layer.has_budget:
+            taking.period = period_id(layer.budget_period, now)
+            budget = self._budgets.setdefault((prefix, taking.period), [0, 0, 0, 0])
+            ok_t, taking.hold_t = hold_for(
+                layer.budget_tokens, budget[0], budget[2], tokens
+            )
+            ok_n, taking.hold_n = hold_for(
+                layer.budget_nanos, budget[1], budget[3], nanos
+            )
+            if not (ok_t and ok_n):
+                return _denied(
+                    BUDGET,
+                    budget_retry_after(layer, now),
+                    taking.requests,
+                    taking.tokens,
+                )
+        return taking
+
+    def _take(
+        self, layer: LimitLayer, taking: _Taking, ticket: Ticket | TeamTicket
+    ) -> None:
+        prefix = layer.prefix
+        if layer.max_concurrency is not None:
+            self._concurrent[prefix] = self._concurrent.get(prefix, 0) + 1
+            ticket.lease = "local"
+        if layer.rpm is not None:
+            self._rpm[prefix] = taking.rpm_tat
+        if layer.tpm is not None:
+            self._tpm[prefix] = taking.tpm_tat
+            ticket.charged_tokens = taking.charge
+        if taking.period:
+            ticket.period = taking.period
+            budget = self._budgets[(prefix, taking.period)]
+            budget[2] += taking.hold_t
+            budget[3] += taking.hold_n
+            ticket.held_tokens, ticket.held_nanos = taking.hold_t, taking.hold_n
+
     async def cover(
         self, ticket: Ticket, used: tuple[int, int], want: tuple[int, int]
     ) -> bool:
-        """Grow a running request's hold towards `want` (tokens, nanos); return
-        whether the budget covers what it `used` so far."""
-        policy = ticket.policy
-        budget = self._budgets.get((policy.prefix, ticket.period))
-        if budget is None or ticket.unchecked:
+        """Grow a running request's holds (its key's budget and its team's)
+        towards `want` (tokens, nanos); return whether the budgets cover what
+        it `used` so far."""
+        if ticket.unchecked:
+            return True
+        ok = self._cover(ticket.policy, ticket, used, want)
+        team = ticket.team
+        if team is not None and ticket.policy.team is not None:
+            ok = self._cover(ticket.policy.team, team, used, want) and ok
+        return ok
+
+    def _cover(
+        self,
+        layer: LimitLayer,
+        ticket: Ticket | TeamTicket,
+        used: tuple[int, int],
+        want: tuple[int, int],
+    ) -> bool:
+        budget = self._budgets.get((layer.prefix, ticket.period))
+        if budget is None:
             return True
         held = [ticket.held_tokens, ticket.held_nanos]
         ok = True
-        for index, limit in ((0, policy.budget_tokens), (1, policy.budget_nanos)):
+        for index, limit in ((0, layer.budget_tokens), (1, layer.budget_nanos)):
             if limit is None or used[index] <= held[index]:
                 continue
             available = limit - budget[index] - (budget[2 + index] - held[index])
@@ -289,16 +363,23 @@ class LocalLimiter:
         return ok
 
     def settle(self, ticket: Ticket, tokens: int, nanos: int) -> None:
-        policy = ticket.policy
-        prefix = policy.prefix
         if ticket.unchecked:
             return
+        policy = ticket.policy
+        self._settle(policy, ticket, tokens, nanos)
+        if ticket.team is not None and policy.team is not None:
+            self._settle(policy.team, ticket.team, tokens, nanos)
+
+    def _settle(
+        self, layer: LimitLayer, ticket: Ticket | TeamTicket, tokens: int, nanos: int
+    ) -> None:
+        prefix = layer.prefix
         if ticket.lease:
             self._concurrent[prefix] = max(self._concurrent.get(prefix, 0) - 1, 0)
-        if policy.tpm is not None and tokens != ticket.charged_tokens:
+        if layer.tpm is not None and tokens != ticket.charged_tokens:
             now = self.clock()
             tat = self._tpm.get(prefix, now)
-            tat += (tokens - ticket.charged_tokens) * WINDOW / policy.tpm
+            tat += (tokens - ticket.charged_tokens) * WINDOW / layer.tpm
             self._tpm[prefix] = max(tat, now)
         if ticket.period:
             budget = self._budgets.setdefault((prefix, ticket.period), [0, 0, 0, 0])
@@ -327,6 +408,20 @@ class LocalLimiter:
     def spent(self, prefix: str, period: str) -> tuple[int, int]:
         budget = self._budgets.get((prefix, period), [0, 0, 0, 0])
         return budget[0], budget[1]
+
+
+@dataclass(slots=True)
+class _Taking:
+    """What admitting a request takes from one layer (key or team) of limits."""
+
+    rpm_tat: float = 0.0
+    tpm_tat: float = 0.0
+    charge: int = 0
+    period: str = ""
+    hold_t: int = 0
+    hold_n: int = 0
+    requests: RateState | None = None
+    tokens: RateState | None = None
 
 
 def _denied(

@@ -105,8 +105,61 @@ class Price:
 FREE = Price()
 
 
+class _Limits:
+    """What a key's and a team's limits answer alike (their fields: rpm, tpm,
+    max_concurrency, budget_tokens, budget_nanos)."""
+
+    __slots__ = ()
+    rpm: int | None
+    tpm: int | None
+    max_concurrency: int | None
+    budget_tokens: int | None
+    budget_nanos: int | None
+
+    @property
+    def has_budget(self) -> bool:
+        """Whether a budget of its own holds (tokens or money)."""
+        return self.budget_tokens is not None or self.budget_nanos is not None
+
+    @property
+    def has_own_limits(self) -> bool:
+        return (
+            self.rpm is not None
+            or self.tpm is not None
+            or self.max_concurrency is not None
+            or self.has_budget
+        )
+
+
 @dataclass(frozen=True, slots=True)
-class KeyPolicy:
+class TeamPolicy(_Limits):
+    """A team's limits and budgets, shared by its keys (None: no limit).
+
+    ``prefix`` names the team's counters (``team:<id>``), as a key's prefix
+    names the key's.
+    """
+
+    prefix: str
+    name: str = ""
+    max_concurrency: int | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+    budget_period: str = BudgetPeriod.MONTH
+    budget_tokens: int | None = None
+    budget_nanos: int | None = None
+
+    @property
+    def is_limited(self) -> bool:
+        return self.has_own_limits
+
+
+def team_prefix(team_id: int) -> str:
+    """The counter prefix of a team (never a key's: those start with "nx-")."""
+    return f"team:{team_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class KeyPolicy(_Limits):
     """One client key's allow-list, expiry, limits and budgets (None: no limit)."""
 
     prefix: str
@@ -120,6 +173,9 @@ class KeyPolicy:
     budget_nanos: int | None = None
     # May pull, push, copy, create and delete models on Ollama backends.
     can_manage_models: bool = False
+    # The team whose limits the key also draws on; None when it has none, or
+    # its team limits nothing.
+    team: TeamPolicy | None = None
     _exact: frozenset[str] = field(init=False, repr=False, compare=False)
     _glob: re.Pattern[str] | None = field(init=False, repr=False, compare=False)
 
@@ -132,18 +188,15 @@ class KeyPolicy:
         )
 
     @property
-    def has_budget(self) -> bool:
-        return self.budget_tokens is not None or self.budget_nanos is not None
+    def has_any_budget(self) -> bool:
+        """Whether a budget holds the key's requests: its own or its team's."""
+        return self.has_budget or (self.team is not None and self.team.has_budget)
 
     @property
     def is_limited(self) -> bool:
-        """Whether admission must ask the limiter (any limit or budget set)."""
-        return (
-            self.rpm is not None
-            or self.tpm is not None
-            or self.max_concurrency is not None
-            or self.has_budget
-        )
+        """Whether admission must ask the limiter (any limit or budget set, the
+        key's or its team's)."""
+        return self.has_own_limits or self.team is not None
 
     def is_expired(self, now: float) -> bool:
         return self.expires_at is not None and now >= self.expires_at
@@ -161,6 +214,9 @@ class KeyPolicy:
 
 
 UNLIMITED_KEY = KeyPolicy(prefix="")
+
+# A key's own limits or its team's: the limiter treats both alike.
+LimitLayer = KeyPolicy | TeamPolicy
 
 
 def resolve_prices(

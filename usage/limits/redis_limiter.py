@@ -43,23 +43,28 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from nexus_lib.service import periodic
-from usage.limits.commands import KeyCommands, key_rate_headers
+from usage.limits.commands import KeyCommands, TeamCommands, key_rate_headers
 from usage.limits.limiter import (
     BUDGET,
     UNAVAILABLE,
     WINDOW,
     Decision,
+    RateState,
+    TeamTicket,
     Ticket,
     budget_retry_after,
     new_lease,
+    rate_headers,
+    tighter,
 )
-from usage.limits.policy import KeyPolicy, period_end, period_id
+from usage.limits.policy import KeyPolicy, LimitLayer, period_end, period_id
 from usage.limits.redis_keys import LEASE_SECONDS, backend_key, budget_key, liveness_key
 from usage.limits.reserve import RESERVE_REQUESTS, RESERVE_SECONDS, Reserve
 from usage.limits.resp import RespConnection, Script, encode, encode_parts
 from usage.limits.scripts import (
     ACQUIRE,
     ADMIT,
+    ADMIT_LAYERS,
     COVER,
     HOLDS,
     PLACES,
@@ -101,6 +106,7 @@ class RedisLimiter:
             name: Script(source)
             for name, source in (
                 ("admit", ADMIT),
+                ("admit_layers", ADMIT_LAYERS),
                 ("cover", COVER),
                 ("acquire", ACQUIRE),
                 ("places", PLACES),
@@ -151,18 +157,20 @@ class RedisLimiter:
             if known is policy and now < commands.ends:
                 return commands
             self._retire(commands)  # the policy or the budget period changed
-        if policy.has_budget:
-            period = period_id(policy.budget_period, now)
-            ends = period_end(policy.budget_period, now) or math.inf
-        else:
-            period, ends = "", math.inf
+        period, ends = _period(policy, now)
+        team = None
+        if policy.team is not None:
+            team_period, team_ends = _period(policy.team, now)
+            ends = min(ends, team_ends)
+            team = TeamCommands(policy.team, team_period, self.process, self._holds_of)
         commands = KeyCommands(
             policy,
             period,
             ends,
             self.process,
-            self._scripts["admit"].sha,
+            self._scripts["admit" if team is None else "admit_layers"].sha,
             self._holds_of,
+            team,
         )
         if len(self._commands) >= 10_000:  # keys come and go: bounded
             for _, stale in self._commands.values():
@@ -178,6 +186,8 @@ class RedisLimiter:
     async def admit(self, policy: KeyPolicy, tokens: int, nanos: int) -> Decision:
         now = self.clock()
         commands = self._commands_for(policy, now)
+        if commands.team is not None:
+            return await self._admit_layers(policy, commands, tokens, nanos, now)
         mono = time.monotonic()
         if commands.reserve is not None:
             redis = self._redis
@@ -275,6 +285,86 @@ class RedisLimiter:
             )
         return Decision(ticket, "", 0.0, requests, token_state, headers)
 
+    async def _admit_layers(
+        self,
+        policy: KeyPolicy,
+        commands: KeyCommands,
+        tokens: int,
+        nanos: int,
+        now: float,
+    ) -> Decision:
+        """Admit a key with team limits: its limits and its team's in one round
+        trip (the layered script), with no reserve."""
+        if time.monotonic() < self._down_until:
+            return self._unavailable(policy)
+        team = commands.team
+        assert team is not None and policy.team is not None
+        lease = new_lease() if policy.max_concurrency is not None else ""
+        team_lease = new_lease() if policy.team.max_concurrency is not None else ""
+        data = commands.admit + encode_parts((tokens, nanos, lease, team_lease))
+        self._unaccounted += 1
+        try:
+            result = await self._request(self._scripts["admit_layers"], data)
+        except (RedisError, OSError) as error:
+            self._failed(error)
+            return self._unavailable(policy)
+        finally:
+            self._unaccounted -= 1
+        self._recovered()
+        try:
+            fields = [int(field) for field in result.split(b" ")[4:18]]
+            ok, reason, layer, wait_ms = result.split(b" ")[:4]
+            layer = int(layer)
+        except (AttributeError, ValueError) as error:  # not the script's answer
+            self._failed(
+                RedisError(f"Unexpected limiter reply {result!r:.80}: {error}")
+            )
+            return self._unavailable(policy)
+        mine, theirs = fields[:7], fields[7:14]
+        requests = tighter(
+            _rate(policy.rpm, mine[0], mine[1]),
+            _rate(policy.team.rpm, theirs[0], theirs[1]),
+        )
+        token_state = tighter(
+            _rate(policy.tpm, mine[2], mine[3]),
+            _rate(policy.team.tpm, theirs[2], theirs[3]),
+        )
+        headers = rate_headers(requests, token_state)
+        if ok != b"1":
+            refused = policy if layer == 1 else policy.team
+            reason = reason.decode()
+            wait = int(wait_ms) / 1000
+            if reason == BUDGET:
+                wait = budget_retry_after(refused, now)
+            return Decision(
+                None,
+                reason,
+                wait,
+                requests,
+                token_state,
+                headers,
+                scope="key" if layer == 1 else "team",
+            )
+        ticket = Ticket(
+            policy,
+            period=commands.period,
+            lease=lease,
+            charged_tokens=mine[4],
+            held_tokens=mine[5],
+            held_nanos=mine[6],
+            handle=commands,
+            team=TeamTicket(team.period, team_lease, *theirs[4:7]),
+        )
+        if lease:
+            self._leases[lease] = commands.concurrency_key
+        if team_lease:
+            self._leases[team_lease] = team.concurrency_key
+        for holds, held in ((commands.holds, mine), (team.holds, theirs)):
+            if holds is not None:
+                holds[0] += held[5]
+                holds[1] += held[6]
+        return Decision(ticket, "", 0.0, requests, token_state, headers)
+
     def _grant(
         self,
         commands: KeyCommands,
@@ -349,33 +439,41 @@ class RedisLimiter:
     async def cover(
         self, ticket: Ticket, used: tuple[int, int], want: tuple[int, int]
     ) -> bool:
-        if ticket.unchecked or not ticket.period:
+        if ticket.unchecked:
             return True
         if time.monotonic() < self._down_until:
             return self.fail_open
-        policy = ticket.policy
+        commands = ticket.handle
+        if not isinstance(commands, KeyCommands):  # admitted by another limiter
+            return True
+        # The key's budget and its team's, each with this ticket's hold on it.
+        budgets: list[tuple[LimitLayer, Ticket | TeamTicket, list[int] | None]] = []
+        if ticket.period:
+            budgets.append((ticket.policy, ticket, commands.holds))
+        team = ticket.team
+        if team is not None and team.period and ticket.policy.team is not None:
+            assert commands.team is not None
+            budgets.append((ticket.policy.team, team, commands.team.holds))
+        if not budgets:
+            return True
+        args: list[Any] = [self.process, *used, *want]
+        for layer, hold, _ in budgets:
+            args += (
+                limit_arg(layer.budget_tokens),
+                limit_arg(layer.budget_nanos),
+                hold.held_tokens,
+                hold.held_nanos,
+            )
+        keys = [budget_key(layer.prefix, hold.period) for layer, hold, _ in budgets]
         self._unaccounted += 1
         try:
-            ok, hold_t, hold_n = await self._run(
-                "cover",
-                [budget_key(policy.prefix, ticket.period)],
-                [
-                    limit_arg(policy.budget_tokens),
-                    limit_arg(policy.budget_nanos),
-                    self.process,
-                    ticket.held_tokens,
-                    ticket.held_nanos,
-                    *used,
-                    *want,
-                ],
-            )
-            holds = (
-                ticket.handle.holds if isinstance(ticket.handle, KeyCommands) else None
-            )
-            if holds is not None:
-                holds[0] += int(hold_t) - ticket.held_tokens
-                holds[1] += int(hold_n) - ticket.held_nanos
-            ticket.held_tokens, ticket.held_nanos = int(hold_t), int(hold_n)
+            ok, *held = await self._run("cover", keys, args)
+            for index, (_, hold, holds) in enumerate(budgets):
+                tokens, nanos = int(held[2 * index]), int(held[2 * index + 1])
+                if holds is not None:
+                    holds[0] += tokens - hold.held_tokens
+                    holds[1] += nanos - hold.held_nanos
+                hold.held_tokens, hold.held_nanos = tokens, nanos
             return bool(int(ok))
         except (RedisError, OSError) as error:
             self._failed(error)
@@ -390,6 +488,8 @@ class RedisLimiter:
         commands = ticket.handle
         if not isinstance(commands, KeyCommands):  # admitted by another limiter
             return
+        if ticket.team is not None and commands.team is not None:
+            self._settle_team(ticket.team, commands.team, tokens, nanos, policy)
         lease = ticket.lease
         if lease:
             commands.in_flight -= 1
@@ -448,6 +548,39 @@ class RedisLimiter:
                 )
             )
         )
+
+    def _settle_team(
+        self,
+        ticket: TeamTicket,
+        commands: TeamCommands,
+        tokens: int,
+        nanos: int,
+        policy: KeyPolicy,
+    ) -> None:
+        """Queue the settle of a request's take from its team's limits."""
+        team = policy.team
+        assert team is not None
+        if ticket.lease:
+            self._leases.pop(ticket.lease, None)
+        if commands.holds is not None:
+            commands.holds[0] -= ticket.held_tokens
+            commands.holds[1] -= ticket.held_nanos
+        delta = tokens - ticket.charged_tokens if team.tpm is not None else 0
+        used_t, used_n = (tokens, nanos) if ticket.period else (0, 0)
+        if delta or ticket.lease or ticket.period:
+            self._writes.queue(
+                commands.settle
+                + encode_parts(
+                    (
+                        delta,
+                        ticket.lease,
+                        ticket.held_tokens,
+                        ticket.held_nanos,
+                        used_t,
+                        used_n,
+                    )
+                )
+            )
 
     async def acquire_backend(self, backend: str, limit: int) -> str | None:
         key = backend_key(backend)
@@ -597,7 +730,11 @@ class RedisLimiter:
             self._failed(RedisConnectionError("Redis connection lost"))
             return
         self._writes.unconfirmed = True
-        used = {commands.keys[3] for _, commands in self._commands.values()}
+        used = {commands.keys[3] for _, commands in self._commands.values()} | {
+            commands.team.keys[3]
+            for _, commands in self._commands.values()
+            if commands.team is not None
+        }
         for budget, held in list(self._holds.items()):
             if held == [0, 0] and budget not in used:
                 del self._holds[budget]
@@ -626,3 +763,19 @@ class RedisLimiter:
         if self._outage_logged:
             self._outage_logged = False
             logger.warning("The limiter reaches Redis again")
+
+
+def _period(layer: LimitLayer, now: float) -> tuple[str, float]:
+    """The budget period of a key's or team's budgets now, and when it ends."""
+    if not layer.has_budget:
+        return "", math.inf
+    return (
+        period_id(layer.budget_period, now),
+        period_end(layer.budget_period, now) or math.inf,
+    )
+
+
+def _rate(limit: int | None, remaining: int, reset_ms: int) -> RateState | None:
+    if limit is None or remaining < 0:
+        return None
+    return RateState(limit, remaining, reset_ms / 1000)

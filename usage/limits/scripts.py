@@ -3,7 +3,8 @@
 Each file opens with comments (its KEYS, ARGV and reply) that are not sent to
 Redis: what is sent is what Redis hashes for ``EVALSHA``, and the settle goes
 whole (``EVAL``) with every settle, so only the code after the opening
-comments is kept. Scripts that read Redis's clock start with ``now.lua``.
+comments is kept. Scripts that read Redis's clock start with ``now.lua``; the
+admission scripts then have ``gcra.lua``'s bucket arithmetic.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ def limit_arg(value: int | None) -> int:
 
 _NOW = _read("now")
 
-ADMIT = _NOW + _read("admit").replace("RESERVE_SHARE", repr(RESERVE_SHARE))
+_GCRA = _read("gcra")
+
+ADMIT = _NOW + _GCRA + _read("admit").replace("RESERVE_SHARE", repr(RESERVE_SHARE))
+ADMIT_LAYERS = _NOW + _GCRA + _read("admit_layers")
 RETURN = _NOW + _read("return")
 COVER = _NOW + _read("cover")
 SETTLE = _read("settle")

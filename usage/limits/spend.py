@@ -19,49 +19,78 @@ from typing import cast
 import redis
 from django.db.models import Q
 
-from usage.limits.policy import period_id
+from usage.limits.policy import period_id, team_prefix
 from usage.limits.redis_keys import budget_key, budget_ttl, liveness_key
 from usage.limits.scripts import RAISE_SPENT
-from usage.models import ApiKey, KeySpend
+from usage.models import ApiKey, KeySpend, Team
 
 logger = logging.getLogger(__name__)
+
+
+_BUDGETED = Q(budget_tokens__isnull=False) | Q(budget_usd__isnull=False)
 
 
 def read_budget_spend(
     now: float | None = None,
 ) -> dict[tuple[str, str], tuple[int, int]]:
-    """Return (tokens, nano-USD) rolled up per (key prefix, current period id)
-    for every active key with a budget."""
+    """Return (tokens, nano-USD) rolled up per (counter prefix, current period
+    id) for every active key with a budget and every team with one (a team's
+    spend is its keys' spend: the keys that are in it now)."""
     moment = datetime.now(UTC) if now is None else datetime.fromtimestamp(now, UTC)
-    keys = ApiKey.objects.active().filter(
-        Q(budget_tokens__isnull=False) | Q(budget_usd__isnull=False)
-    )
-    by_period: dict[str, list[str]] = {}
-    for prefix, period in keys.values_list("prefix", "budget_period"):
-        by_period.setdefault(period, []).append(prefix)
     spend: dict[tuple[str, str], tuple[int, int]] = {}
+    for prefix, (tokens, nanos, pid) in _budget_spend(moment).items():
+        spend[(prefix, pid)] = (tokens, nanos)
+    return spend
+
+
+def budget_periods() -> dict[str, str]:
+    """The budget period (day, month, total) of every budgeted key and team,
+    by counter prefix."""
+    periods = dict(
+        ApiKey.objects.active().filter(_BUDGETED).values_list("prefix", "budget_period")
+    )
+    for team_id, period in Team.objects.filter(_BUDGETED).values_list(
+        "pk", "budget_period"
+    ):
+        periods[team_prefix(team_id)] = period
+    return periods
+
+
+def _budget_spend(moment: datetime) -> dict[str, tuple[int, int, str]]:
+    members: dict[str, list[str]] = {}  # team prefix -> its keys' prefixes
+    for team_id, key in ApiKey.objects.filter(
+        team__in=Team.objects.filter(_BUDGETED)
+    ).values_list("team_id", "prefix"):
+        members.setdefault(team_prefix(team_id), []).append(key)
+    by_period: dict[str, list[str]] = {}
+    for prefix, period in budget_periods().items():
+        by_period.setdefault(period, []).append(prefix)
+    spend: dict[str, tuple[int, int, str]] = {}
     for period, prefixes in by_period.items():
         pid = period_id(period, moment.timestamp())
-        rows = KeySpend.objects.filter(api_key_prefix__in=prefixes).for_period(
-            period, moment
+        keys = {k for p in prefixes for k in members.get(p, [p])}
+        totals = (
+            KeySpend.objects.filter(api_key_prefix__in=keys)
+            .for_period(period, moment)
+            .spend_by_key()
         )
-        totals = rows.spend_by_key()
         for prefix in prefixes:
-            spend[(prefix, pid)] = totals.get(prefix, (0, 0))
+            parts = [totals.get(key, (0, 0)) for key in members.get(prefix, [prefix])]
+            spend[prefix] = (
+                sum(tokens for tokens, _ in parts),
+                sum(nanos for _, nanos in parts),
+                pid,
+            )
     return spend
 
 
 def reconcile_shared_spend(url: str) -> int:
     """Raise the Redis budget counters to the rolled-up spend and drop the holds
-    of dead serving processes; return how many keys were reconciled."""
+    of dead serving processes; return how many keys and teams were reconciled."""
     spend = read_budget_spend()
     if not spend:
         return 0
-    periods = dict(
-        ApiKey.objects.filter(prefix__in={prefix for prefix, _ in spend}).values_list(
-            "prefix", "budget_period"
-        )
-    )
+    periods = budget_periods()
     client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
     try:
         raise_spent = client.register_script(RAISE_SPENT)

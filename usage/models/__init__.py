@@ -3,7 +3,8 @@
 One module per concern: ``keys`` (API keys and their daily spend), ``batches``
 (batch jobs and their files), ``prices``
 (model prices and nano-USD), ``records`` (each request's usage before rollup)
-and ``aggregates`` (all-time and per-minute counters, and the usage reports).
+and ``teams`` (teams of keys with shared limits) and
+``aggregates`` (all-time and per-minute counters, and the usage reports).
 Every model is imported here, so that Django's app registry finds it and
 ``from usage.models import X`` keeps working.
 """
@@ -53,6 +54,13 @@ from usage.models.records import (
     UsageRecord,
     UsageRecordQuerySet,
 )
+from usage.models.teams import (
+    MANAGE_ALL_TEAMS,
+    TEAM_LIMIT_FIELDS,
+    VIEW_ALL_TEAMS,
+    Team,
+    TeamQuerySet,
+)
 
 __all__ = [
     "ACTIVE_STATUSES",
@@ -60,10 +68,13 @@ __all__ = [
     "COUNTER_FIELDS",
     "KEY_SCHEME",
     "LIMIT_FIELDS",
+    "MANAGE_ALL_TEAMS",
     "PERMISSION_FIELDS",
     "PREFIX_LENGTH",
     "SETTING_FIELDS",
+    "TEAM_LIMIT_FIELDS",
     "USAGE_DIMENSIONS",
+    "VIEW_ALL_TEAMS",
     "ApiKey",
     "ApiKeyQuerySet",
     "Batch",
@@ -78,6 +89,8 @@ __all__ = [
     "KeySpendQuerySet",
     "ModelPrice",
     "OpenRequest",
+    "Team",
+    "TeamQuerySet",
     "TokenUsage",
     "UsageBucket",
     "UsageBucketQuerySet",

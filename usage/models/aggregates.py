@@ -23,7 +23,13 @@ from usage.models.keys import PREFIX_LENGTH, ApiKey
 from usage.models.prices import nanos_to_usd
 
 # What usage can be grouped by, and the column each dimension reads.
-USAGE_DIMENSIONS = {"backend": "backend", "model": "model", "key": "api_key_prefix"}
+USAGE_DIMENSIONS = {
+    "backend": "backend",
+    "model": "model",
+    "key": "api_key_prefix",
+    # The team of the key now (requests of keys in no team: None).
+    "team": "team_name",
+}
 COUNTER_FIELDS = (
     "requests",
     "errors",
@@ -82,9 +88,14 @@ class UsageCountersQuerySet(models.QuerySet[Any]):
         backend: str | None = None,
         model: str | None = None,
         key: str | None = None,
+        teams: QuerySet[Any] | None = None,
     ) -> Self:
-        """Keep the rows of one backend, model and/or client key prefix."""
+        """Keep the rows of one backend, model and/or client key prefix, and of
+        the keys of `teams` (a Team queryset) when given."""
         rows = self
+        if teams is not None:
+            members = ApiKey.objects.filter(team__in=teams).values("prefix")
+            rows = rows.filter(api_key_prefix__in=members)
         if backend is not None:
             rows = rows.filter(backend=backend)
         if model is not None:
@@ -103,7 +114,11 @@ class UsageCountersQuerySet(models.QuerySet[Any]):
         """
         columns = [self.dimensions[name] for name in by]
         sums = {name: Sum(name) for name in COUNTER_FIELDS}
-        rows = self.order_by().values(*columns).annotate(**sums)
+        rows = self.order_by()
+        if "team_name" in columns:
+            keys = ApiKey.objects.filter(prefix=OuterRef("api_key_prefix"))
+            rows = rows.annotate(team_name=Subquery(keys.values("team__name")[:1]))
+        rows = rows.values(*columns).annotate(**sums)
         if "api_key_prefix" in columns:
             keys = ApiKey.objects.filter(prefix=OuterRef("api_key_prefix"))
             rows = rows.annotate(key_name=Subquery(keys.values("name")[:1]))

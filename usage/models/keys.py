@@ -12,19 +12,29 @@ import hashlib
 import hmac
 import secrets
 from datetime import UTC, datetime
-from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
-from django.db.models import Sum
+from django.db.models import OuterRef, Subquery, Sum
 from django.utils import timezone
 
 from nexus_lib.model_patterns import is_valid_pattern, split_patterns
-from usage.limits.policy import NANOS_PER_USD, BudgetPeriod, period_id
+from usage.limits.policy import BudgetPeriod, period_id
+from usage.models.limit_fields import (
+    budget_period_field,
+    budget_tokens_field,
+    budget_usd_field,
+    max_concurrency_field,
+    rate_field,
+    usd_to_nanos,
+)
 from usage.models.prices import nanos_to_usd
 from usage.signals import api_keys_changed
+
+if TYPE_CHECKING:
+    from usage.models.teams import Team
 
 KEY_SCHEME = "nx-"
 PREFIX_LENGTH = len(KEY_SCHEME) + 8
@@ -39,18 +49,24 @@ class ApiKeyQuerySet(models.QuerySet["ApiKey"]):
     def active(self) -> ApiKeyQuerySet:
         return self.filter(is_active=True)
 
-    def create_key(self, name: str, **limits: Any) -> tuple[ApiKey, str]:
+    def create_key(
+        self, name: str, team: Team | None = None, **limits: Any
+    ) -> tuple[ApiKey, str]:
         """Create a key; return it with the raw secret, which is not stored.
 
         ``limits`` sets any of the key's limit, budget and admission fields
-        (SETTING_FIELDS).
+        (SETTING_FIELDS); ``team`` the team it belongs to.
         """
         unknown = set(limits) - set(SETTING_FIELDS)
         if unknown:
             raise TypeError(f"not a limit field: {', '.join(sorted(unknown))}")
         raw = f"{KEY_SCHEME}{secrets.token_urlsafe(32)}"
         key = self.model(
-            name=name, prefix=raw[:PREFIX_LENGTH], hashed_key=hash_key(raw), **limits
+            name=name,
+            prefix=raw[:PREFIX_LENGTH],
+            hashed_key=hash_key(raw),
+            team=team,
+            **limits,
         )
         key.full_clean()
         key.save()
@@ -63,6 +79,13 @@ class ApiKeyQuerySet(models.QuerySet["ApiKey"]):
             # A bulk update sends no model signals; serving processes must still learn.
             api_keys_changed.send(sender=self.model, using=self.db)
         return count
+
+    def visible_to(self, user: Any) -> ApiKeyQuerySet:
+        """The keys `user` sees: all for a global role, their teams' keys for a
+        team admin (usage.models.teams)."""
+        if user.has_perm("usage.view_all_teams"):
+            return self
+        return self.filter(team__admins=user)
 
     def for_raw_key(self, raw_key: str) -> ApiKey | None:
         """Return the active key matching a raw secret, or None."""
@@ -123,46 +146,30 @@ class ApiKey(models.Model):
     expires_at = models.DateTimeField(
         "expires", null=True, blank=True, help_text="After this the key gets 401."
     )
-    max_concurrency = models.PositiveIntegerField(
+    max_concurrency = max_concurrency_field(
+        "Requests in flight at once, gateway-wide; empty: no limit."
+    )
+    rpm_limit = rate_field("requests per minute", "Empty: no limit.")
+    tpm_limit = rate_field(
+        "tokens per minute", "Prompt and completion tokens; empty: no limit."
+    )
+    budget_period = budget_period_field(
+        "What the budgets cover: the current UTC day, month, or all time."
+    )
+    budget_tokens = budget_tokens_field(
+        "Tokens this key may use per budget period; empty: no limit."
+    )
+    budget_usd = budget_usd_field(
+        "Spend (at the model prices) per budget period; empty: no limit."
+    )
+    team = models.ForeignKey(
+        "usage.Team",
         null=True,
         blank=True,
-        validators=[MinValueValidator(1)],
-        help_text="Requests in flight at once, gateway-wide; empty: no limit.",
-    )
-    rpm_limit = models.PositiveIntegerField(
-        "requests per minute",
-        null=True,
-        blank=True,
-        validators=[MinValueValidator(1)],
-        help_text="Empty: no limit.",
-    )
-    tpm_limit = models.PositiveIntegerField(
-        "tokens per minute",
-        null=True,
-        blank=True,
-        validators=[MinValueValidator(1)],
-        help_text="Prompt and completion tokens; empty: no limit.",
-    )
-    budget_period = models.CharField(
-        max_length=8,
-        choices=BudgetPeriod.choices(),
-        default=BudgetPeriod.MONTH,
-        help_text="What the budgets cover: the current UTC day, month, or all time.",
-    )
-    budget_tokens = models.PositiveBigIntegerField(
-        null=True,
-        blank=True,
-        validators=[MinValueValidator(1)],
-        help_text="Tokens this key may use per budget period; empty: no limit.",
-    )
-    budget_usd = models.DecimalField(
-        "budget (USD)",
-        max_digits=14,
-        decimal_places=4,
-        null=True,
-        blank=True,
-        validators=[MinValueValidator(Decimal("0.0001"))],
-        help_text="Spend (at the model prices) per budget period; empty: no limit.",
+        on_delete=models.PROTECT,
+        related_name="keys",
+        help_text="The team whose limits and budgets this key also draws on "
+        "(on top of its own).",
     )
     can_manage_models = models.BooleanField(
         "may manage Ollama models",
@@ -203,9 +210,7 @@ class ApiKey(models.Model):
     @property
     def budget_nanos(self) -> int | None:
         """The money budget in nano-USD (the unit costs are counted in)."""
-        if self.budget_usd is None:
-            return None
-        return int(self.budget_usd * NANOS_PER_USD)
+        return usd_to_nanos(self.budget_usd)
 
     def is_expired(self, now: datetime | None = None) -> bool:
         return self.expires_at is not None and self.expires_at <= (
@@ -215,25 +220,36 @@ class ApiKey(models.Model):
     def spend(self, now: datetime | None = None) -> dict[str, Any]:
         """Rolled-up requests, tokens and cost (nano-USD) of the current budget
         period and of all time, with what is left of the budgets."""
-        moment = now or timezone.now()
-        rows = KeySpend.objects.filter(api_key_prefix=self.prefix)
-        totals = rows.totals()
-        period: dict[str, Any] = {
-            **rows.for_period(self.budget_period, moment).totals()
-        }
-        period["period"] = period_id(self.budget_period, moment.timestamp())
-        budget_nanos = self.budget_nanos
-        period["remaining_tokens"] = (
-            None
-            if self.budget_tokens is None
-            else max(self.budget_tokens - period["total_tokens"], 0)
+        return summarize_spend(
+            KeySpend.objects.filter(api_key_prefix=self.prefix),
+            self.budget_period,
+            self.budget_tokens,
+            self.budget_nanos,
+            now,
         )
-        period["remaining_nanos"] = (
-            None
-            if budget_nanos is None
-            else max(budget_nanos - period["cost_nanos"], 0)
-        )
-        return {"period": period, "all_time": totals}
+
+
+def summarize_spend(
+    rows: KeySpendQuerySet,
+    budget_period: str,
+    budget_tokens: int | None,
+    budget_nanos: int | None,
+    now: datetime | None = None,
+) -> dict[str, Any]:
+    """Requests, tokens and cost of `rows` in the budget period that holds now
+    and of all time, with what is left of the budgets (None: no budget)."""
+    moment = now or timezone.now()
+    period: dict[str, Any] = {**rows.for_period(budget_period, moment).totals()}
+    period["period"] = period_id(budget_period, moment.timestamp())
+    period["remaining_tokens"] = (
+        None
+        if budget_tokens is None
+        else max(budget_tokens - period["total_tokens"], 0)
+    )
+    period["remaining_nanos"] = (
+        None if budget_nanos is None else max(budget_nanos - period["cost_nanos"], 0)
+    )
+    return {"period": period, "all_time": rows.totals()}
 
 
 # The fields that limit what a key may do (create_key(), the API, the commands).
@@ -313,6 +329,30 @@ class KeySpendQuerySet(models.QuerySet["KeySpend"]):
         for row in rows:
             key = keys.get(row["api_key_prefix"])
             row["key"] = key
+            row["cost_usd"] = nanos_to_usd(row["cost_nanos"])
+        return rows
+
+    def top_teams(self, limit: int = 20) -> list[dict[str, Any]]:
+        """Requests, tokens and cost per team (of its keys now) over these rows,
+        most cost first, with each team (keys in no team are left out)."""
+        from usage.models.teams import Team
+
+        team_of = ApiKey.objects.filter(prefix=OuterRef("api_key_prefix"))
+        rows: list[dict[str, Any]] = list(
+            self.order_by()  # type: ignore[arg-type]
+            .annotate(team_pk=Subquery(team_of.values("team_id")[:1]))
+            .exclude(team_pk=None)
+            .values("team_pk")
+            .annotate(
+                requests=Sum("requests"),
+                total_tokens=Sum("total_tokens"),
+                cost_nanos=Sum("cost_nanos"),
+            )
+            .order_by("-cost_nanos", "-total_tokens", "team_pk")[:limit]
+        )
+        teams = Team.objects.in_bulk([row["team_pk"] for row in rows])
+        for row in rows:
+            row["team"] = teams.get(row["team_pk"])
             row["cost_usd"] = nanos_to_usd(row["cost_nanos"])
         return rows
 

@@ -303,7 +303,7 @@ class Ensembles:
             not step.stream
             or ticket is None
             or policy is None
-            or not policy.has_budget
+            or not policy.has_any_budget
             or state is None
         ):
             return None

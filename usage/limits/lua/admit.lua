@@ -12,24 +12,12 @@
 -- leases are swept only when the set looks full, and the budget counter's
 -- expiry is set when it is created: the common admission makes as few calls
 -- as it can.
--- RESERVE_SHARE is written in from usage.limits.reserve; runs after now.lua.
+-- RESERVE_SHARE is written in from usage.limits.reserve; runs after now.lua
+-- and gcra.lua.
 
-local W = 60000
 local rpm, tpm, maxc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local bt, bn = tonumber(ARGV[4]), tonumber(ARGV[5])
 local est_t, est_n = tonumber(ARGV[9]), tonumber(ARGV[10])
-local function gcra(key, limit, cost)
-  local interval = W / limit
-  local tat = tonumber(redis.call('GET', key) or '0')
-  if tat < now then tat = now end
-  local new = tat + cost * interval
-  if new - now > W + 0.001 then
-    local rem = math.max(math.floor((W - (tat - now)) / interval + 1e-9), 0)
-    return false, tat, rem, tat - now, new - now - W
-  end
-  local rem = math.max(math.floor((W - (new - now)) / interval + 1e-9), 0)
-  return true, new, rem, new - now, 0
-end
 local rr, rreset, tr, treset = -1, 0, -1, 0
 local rnew, tnew, charged = 0, 0, 0
 local function no(reason, wait)

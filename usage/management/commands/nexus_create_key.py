@@ -12,7 +12,7 @@ from django.core.management.base import CommandError, CommandParser
 
 from nexus_lib.commands import DatabaseCommand
 from nexus_lib.validation import describe_validation_error
-from usage.models import ApiKey
+from usage.models import ApiKey, Team
 
 
 class Command(DatabaseCommand):
@@ -50,6 +50,11 @@ class Command(DatabaseCommand):
             "unless it names a zone).",
         )
         parser.add_argument(
+            "--team",
+            help="The team (by name) the key belongs to: its limits and budgets "
+            "hold the key's requests too (nexus_create_team).",
+        )
+        parser.add_argument(
             "--manage-models",
             action="store_true",
             help="Let the key pull, push, copy, create and delete models on "
@@ -62,10 +67,17 @@ class Command(DatabaseCommand):
             help='Print {"name", "prefix", "key"} as JSON for scripts.',
         )
 
-    def handle(self, *args: Any, name: str, as_json: bool, **options: Any) -> None:
+    def handle(
+        self, *args: Any, name: str, as_json: bool, team: str | None, **options: Any
+    ) -> None:
         limits = _limits(options)
+        owner = None
+        if team is not None:
+            owner = Team.objects.filter(name=team).first()
+            if owner is None:
+                raise CommandError(f"--team: no team is named {team!r}.")
         try:
-            key, raw = ApiKey.objects.create_key(name.strip(), **limits)
+            key, raw = ApiKey.objects.create_key(name.strip(), team=owner, **limits)
         except ValidationError as error:
             raise CommandError(
                 f"Cannot create the key: {describe_validation_error(error)}"

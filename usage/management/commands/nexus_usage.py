@@ -1,4 +1,4 @@
-"""Print token usage per model, backend or client key over a recent period."""
+"""Print token usage per model, backend, client key or team over a period."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ COLUMNS = (
 
 class Command(DatabaseCommand):
     help = (
-        "Print requests, errors, tokens and cost per model, backend or client key, "
+        "Print requests, errors, tokens and cost per model, backend, client key "
+        "or team, "
         "from the rolled-up usage. Cached and cache-write are the prompt tokens "
         "a backend read from or wrote to its prompt cache. Estimated is the share "
         "of tokens Nexus estimated because the backend reported none; cache hits "
@@ -50,7 +51,7 @@ class Command(DatabaseCommand):
         )
         parser.add_argument(
             "--by",
-            choices=("model", "backend", "key", "split"),
+            choices=("model", "backend", "key", "team", "split"),
             default="model",
             help="What each row stands for (default: model). split: each side of "
             "each weighted split, with p50/p95 latency, from the usage records "
@@ -198,10 +199,14 @@ def _scripted(by: str, row: dict[str, Any]) -> dict[str, Any]:
     row["cost_usd"] = str(row["cost_usd"])
     if by == "key":
         row["key"] = row.pop("api_key_prefix")
+    if by == "team":
+        row["team"] = row.pop("team_name")
     return row
 
 
 def _label(by: str, row: dict[str, Any]) -> str:
     if by == "key":
         return describe_key(row["api_key_prefix"], row["key_name"])
+    if by == "team":
+        return row["team_name"] or "(no team)"
     return str(row[USAGE_DIMENSIONS[by]]) or "(none)"
