@@ -106,7 +106,12 @@ class BatchAdmin(BatchAdminBase):
     def tokens(self, batch: Batch) -> str:
         return f"{batch.prompt_tokens} / {batch.completion_tokens}"
 
-    @admin.action(description="Cancel selected batches")
+    def has_cancel_permission(self, request: HttpRequest) -> bool:
+        """Batches are never edited here, but who may change them (the role
+        rule: key-admin, admin) may cancel them."""
+        return request.user.has_perm("usage.change_batch")
+
+    @admin.action(description="Cancel selected batches", permissions=["cancel"])
     def cancel_batches(self, request: HttpRequest, queryset: QuerySet[Batch]) -> None:
         cancelled = 0
         for batch in queryset:

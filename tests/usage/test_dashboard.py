@@ -144,8 +144,9 @@ def test_dashboard_shows_spend_per_key_this_month(
         cost_nanos=10**12,
     )
 
-    # 8, and 2 for the batches section (running batches, the day's batch tokens).
-    with django_assert_max_num_queries(10):
+    # 8; 2 for the batches section (running batches, the day's batch tokens);
+    # 1 for the spend per team.
+    with django_assert_max_num_queries(11):
         page = admin_client.get("/dashboard/").content.decode()
 
     table = page[page.index('id="spend"') :]
