@@ -29,7 +29,6 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db import transaction
@@ -45,6 +44,7 @@ from tests.bench.clients import (
 )
 from tests.bench.processes import start_daphne
 from tests.bench.profiles import record_profile
+from tests.bench.report import latency_table
 from usage.models import ApiKey
 
 MODEL = "nexus-bench-cache"
@@ -110,16 +110,8 @@ def _delete_rows() -> None:
 
 
 def _endpoint(url: str, key: str, name: str) -> Endpoint:
-    parts = urlsplit(url)
-    assert parts.hostname is not None and parts.port is not None
     path, body, headers, _ = REQUESTS[name]
-    return Endpoint(
-        parts.hostname,
-        parts.port,
-        path,
-        json.dumps(body).encode(),
-        (("Authorization", f"Bearer {key}"), *headers),
-    )
+    return Endpoint.keyed(url, path, json.dumps(body).encode(), key, headers)
 
 
 def run_cache_benchmark(
@@ -226,17 +218,8 @@ def format_cache_report(results: dict[str, Any]) -> str:
             "raw latency at c=1"
         ),
         "",
-        "| request | p50 | p90 | samples | errors | CPU per request | req/s (wrk c=16) |",
-        "|---|---|---|---|---|---|---|",
+        *latency_table("request", {name: results[name] for name in REQUESTS}),
     ]
-    for name in REQUESTS:
-        row = results[name]
-        rps = f"{row['rps']:.0f}" if "rps" in row else "-"
-        lines.append(
-            f"| {name} | {row['p50_ms']:.3f} ms | {row['p90_ms']:.3f} ms | "
-            f"{row['samples']} | {row['errors']} | "
-            f"{row['cpu_us_per_request']:.0f} µs | {rps} |"
-        )
     added = results["hit"]["p50_ms"] - results["own_answer"]["p50_ms"]
     verdict = "PASS" if added <= 0.5 else "MISS"
     lines += [

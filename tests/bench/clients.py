@@ -21,6 +21,7 @@ from collections.abc import Collection, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 # wrk prints this JSON line from the Lua `done` hook; everything else it prints
 # (its corrected latency table) is ignored.
@@ -52,6 +53,21 @@ class Endpoint:
     path: str
     body: bytes
     headers: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def keyed(
+        cls,
+        base_url: str,
+        path: str,
+        body: bytes,
+        key: str,
+        headers: tuple[tuple[str, str], ...] = (),
+    ) -> Endpoint:
+        """``path`` at a server's ``base_url``, sent with a client key."""
+        parts = urlsplit(base_url)
+        assert parts.hostname is not None and parts.port is not None
+        auth = ("Authorization", f"Bearer {key}")
+        return cls(parts.hostname, parts.port, path, body, (auth, *headers))
 
     @property
     def url(self) -> str:

@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterator
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db import transaction
@@ -90,18 +89,6 @@ def _delete_rows() -> None:
     ApiKey.objects.filter(name__in=KEYS).delete()
 
 
-def _endpoint(url: str, key: str) -> Endpoint:
-    parts = urlsplit(url)
-    assert parts.hostname is not None and parts.port is not None
-    return Endpoint(
-        parts.hostname,
-        parts.port,
-        "/v1/chat/completions",
-        BODY,
-        (("Authorization", f"Bearer {key}"),),
-    )
-
-
 def run_limits_benchmark(
     env: dict[str, str],
     spawn_mock: Callable[..., Any],
@@ -118,7 +105,12 @@ def run_limits_benchmark(
         with _rows(mock.base_url) as keys:
             server = start_daphne(env, logs)
             try:
-                endpoints = {name: _endpoint(server.url, keys[name]) for name in KEYS}
+                endpoints = {
+                    name: Endpoint.keyed(
+                        server.url, "/v1/chat/completions", BODY, keys[name]
+                    )
+                    for name in KEYS
+                }
                 # Warm up: the first requests load the configuration and the
                 # limiter's scripts.
                 for endpoint in endpoints.values():

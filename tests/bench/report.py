@@ -448,3 +448,23 @@ def _megabytes(kib: int) -> str:
 
 def _loads(values: list[float]) -> str:
     return "/".join(f"{v:.2f}" for v in values)
+
+
+LATENCY_TABLE_HEAD = (
+    "| {} | p50 | p90 | samples | errors | CPU per request | req/s (wrk c=16) |",
+    "|---|---|---|---|---|---|---|",
+)
+
+
+def latency_table(first_column: str, rows: dict[str, dict[str, Any]]) -> list[str]:
+    """A markdown table of raw c=1 latency, CPU per request and wrk's rate,
+    a row per measured target (``--cache``, ``--tracing``)."""
+    lines = [LATENCY_TABLE_HEAD[0].format(first_column), LATENCY_TABLE_HEAD[1]]
+    for name, row in rows.items():
+        rps = f"{row['rps']:.0f}" if "rps" in row else "-"
+        lines.append(
+            f"| {name} | {row['p50_ms']:.3f} ms | {row['p90_ms']:.3f} ms | "
+            f"{row['samples']} | {row['errors']} | "
+            f"{row['cpu_us_per_request']:.0f} µs | {rps} |"
+        )
+    return lines

@@ -23,7 +23,6 @@ import statistics
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from django.db import transaction
 
@@ -36,6 +35,7 @@ from tests.bench.clients import (
     write_wrk_script,
 )
 from tests.bench.processes import start_daphne
+from tests.bench.report import latency_table
 from tests.otlp_receiver import otlp_receiver
 from usage.models import ApiKey
 
@@ -43,6 +43,8 @@ MODEL = "nexus-bench-tracing"
 BACKEND = "bench-tracing"
 KEY = "bench-tracing"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Trace me."}]}
+CHAT_PATH = "/v1/chat/completions"
+CHAT_BODY = json.dumps(CHAT).encode()
 ROUNDS = 6
 WRK_CONNECTIONS = 16
 GOAL_US = 50.0
@@ -69,18 +71,6 @@ def _delete_rows() -> None:
     ApiKey.objects.filter(name=KEY).delete()
 
 
-def _endpoint(url: str, key: str) -> Endpoint:
-    parts = urlsplit(url)
-    assert parts.hostname is not None and parts.port is not None
-    return Endpoint(
-        parts.hostname,
-        parts.port,
-        "/v1/chat/completions",
-        json.dumps(CHAT).encode(),
-        (("Authorization", f"Bearer {key}"),),
-    )
-
-
 def run_tracing_benchmark(
     env: dict[str, str],
     spawn_mock: Callable[..., Any],
@@ -100,7 +90,10 @@ def run_tracing_benchmark(
             servers["on"] = start_daphne(
                 off | {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint}, logs
             )
-            endpoints = {name: _endpoint(servers[name].url, key) for name in SERVERS}
+            endpoints = {
+                name: Endpoint.keyed(servers[name].url, CHAT_PATH, CHAT_BODY, key)
+                for name in SERVERS
+            }
             for endpoint in endpoints.values():  # warm up
                 measure_concurrently(endpoint, 1, 1.0, expect=b"choices")
             samples: dict[str, list[int]] = {name: [] for name in SERVERS}
@@ -157,17 +150,8 @@ def format_tracing_report(results: dict[str, Any]) -> str:
     lines = [
         "OpenTelemetry traces, one Daphne process each; raw latency at c=1",
         "",
-        "| traces | p50 | p90 | samples | errors | CPU per request | req/s (wrk c=16) |",
-        "|---|---|---|---|---|---|---|",
+        *latency_table("traces", {name: results[name] for name in SERVERS}),
     ]
-    for name in SERVERS:
-        row = results[name]
-        rps = f"{row['rps']:.0f}" if "rps" in row else "-"
-        lines.append(
-            f"| {name} | {row['p50_ms']:.3f} ms | {row['p90_ms']:.3f} ms | "
-            f"{row['samples']} | {row['errors']} | "
-            f"{row['cpu_us_per_request']:.0f} µs | {rps} |"
-        )
     on, off = results["on"], results["off"]
     cpu = on["cpu_us_per_request"] - off["cpu_us_per_request"]
     p50 = (on["p50_ms"] - off["p50_ms"]) * 1000
